@@ -1,0 +1,40 @@
+# Set-up and entry points. `make demo` and `make test` create and reuse .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+export OMP_NUM_THREADS ?= 1
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: demo test test-fast test-gpu lint bench venv clean
+
+$(VENV)/.installed: requirements.txt setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(PY) scripts/demo.py
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check tenplex_megatron scripts tests
+	$(PY) -m pytest -q tests
+
+test-fast: $(VENV)/.installed
+	$(PY) -m pytest -q tests/unit
+
+test-gpu: $(VENV)/.installed
+	$(PY) -m pytest -q -m gpu tests
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check tenplex_megatron scripts tests
+
+bench: $(VENV)/.installed
+	$(PY) scripts/bench_reshard.py --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info

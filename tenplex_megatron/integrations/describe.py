@@ -1,0 +1,179 @@
+"""Describe a live megatron-core job as PTC chunks, from megatron-core's own sharding metadata.
+
+The model's chunks come from ``GPTModel.sharded_state_dict()`` (global shape,
+offsets, prepended layer axis, ``replica_id``; ``ShardedTensorFactory`` entries
+such as SwiGLU's fc1 are expanded by building them on meta tensors). The
+distributed optimizer's chunks are each DP rank's contiguous flat range of the
+TP-local parameter (``param_range``), described as a flat range of that box, so
+saving needs no gather. The plain optimizer's come from its own
+``sharded_state_dict``. Every chunk keeps a reference to the live tensor, so
+loading writes straight into the model and the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
+from tenplex_megatron.storage.safetensors_io import torch_dtype_name
+
+
+@dataclass
+class LocalChunk:
+    """A chunk this rank holds and the live tensor behind it."""
+
+    meta: TensorMeta
+    chunk: Chunk
+    data: torch.Tensor
+    main: bool
+
+    def flat_view(self) -> torch.Tensor | None:
+        """A writable 1-D view of the chunk's elements, or None if the tensor is not contiguous."""
+        t = self.data
+        if t.numel() != self.chunk.numel:
+            raise PTCError(f"tensor {self.chunk.key!r}: local data has {t.numel()} elements, chunk {self.chunk.numel}")
+        return t.view(-1) if t.is_contiguous() else None
+
+
+def unwrap(module: Any) -> Any:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def model_sharded_state_dict(job: Any) -> dict:
+    return unwrap(job.model[0]).sharded_state_dict(metadata={"singleton_local_shards": False})
+
+
+def _is_main(replica_id: Any) -> bool:
+    from megatron.core.dist_checkpointing.mapping import is_main_replica
+
+    return is_main_replica(replica_id)
+
+
+def _vocab_rows(sh: Any, padded_vocab: int, vocab_size: int) -> int | None:
+    if getattr(sh, "allow_shape_mismatch", False) and sh.global_shape and sh.global_shape[0] == padded_vocab:
+        return vocab_size
+    return None
+
+
+def _tensor_chunk(sh: Any, data: torch.Tensor, flat: tuple[int, int] | None, vocab: tuple[int, int]) -> LocalChunk:
+    box = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    meta = TensorMeta(sh.key, tuple(sh.global_shape), torch_dtype_name(data.dtype), _vocab_rows(sh, *vocab))
+    chunk = Chunk(sh.key, tuple(sh.global_offset), box, flat)
+    return LocalChunk(meta, chunk, data, _is_main(sh.replica_id))
+
+
+def _factory_chunks(
+    factory: Any, data: torch.Tensor, local_shape: tuple[int, ...], flat: tuple[int, int] | None, vocab: tuple[int, int]
+) -> list[LocalChunk]:
+    """Expand a ShardedTensorFactory by building it on a meta tensor to learn each part's flat interval."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    probe = torch.empty(local_shape, dtype=data.dtype, device="meta")
+    built = replace(factory, data=probe).build()
+    parts = [x for x in nested_values(built if isinstance(built, (dict, list)) else [built]) if isinstance(x, ShardedTensor)]
+    out = []
+    full = data.view(-1) if flat is None else data
+    for sub in parts:
+        if not sub.data.is_contiguous():
+            raise PTCError(f"tensor {factory.key!r}: factory part is not a contiguous slice; cannot describe it")
+        lo = sub.data.storage_offset()
+        hi = lo + sub.data.numel()
+        if flat is None:
+            out.append(_tensor_chunk(sub, full[lo:hi], None, vocab))
+            continue
+        a, b = flat
+        s, e = max(a, lo), min(b, hi)
+        if s < e:
+            out.append(_tensor_chunk(sub, full[s - a : e - a], (s - lo, e - lo), vocab))
+    return out
+
+
+def _entries(tree: Any) -> Iterable[Any]:
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    for v in nested_values(tree):
+        if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
+            yield v
+
+
+def _expand(sh: Any, data: torch.Tensor, local_shape: tuple[int, ...], flat: tuple[int, int] | None, vocab: tuple[int, int]) -> list[LocalChunk]:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    if isinstance(sh, ShardedTensorFactory):
+        return _factory_chunks(sh, data, local_shape, flat, vocab)
+    return [_tensor_chunk(sh, data, flat, vocab)]
+
+
+def sub_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _dist_optimizer_chunks(opt: Any, model_sd: dict, vocab: tuple[int, int]) -> list[LocalChunk]:
+    """Each DP rank's flat range of every TP-local parameter's fp32 main weight and Adam moments."""
+    by_param = {id(sh.data): sh for sh in _entries(model_sd)}
+    out: list[LocalChunk] = []
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for gbuf_range_map in per_bucket:
+                for model_param, range_map in gbuf_range_map["param_map"].items():
+                    r = range_map["param"]
+                    sh = by_param.get(id(model_param))
+                    if sh is None:
+                        raise PTCError(f"a parameter of shape {tuple(model_param.shape)} has no sharded metadata")
+                    replica = (*sh.replica_id[:2], opt.distributed_optimizer_instance_id)
+                    for state_key, t in opt._get_main_param_and_optimizer_states(model_param).items():
+                        if state_key == "step":
+                            continue
+                        name = "fp32_param" if state_key == "param" else state_key
+                        if name == "fp32_param" and _aliases(t, model_param):
+                            continue  # fp32 model: the main weight is the model weight itself
+                        osh = replace(sh, key=f"optimizer.state.{name}.{sh.key}", replica_id=replica)
+                        out.extend(_expand(osh, t, tuple(model_param.shape), (r.start, r.end), vocab))
+    return out
+
+
+def _plain_optimizer_chunks(opt: Any, model_sd: dict, vocab: tuple[int, int]) -> list[LocalChunk]:
+    sd = opt.sharded_state_dict(model_sd, is_loading=False)
+    out: list[LocalChunk] = []
+    for sh in _entries(sd):
+        out.extend(_expand(sh, sh.data, tuple(sh.data.shape), None, vocab))
+    return out
+
+
+def is_distributed_optimizer(opt: Any) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(opt, DistributedOptimizer)
+
+
+def describe_job(job: Any, padded_vocab: int, vocab_size: int) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
+    """All chunks this rank holds (model, then optimizer), with their tensor metadata."""
+    vocab = (padded_vocab, vocab_size)
+    model_sd = model_sharded_state_dict(job)
+    chunks: list[LocalChunk] = []
+    for sh in _entries(model_sd):
+        chunks.extend(_expand(sh, sh.data, tuple(sh.data.shape), None, vocab))
+    for opt in sub_optimizers(job.optimizer):
+        if is_distributed_optimizer(opt):
+            chunks.extend(_dist_optimizer_chunks(opt, model_sd, vocab))
+        else:
+            chunks.extend(_plain_optimizer_chunks(opt, model_sd, vocab))
+    tensors: dict[str, TensorMeta] = {}
+    for lc in chunks:
+        prev = tensors.setdefault(lc.meta.key, lc.meta)
+        if prev != lc.meta:
+            raise PTCError(f"tensor {lc.meta.key!r}: inconsistent metadata {prev} vs {lc.meta}")
+    return tensors, chunks

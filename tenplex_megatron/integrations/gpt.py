@@ -1,0 +1,275 @@
+"""Build and train a megatron-core GPT job at a given parallel layout.
+
+One place that turns a :class:`GPTSpec` and a layout into megatron-core's own
+GPTModel, DistributedDataParallel, optimizer (distributed or not) and LR
+scheduler, and runs one training step with megatron-core's pipeline schedules.
+Used by ``scripts/pretrain_gpt.py``, the demo and the multi-process tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from tenplex_megatron.plan.layout import ModelShape, ParallelLayout, padded_vocab_size
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """A GPT model and its optimizer hyper-parameters, independent of the parallel layout."""
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    seq_length: int = 32
+    max_position_embeddings: int = 32
+    vocab_size: int = 100
+    make_vocab_size_divisible_by: int = 16
+    swiglu: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    bf16: bool = False
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 2
+    lr_decay_style: str = "cosine"
+    train_iters: int = 20
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    seed: int = 1234
+
+    def shape(self) -> ModelShape:
+        """The layout-independent shape used by the pure planner's validation."""
+        return ModelShape(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            vocab_size=self.vocab_size,
+            make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> GPTSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+@dataclass
+class GPTJob:
+    """A live megatron-core GPT job on this rank."""
+
+    spec: GPTSpec
+    layout: ParallelLayout
+    model: list[Any]  # DDP-wrapped model chunks (one; no virtual pipeline)
+    optimizer: Any
+    scheduler: Any
+    use_distributed_optimizer: bool
+    micro_batch_size: int
+    global_batch_size: int
+    iteration: int = 0
+    consumed_samples: int = 0
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.layout.dp)
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise torch.distributed from torchrun's environment (gloo on CPU, NCCL on GPU)."""
+    if torch.distributed.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        from tenplex_megatron.integrations import cpu_shim
+
+        cpu_shim.install()
+    torch.distributed.init_process_group(backend=backend)
+
+
+def build_job(
+    spec: GPTSpec,
+    layout: ParallelLayout,
+    *,
+    use_distributed_optimizer: bool,
+    micro_batch_size: int,
+    global_batch_size: int,
+) -> GPTJob:
+    """Initialise megatron-core's parallel state and build model, optimizer and scheduler."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    world = torch.distributed.get_world_size()
+    layout.check_fits(spec.shape(), world_size=world)
+    if global_batch_size % (micro_batch_size * layout.dp):
+        raise ValueError(
+            f"--global-batch-size {global_batch_size} is not divisible by "
+            f"micro-batch-size x DP = {micro_batch_size} x {layout.dp}"
+        )
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
+    )
+    model_parallel_cuda_manual_seed(spec.seed)
+    torch.manual_seed(spec.seed)
+    params_dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    on_gpu = torch.cuda.is_available()
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        hidden_dropout=spec.hidden_dropout,
+        attention_dropout=spec.attention_dropout,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        use_cpu_initialization=not on_gpu,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        bf16=spec.bf16,
+        gated_linear_unit=spec.swiglu,
+        activation_func=F.silu if spec.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+        position_embedding_type="learned_absolute",
+    )
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    # As Megatron-LM's training loop does: DP grad reduction and tied-embedding grad all-reduce.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=spec.lr,
+        min_lr=spec.min_lr,
+        weight_decay=spec.weight_decay,
+        adam_beta1=spec.adam_beta1,
+        adam_beta2=spec.adam_beta2,
+        clip_grad=spec.clip_grad,
+        bf16=spec.bf16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=spec.lr,
+        min_lr=spec.min_lr,
+        lr_warmup_steps=spec.lr_warmup_iters * global_batch_size,
+        lr_decay_steps=spec.train_iters * global_batch_size,
+        lr_decay_style=spec.lr_decay_style,
+        start_wd=spec.weight_decay,
+        end_wd=spec.weight_decay,
+        wd_incr_steps=spec.train_iters * global_batch_size,
+        wd_incr_style="constant",
+    )
+    return GPTJob(
+        spec=spec,
+        layout=layout,
+        model=[ddp],
+        optimizer=optimizer,
+        scheduler=scheduler,
+        use_distributed_optimizer=use_distributed_optimizer,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+    )
+
+
+def _batch_to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if torch.cuda.is_available():
+        return {k: v.cuda(non_blocking=True) for k, v in batch.items()}
+    return batch
+
+
+def make_forward_step() -> Callable[..., Any]:
+    """megatron-core forward-step function: GPT forward plus a masked mean LM loss."""
+
+    def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+        losses = output.float().view(-1)
+        mask = loss_mask.view(-1).float()
+        loss = torch.sum(losses * mask) / mask.sum()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: Any):
+        batch = _batch_to_device(next(data_iterator))
+        output = model(
+            batch["tokens"], batch["position_ids"], None, labels=batch["labels"]
+        )
+        return output, lambda out: loss_func(batch["loss_mask"], out)
+
+    return forward_step
+
+
+def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
+    """One optimizer step over one global batch; returns the global-batch mean LM loss."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in job.model:
+        chunk.zero_grad_buffer()
+    job.optimizer.zero_grad()
+    fwd_bwd = get_forward_backward_func()
+    losses = fwd_bwd(
+        forward_step_func=make_forward_step(),
+        data_iterator=data_iterator,
+        model=job.model,
+        num_microbatches=job.num_microbatches,
+        seq_length=job.spec.seq_length,
+        micro_batch_size=job.micro_batch_size,
+        forward_only=False,
+    )
+    update_successful, _grad_norm, _ = job.optimizer.step()
+    if not update_successful:
+        raise RuntimeError(f"optimizer step {job.iteration + 1} was skipped")
+    job.scheduler.step(increment=job.global_batch_size)
+    job.iteration += 1
+    job.consumed_samples += job.global_batch_size
+    # Mean over micro-batches on the last stage, then over DP; broadcast over PP.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    value = torch.zeros(1, dtype=torch.float64, device=device)
+    if parallel_state.is_pipeline_last_stage():
+        value[0] = sum(float(x["lm loss"]) for x in losses) / len(losses)
+        torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        value /= parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(value[0])

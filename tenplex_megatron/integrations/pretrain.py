@@ -1,0 +1,226 @@
+"""GPT pre-training on megatron-core that speaks Megatron-LM's flags, plus ``--tenplex``.
+
+``scripts/pretrain_gpt.py`` is a thin wrapper around :func:`main`. Flags keep
+Megatron-LM's names and meanings; an unknown or unsupported flag is an error
+naming it. With ``--tenplex`` checkpoints are saved and loaded through
+tenplex, re-sharded to whatever layout the restarted job has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+from tenplex_megatron.integrations.gpt import GPTSpec
+
+MEGATRON_FLAGS_NOT_SUPPORTED = (
+    "--num-layers-per-virtual-pipeline-stage",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--fp16",
+    "--sequence-parallel",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex.",
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--tokenizer-type", default="NullTokenizer")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", default="969,30,1")
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=1)
+    g = p.add_argument_group("tenplex")
+    g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-sharding on restart)")
+    g.add_argument("--tenplex-metrics", default=None, help="append per-step loss and sample indices as JSON lines")
+    g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    for flag in argv:
+        name = flag.split("=", 1)[0]
+        if name in MEGATRON_FLAGS_NOT_SUPPORTED:
+            raise SystemExit(f"pretrain_gpt.py: error: Megatron-LM flag {name} is not supported by tenplex-megatron")
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unknown or unsupported flag(s): {' '.join(unknown)}")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if not args.mock_data and not args.data_path:
+        parser.error("give --mock-data or --data-path")
+    if args.vocab_size is None:
+        parser.error("--vocab-size is required (the NullTokenizer / mock data need it)")
+    if (args.save or args.load) and not args.tenplex:
+        parser.error("--save/--load without --tenplex (megatron dist_checkpointing) is not wired in this script yet")
+    return args
+
+
+def spec_from_args(args: argparse.Namespace) -> GPTSpec:
+    return GPTSpec(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        swiglu=args.swiglu,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        bf16=args.bf16,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style,
+        train_iters=args.train_iters,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        seed=args.seed,
+    )
+
+
+def _print0(msg: str) -> None:
+    if torch.distributed.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron.core import parallel_state
+
+    from tenplex_megatron.integrations import gpt
+    from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
+    from tenplex_megatron.integrations.synthetic_data import microbatches
+    from tenplex_megatron.plan.data_position import microbatch_sample_indices
+    from tenplex_megatron.plan.layout import ParallelLayout
+    from tenplex_megatron.storage.layout import find_checkpoint
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    gpt.init_distributed()
+    world = torch.distributed.get_world_size()
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise SystemExit(
+            f"pretrain_gpt.py: error: world size {world} is not divisible by "
+            f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp} x {pp}"
+        )
+    layout = ParallelLayout(tp, pp, world // (tp * pp))
+    spec = spec_from_args(args)
+    job = gpt.build_job(
+        spec,
+        layout,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size,
+    )
+    _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step")
+    if args.load and find_checkpoint(args.load) is not None:
+        res = load_checkpoint(job, args.load)
+        _print0(
+            f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {res.source_layout} -> {layout}, "
+            f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
+            f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+        )
+        if args.tenplex_resave:
+            save_checkpoint(job, args.tenplex_resave)
+    elif args.load:
+        _print0(f"> tenplex: no checkpoint under {args.load}; starting from scratch")
+    dp_rank = parallel_state.get_data_parallel_rank()
+    stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
+    metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
+    while job.iteration < stop:
+        t0 = time.perf_counter()
+        start = job.consumed_samples
+        data = microbatches(start, job.global_batch_size, job.micro_batch_size, layout.dp, dp_rank,
+                            spec.seq_length, spec.vocab_size, spec.seed)
+        loss = gpt.train_step(job, data)
+        dt = (time.perf_counter() - t0) * 1000
+        lr = job.optimizer.param_groups[0]["lr"]
+        if job.iteration % args.log_interval == 0:
+            _print0(
+                f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples: {job.consumed_samples:12d} |"
+                f" elapsed time per iteration (ms): {dt:.1f} | learning rate: {lr:.6E} |"
+                f" global batch size: {job.global_batch_size:5d} | lm loss: {loss:.6E} |"
+                f" number of skipped iterations:   0 | number of nan iterations:   0 |"
+            )
+        if metrics is not None:
+            samples = [
+                i
+                for r in range(layout.dp)
+                for mb in microbatch_sample_indices(start, job.global_batch_size, job.micro_batch_size, layout.dp, r)
+                for i in mb
+            ]
+            metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": lr, "samples": samples,
+                                      "layout": layout.to_json()}) + "\n")
+            metrics.flush()
+        if args.save and args.save_interval and job.iteration % args.save_interval == 0:
+            res = save_checkpoint(job, args.save)
+            _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
+    if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
+        res = save_checkpoint(job, args.save)
+        _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
+    if metrics is not None:
+        metrics.close()
+    _print0("> tenplex-megatron: done")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def load_metrics(path: str) -> list[dict[str, Any]]:
+    """Read the JSON lines written by ``--tenplex-metrics``."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,69 @@
+"""RNG state as JSON, and the policy for restoring it.
+
+Same layout: every rank gets back exactly the states it saved (Python, NumPy,
+torch CPU/CUDA, and megatron-core's model-parallel RNG tracker). Changed
+layout: the streams cannot be carried over (their number and meaning depend on
+TP and PP), so every rank re-seeds them deterministically from
+``(seed, iteration)`` with megatron-core's own ``model_parallel_cuda_manual_seed``:
+a resume at a given layout is reproducible, and dropout masks after the
+restart differ from those of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def capture() -> dict[str, Any]:
+    """This rank's RNG states, JSON-serialisable."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    py = random.getstate()
+    npst = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
+        "torch": _b64(torch.get_rng_state()),
+        "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = _b64(torch.cuda.get_rng_state())
+    return state
+
+
+def restore(state: dict[str, Any]) -> None:
+    """Put back exactly what :func:`capture` returned."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+    get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
+
+
+def reseed(seed: int, iteration: int) -> None:
+    """The changed-layout policy: deterministic fresh streams from (seed, iteration)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    s = seed + 7919 * iteration
+    random.seed(s)
+    np.random.seed(s % (2**32))
+    torch.manual_seed(s)
+    model_parallel_cuda_manual_seed(s)

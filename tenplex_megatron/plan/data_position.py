@@ -1,0 +1,38 @@
+"""Data-position arithmetic: which global samples each DP rank reads. Pure Python.
+
+Global batch ``b`` always holds samples ``[b*G, (b+1)*G)`` (G = global batch
+size), whatever the DP size; DP rank ``r`` reads the contiguous ``r``-th share,
+cut into micro-batches. A DP change only changes the number of micro-batches
+per step (VirtualFlow's principle), never which samples a step sees.
+"""
+
+from __future__ import annotations
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per step; raises naming valid micro-batch sizes when it does not divide."""
+    if micro_batch_size < 1 or dp_size < 1:
+        raise ValueError("micro batch size and DP size must be >= 1")
+    if global_batch_size % (micro_batch_size * dp_size):
+        per_dp = global_batch_size / dp_size
+        valid = [m for m in range(1, global_batch_size + 1) if global_batch_size % (m * dp_size) == 0]
+        raise ValueError(
+            f"--global-batch-size {global_batch_size} is not divisible by --micro-batch-size x DP = "
+            f"{micro_batch_size} x {dp_size}; with DP={dp_size} valid micro-batch sizes are {valid}"
+            + ("" if valid else f" (none: {global_batch_size} / {dp_size} = {per_dp})")
+        )
+    return global_batch_size // (micro_batch_size * dp_size)
+
+
+def microbatch_sample_indices(
+    consumed_samples: int, global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int
+) -> list[list[int]]:
+    """Global sample indices of each of this DP rank's micro-batches in the step at ``consumed_samples``."""
+    if consumed_samples % global_batch_size:
+        raise ValueError(
+            f"consumed samples {consumed_samples} is not a multiple of the global batch size {global_batch_size}"
+        )
+    n = num_microbatches(global_batch_size, micro_batch_size, dp_size)
+    share = global_batch_size // dp_size
+    start = consumed_samples + dp_rank * share
+    return [list(range(start + m * micro_batch_size, start + (m + 1) * micro_batch_size)) for m in range(n)]

@@ -1,0 +1,95 @@
+"""Parallel layouts (TP, PP, DP) and the checks that a layout can hold a model. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LayoutError(ValueError):
+    """A parallel layout that cannot hold the model or does not match the world size."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few model dimensions that constrain a parallel layout."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Tensor-, pipeline- and data-parallel degrees of a job."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name}={value!r}: every parallel degree must be an integer >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def __str__(self) -> str:
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelLayout:
+        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1)."""
+        values: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, num = part.partition("=")
+            name = name.strip().lower()
+            if not sep or name not in ("tp", "pp", "dp"):
+                raise LayoutError(f"cannot parse layout {text!r}: expected e.g. tp=2,pp=2,dp=1")
+            try:
+                values[name] = int(num)
+            except ValueError:
+                raise LayoutError(f"cannot parse layout {text!r}: {name}={num!r} is not an integer") from None
+        return cls(**values)
+
+    def to_json(self) -> dict[str, int]:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+
+    @classmethod
+    def from_json(cls, d: dict[str, int]) -> ParallelLayout:
+        return cls(tp=int(d["tp"]), pp=int(d["pp"]), dp=int(d["dp"]))
+
+    def rank_coords(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order (tp-dp-pp)."""
+        tp_rank = rank % self.tp
+        dp_rank = (rank // self.tp) % self.dp
+        pp_rank = rank // (self.tp * self.dp)
+        return tp_rank, pp_rank, dp_rank
+
+    def check_fits(self, shape: ModelShape, world_size: int | None = None) -> None:
+        """Raise :class:`LayoutError` naming every constraint the layout breaks."""
+        problems = []
+        if shape.num_attention_heads % self.tp:
+            problems.append(
+                f"TP={self.tp} does not divide the number of attention heads ({shape.num_attention_heads})"
+            )
+        if shape.hidden_size % self.tp:
+            problems.append(f"TP={self.tp} does not divide the hidden size ({shape.hidden_size})")
+        if shape.num_layers % self.pp:
+            problems.append(f"PP={self.pp} does not divide the number of layers ({shape.num_layers})")
+        if world_size is not None and world_size != self.world_size:
+            problems.append(
+                f"world size {world_size} != TP x PP x DP = {self.tp} x {self.pp} x {self.dp} = {self.world_size}"
+            )
+        if problems:
+            raise LayoutError(f"layout {self} cannot hold the model: " + "; ".join(problems))
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of ``divisible_by x TP``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple

@@ -1,0 +1,207 @@
+"""The parallelizable tensor collection (PTC): tensors, the chunks ranks hold, where they are stored.
+
+A chunk is a box of a global tensor (offsets and sizes per dimension) and,
+optionally, a contiguous flat range ``[start, stop)`` of that box's row-major
+order: exactly what megatron-core's distributed optimizer holds per DP rank,
+so describing it needs no gather. Pure Python, JSON-serialisable, versioned.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+PTC_FORMAT_VERSION = 1
+
+DTYPE_SIZES = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+class PTCError(ValueError):
+    """A PTC (or a chunk in it) that is malformed or inconsistent."""
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_SIZES[dtype]
+    except KeyError:
+        raise PTCError(f"unsupported dtype {dtype!r}") from None
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A logical tensor of the job. ``vocab_rows``: real rows when dim 0 is a padded vocabulary."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    vocab_rows: int | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.global_shape)
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"key": self.key, "shape": list(self.global_shape), "dtype": self.dtype}
+        if self.vocab_rows is not None:
+            d["vocab_rows"] = self.vocab_rows
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TensorMeta:
+        return cls(
+            key=str(d["key"]),
+            global_shape=tuple(int(x) for x in d["shape"]),
+            dtype=str(d["dtype"]),
+            vocab_rows=None if d.get("vocab_rows") is None else int(d["vocab_rows"]),
+        )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of tensor ``key`` and an optional flat range of it (None: the whole box)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat: tuple[int, int] | None = None
+
+    @property
+    def box_numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def numel(self) -> int:
+        if self.flat is None:
+            return self.box_numel
+        return self.flat[1] - self.flat[0]
+
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        return self.flat if self.flat is not None else (0, self.box_numel)
+
+    def validate(self, meta: TensorMeta) -> None:
+        """Raise :class:`PTCError` naming the tensor if this chunk does not fit in ``meta``."""
+        if len(self.offsets) != len(meta.global_shape) or len(self.shape) != len(meta.global_shape):
+            raise PTCError(
+                f"tensor {self.key!r}: chunk rank {len(self.shape)} != tensor rank {len(meta.global_shape)}"
+            )
+        for o, s, g in zip(self.offsets, self.shape, meta.global_shape):
+            if o < 0 or s < 0 or o + s > g:
+                raise PTCError(
+                    f"tensor {self.key!r}: chunk offsets {self.offsets} sizes {self.shape} "
+                    f"fall outside the global shape {meta.global_shape}"
+                )
+        if self.flat is not None:
+            a, b = self.flat
+            if not (0 <= a <= b <= self.box_numel):
+                raise PTCError(f"tensor {self.key!r}: flat range {self.flat} outside box of {self.box_numel}")
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"key": self.key, "offsets": list(self.offsets), "shape": list(self.shape)}
+        if self.flat is not None:
+            d["flat"] = list(self.flat)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Chunk:
+        flat = d.get("flat")
+        return cls(
+            key=str(d["key"]),
+            offsets=tuple(int(x) for x in d["offsets"]),
+            shape=tuple(int(x) for x in d["shape"]),
+            flat=None if flat is None else (int(flat[0]), int(flat[1])),
+        )
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a stored chunk lives: a file, the tensor name inside it, and the rank/host that wrote it."""
+
+    file: str
+    name: str
+    rank: int = 0
+    host: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "name": self.name, "rank": self.rank, "host": self.host}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Location:
+        return cls(file=str(d["file"]), name=str(d["name"]), rank=int(d.get("rank", 0)), host=str(d.get("host", "")))
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A chunk and one place its bytes can be read from (several replicas may exist)."""
+
+    chunk: Chunk
+    location: Location
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.chunk.to_json(), "at": self.location.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> StoredChunk:
+        return cls(chunk=Chunk.from_json(d), location=Location.from_json(d["at"]))
+
+
+@dataclass(frozen=True)
+class PTC:
+    """A whole job's tensors and the stored chunks that make them up."""
+
+    tensors: dict[str, TensorMeta]
+    chunks: tuple[StoredChunk, ...]
+    layout: dict[str, int] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        for sc in self.chunks:
+            meta = self.tensors.get(sc.chunk.key)
+            if meta is None:
+                raise PTCError(f"chunk of unknown tensor {sc.chunk.key!r} at {sc.location.file}")
+            sc.chunk.validate(meta)
+
+    def chunks_by_key(self) -> dict[str, list[StoredChunk]]:
+        out: dict[str, list[StoredChunk]] = {k: [] for k in self.tensors}
+        for sc in self.chunks:
+            out[sc.chunk.key].append(sc)
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(sc.chunk.numel * dtype_size(self.tensors[sc.chunk.key].dtype) for sc in self.chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ptc_version": PTC_FORMAT_VERSION,
+            "layout": dict(self.layout),
+            "tensors": [t.to_json() for t in self.tensors.values()],
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> PTC:
+        if not isinstance(d, dict):
+            raise PTCError("PTC metadata is not a JSON object")
+        version = d.get("ptc_version")
+        if version != PTC_FORMAT_VERSION:
+            raise PTCError(f"unsupported PTC version {version!r} (this build reads {PTC_FORMAT_VERSION})")
+        try:
+            tensors = {t.key: t for t in (TensorMeta.from_json(x) for x in d["tensors"])}
+            chunks = tuple(StoredChunk.from_json(x) for x in d["chunks"])
+            layout = {str(k): int(v) for k, v in d.get("layout", {}).items()}
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PTCError(f"malformed PTC metadata: {type(e).__name__}: {e}") from None
+        ptc = cls(tensors=tensors, chunks=chunks, layout=layout)
+        ptc.validate()
+        return ptc

@@ -1,0 +1,153 @@
+"""Safetensors files: written with fsync, read through our own validating header parser and mmap.
+
+Reading never trusts the file: the header length, JSON, dtypes, shapes and
+byte ranges are checked against the file size before anything is mapped, and
+every error names the file (and the tensor). Tensors come back as zero-copy
+views of a private memory map, so a sliced copy reads only the pages it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from tenplex_megatron.plan.ptc import DTYPE_SIZES
+
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+
+ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
+
+
+class CheckpointFileError(RuntimeError):
+    """A checkpoint file that is missing, truncated or malformed; the message names it."""
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+    end: int
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
+    """Write ``tensors`` (moved to the CPU, made contiguous) to ``path`` and fsync it; returns its size."""
+    from safetensors.torch import save_file
+
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    save_file(cpu, path)
+    fsync_file(path)
+    return os.path.getsize(path)
+
+
+def read_header(path: str) -> tuple[dict[str, TensorEntry], int]:
+    """Parse and validate a safetensors header; returns the entries and the file size."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointFileError(f"{path}: truncated ({size} bytes, no safetensors header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointFileError(f"{path}: header length {n} does not fit in the file ({size} bytes)")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise CheckpointFileError(f"{path}: file is missing") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointFileError(f"{path}: malformed safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointFileError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + n
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = ST_DTYPES[info["dtype"]]
+            shape = tuple(int(x) for x in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointFileError(f"{path}: tensor {name!r}: malformed header entry ({e})") from None
+        if any(s < 0 for s in shape) or begin < 0 or end < begin:
+            raise CheckpointFileError(f"{path}: tensor {name!r}: invalid shape or offsets")
+        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise CheckpointFileError(f"{path}: tensor {name!r}: byte range does not match shape {shape}")
+        if base + end > size:
+            raise CheckpointFileError(
+                f"{path}: tensor {name!r}: data ends at byte {base + end} but the file has {size} "
+                "(truncated file)"
+            )
+        entries[name] = TensorEntry(dtype, shape, base + begin, base + end)
+    return entries, size
+
+
+class SafetensorsReader:
+    """A validated, memory-mapped safetensors file; ``flat(name)`` is a zero-copy 1-D view."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.entries, self.size = read_header(path)
+        with open(path, "rb") as f:
+            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
+        self._buf = torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None else torch.empty(0, dtype=torch.uint8)
+
+    def flat(self, name: str, expect_dtype: str | None = None, expect_numel: int | None = None) -> torch.Tensor:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise CheckpointFileError(f"{self.path}: tensor {name!r} is not in the file")
+        if expect_dtype is not None and entry.dtype != expect_dtype:
+            raise CheckpointFileError(f"{self.path}: tensor {name!r} has dtype {entry.dtype}, metadata says {expect_dtype}")
+        numel = math.prod(entry.shape)
+        if expect_numel is not None and numel != expect_numel:
+            raise CheckpointFileError(f"{self.path}: tensor {name!r} has {numel} elements, metadata says {expect_numel}")
+        return self._buf[entry.begin : entry.end].view(TORCH_DTYPES[entry.dtype])
+
+    def close(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a view is still alive; the map is released with it
+            self._mm = None
