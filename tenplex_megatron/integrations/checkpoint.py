@@ -27,7 +27,7 @@ from tenplex_megatron.execute.executor import SourceFiles, execute_plan
 from tenplex_megatron.integrations import rng
 from tenplex_megatron.integrations.describe import LocalChunk, describe_job
 from tenplex_megatron.integrations.optimizer_state import allocate_state, optimizer_state_json, restore_optimizer_state
-from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
+from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
 from tenplex_megatron.plan.writers import Holding, assign_writers
@@ -61,8 +61,7 @@ def _rank() -> int:
 
 
 def _vocab(job: Any) -> tuple[int, int]:
-    spec = job.spec
-    return padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, job.layout.tp), spec.vocab_size
+    return job.padded_vocab_size, job.spec.vocab_size
 
 
 def _chunk_name(c: Chunk) -> str:
@@ -134,6 +133,7 @@ def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None
                 "consumed_samples": job.consumed_samples,
                 "layout": job.layout.to_json(),
                 "model": job.spec.to_json(),
+                "padded_vocab_size": job.padded_vocab_size,
                 "use_distributed_optimizer": job.use_distributed_optimizer,
                 "optimizer": optimizer_state_json(job.optimizer),
                 "scheduler": job.scheduler.state_dict(),

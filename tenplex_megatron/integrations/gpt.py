@@ -79,6 +79,7 @@ class GPTJob:
     use_distributed_optimizer: bool
     micro_batch_size: int
     global_batch_size: int
+    padded_vocab_size: int
     iteration: int = 0
     consumed_samples: int = 0
 
@@ -109,8 +110,13 @@ def build_job(
     use_distributed_optimizer: bool,
     micro_batch_size: int,
     global_batch_size: int,
+    padded_vocab: int | None = None,
 ) -> GPTJob:
-    """Initialise megatron-core's parallel state and build model, optimizer and scheduler."""
+    """Initialise megatron-core's parallel state and build model, optimizer and scheduler.
+
+    ``padded_vocab`` overrides Megatron's padding rule (``make_vocab_size_divisible_by x TP``);
+    it must be a multiple of TP.
+    """
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
@@ -127,6 +133,10 @@ def build_job(
             f"--global-batch-size {global_batch_size} is not divisible by "
             f"micro-batch-size x DP = {micro_batch_size} x {layout.dp}"
         )
+    if padded_vocab is None:
+        padded_vocab = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
+    if padded_vocab % layout.tp or padded_vocab < spec.vocab_size:
+        raise ValueError(f"padded vocabulary {padded_vocab} must be >= {spec.vocab_size} and a multiple of TP={layout.tp}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
@@ -159,7 +169,7 @@ def build_job(
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp),
+        vocab_size=padded_vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -168,6 +178,10 @@ def build_job(
     )
     if on_gpu:
         model.cuda(torch.cuda.current_device())
+    if spec.bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(config, model)  # as Megatron-LM does: casts inputs and outputs
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -212,6 +226,7 @@ def build_job(
         use_distributed_optimizer=use_distributed_optimizer,
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
+        padded_vocab_size=padded_vocab,
     )
 
 

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-sharding on restart)")
     g.add_argument("--tenplex-metrics", default=None, help="append per-step loss and sample indices as JSON lines")
     g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
+    g.add_argument(
+        "--tenplex-vocab-padding",
+        choices=["keep", "megatron"],
+        default="keep",
+        help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact loss "
+        "continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding rows are zero)",
+    )
     return p
 
 
@@ -143,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
     from tenplex_megatron.integrations.synthetic_data import microbatches
     from tenplex_megatron.plan.data_position import microbatch_sample_indices
-    from tenplex_megatron.plan.layout import ParallelLayout
-    from tenplex_megatron.storage.layout import find_checkpoint
+    from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+    from tenplex_megatron.storage.layout import find_checkpoint, read_metadata
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     gpt.init_distributed()
@@ -157,16 +164,25 @@ def main(argv: list[str] | None = None) -> int:
         )
     layout = ParallelLayout(tp, pp, world // (tp * pp))
     spec = spec_from_args(args)
+    ckpt = find_checkpoint(args.load) if args.load else None
+    saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
+    padded = (
+        restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved_padded)
+        if args.tenplex_vocab_padding == "keep"
+        else padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp)
+    )
     job = gpt.build_job(
         spec,
         layout,
         use_distributed_optimizer=args.use_distributed_optimizer,
         micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size,
+        padded_vocab=padded,
     )
-    _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step")
-    if args.load and find_checkpoint(args.load) is not None:
-        res = load_checkpoint(job, args.load)
+    _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
+        f"padded vocabulary {padded}")
+    if ckpt is not None:
+        res = load_checkpoint(job, ckpt)
         _print0(
             f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {res.source_layout} -> {layout}, "
             f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"

@@ -93,3 +93,15 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's padded vocabulary: the next multiple of ``divisible_by x TP``."""
     multiple = divisible_by * tp
     return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def restart_padded_vocab_size(vocab_size: int, divisible_by: int, tp: int, saved: int | None) -> int:
+    """Padded vocabulary for a restart: keep the checkpoint's when the new TP divides it.
+
+    Megatron's softmax covers the padding rows, so a different padded size is a
+    slightly different model; keeping it makes the resumed loss curve exact.
+    Only when TP does not divide the saved size does Megatron's rule apply.
+    """
+    if saved is not None and saved >= vocab_size and saved % tp == 0:
+        return saved
+    return padded_vocab_size(vocab_size, divisible_by, tp)

@@ -1,0 +1,90 @@
+"""Test support: launch scripts/pretrain_gpt.py under torchrun and read checkpoints independently.
+
+The checkpoint reader here uses safetensors' own ``safe_open`` and plain
+tensor indexing, not the project's planner or executor, so comparisons made
+with it are an independent oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+
+TINY_GPT = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+    "--max-position-embeddings", "32", "--make-vocab-size-divisible-by", "16",
+    "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+    "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--mock-data", "--tenplex", "--log-interval", "1",
+]
+
+
+@dataclass(frozen=True)
+class Run:
+    returncode: int
+    log: str
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 240, script: str = PRETRAIN) -> Run:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
+           script, *args]
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return Run(124, out + "\nTIMEOUT")
+    return Run(p.returncode, p.stdout + p.stderr)
+
+
+def layout_flags(tp: int, pp: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+
+
+def metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_full_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a tenplex checkpoint at full (global) size, assembled with safetensors' reader."""
+    from safetensors import safe_open
+
+    with open(os.path.join(ckpt_dir, "metadata.json")) as f:
+        meta = json.load(f)
+    dtypes = {t["key"]: getattr(torch, t["dtype"]) for t in meta["ptc"]["tensors"]}
+    full = {t["key"]: torch.full(t["shape"], float("nan"), dtype=torch.float64) for t in meta["ptc"]["tensors"]}
+    handles = {}
+    for c in meta["ptc"]["chunks"]:
+        fname = c["at"]["file"]
+        if fname not in handles:
+            handles[fname] = safe_open(os.path.join(ckpt_dir, fname), framework="pt")
+        data = handles[fname].get_tensor(c["at"]["name"]).to(torch.float64).reshape(-1)
+        box = tuple(slice(o, o + s) for o, s in zip(c["offsets"], c["shape"]))
+        region = full[c["key"]][box].clone().reshape(-1)
+        a, b = c.get("flat", [0, region.numel()])
+        assert data.numel() == b - a
+        region[a:b] = data
+        full[c["key"]][box] = region.reshape(c["shape"])
+    return {k: v.to(dtypes[k]) if not torch.isnan(v).any() else v for k, v in full.items()}
+
+
+def stored_chunks(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """Raw stored chunks by (file, name), read with safetensors."""
+    from safetensors import safe_open
+
+    out = {}
+    for name in sorted(os.listdir(ckpt_dir)):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(ckpt_dir, name), framework="pt") as f:
+                for k in f.keys():
+                    out[f"{name}:{k}"] = f.get_tensor(k)
+    return out
