@@ -60,10 +60,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _vocab(job: Any) -> tuple[int, int]:
-    return job.padded_vocab_size, job.spec.vocab_size
-
-
 def _chunk_name(c: Chunk) -> str:
     name = f"{c.key}@{','.join(map(str, c.offsets))}"
     return name + (f"#{c.flat[0]}-{c.flat[1]}" if c.flat is not None else "")
@@ -81,7 +77,7 @@ def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None
     t0 = time.perf_counter()
     rank = _rank()
     iteration = job.iteration
-    tensors, chunks = describe_job(job, *_vocab(job))
+    tensors, chunks = describe_job(job)
     gathered = all_gather_json(_holdings_json(rank, chunks))
     holdings = []
     all_meta: dict[str, TensorMeta] = {}
@@ -168,7 +164,7 @@ def load_checkpoint(job: Any, load_dir: str, iteration: int | None = None, stric
         meta = ckpt_layout.read_metadata(path)
         source = PTC.from_json(meta["ptc"])
         allocate_state(job.optimizer)
-        tensors, chunks = describe_job(job, *_vocab(job))
+        tensors, chunks = describe_job(job)
         full = plan_reshard(source, tensors, {rank: [lc.chunk for lc in chunks]}, hosts={rank: socket.gethostname()}, strict=False)
         plan = full.ranks[rank]
         files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()})

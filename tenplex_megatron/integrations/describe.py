@@ -56,27 +56,57 @@ def _is_main(replica_id: Any) -> bool:
     return is_main_replica(replica_id)
 
 
-def _vocab_rows(sh: Any, padded_vocab: int, vocab_size: int) -> int | None:
-    if getattr(sh, "allow_shape_mismatch", False) and sh.global_shape and sh.global_shape[0] == padded_vocab:
-        return vocab_size
-    return None
+@dataclass(frozen=True)
+class _Ctx:
+    """What describing needs besides megatron's per-tensor metadata."""
+
+    padded_vocab: int
+    vocab_size: int
+    tp: int
+    stages: dict[int, str]  # id(param) -> "first" / "last" for non-layer parameters
+    tied: int | None  # id of the word embedding shared with the output layer
 
 
-def _tensor_chunk(sh: Any, data: torch.Tensor, flat: tuple[int, int] | None, vocab: tuple[int, int]) -> LocalChunk:
+def _meta(sh: Any, dtype: torch.dtype, param: torch.Tensor, ctx: _Ctx, param_key: str | None) -> TensorMeta:
+    vocab_rows = None
+    if getattr(sh, "allow_shape_mismatch", False) and sh.global_shape and sh.global_shape[0] == ctx.padded_vocab:
+        vocab_rows = ctx.vocab_size
+    tp_axis = None
+    tp_parts = 1
+    if getattr(param, "tensor_model_parallel", False) and getattr(param, "partition_dim", -1) >= 0:
+        tp_axis = param.partition_dim + sh.prepend_axis_num
+        tp_parts = max(sh.axis_fragmentations[tp_axis] // ctx.tp, 1)
+    stage = "layers" if sh.prepend_axis_num else ctx.stages.get(id(param), "")
+    return TensorMeta(
+        key=sh.key,
+        global_shape=tuple(sh.global_shape),
+        dtype=torch_dtype_name(dtype),
+        vocab_rows=vocab_rows,
+        tp_axis=tp_axis,
+        tp_parts=tp_parts,
+        stage=stage,
+        tied=ctx.tied is not None and id(param) == ctx.tied,
+        param=param_key,
+    )
+
+
+def _tensor_chunk(
+    sh: Any, data: torch.Tensor, flat: tuple[int, int] | None, param: torch.Tensor, ctx: _Ctx, param_key: str | None
+) -> LocalChunk:
     box = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-    meta = TensorMeta(sh.key, tuple(sh.global_shape), torch_dtype_name(data.dtype), _vocab_rows(sh, *vocab))
     chunk = Chunk(sh.key, tuple(sh.global_offset), box, flat)
-    return LocalChunk(meta, chunk, data, _is_main(sh.replica_id))
+    return LocalChunk(_meta(sh, data.dtype, param, ctx, param_key), chunk, data, _is_main(sh.replica_id))
 
 
 def _factory_chunks(
-    factory: Any, data: torch.Tensor, local_shape: tuple[int, ...], flat: tuple[int, int] | None, vocab: tuple[int, int]
+    factory: Any, data: torch.Tensor, param: torch.Tensor, flat: tuple[int, int] | None, ctx: _Ctx,
+    param_key: str | None,
 ) -> list[LocalChunk]:
     """Expand a ShardedTensorFactory by building it on a meta tensor to learn each part's flat interval."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    probe = torch.empty(local_shape, dtype=data.dtype, device="meta")
+    probe = torch.empty(tuple(param.shape), dtype=data.dtype, device="meta")
     built = replace(factory, data=probe).build()
     parts = [x for x in nested_values(built if isinstance(built, (dict, list)) else [built]) if isinstance(x, ShardedTensor)]
     out = []
@@ -87,12 +117,12 @@ def _factory_chunks(
         lo = sub.data.storage_offset()
         hi = lo + sub.data.numel()
         if flat is None:
-            out.append(_tensor_chunk(sub, full[lo:hi], None, vocab))
+            out.append(_tensor_chunk(sub, full[lo:hi], None, param, ctx, param_key))
             continue
         a, b = flat
         s, e = max(a, lo), min(b, hi)
         if s < e:
-            out.append(_tensor_chunk(sub, full[s - a : e - a], (s - lo, e - lo), vocab))
+            out.append(_tensor_chunk(sub, full[s - a : e - a], (s - lo, e - lo), param, ctx, param_key))
     return out
 
 
@@ -105,12 +135,15 @@ def _entries(tree: Any) -> Iterable[Any]:
             yield v
 
 
-def _expand(sh: Any, data: torch.Tensor, local_shape: tuple[int, ...], flat: tuple[int, int] | None, vocab: tuple[int, int]) -> list[LocalChunk]:
+def _expand(
+    sh: Any, data: torch.Tensor, param: torch.Tensor, flat: tuple[int, int] | None, ctx: _Ctx,
+    param_key: str | None = None,
+) -> list[LocalChunk]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(sh, ShardedTensorFactory):
-        return _factory_chunks(sh, data, local_shape, flat, vocab)
-    return [_tensor_chunk(sh, data, flat, vocab)]
+        return _factory_chunks(sh, data, param, flat, ctx, param_key)
+    return [_tensor_chunk(sh, data, flat, param, ctx, param_key)]
 
 
 def sub_optimizers(optimizer: Any) -> list[Any]:
@@ -121,7 +154,7 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _dist_optimizer_chunks(opt: Any, model_sd: dict, vocab: tuple[int, int]) -> list[LocalChunk]:
+def _dist_optimizer_chunks(opt: Any, model_sd: dict, ctx: _Ctx) -> list[LocalChunk]:
     """Each DP rank's flat range of every TP-local parameter's fp32 main weight and Adam moments."""
     by_param = {id(sh.data): sh for sh in _entries(model_sd)}
     out: list[LocalChunk] = []
@@ -141,15 +174,19 @@ def _dist_optimizer_chunks(opt: Any, model_sd: dict, vocab: tuple[int, int]) -> 
                         if name == "fp32_param" and _aliases(t, model_param):
                             continue  # fp32 model: the main weight is the model weight itself
                         osh = replace(sh, key=f"optimizer.state.{name}.{sh.key}", replica_id=replica)
-                        out.extend(_expand(osh, t, tuple(model_param.shape), (r.start, r.end), vocab))
+                        out.extend(_expand(osh, t, model_param, (r.start, r.end), ctx, sh.key))
     return out
 
 
-def _plain_optimizer_chunks(opt: Any, model_sd: dict, vocab: tuple[int, int]) -> list[LocalChunk]:
+def _plain_optimizer_chunks(opt: Any, model_sd: dict, ctx: _Ctx) -> list[LocalChunk]:
+    """The plain optimizer's state via its own ``sharded_state_dict`` (keys ``optimizer.state.<name>.<param>``)."""
+    by_key = {sh.key: sh.data for sh in _entries(model_sd)}
     sd = opt.sharded_state_dict(model_sd, is_loading=False)
     out: list[LocalChunk] = []
     for sh in _entries(sd):
-        out.extend(_expand(sh, sh.data, tuple(sh.data.shape), None, vocab))
+        param_key = sh.key.split(".", 3)[3] if sh.key.startswith("optimizer.state.") else None
+        param = by_key.get(param_key, sh.data) if param_key else sh.data
+        out.extend(_expand(sh, sh.data, param, None, ctx, param_key))
     return out
 
 
@@ -159,18 +196,38 @@ def is_distributed_optimizer(opt: Any) -> bool:
     return isinstance(opt, DistributedOptimizer)
 
 
-def describe_job(job: Any, padded_vocab: int, vocab_size: int) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
+def _context(job: Any) -> _Ctx:
+    model = unwrap(job.model[0])
+    stages: dict[int, str] = {}
+    for name, role in (("embedding", "first"), ("output_layer", "last")):
+        module = getattr(model, name, None)
+        if module is not None:
+            stages.update({id(p): role for p in module.parameters()})
+    final_ln = getattr(getattr(model, "decoder", None), "final_layernorm", None)
+    if final_ln is not None:
+        stages.update({id(p): "last" for p in final_ln.parameters()})
+    tied = None
+    if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "pre_process", False):
+        tied = id(model.shared_embedding_or_output_weight())
+    if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "post_process", False):
+        out = model.shared_embedding_or_output_weight()
+        stages[id(out)] = "first"  # the last stage's copy of the word embedding
+        tied = id(out)
+    return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, stages, tied)
+
+
+def describe_job(job: Any) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
     """All chunks this rank holds (model, then optimizer), with their tensor metadata."""
-    vocab = (padded_vocab, vocab_size)
+    ctx = _context(job)
     model_sd = model_sharded_state_dict(job)
     chunks: list[LocalChunk] = []
     for sh in _entries(model_sd):
-        chunks.extend(_expand(sh, sh.data, tuple(sh.data.shape), None, vocab))
+        chunks.extend(_expand(sh, sh.data, sh.data, None, ctx))
     for opt in sub_optimizers(job.optimizer):
         if is_distributed_optimizer(opt):
-            chunks.extend(_dist_optimizer_chunks(opt, model_sd, vocab))
+            chunks.extend(_dist_optimizer_chunks(opt, model_sd, ctx))
         else:
-            chunks.extend(_plain_optimizer_chunks(opt, model_sd, vocab))
+            chunks.extend(_plain_optimizer_chunks(opt, model_sd, ctx))
     tensors: dict[str, TensorMeta] = {}
     for lc in chunks:
         prev = tensors.setdefault(lc.meta.key, lc.meta)

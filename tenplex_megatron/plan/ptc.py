@@ -41,30 +41,63 @@ def dtype_size(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """A logical tensor of the job. ``vocab_rows``: real rows when dim 0 is a padded vocabulary."""
+    """A logical tensor of the job and the layout-independent facts of how megatron-core shards it.
+
+    ``vocab_rows``: real rows when dim 0 is a padded vocabulary. ``tp_axis``: the
+    axis TP splits (None: replicated over TP), in ``tp_parts`` equal groups each
+    split over TP (2 for SwiGLU's fc1). ``stage``: ``layers`` (axis 0 is the layer
+    axis, split by PP), ``first`` or ``last`` pipeline stage. ``tied``: the word
+    embedding that the last stage also holds as its output layer. ``param``: for
+    optimizer state, the model tensor it belongs to (sharded flat by DP under
+    the distributed optimizer).
+    """
 
     key: str
     global_shape: tuple[int, ...]
     dtype: str
     vocab_rows: int | None = None
+    tp_axis: int | None = None
+    tp_parts: int = 1
+    stage: str = ""
+    tied: bool = False
+    param: str | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.global_shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_size(self.dtype)
+
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"key": self.key, "shape": list(self.global_shape), "dtype": self.dtype}
-        if self.vocab_rows is not None:
-            d["vocab_rows"] = self.vocab_rows
+        for name in ("vocab_rows", "tp_axis", "param"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        if self.tp_parts != 1:
+            d["tp_parts"] = self.tp_parts
+        if self.stage:
+            d["stage"] = self.stage
+        if self.tied:
+            d["tied"] = True
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TensorMeta:
+        def opt_int(name: str) -> int | None:
+            return None if d.get(name) is None else int(d[name])
+
         return cls(
             key=str(d["key"]),
             global_shape=tuple(int(x) for x in d["shape"]),
             dtype=str(d["dtype"]),
-            vocab_rows=None if d.get("vocab_rows") is None else int(d["vocab_rows"]),
+            vocab_rows=opt_int("vocab_rows"),
+            tp_axis=opt_int("tp_axis"),
+            tp_parts=int(d.get("tp_parts", 1)),
+            stage=str(d.get("stage", "")),
+            tied=bool(d.get("tied", False)),
+            param=None if d.get("param") is None else str(d["param"]),
         )
 
 

@@ -1,0 +1,221 @@
+"""``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan. Never imports torch.
+
+    python -m tenplex_megatron inspect CKPT [--tensors] [--json]
+    python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any
+
+from tenplex_megatron.plan.layout import LayoutError, ModelShape, ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.plan.planner import PlanError, plan_reshard
+from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
+from tenplex_megatron.plan.shard_layout import layout_chunks, resize_vocab
+
+
+class CLIError(RuntimeError):
+    """A user-facing error: printed without a traceback, exit status 2."""
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.2f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
+    # Local import keeps the storage layer (which needs torch for reading tensors) out of this path.
+    ckpt = _find(path)
+    meta_path = os.path.join(ckpt, "metadata.json")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise CLIError(f"{meta_path}: missing (not a complete tenplex checkpoint)") from None
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{meta_path}: malformed JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != "tenplex-megatron":
+        raise CLIError(f"{meta_path}: not a tenplex-megatron checkpoint")
+    try:
+        ptc = PTC.from_json(meta["ptc"])
+    except (PTCError, KeyError) as e:
+        raise CLIError(f"{meta_path}: {e}") from None
+    return ckpt, meta, ptc
+
+
+def _find(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        return path
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    candidates = []
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text.isdigit():
+            candidates.append(os.path.join(path, f"iter_{int(text):07d}"))
+    if os.path.isdir(path):
+        its = sorted(n for n in os.listdir(path) if n.startswith("iter_") and n[5:].isdigit())
+        candidates.extend(os.path.join(path, n) for n in reversed(its))
+    for c in candidates:
+        if os.path.isfile(os.path.join(c, "metadata.json")):
+            return c
+    raise CLIError(f"{path}: no complete tenplex checkpoint here")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    ckpt, meta, ptc = _load(args.checkpoint)
+    per_tensor: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for sc in ptc.chunks:
+        per_tensor[sc.chunk.key][0] += 1
+        per_tensor[sc.chunk.key][1] += sc.chunk.numel * dtype_size(ptc.tensors[sc.chunk.key].dtype)
+    model_params = sum(t.numel for t in ptc.tensors.values() if t.param is None)
+    summary = {
+        "path": ckpt,
+        "iteration": meta.get("iteration"),
+        "consumed_samples": meta.get("consumed_samples"),
+        "layout": meta.get("layout"),
+        "distributed_optimizer": meta.get("use_distributed_optimizer"),
+        "padded_vocab_size": meta.get("padded_vocab_size"),
+        "model": meta.get("model"),
+        "tensors": len(ptc.tensors),
+        "model_parameters": model_params,
+        "chunks": len(ptc.chunks),
+        "bytes": ptc.total_bytes(),
+        "files": meta.get("files", {}),
+    }
+    if args.json:
+        if args.tensors:
+            summary["tensor_table"] = {k: {"shape": list(t.global_shape), "dtype": t.dtype, "chunks": per_tensor[k][0],
+                                           "bytes": per_tensor[k][1]} for k, t in ptc.tensors.items()}
+        print(json.dumps(summary, indent=1))
+        return 0
+    lay = summary["layout"] or {}
+    print(f"checkpoint   {ckpt}")
+    print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
+    print(f"layout       tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')}  "
+          f"distributed optimizer: {summary['distributed_optimizer']}")
+    print(f"tensors      {summary['tensors']} ({model_params:,} model parameters), {summary['chunks']} stored chunks")
+    print(f"bytes        {_fmt_bytes(summary['bytes'])} in {len(summary['files'])} files")
+    if args.tensors:
+        width = max(len(k) for k in ptc.tensors)
+        print(f"\n{'tensor':<{width}}  {'shape':<18} {'dtype':<9} {'chunks':>6} {'bytes':>12}")
+        for k, t in ptc.tensors.items():
+            print(f"{k:<{width}}  {str(list(t.global_shape)):<18} {t.dtype:<9} {per_tensor[k][0]:>6} "
+                  f"{_fmt_bytes(per_tensor[k][1]):>12}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    ckpt, meta, source = _load(args.checkpoint)
+    try:
+        dst = ParallelLayout.parse(args.to)
+    except LayoutError as e:
+        raise CLIError(str(e)) from None
+    model = meta.get("model", {})
+    shape = ModelShape(
+        num_layers=int(model["num_layers"]),
+        hidden_size=int(model["hidden_size"]),
+        num_attention_heads=int(model["num_attention_heads"]),
+        vocab_size=int(model["vocab_size"]),
+        make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
+    )
+    try:
+        dst.check_fits(shape)
+    except LayoutError as e:
+        raise CLIError(str(e)) from None
+    distopt = meta.get("use_distributed_optimizer", False) if args.distributed_optimizer is None else args.distributed_optimizer
+    saved_vocab = meta.get("padded_vocab_size")
+    if args.vocab_padding == "keep":
+        padded = restart_padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp, saved_vocab)
+    else:
+        padded = padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp)
+    t0 = time.perf_counter()
+    try:
+        tensors = resize_vocab(source.tensors, padded)
+        chunks = layout_chunks(tensors, dst, distopt)
+        plan = plan_reshard(source, tensors, chunks, strict=True)
+    except (LayoutError, PlanError) as e:
+        raise CLIError(str(e)) from None
+    seconds = time.perf_counter() - t0
+    report = plan_report(plan, source, dst, args.gpus_per_node, seconds)
+    report.update({"checkpoint": ckpt, "from": meta.get("layout"), "to": dst.to_json(),
+                   "distributed_optimizer": distopt, "padded_vocab_size": padded})
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    src = meta.get("layout", {})
+    print(f"plan         tp={src.get('tp')},pp={src.get('pp')},dp={src.get('dp')} -> {dst}  "
+          f"({dst.world_size} ranks, distributed optimizer: {distopt}, padded vocab {padded})")
+    print(f"state        {_fmt_bytes(report['state_bytes'])}")
+    print(f"read total   {_fmt_bytes(report['bytes_total'])}  "
+          f"(per rank max {_fmt_bytes(report['bytes_per_rank_max'])}, mean {_fmt_bytes(report['bytes_per_rank_mean'])})")
+    if args.gpus_per_node:
+        print(f"cross-node   {_fmt_bytes(report['bytes_cross_node'])} "
+              f"({args.gpus_per_node} GPUs per node; peer-to-peer transfer)")
+    print(f"planned in   {seconds * 1000:.1f} ms")
+    if args.per_rank:
+        for r, b in report["bytes_per_rank"].items():
+            print(f"  rank {r:>5}: {_fmt_bytes(b)}")
+    return 0
+
+
+def plan_report(plan: Any, source: PTC, dst: ParallelLayout, gpus_per_node: int | None, seconds: float) -> dict[str, Any]:
+    per_rank = plan.bytes_per_rank()
+    cross = 0
+    if gpus_per_node:
+        for r, rp in plan.ranks.items():
+            node = r // gpus_per_node
+            for p in rp.pieces:
+                sc = plan.sources[p.source]
+                if sc.location.rank // gpus_per_node != node:
+                    cross += p.numel * dtype_size(source.tensors[sc.chunk.key].dtype)
+    vals = list(per_rank.values()) or [0]
+    return {
+        "state_bytes": source.total_bytes(),
+        "bytes_total": sum(vals),
+        "bytes_per_rank_max": max(vals),
+        "bytes_per_rank_mean": sum(vals) / len(vals),
+        "bytes_cross_node": cross,
+        "bytes_per_rank": {str(r): b for r, b in per_rank.items()},
+        "plan_seconds": seconds,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tenplex_megatron", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("inspect", help="layout, tensors, bytes and iteration of a checkpoint")
+    i.add_argument("checkpoint")
+    i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(fn=cmd_inspect)
+    q = sub.add_parser("plan", help="dry run: bytes each destination rank would read for a new layout")
+    q.add_argument("checkpoint")
+    q.add_argument("--to", required=True, help="destination layout, e.g. tp=2,pp=2,dp=1")
+    q.add_argument("--gpus-per-node", type=int, default=None)
+    q.add_argument("--distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)
+    q.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    q.add_argument("--vocab-padding", choices=["keep", "megatron"], default="keep")
+    q.add_argument("--per-rank", action="store_true")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=cmd_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CLIError as e:
+        print(f"tenplex_megatron: error: {e}", file=sys.stderr)
+        return 2
