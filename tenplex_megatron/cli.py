@@ -14,7 +14,13 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from tenplex_megatron.plan.layout import LayoutError, ModelShape, ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.plan.layout import (
+    LayoutError,
+    ModelShape,
+    ParallelLayout,
+    padded_vocab_size,
+    restart_padded_vocab_size,
+)
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.shard_layout import layout_chunks, resize_vocab
