@@ -23,8 +23,14 @@ def _jsonable(v: Any) -> Any:
 
 
 def _step_of(inner: torch.optim.Optimizer) -> int:
+    """torch's Adam keeps the step per parameter state; fused Adams keep it per param group.
+
+    Per-state steps win: megatron's DistributedOptimizer leaves a stale ``step``
+    key in torch Adam's param groups after a load.
+    """
     steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
-    steps |= {float(g["step"]) for g in inner.param_groups if "step" in g and g["params"]}
+    if not steps:
+        steps = {float(g["step"]) for g in inner.param_groups if "step" in g and g["params"]}
     if len(steps) > 1:
         raise ValueError(f"optimizer steps differ across parameters: {sorted(steps)}")
     return int(steps.pop()) if steps else 0
