@@ -239,3 +239,25 @@ def test_round_trip_is_bit_exact(runs: Runs, a, b, distopt: bool) -> None:
     assert set(orig) == set(again)
     for k in orig:
         assert orig[k].dtype == again[k].dtype and torch.equal(orig[k], again[k]), k
+
+
+def _rng(ckpt_dir: str) -> dict:
+    import json
+
+    with open(os.path.join(ckpt_dir, "metadata.json")) as f:
+        return json.load(f)["rng"]
+
+
+def test_rng_policy(runs: Runs) -> None:
+    """Same layout: every rank's RNG states come back exactly. Changed layout: re-seeded from (seed, iteration),
+    so two restarts at the same new layout agree with each other (and not with the saved streams)."""
+    v = Variant()
+    ref = runs.reference((2, 1, 1), v)
+    same = runs.resume(_ckpt(ref), (2, 1, 1), v, "rng_same", iters=SAVE_AT)
+    assert _rng(_resaved(same)) == _rng(_ckpt(ref))
+    a = runs.resume(_ckpt(ref), (1, 1, 2), v, "rng_changed_a", iters=SAVE_AT)
+    b = runs.resume(_ckpt(ref), (1, 1, 2), v, "rng_changed_b", iters=SAVE_AT)
+    ra, rb = _rng(_resaved(a)), _rng(_resaved(b))
+    assert ra == rb
+    assert ra["0"]["torch"] != _rng(_ckpt(ref))["0"]["torch"]
+    assert ra["0"]["tracker"] != _rng(_ckpt(ref))["0"]["tracker"]
