@@ -17,7 +17,7 @@ import torch
 
 from tenplex_megatron.plan.planner import RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
-from tenplex_megatron.storage.safetensors_io import SafetensorsReader
+from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader, crc32
 
 
 @dataclass(frozen=True)
@@ -38,16 +38,37 @@ def _view(flat: torch.Tensor, start: int, rect: tuple[int, ...], sel: tuple[int,
 class SourceFiles:
     """Opens each shard file once and hands out flat views of the stored chunks."""
 
-    def __init__(self, ckpt_dir: str, dtypes: dict[str, str]):
+    def __init__(self, ckpt_dir: str, dtypes: dict[str, str], sizes: dict[str, int] | None = None, verify: bool = True):
         self.ckpt_dir = ckpt_dir
         self.dtypes = dtypes
+        self.sizes = sizes or {}
+        self.verify = verify
         self.readers: dict[str, SafetensorsReader] = {}
+        self.verified: set[tuple[str, str]] = set()
+        self.bytes_verified = 0
 
     def flat(self, sc: StoredChunk) -> torch.Tensor:
-        reader = self.readers.get(sc.location.file)
+        loc = sc.location
+        reader = self.readers.get(loc.file)
         if reader is None:
-            reader = self.readers[sc.location.file] = SafetensorsReader(os.path.join(self.ckpt_dir, sc.location.file))
-        return reader.flat(sc.location.name, self.dtypes[sc.chunk.key], sc.chunk.numel)
+            path = os.path.join(self.ckpt_dir, loc.file)
+            reader = SafetensorsReader(path)
+            expected = self.sizes.get(loc.file)
+            if expected is not None and reader.size != expected:
+                reader.close()
+                raise CheckpointFileError(f"{path}: size {reader.size} bytes, the metadata recorded {expected} (damaged or truncated)")
+            self.readers[loc.file] = reader
+        t = reader.flat(loc.name, self.dtypes[sc.chunk.key], sc.chunk.numel)
+        if self.verify and loc.crc32 is not None and (loc.file, loc.name) not in self.verified:
+            got = crc32(t)
+            if got != loc.crc32:
+                raise CheckpointFileError(
+                    f"{reader.path}: tensor {loc.name!r} (of {sc.chunk.key!r}) fails its checksum "
+                    f"(crc32 {got:#010x}, recorded {loc.crc32:#010x}): the file is damaged"
+                )
+            self.verified.add((loc.file, loc.name))
+            self.bytes_verified += t.numel() * t.element_size()
+        return t
 
     def close(self) -> None:
         for r in self.readers.values():

@@ -14,6 +14,7 @@ raised on every rank, listing each failing rank.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
 from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import layout as ckpt_layout
+from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, write_safetensors
 
 
@@ -42,6 +44,7 @@ class SaveResult:
     bytes_written: int  # by this rank
     total_bytes: int
     seconds: float
+    removed: tuple[str, ...] = ()  # older checkpoints deleted by retention, stale partial saves cleaned up
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,11 @@ def _holdings_json(rank: int, chunks: list[LocalChunk]) -> list[Any]:
     ]
 
 
-def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None) -> SaveResult:
-    """Collective: write the job's full state under ``save_dir/iter_NNNNNNN`` and commit it."""
+def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
+    """Collective: write the job's full state under ``save_dir/iter_NNNNNNN`` and commit it.
+
+    ``keep``: after the commit, delete all but the newest ``keep`` complete checkpoints.
+    """
     t0 = time.perf_counter()
     rank = _rank()
     iteration = job.iteration
@@ -92,8 +98,12 @@ def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None
     writers = assign_writers(holdings)
 
     error: BaseException | None = None
+    removed: list[str] = []
     if rank == 0:
         try:
+            for stale in ckpt_layout.partial_dirs(save_dir):  # left by a save that crashed
+                shutil.rmtree(stale)
+                removed.append(stale)
             ckpt_layout.prepare_partial(save_dir, iteration)
         except OSError as e:
             error = e
@@ -105,20 +115,30 @@ def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None
             mine.setdefault(_chunk_name(lc.chunk), lc.data.reshape(-1))
     fname = ckpt_layout.rank_file_name(rank)
     size = 0
+    sums: dict[str, int] = {}
     try:
         if mine:
-            size = write_safetensors(os.path.join(ckpt_layout.partial_dir(save_dir, iteration), fname), mine)
-    except OSError as e:
+            size, sums = write_safetensors(
+                os.path.join(ckpt_layout.partial_dir(save_dir, iteration), fname),
+                mine,
+                after_write=lambda: maybe_fail("save.tensors", rank, iteration),
+            )
+    except (OSError, RuntimeError) as e:
         error = e
     check_all(error, f"save of iteration {iteration}: writing shards")
 
-    info = {"rng": rng.capture(), "file": fname if mine else None, "size": size, "host": socket.gethostname()}
+    info = {"rng": rng.capture(), "file": fname if mine else None, "size": size, "host": socket.gethostname(),
+            "crc32": sums}
     infos = all_gather_json(info)
     path = os.path.join(save_dir, ckpt_layout.iter_dir_name(iteration))
     if rank == 0:
         try:
             stored = [
-                StoredChunk(c, Location(ckpt_layout.rank_file_name(w), _chunk_name(c), w, infos[w]["host"]))
+                StoredChunk(
+                    c,
+                    Location(ckpt_layout.rank_file_name(w), _chunk_name(c), w, infos[w]["host"],
+                             infos[w]["crc32"][_chunk_name(c)]),
+                )
                 for c, w in writers.items()
             ]
             ptc = PTC(tensors=all_meta, chunks=tuple(stored), layout=job.layout.to_json())
@@ -139,16 +159,24 @@ def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None
                 "extra": extra or {},
                 "ptc": ptc.to_json(),
             }
-            path = ckpt_layout.commit(save_dir, iteration, metadata, metadata["files"])
-        except (OSError, ValueError) as e:
+            path = ckpt_layout.commit(save_dir, iteration, metadata, metadata["files"],
+                                      fault=lambda point: maybe_fail(point, rank, iteration))
+            if keep is not None:
+                removed.extend(ckpt_layout.apply_retention(save_dir, keep))
+        except (OSError, ValueError, RuntimeError) as e:
             error = e
     check_all(error, f"save of iteration {iteration}: commit")
     total = sum(h.nbytes for h in holdings if writers.get(h.chunk) == h.rank)
-    return SaveResult(path, iteration, size, total, time.perf_counter() - t0)
+    return SaveResult(path, iteration, size, total, time.perf_counter() - t0, tuple(removed))
 
 
-def load_checkpoint(job: Any, load_dir: str, iteration: int | None = None, strict: bool = True) -> LoadResult:
-    """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout."""
+def load_checkpoint(
+    job: Any, load_dir: str, iteration: int | None = None, strict: bool = True, verify: bool = True
+) -> LoadResult:
+    """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout.
+
+    ``verify``: check the CRC-32 of every stored chunk this rank reads (whole chunks are read for it).
+    """
     t0 = time.perf_counter()
     rank = _rank()
     error: BaseException | None = None
@@ -167,8 +195,9 @@ def load_checkpoint(job: Any, load_dir: str, iteration: int | None = None, stric
         tensors, chunks = describe_job(job)
         full = plan_reshard(source, tensors, {rank: [lc.chunk for lc in chunks]}, hosts={rank: socket.gethostname()}, strict=False)
         plan = full.ranks[rank]
-        files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()})
-        for sc in full.sources:  # validate every file and entry before touching any tensor
+        files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify)
+        maybe_fail("load.read", rank)
+        for sc in full.sources:  # validate every file, entry and checksum before touching any tensor
             files.flat(sc)
         for lc in chunks:
             view = lc.flat_view()
@@ -177,7 +206,7 @@ def load_checkpoint(job: Any, load_dir: str, iteration: int | None = None, stric
                 back.append((lc.data, tmp))
                 view = tmp
             dst.append(view)
-    except (OSError, ValueError, CheckpointFileError, KeyError) as e:
+    except (OSError, ValueError, CheckpointFileError, KeyError, RuntimeError) as e:
         error = e
     check_all(error, f"load from {load_dir}: planning")
     assert plan is not None and files is not None

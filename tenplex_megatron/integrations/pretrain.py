@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-sharding on restart)")
     g.add_argument("--tenplex-metrics", default=None, help="append per-step loss and sample indices as JSON lines")
     g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
+    g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N complete checkpoints")
+    g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
     g.add_argument(
         "--tenplex-vocab-padding",
         choices=["keep", "megatron"],
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
         f"padded vocabulary {padded}")
     if ckpt is not None:
-        res = load_checkpoint(job, ckpt)
+        res = load_checkpoint(job, ckpt, verify=not args.tenplex_no_verify)
         _print0(
             f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {res.source_layout} -> {layout}, "
             f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
@@ -221,17 +223,24 @@ def main(argv: list[str] | None = None) -> int:
                                       "layout": layout.to_json()}) + "\n")
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-            res = save_checkpoint(job, args.save)
-            _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
+            _save(job, args)
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        res = save_checkpoint(job, args.save)
-        _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
+        _save(job, args)
     if metrics is not None:
         metrics.close()
     _print0("> tenplex-megatron: done")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
+
+
+def _save(job: Any, args: argparse.Namespace) -> None:
+    from tenplex_megatron.integrations.checkpoint import save_checkpoint
+
+    res = save_checkpoint(job, args.save, keep=args.tenplex_keep)
+    _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
+    for path in res.removed:
+        _print0(f"> tenplex: removed {path}")
 
 
 def load_metrics(path: str) -> list[dict[str, Any]]:

@@ -160,19 +160,30 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Location:
-    """Where a stored chunk lives: a file, the tensor name inside it, and the rank/host that wrote it."""
+    """Where a stored chunk lives: a file, the tensor name in it, the rank/host that wrote it, its CRC-32."""
 
     file: str
     name: str
     rank: int = 0
     host: str = ""
+    crc32: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "name": self.name, "rank": self.rank, "host": self.host}
+        d: dict[str, Any] = {"file": self.file, "name": self.name, "rank": self.rank, "host": self.host}
+        if self.crc32 is not None:
+            d["crc32"] = self.crc32
+        return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Location:
-        return cls(file=str(d["file"]), name=str(d["name"]), rank=int(d.get("rank", 0)), host=str(d.get("host", "")))
+        crc = d.get("crc32")
+        return cls(
+            file=str(d["file"]),
+            name=str(d["name"]),
+            rank=int(d.get("rank", 0)),
+            host=str(d.get("host", "")),
+            crc32=None if crc is None else int(crc),
+        )
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, fsync_dir, fsync_file
@@ -123,8 +124,12 @@ def prepare_partial(save: str, iteration: int) -> str:
     return path
 
 
-def commit(save: str, iteration: int, metadata: dict[str, Any], expected_files: dict[str, int]) -> str:
+def commit(
+    save: str, iteration: int, metadata: dict[str, Any], expected_files: dict[str, int],
+    fault: Callable[[str], None] | None = None,
+) -> str:
     """Check every rank's file, write the metadata, rename into place, update the tracker (rank 0)."""
+    fault = fault or (lambda point: None)
     staging = partial_dir(save, iteration)
     for name, size in expected_files.items():
         path = os.path.join(staging, name)
@@ -133,11 +138,16 @@ def commit(save: str, iteration: int, metadata: dict[str, Any], expected_files: 
         if os.path.getsize(path) != size:
             raise CheckpointFileError(f"{path}: size {os.path.getsize(path)} != {size} written")
     meta_path = os.path.join(staging, METADATA_FILE)
+    text = json.dumps(metadata, sort_keys=True)
     with open(meta_path, "w") as f:
-        json.dump(metadata, f, sort_keys=True)
+        f.write(text[: len(text) // 2])
+        f.flush()
+        fault("save.metadata")
+        f.write(text[len(text) // 2 :])
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(staging)
+    fault("save.commit")
     final = os.path.join(save, iter_dir_name(iteration))
     if os.path.exists(final):
         old = final + ".tenplex-old"
@@ -160,7 +170,22 @@ def commit(save: str, iteration: int, metadata: dict[str, Any], expected_files: 
     return final
 
 
+def apply_retention(save: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints (call only after a commit); returns what went."""
+    if keep < 1:
+        raise ValueError(f"--tenplex-keep must be >= 1, got {keep}")
+    removed = []
+    for it in committed_iterations(save)[:-keep]:
+        path = os.path.join(save, iter_dir_name(it))
+        shutil.rmtree(path)
+        removed.append(path)
+    if removed:
+        fsync_dir(save)
+    return removed
+
+
 __all__ = [
+    "apply_retention",
     "CheckpointFileError",
     "FORMAT_NAME",
     "FORMAT_VERSION",

@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -68,14 +69,22 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
-    """Write ``tensors`` (moved to the CPU, made contiguous) to ``path`` and fsync it; returns its size."""
+def crc32(t: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes."""
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], after_write=None) -> tuple[int, dict[str, int]]:
+    """Write ``tensors`` (moved to the CPU) to ``path``, fsync it; returns its size and each tensor's CRC-32."""
     from safetensors.torch import save_file
 
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    sums = {name: crc32(t) for name, t in cpu.items()}
     save_file(cpu, path)
+    if after_write is not None:
+        after_write()
     fsync_file(path)
-    return os.path.getsize(path)
+    return os.path.getsize(path), sums
 
 
 def read_header(path: str) -> tuple[dict[str, TensorEntry], int]:
