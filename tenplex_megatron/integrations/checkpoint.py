@@ -197,8 +197,8 @@ def load_checkpoint(
         plan = full.ranks[rank]
         files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify)
         maybe_fail("load.read", rank)
-        for sc in full.sources:  # validate every file, entry and checksum before touching any tensor
-            files.flat(sc)
+        for slot in sorted({p.source for p in plan.pieces}):  # every file, entry, checksum it will read
+            files.flat(full.sources[slot])
         for lc in chunks:
             view = lc.flat_view()
             if view is None:

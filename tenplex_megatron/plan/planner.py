@@ -2,8 +2,9 @@
 
 For every destination chunk it lists the source rectangles that cover it, with
 the exact strided sub-box to copy, choosing among source replicas so that
-reads stay on the destination's host where possible and spread evenly over
-the sources. It proves that every destination element is written exactly once
+reads stay on the destination's host where possible and are spread over the
+replicas by a rotation that depends only on the destination rank, so each
+rank computes for itself exactly the plan a planner of the whole job would. It proves that every destination element is written exactly once
 (by a copy, or by a zero fill of vocabulary padding that did not exist in the
 source) and reports the bytes each destination rank reads. Never imports torch.
 """
@@ -73,7 +74,7 @@ class RankPlan:
 class ReshardPlan:
     """The whole plan: sources (one chosen location each) and every destination rank's copies."""
 
-    sources: tuple[StoredChunk, ...]
+    sources: tuple[StoredChunk, ...]  # the source PTC's chunks; Piece.source indexes them
     ranks: dict[int, RankPlan]
     unused_tensors: tuple[str, ...] = field(default_factory=tuple)
 
@@ -89,6 +90,7 @@ class ReshardPlan:
 class _Source:
     chunk: Chunk
     locations: list[Location]
+    slots: list[int]  # index of each location's StoredChunk in the source PTC
     rects: list[Rect]
 
 
@@ -123,13 +125,15 @@ class _Index:
         return out
 
 
-def _unique_sources(chunks: list[StoredChunk]) -> list[_Source]:
+def _unique_sources(chunks: list[tuple[int, StoredChunk]]) -> list[_Source]:
     by_chunk: dict[Chunk, _Source] = {}
-    for sc in chunks:
+    for slot, sc in chunks:
         src = by_chunk.get(sc.chunk)
         if src is None:
-            src = by_chunk[sc.chunk] = _Source(sc.chunk, [], chunk_rects(sc.chunk.offsets, sc.chunk.shape, sc.chunk.flat))
+            rects = chunk_rects(sc.chunk.offsets, sc.chunk.shape, sc.chunk.flat)
+            src = by_chunk[sc.chunk] = _Source(sc.chunk, [], [], rects)
         src.locations.append(sc.location)
+        src.slots.append(slot)
     return sorted(by_chunk.values(), key=lambda s: (s.chunk.offsets, s.chunk.flat_range, s.chunk.shape))
 
 
@@ -185,7 +189,9 @@ def plan_reshard(
     itself). ``hosts`` maps destination ranks to host names for local-first reads.
     """
     hosts = hosts or {}
-    by_key = source.chunks_by_key()
+    by_key: dict[str, list[tuple[int, StoredChunk]]] = defaultdict(list)
+    for slot, sc in enumerate(source.chunks):
+        by_key[sc.chunk.key].append((slot, sc))
     wanted_keys = {c.key for chunks in dst_chunks.values() for c in chunks}
     for key in sorted(wanted_keys):
         if key not in dst_tensors:
@@ -196,9 +202,6 @@ def plan_reshard(
     if strict and unused:
         raise PlanError(f"the checkpoint has tensors the model lacks: {', '.join(unused[:5])}")
 
-    sources_out: list[StoredChunk] = []
-    source_slot: dict[tuple[Chunk, Location], int] = {}
-    load: dict[Location, int] = defaultdict(int)
     prepared: dict[str, tuple[list[_Source], _Index, int | None]] = {}
 
     def prepare(key: str) -> tuple[list[_Source], _Index, int | None]:
@@ -243,14 +246,9 @@ def plan_reshard(
                         continue
                     x_off, x_shape = box
                     src = srcs[s_idx]
-                    loc = _choose(src.locations, host, load)
+                    slot = _choose(src, rank, host)
+                    loc = source.chunks[slot].location
                     n = math.prod(x_shape)
-                    load[loc] += n * itemsize
-                    slot_key = (src.chunk, loc)
-                    slot = source_slot.get(slot_key)
-                    if slot is None:
-                        slot = source_slot[slot_key] = len(sources_out)
-                        sources_out.append(StoredChunk(src.chunk, loc))
                     pieces.append(
                         Piece(
                             source=slot,
@@ -279,13 +277,18 @@ def plan_reshard(
             bytes_read=sum(bytes_by_file.values()),
             bytes_by_file=dict(bytes_by_file),
         )
-    return ReshardPlan(sources=tuple(sources_out), ranks=out_ranks, unused_tensors=unused)
+    return ReshardPlan(sources=source.chunks, ranks=out_ranks, unused_tensors=unused)
 
 
-def _choose(locations: list[Location], host: str, load: dict[Location, int]) -> Location:
-    """Local replicas first, then the least-loaded one (ties: lowest rank)."""
-    if len(locations) == 1:
-        return locations[0]
-    local = [loc for loc in locations if host and loc.host == host]
-    pool = local or locations
-    return min(pool, key=lambda loc: (load[loc], loc.rank, loc.file))
+def _choose(src: _Source, rank: int, host: str) -> int:
+    """A replica for destination ``rank``: one on its host if any, then rotate over ranks to spread reads.
+
+    The choice depends only on (chunk, destination rank), so every rank computes
+    the same plan for itself as a planner of the whole job would.
+    """
+    if len(src.slots) == 1:
+        return src.slots[0]
+    pool = [(loc.rank, slot) for loc, slot in zip(src.locations, src.slots) if host and loc.host == host]
+    pool = sorted(pool or ((loc.rank, slot) for loc, slot in zip(src.locations, src.slots)))
+    offset = sum(src.chunk.offsets) + src.chunk.flat_range[0]
+    return pool[(rank + offset) % len(pool)][1]

@@ -244,7 +244,7 @@ class PTC:
             tensors = {t.key: t for t in (TensorMeta.from_json(x) for x in d["tensors"])}
             chunks = tuple(StoredChunk.from_json(x) for x in d["chunks"])
             layout = {str(k): int(v) for k, v in d.get("layout", {}).items()}
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise PTCError(f"malformed PTC metadata: {type(e).__name__}: {e}") from None
         ptc = cls(tensors=tensors, chunks=chunks, layout=layout)
         ptc.validate()
