@@ -74,16 +74,36 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], after_write=None) -> tuple[int, dict[str, int]]:
-    """Write ``tensors`` (moved to the CPU) to ``path``, fsync it; returns its size and each tensor's CRC-32."""
-    from safetensors.torch import save_file
+ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
-    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    sums = {name: crc32(t) for name, t in cpu.items()}
-    save_file(cpu, path)
-    if after_write is not None:
-        after_write()
-    fsync_file(path)
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], after_write=None) -> tuple[int, dict[str, int]]:
+    """Write ``tensors`` to ``path`` in safetensors format and fsync it; returns its size and each tensor's CRC-32.
+
+    Tensors are streamed from their own memory (a GPU tensor is copied to the
+    host one at a time): no serialised copy of the whole file is built, so the
+    writer's peak memory stays near the shard itself.
+    """
+    header: dict[str, object] = {}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_CODES[torch_dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as the reference writer does
+    sums: dict[str, int] = {}
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, t in tensors.items():
+            host = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            sums[name] = zlib.crc32(host)
+            f.write(memoryview(host))
+        f.flush()
+        if after_write is not None:
+            after_write()
+        os.fsync(f.fileno())
     return os.path.getsize(path), sums
 
 
