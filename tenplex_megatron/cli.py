@@ -2,6 +2,7 @@
 
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]
     python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
+    python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
 """
 
 from __future__ import annotations
@@ -121,6 +122,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.model:
+        return _plan_model(args)
+    if not args.checkpoint:
+        raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
     ckpt, meta, source = _load(args.checkpoint)
     try:
         dst = ParallelLayout.parse(args.to)
@@ -174,6 +179,60 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_model(args: argparse.Namespace) -> int:
+    """Dry run for a named model with no checkpoint: the source is what a tenplex save at --from would write."""
+    from tenplex_megatron.plan.gpt_catalogue import gpt_tensors, load_model
+    from tenplex_megatron.plan.planner import Planner
+    from tenplex_megatron.plan.shard_layout import source_from_layout
+
+    if not args.source:
+        raise CLIError("--model needs --from LAYOUT (e.g. --from tp=8,pp=16,dp=8)")
+    try:
+        dims = load_model(args.model)
+        src, dst = ParallelLayout.parse(args.source), ParallelLayout.parse(args.to)
+        shape = ModelShape(dims.num_layers, dims.hidden_size, dims.num_attention_heads, dims.vocab_size, 128)
+        src.check_fits(shape)
+        dst.check_fits(shape)
+    except (KeyError, LayoutError) as e:
+        raise CLIError(str(e).strip("'\"")) from None
+    distopt = True if args.distributed_optimizer is None else args.distributed_optimizer
+    t0 = time.perf_counter()
+    tensors = gpt_tensors(dims, padded_vocab_size(dims.vocab_size, 128, src.tp))
+    source = source_from_layout(tensors, src, distopt)
+    padded = restart_padded_vocab_size(dims.vocab_size, 128, dst.tp, padded_vocab_size(dims.vocab_size, 128, src.tp))
+    dst_tensors = resize_vocab(tensors, padded)
+    chunks = layout_chunks(dst_tensors, dst, distopt)
+    t1 = time.perf_counter()
+    planner = Planner(source, dst_tensors)
+    planner.check_keys({k for k in dst_tensors}, strict=True)
+    per_rank = {r: planner.rank_bytes(r, cs, gpus_per_node=args.gpus_per_node) for r, cs in chunks.items()}
+    t2 = time.perf_counter()
+    state = source.total_bytes()
+    reads = [b for b, _ in per_rank.values()]
+    dst_bytes = sum(c.numel * dtype_size(dst_tensors[c.key].dtype) for cs in chunks.values() for c in cs)
+    report = {
+        "model": args.model, "from": src.to_json(), "to": dst.to_json(), "distributed_optimizer": distopt,
+        "state_bytes": state, "bytes_total": sum(reads), "bytes_per_rank_max": max(reads),
+        "bytes_per_rank_mean": sum(reads) / len(reads),
+        "bytes_cross_node": sum(c for _, c in per_rank.values()) if args.gpus_per_node else None,
+        "central_bytes_through_one_rank": state + dst_bytes,
+        "describe_seconds": t1 - t0, "plan_seconds": t2 - t1,
+    }
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"plan         {args.model}: {src} -> {dst}  ({src.world_size} -> {dst.world_size} GPUs, distributed optimizer: {distopt})")
+    print(f"state        {_fmt_bytes(state)} (bf16 weights, fp32 main weights and Adam moments)")
+    print(f"read total   {_fmt_bytes(report['bytes_total'])}  (every DP replica loads its weights)")
+    print(f"per rank     max {_fmt_bytes(report['bytes_per_rank_max'])}, mean {_fmt_bytes(report['bytes_per_rank_mean'])}")
+    if args.gpus_per_node:
+        print(f"cross-node   {_fmt_bytes(report['bytes_cross_node'])} ({args.gpus_per_node} GPUs per node, sources at their writers)")
+    print(f"central      {_fmt_bytes(report['central_bytes_through_one_rank'])} through one rank (gather all, scatter all): "
+          f"{report['central_bytes_through_one_rank'] / report['bytes_per_rank_max']:.0f}x tenplex's busiest rank")
+    print(f"time         describe both layouts {report['describe_seconds']:.2f} s, plan {report['plan_seconds']:.2f} s")
+    return 0
+
+
 def plan_report(plan: Any, source: PTC, dst: ParallelLayout, gpus_per_node: int | None, seconds: float) -> dict[str, Any]:
     per_rank = plan.bytes_per_rank()
     cross = 0
@@ -206,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
     q = sub.add_parser("plan", help="dry run: bytes each destination rank would read for a new layout")
-    q.add_argument("checkpoint")
+    q.add_argument("checkpoint", nargs="?", help="checkpoint directory (or use --model and --from)")
+    q.add_argument("--model", help="plan for a model in configs/models.json without a checkpoint, e.g. gpt3-175b")
+    q.add_argument("--from", dest="source", help="source layout with --model")
     q.add_argument("--to", required=True, help="destination layout, e.g. tp=2,pp=2,dp=1")
     q.add_argument("--gpus-per-node", type=int, default=None)
     q.add_argument("--distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)

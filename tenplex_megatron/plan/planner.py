@@ -94,31 +94,50 @@ class _Source:
     rects: list[Rect]
 
 
+class _Grid:
+    """Elementary intervals of one dimension: each cell lists the items that span it."""
+
+    def __init__(self, spans: list[tuple[int, int, int]]):
+        self.bounds = sorted({b for lo, hi, _ in spans for b in (lo, hi)})
+        self.cells: list[list[int]] = [[] for _ in range(max(len(self.bounds) - 1, 1))]
+        for lo, hi, n in spans:
+            for c in range(bisect.bisect_left(self.bounds, lo), bisect.bisect_left(self.bounds, hi)):
+                self.cells[c].append(n)
+
+    def cell_range(self, lo: int, hi: int) -> range:
+        a = max(bisect.bisect_right(self.bounds, lo) - 1, 0)
+        b = min(bisect.bisect_left(self.bounds, hi), len(self.cells))
+        return range(a, b)
+
+
 class _Index:
-    """Elementary-interval index on dimension 0 of a tensor's source rectangles."""
+    """A two-level grid (dimension 0, then dimension 1) over a tensor's source rectangles."""
 
     def __init__(self, sources: list[_Source]):
         self.items: list[tuple[int, Rect]] = [(i, r) for i, s in enumerate(sources) for r in s.rects]
-        self.bounds = sorted({b for _, r in self.items if r.offsets for b in (r.offsets[0], r.end[0])})
-        self.cells: list[list[int]] = [[] for _ in range(max(len(self.bounds) - 1, 1))]
-        for n, (_, r) in enumerate(self.items):
-            if not r.offsets:
-                self.cells[0].append(n)
-                continue
-            lo = bisect.bisect_left(self.bounds, r.offsets[0])
-            hi = bisect.bisect_left(self.bounds, r.end[0])
-            for c in range(lo, hi):
-                self.cells[c].append(n)
+        self.ndim = len(self.items[0][1].offsets) if self.items else 0
+        if self.ndim == 0:
+            return
+        self.top = _Grid([(r.offsets[0], r.end[0], n) for n, (_, r) in enumerate(self.items)])
+        self.sub: list[_Grid | None] = []
+        for cell in self.top.cells:
+            if self.ndim >= 2 and len(cell) > 8:
+                self.sub.append(_Grid([(self.items[n][1].offsets[1], self.items[n][1].end[1], n) for n in cell]))
+            else:
+                self.sub.append(None)
 
     def query(self, off: tuple[int, ...], end: tuple[int, ...]) -> list[tuple[int, Rect]]:
-        if not off:
-            return [self.items[n] for n in self.cells[0]]
-        lo = max(bisect.bisect_right(self.bounds, off[0]) - 1, 0)
-        hi = bisect.bisect_left(self.bounds, end[0])
+        if self.ndim == 0:
+            return list(self.items)
         seen: set[int] = set()
         out = []
-        for c in range(lo, min(hi, len(self.cells))):
-            for n in self.cells[c]:
+        for c in self.top.cell_range(off[0], end[0]):
+            sub = self.sub[c]
+            if sub is None:
+                ids: list[int] = self.top.cells[c]
+            else:
+                ids = [n for sc in sub.cell_range(off[1], end[1]) for n in sub.cells[sc]]
+            for n in ids:
                 if n not in seen:
                     seen.add(n)
                     out.append(self.items[n])
@@ -173,6 +192,132 @@ def _content_limit(src: TensorMeta, dst: TensorMeta) -> int | None:
     )
 
 
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """The rank-independent plan of one destination chunk (memoised: DP replicas share it)."""
+
+    key: str
+    copies: tuple[tuple[int, Rect, Rect, tuple[int, ...], tuple[int, ...]], ...]  # (source idx, src rect, dst rect, box)
+    fills: tuple[tuple[Rect, tuple[int, ...], tuple[int, ...]], ...]
+    by_source: tuple[tuple[int, int], ...]  # (source idx, bytes)
+
+
+class Planner:
+    """Plans destination chunks against one source PTC; per-tensor indexes and per-chunk plans are cached."""
+
+    def __init__(self, source: PTC, dst_tensors: dict[str, TensorMeta]):
+        self.source = source
+        self.dst_tensors = dst_tensors
+        self._by_key: dict[str, list[tuple[int, StoredChunk]]] = defaultdict(list)
+        for slot, sc in enumerate(source.chunks):
+            self._by_key[sc.chunk.key].append((slot, sc))
+        self._prepared: dict[str, tuple[list[_Source], _Index, int | None, int]] = {}
+        self._memo: dict[Chunk, _ChunkPlan] = {}
+
+    def check_keys(self, keys: set[str], strict: bool) -> tuple[str, ...]:
+        for key in sorted(keys):
+            if key not in self.dst_tensors:
+                raise PlanError(f"destination chunk of tensor {key!r} has no tensor metadata")
+            if key not in self.source.tensors:
+                raise PlanError(f"tensor {key!r} of the model is not in the checkpoint")
+        unused = tuple(sorted(set(self.source.tensors) - set(self.dst_tensors)))
+        if strict and unused:
+            raise PlanError(f"the checkpoint has tensors the model lacks: {', '.join(unused[:5])}")
+        return unused
+
+    def prepare(self, key: str) -> tuple[list[_Source], _Index, int | None, int]:
+        got = self._prepared.get(key)
+        if got is None:
+            meta = self.source.tensors[key]
+            srcs = _unique_sources(self._by_key.get(key, []))
+            index = _Index(srcs)
+            _check_partition(meta, srcs, index)
+            got = self._prepared[key] = (srcs, index, _content_limit(meta, self.dst_tensors[key]), dtype_size(meta.dtype))
+        return got
+
+    def chunk_plan(self, chunk: Chunk) -> _ChunkPlan:
+        cp = self._memo.get(chunk)
+        if cp is not None:
+            return cp
+        try:
+            chunk.validate(self.dst_tensors[chunk.key])
+        except PTCError as e:
+            raise PlanError(str(e)) from None
+        srcs, index, limit, itemsize = self.prepare(chunk.key)
+        copies = []
+        fills = []
+        by_source: dict[int, int] = defaultdict(int)
+        covered = 0
+        for dr in chunk_rects(chunk.offsets, chunk.shape, chunk.flat):
+            d_off, d_shape = dr.offsets, dr.shape
+            if limit is not None and d_off[0] + d_shape[0] > limit:
+                pad_lo = max(d_off[0], limit)
+                pad_shape = (d_off[0] + d_shape[0] - pad_lo, *d_shape[1:])
+                fills.append((dr, (pad_lo - d_off[0], *([0] * (len(d_shape) - 1))), pad_shape))
+                covered += math.prod(pad_shape)
+                d_shape = (max(limit - d_off[0], 0), *d_shape[1:])
+                if d_shape[0] == 0:
+                    continue
+            d_end = tuple(o + s for o, s in zip(d_off, d_shape))
+            for s_idx, sr in index.query(d_off, d_end):
+                box = intersect(d_off, d_shape, sr.offsets, sr.shape)
+                if box is None:
+                    continue
+                n = math.prod(box[1])
+                copies.append((s_idx, sr, dr, box[0], box[1]))
+                by_source[s_idx] += n * itemsize
+                covered += n
+        if covered != chunk.numel:
+            raise PlanError(
+                f"tensor {chunk.key!r}: destination chunk offsets {chunk.offsets} sizes {chunk.shape} "
+                f"flat {chunk.flat} is covered by {covered} source elements, expected {chunk.numel}"
+            )
+        cp = self._memo[chunk] = _ChunkPlan(chunk.key, tuple(copies), tuple(fills), tuple(sorted(by_source.items())))
+        return cp
+
+    def rank_plan(self, rank: int, chunks: tuple[Chunk, ...], host: str = "") -> RankPlan:
+        pieces: list[Piece] = []
+        fills: list[Fill] = []
+        bytes_by_file: dict[str, int] = defaultdict(int)
+        for d_idx, chunk in enumerate(chunks):
+            cp = self.chunk_plan(chunk)
+            srcs, _, _, itemsize = self.prepare(chunk.key)
+            for s_idx, sr, dr, x_off, x_shape in cp.copies:
+                slot = _choose(srcs[s_idx], rank, host)
+                pieces.append(
+                    Piece(
+                        source=slot,
+                        src_start=sr.start,
+                        src_rect=sr.shape,
+                        src_sel=tuple(x - o for x, o in zip(x_off, sr.offsets)),
+                        dst=d_idx,
+                        dst_start=dr.start,
+                        dst_rect=dr.shape,
+                        dst_sel=tuple(x - o for x, o in zip(x_off, dr.offsets)),
+                        shape=x_shape,
+                    )
+                )
+                bytes_by_file[self.source.chunks[slot].location.file] += math.prod(x_shape) * itemsize
+            for dr, sel, shape in cp.fills:
+                fills.append(Fill(d_idx, dr.start, dr.shape, sel, shape))
+        return RankPlan(rank, chunks, tuple(pieces), tuple(fills), sum(bytes_by_file.values()), dict(bytes_by_file))
+
+    def rank_bytes(self, rank: int, chunks: list[Chunk], host: str = "", gpus_per_node: int | None = None) -> tuple[int, int]:
+        """(bytes read, bytes read from another node's rank) without building pieces: for large dry runs."""
+        total = cross = 0
+        node = rank // gpus_per_node if gpus_per_node else None
+        for chunk in chunks:
+            cp = self.chunk_plan(chunk)
+            srcs = self.prepare(chunk.key)[0]
+            for s_idx, n in cp.by_source:
+                total += n
+                if node is not None:
+                    slot = _choose(srcs[s_idx], rank, host)
+                    if self.source.chunks[slot].location.rank // gpus_per_node != node:
+                        cross += n
+        return total, cross
+
+
 def plan_reshard(
     source: PTC,
     dst_tensors: dict[str, TensorMeta],
@@ -189,94 +334,12 @@ def plan_reshard(
     itself). ``hosts`` maps destination ranks to host names for local-first reads.
     """
     hosts = hosts or {}
-    by_key: dict[str, list[tuple[int, StoredChunk]]] = defaultdict(list)
-    for slot, sc in enumerate(source.chunks):
-        by_key[sc.chunk.key].append((slot, sc))
-    wanted_keys = {c.key for chunks in dst_chunks.values() for c in chunks}
-    for key in sorted(wanted_keys):
-        if key not in dst_tensors:
-            raise PlanError(f"destination chunk of tensor {key!r} has no tensor metadata")
-        if key not in source.tensors:
-            raise PlanError(f"tensor {key!r} of the model is not in the checkpoint")
-    unused = tuple(sorted(set(source.tensors) - set(dst_tensors)))
-    if strict and unused:
-        raise PlanError(f"the checkpoint has tensors the model lacks: {', '.join(unused[:5])}")
-
-    prepared: dict[str, tuple[list[_Source], _Index, int | None]] = {}
-
-    def prepare(key: str) -> tuple[list[_Source], _Index, int | None]:
-        if key not in prepared:
-            meta = source.tensors[key]
-            srcs = _unique_sources(by_key.get(key, []))
-            index = _Index(srcs)
-            _check_partition(meta, srcs, index)
-            prepared[key] = (srcs, index, _content_limit(meta, dst_tensors[key]))
-        return prepared[key]
-
-    out_ranks: dict[int, RankPlan] = {}
-    for rank in sorted(dst_chunks if ranks is None else ranks):
-        chunks = tuple(dst_chunks.get(rank, []))
-        pieces: list[Piece] = []
-        fills: list[Fill] = []
-        bytes_by_file: dict[str, int] = defaultdict(int)
-        host = hosts.get(rank, "")
-        for d_idx, chunk in enumerate(chunks):
-            dmeta = dst_tensors[chunk.key]
-            try:
-                chunk.validate(dmeta)
-            except PTCError as e:
-                raise PlanError(str(e)) from None
-            srcs, index, limit = prepare(chunk.key)
-            itemsize = dtype_size(source.tensors[chunk.key].dtype)
-            covered = 0
-            for dr in chunk_rects(chunk.offsets, chunk.shape, chunk.flat):
-                d_off, d_shape = dr.offsets, dr.shape
-                if limit is not None and d_off[0] + d_shape[0] > limit:
-                    pad_lo = max(d_off[0], limit)
-                    pad_shape = (d_off[0] + d_shape[0] - pad_lo, *d_shape[1:])
-                    fills.append(Fill(d_idx, dr.start, dr.shape, (pad_lo - d_off[0], *([0] * (len(d_shape) - 1))), pad_shape))
-                    covered += math.prod(pad_shape)
-                    d_shape = (max(limit - d_off[0], 0), *d_shape[1:])
-                    if d_shape[0] == 0:
-                        continue
-                d_end = tuple(o + s for o, s in zip(d_off, d_shape))
-                for s_idx, sr in index.query(d_off, d_end):
-                    box = intersect(d_off, d_shape, sr.offsets, sr.shape)
-                    if box is None:
-                        continue
-                    x_off, x_shape = box
-                    src = srcs[s_idx]
-                    slot = _choose(src, rank, host)
-                    loc = source.chunks[slot].location
-                    n = math.prod(x_shape)
-                    pieces.append(
-                        Piece(
-                            source=slot,
-                            src_start=sr.start,
-                            src_rect=sr.shape,
-                            src_sel=tuple(x - o for x, o in zip(x_off, sr.offsets)),
-                            dst=d_idx,
-                            dst_start=dr.start,
-                            dst_rect=dr.shape,
-                            dst_sel=tuple(x - o for x, o in zip(x_off, dr.offsets)),
-                            shape=x_shape,
-                        )
-                    )
-                    bytes_by_file[loc.file] += n * itemsize
-                    covered += n
-            if covered != chunk.numel:
-                raise PlanError(
-                    f"tensor {chunk.key!r}: destination chunk offsets {chunk.offsets} sizes {chunk.shape} "
-                    f"flat {chunk.flat} on rank {rank} is covered {covered} times-elements, expected {chunk.numel}"
-                )
-        out_ranks[rank] = RankPlan(
-            rank=rank,
-            chunks=chunks,
-            pieces=tuple(pieces),
-            fills=tuple(fills),
-            bytes_read=sum(bytes_by_file.values()),
-            bytes_by_file=dict(bytes_by_file),
-        )
+    planner = Planner(source, dst_tensors)
+    unused = planner.check_keys({c.key for chunks in dst_chunks.values() for c in chunks}, strict)
+    out_ranks = {
+        rank: planner.rank_plan(rank, tuple(dst_chunks.get(rank, [])), hosts.get(rank, ""))
+        for rank in sorted(dst_chunks if ranks is None else ranks)
+    }
     return ReshardPlan(sources=source.chunks, ranks=out_ranks, unused_tensors=unused)
 
 

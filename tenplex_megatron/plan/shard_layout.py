@@ -18,7 +18,8 @@ import math
 from dataclasses import replace
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
-from tenplex_megatron.plan.ptc import Chunk, TensorMeta
+from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta, dtype_size
+from tenplex_megatron.plan.writers import Holding, assign_writers
 
 
 def resize_vocab(tensors: dict[str, TensorMeta], padded_vocab: int) -> dict[str, TensorMeta]:
@@ -80,16 +81,20 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
     return [_tp_boxes(t, zeros, shape, layout.tp, tp_rank)]
 
 
-def layout_chunks(
+def layout_holdings(
     tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
-) -> dict[int, list[Chunk]]:
-    """Every rank's chunks at ``layout`` (ranks in megatron-core's order)."""
+) -> dict[int, list[tuple[Chunk, bool]]]:
+    """Every rank's chunks at ``layout`` (megatron-core's rank order), each with megatron's main-replica flag.
+
+    Main: DP rank 0 for DP-replicated chunks, TP rank 0 for TP-replicated ones,
+    never the last stage's copy of a tied embedding.
+    """
     params = {k: t for k, t in tensors.items() if t.param is None}
     states: dict[str, list[TensorMeta]] = {}
     for t in tensors.values():
         if t.param is not None:
             states.setdefault(t.param, []).append(t)
-    out: dict[int, list[Chunk]] = {}
+    out: dict[int, list[tuple[Chunk, bool]]] = {}
     cache: dict[tuple[int, int], dict[str, list[list[tuple]]]] = {}
     for rank in range(layout.world_size):
         tp_rank, pp_rank, dp_rank = layout.rank_coords(rank)
@@ -97,19 +102,51 @@ def layout_chunks(
         if key not in cache:
             cache[key] = {k: _local_params(t, layout, tp_rank, pp_rank) for k, t in sorted(params.items())}
         local = cache[key]
-        chunks: list[Chunk] = []
+        tied_copy = layout.pp > 1 and pp_rank == layout.pp - 1
+
+        def main(t: TensorMeta, dp_replicated: bool, tied_copy=tied_copy, tp_rank=tp_rank, dp_rank=dp_rank) -> bool:
+            if t.tied and tied_copy:
+                return False
+            if t.tp_axis is None and tp_rank != 0:
+                return False
+            return dp_rank == 0 or not dp_replicated
+
+        chunks: list[tuple[Chunk, bool]] = []
         for k, plist in local.items():
+            m = main(params[k], True)
             for boxes in plist:
-                chunks.extend(Chunk(k, off, shp) for off, shp in boxes)
+                chunks.extend((Chunk(k, off, shp), m) for off, shp in boxes)
         if not distributed_optimizer:
             for k, plist in local.items():
                 for st in states.get(k, []):
+                    m = main(st, True)
                     for boxes in plist:
-                        chunks.extend(Chunk(st.key, off, shp) for off, shp in boxes)
+                        chunks.extend((Chunk(st.key, off, shp), m) for off, shp in boxes)
         else:
-            chunks.extend(_dist_opt_chunks(local, states, layout.dp, dp_rank))
+            chunks.extend((c, main(tensors[c.key], False)) for c in _dist_opt_chunks(local, states, layout.dp, dp_rank))
         out[rank] = chunks
     return out
+
+
+def layout_chunks(
+    tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
+) -> dict[int, list[Chunk]]:
+    """Every rank's chunks at ``layout`` (ranks in megatron-core's order)."""
+    return {r: [c for c, _ in hs] for r, hs in layout_holdings(tensors, layout, distributed_optimizer).items()}
+
+
+def source_from_layout(tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool) -> PTC:
+    """The PTC a tenplex save at ``layout`` would write: each main chunk once, writers balanced."""
+    holdings = [
+        Holding(rank, c, main, c.numel * dtype_size(tensors[c.key].dtype))
+        for rank, hs in layout_holdings(tensors, layout, distributed_optimizer).items()
+        for c, main in hs
+    ]
+    writers = assign_writers(holdings)
+    stored = tuple(
+        StoredChunk(c, Location(f"rank_{w:05d}.safetensors", f"{c.key}@{c.offsets}#{c.flat}", w)) for c, w in writers.items()
+    )
+    return PTC(tensors, stored, layout.to_json())
 
 
 def _dist_opt_chunks(

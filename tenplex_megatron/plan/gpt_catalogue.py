@@ -1,0 +1,85 @@
+"""The tensors of a megatron-core GPT job (local layer spec) from its dimensions alone. Pure Python.
+
+Used only for dry-run planning of jobs that have no checkpoint yet (``plan
+--model gpt3-175b``); a real job is always described from megatron-core's own
+metadata. Keys, shapes and sharding facts match what
+``integrations/describe.py`` records for megatron-core 0.16 (the layout model
+is checked against live jobs in tests/dist/test_reshard_matrix.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from tenplex_megatron.plan.ptc import TensorMeta
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "models.json")
+
+
+@dataclass(frozen=True)
+class GPTDims:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int = 50257
+    seq_length: int = 2048
+    ffn_hidden_size: int | None = None
+    swiglu: bool = False
+    tied: bool = True
+    bf16: bool = True
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+
+def load_model(name: str, path: str = CONFIGS) -> GPTDims:
+    """A named model shape from ``configs/models.json``; the error lists the known names."""
+    with open(path) as f:
+        models = json.load(f)["models"]
+    if name not in models:
+        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(models))}")
+    fields = set(GPTDims.__dataclass_fields__)
+    return GPTDims(**{k: v for k, v in models[name].items() if k in fields})
+
+
+def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[str, TensorMeta]:
+    """Model tensors, then Adam moments (and fp32 main weights for bf16) of every parameter."""
+    h, L, f = d.hidden_size, d.num_layers, d.ffn
+    f1 = 2 * f if d.swiglu else f
+    parts = 2 if d.swiglu else 1
+    dt = "bfloat16" if d.bf16 else "float32"
+
+    def layer(name: str, shape: tuple[int, ...], tp_axis: int | None = None, tp_parts: int = 1) -> TensorMeta:
+        return TensorMeta(f"decoder.layers.{name}", (L, *shape), dt, tp_axis=tp_axis, tp_parts=tp_parts, stage="layers")
+
+    params = [
+        TensorMeta("embedding.word_embeddings.weight", (padded_vocab, h), dt, d.vocab_size, 0, 1, "first", d.tied),
+        TensorMeta("embedding.position_embeddings.weight", (d.seq_length, h), dt, stage="first"),
+        layer("self_attention.linear_qkv.layer_norm_weight", (h,)),
+        layer("self_attention.linear_qkv.layer_norm_bias", (h,)),
+        layer("self_attention.linear_qkv.weight", (3 * h, h), 1),
+        layer("self_attention.linear_qkv.bias", (3 * h,), 1),
+        layer("self_attention.linear_proj.weight", (h, h), 2),
+        layer("self_attention.linear_proj.bias", (h,)),
+        layer("mlp.linear_fc1.layer_norm_weight", (h,)),
+        layer("mlp.linear_fc1.layer_norm_bias", (h,)),
+        layer("mlp.linear_fc1.weight", (f1, h), 1, parts),
+        layer("mlp.linear_fc1.bias", (f1,), 1, parts),
+        layer("mlp.linear_fc2.weight", (h, f), 2),
+        layer("mlp.linear_fc2.bias", (h,)),
+        TensorMeta("decoder.final_layernorm.weight", (h,), dt, stage="last"),
+        TensorMeta("decoder.final_layernorm.bias", (h,), dt, stage="last"),
+    ]
+    if not d.tied:
+        params.append(TensorMeta("output_layer.weight", (padded_vocab, h), dt, d.vocab_size, 0, 1, "last"))
+    out = {t.key: t for t in params}
+    if optimizer:
+        states = ["exp_avg", "exp_avg_sq"] + (["fp32_param"] if d.bf16 else [])
+        for t in params:
+            for s in states:
+                k = f"optimizer.state.{s}.{t.key}"
+                out[k] = TensorMeta(k, t.global_shape, "float32", t.vocab_rows, t.tp_axis, t.tp_parts, t.stage, t.tied, t.key)
+    return out
