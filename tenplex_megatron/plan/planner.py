@@ -200,6 +200,7 @@ class _ChunkPlan:
     copies: tuple[tuple[int, Rect, Rect, tuple[int, ...], tuple[int, ...]], ...]  # (source idx, src rect, dst rect, box)
     fills: tuple[tuple[Rect, tuple[int, ...], tuple[int, ...]], ...]
     by_source: tuple[tuple[int, int], ...]  # (source idx, bytes)
+    bytes: int
 
 
 class Planner:
@@ -272,7 +273,9 @@ class Planner:
                 f"tensor {chunk.key!r}: destination chunk offsets {chunk.offsets} sizes {chunk.shape} "
                 f"flat {chunk.flat} is covered by {covered} source elements, expected {chunk.numel}"
             )
-        cp = self._memo[chunk] = _ChunkPlan(chunk.key, tuple(copies), tuple(fills), tuple(sorted(by_source.items())))
+        cp = self._memo[chunk] = _ChunkPlan(
+            chunk.key, tuple(copies), tuple(fills), tuple(sorted(by_source.items())), sum(by_source.values())
+        )
         return cp
 
     def rank_plan(self, rank: int, chunks: tuple[Chunk, ...], host: str = "") -> RankPlan:
@@ -306,15 +309,19 @@ class Planner:
         """(bytes read, bytes read from another node's rank) without building pieces: for large dry runs."""
         total = cross = 0
         node = rank // gpus_per_node if gpus_per_node else None
+        memo = self._memo
         for chunk in chunks:
-            cp = self.chunk_plan(chunk)
-            srcs = self.prepare(chunk.key)[0]
+            cp = memo.get(chunk) or self.chunk_plan(chunk)
+            if node is None:
+                total += cp.bytes
+                continue
+            srcs = self._prepared[chunk.key][0]
             for s_idx, n in cp.by_source:
                 total += n
-                if node is not None:
-                    slot = _choose(srcs[s_idx], rank, host)
-                    if self.source.chunks[slot].location.rank // gpus_per_node != node:
-                        cross += n
+                src = srcs[s_idx]
+                slot = src.slots[0] if len(src.slots) == 1 else _choose(src, rank, host)
+                if self.source.chunks[slot].location.rank // gpus_per_node != node:
+                    cross += n
         return total, cross
 
 

@@ -110,6 +110,13 @@ class Chunk:
     shape: tuple[int, ...]
     flat: tuple[int, int] | None = None
 
+    def __hash__(self) -> int:  # cached: chunks key the planner's memo tables
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.key, self.offsets, self.shape, self.flat))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def box_numel(self) -> int:
         return math.prod(self.shape)

@@ -96,6 +96,7 @@ def layout_holdings(
             states.setdefault(t.param, []).append(t)
     out: dict[int, list[tuple[Chunk, bool]]] = {}
     cache: dict[tuple[int, int], dict[str, list[list[tuple]]]] = {}
+    made: dict[tuple, list] = {}
     for rank in range(layout.world_size):
         tp_rank, pp_rank, dp_rank = layout.rank_coords(rank)
         key = (tp_rank, pp_rank)
@@ -112,17 +113,17 @@ def layout_holdings(
             return dp_rank == 0 or not dp_replicated
 
         chunks: list[tuple[Chunk, bool]] = []
-        for k, plist in local.items():
-            m = main(params[k], True)
-            for boxes in plist:
-                chunks.extend((Chunk(k, off, shp), m) for off, shp in boxes)
-        if not distributed_optimizer:
-            for k, plist in local.items():
-                for st in states.get(k, []):
-                    m = main(st, True)
-                    for boxes in plist:
-                        chunks.extend((Chunk(st.key, off, shp), m) for off, shp in boxes)
-        else:
+        keys = list(local) if not distributed_optimizer else []
+        replicated = [(k, params[k]) for k in local] + [(st.key, st) for k in keys for st in states.get(k, [])]
+        if (key, "chunks") not in made:  # chunk objects shared by the DP replicas of a (TP, PP) rank
+            made[(key, "chunks")] = [
+                (name, [Chunk(name, off, shp) for boxes in local[t.param or name] for off, shp in boxes])
+                for name, t in replicated
+            ]
+        for (_, cs), (_, t) in zip(made[(key, "chunks")], replicated):
+            m = main(t, True)
+            chunks.extend((c, m) for c in cs)
+        if distributed_optimizer:
             chunks.extend((c, main(tensors[c.key], False)) for c in _dist_opt_chunks(local, states, layout.dp, dp_rank))
         out[rank] = chunks
     return out
