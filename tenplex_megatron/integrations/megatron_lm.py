@@ -1,0 +1,201 @@
+"""Hook a Megatron-LM checkout's training loop: ``--tenplex`` checkpoints and a DP-independent data order.
+
+Use (``patches/megatron-lm-core_v0.16.x.patch`` does this in ``pretrain_gpt.py``)::
+
+    from tenplex_megatron.integrations import megatron_lm as tenplex
+    tenplex.install()
+    pretrain(..., extra_args_provider=tenplex.extra_args_provider(previous_provider))
+
+``install`` wraps ``save_checkpoint``, ``load_checkpoint`` and
+``build_pretraining_data_loader`` where ``megatron.training.training`` looks
+them up. With ``--tenplex`` a save goes through tenplex and a load re-shards
+the newest tenplex checkpoint to the restarted job's layout; a ``--load``
+directory holding only a Megatron checkpoint is loaded by Megatron's own
+loader (adoption mid-run), and later saves are tenplex checkpoints. Without
+``--tenplex`` nothing changes. The padded vocabulary follows Megatron's rule
+here (``--make-vocab-size-divisible-by x TP``): when it changes, real rows move
+exactly and new padding rows start at zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenplex_megatron.plan.data_position import microbatch_sample_indices
+from tenplex_megatron.plan.layout import ParallelLayout
+
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+
+
+def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    g = parser.add_argument_group("tenplex")
+    g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-shard on restart)")
+    g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N tenplex checkpoints")
+    g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
+    return parser
+
+
+def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """Chain tenplex's flags after an existing ``extra_args_provider``."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if previous is not None:
+            parser = previous(parser)
+        return add_tenplex_args(parser)
+
+    return provider
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """The parts of Megatron-LM's args that tenplex records and needs."""
+
+    vocab_size: int
+    seed: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "seed": self.seed, **self.args}
+
+
+@dataclass
+class MegatronLMJob:
+    """Megatron-LM's live objects seen through the attributes tenplex's save/load use."""
+
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+    layout: ParallelLayout
+    spec: _Spec
+    padded_vocab_size: int
+    use_distributed_optimizer: bool
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+_RECORDED_ARGS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
+    "make_vocab_size_divisible_by", "swiglu", "untie_embeddings_and_output_weights", "bf16", "global_batch_size",
+    "micro_batch_size", "train_iters", "lr", "min_lr", "seed",
+)
+
+
+def _job(model: list[Any], optimizer: Any, scheduler: Any) -> MegatronLMJob:
+    from megatron.core import mpu
+    from megatron.training import get_args
+
+    args = get_args()
+    if len(model) != 1:
+        raise NotImplementedError("tenplex: virtual (interleaved) pipeline stages are not supported yet")
+    layout = ParallelLayout(
+        mpu.get_tensor_model_parallel_world_size(),
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_data_parallel_world_size(),
+    )
+    vocab = getattr(args, "vocab_size", None)
+    if vocab is None:
+        from megatron.training import get_tokenizer
+
+        vocab = get_tokenizer().vocab_size
+    spec = _Spec(int(vocab), int(args.seed), {k: getattr(args, k, None) for k in _RECORDED_ARGS})
+    return MegatronLMJob(model, optimizer, scheduler, layout, spec, int(args.padded_vocab_size),
+                         bool(args.use_distributed_optimizer))
+
+
+def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: float, *a: Any, **kw: Any) -> None:
+    """Megatron-LM's ``save_checkpoint`` signature; tenplex format when ``--tenplex``."""
+    from megatron.training import get_args, print_rank_0
+
+    args = get_args()
+    if not getattr(args, "tenplex", False) or kw.get("non_persistent_ckpt"):
+        return _ORIGINALS["save_checkpoint"](iteration, model, optimizer, opt_param_scheduler,
+                                             num_floating_point_operations_so_far, *a, **kw)
+    from tenplex_megatron.integrations.checkpoint import save_checkpoint as tenplex_save
+
+    job = _job(model, optimizer, opt_param_scheduler)
+    job.iteration = iteration
+    job.consumed_samples = int(args.consumed_train_samples)
+    res = tenplex_save(job, args.save, extra={"num_floating_point_operations_so_far": num_floating_point_operations_so_far},
+                       keep=args.tenplex_keep)
+    print_rank_0(f"> tenplex: saved iteration {iteration} to {res.path} in {res.seconds:.2f} s")
+
+
+def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, *a: Any, **kw: Any) -> tuple[int, float]:
+    """Megatron-LM's ``load_checkpoint`` signature; re-sharding tenplex load when ``--tenplex``."""
+    from megatron.training import get_args, print_rank_0
+
+    from tenplex_megatron.storage.layout import find_checkpoint
+
+    args = get_args()
+    load_dir = getattr(args, load_arg, None)
+    ckpt = find_checkpoint(load_dir) if (getattr(args, "tenplex", False) and load_dir) else None
+    if ckpt is None:
+        return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
+    from tenplex_megatron.integrations.checkpoint import load_checkpoint as tenplex_load
+    from tenplex_megatron.storage.layout import read_metadata
+
+    job = _job(ddp_model, optimizer, opt_param_scheduler)
+    res = tenplex_load(job, ckpt, verify=not args.tenplex_no_verify)
+    args.consumed_train_samples = job.consumed_samples
+    args.skipped_train_samples = 0
+    flops = float(read_metadata(ckpt).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
+    print_rank_0(
+        f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {res.source_layout} -> {job.layout}, "
+        f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
+    )
+    return res.iteration, flops
+
+
+class TenplexBatchSampler:
+    """Micro-batches of global indices: global batch i is samples [i*G, (i+1)*G), DP rank r reads share r."""
+
+    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
+                 dp_size: int, dp_rank: int):
+        self.total, self.consumed = total_samples, consumed_samples
+        self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
+
+    def __iter__(self) -> Iterator[list[int]]:
+        start = self.consumed - self.consumed % self.gbs
+        while start + self.gbs <= self.total:
+            yield from microbatch_sample_indices(start, self.gbs, self.mbs, self.dp, self.rank)
+            start += self.gbs
+
+    def __len__(self) -> int:
+        return (self.total - self.consumed) // (self.mbs * self.dp)
+
+
+def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
+    """Megatron-LM's data-loader builder; with ``--tenplex``, the DP-independent sampler for training data."""
+    import torch
+    from megatron.core import mpu
+    from megatron.training import get_args
+
+    args = get_args()
+    if dataset is None or not getattr(args, "tenplex", False) or consumed_samples is None:
+        return _ORIGINALS["build_pretraining_data_loader"](dataset, consumed_samples)
+    sampler = TenplexBatchSampler(len(dataset), consumed_samples, args.global_batch_size, args.micro_batch_size,
+                                  mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
+    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
+                                       pin_memory=torch.cuda.is_available(),
+                                       persistent_workers=args.num_workers > 0)
+
+
+def install() -> None:
+    """Wrap Megatron-LM's checkpoint and data-loader functions (idempotent)."""
+    import megatron.training.checkpointing as ckpt_mod
+    import megatron.training.training as train_mod
+
+    if _ORIGINALS:
+        return
+    _ORIGINALS["save_checkpoint"] = ckpt_mod.save_checkpoint
+    _ORIGINALS["load_checkpoint"] = ckpt_mod.load_checkpoint
+    _ORIGINALS["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader
+    for mod in (ckpt_mod, train_mod):
+        mod.save_checkpoint = save_checkpoint
+        mod.load_checkpoint = load_checkpoint
+    train_mod.build_pretraining_data_loader = build_pretraining_data_loader
