@@ -4,7 +4,7 @@ Used only for dry-run planning of jobs that have no checkpoint yet (``plan
 --model gpt3-175b``); a real job is always described from megatron-core's own
 metadata. Keys, shapes and sharding facts match what
 ``integrations/describe.py`` records for megatron-core 0.16 (the layout model
-is checked against live jobs in tests/dist/test_reshard_matrix.py).
+is checked against live jobs in tests/multiproc/test_reshard_matrix.py).
 """
 
 from __future__ import annotations
