@@ -3,7 +3,11 @@
 ``scripts/pretrain_gpt.py`` is a thin wrapper around :func:`main`. Flags keep
 Megatron-LM's names and meanings; an unknown or unsupported flag is an error
 naming it. With ``--tenplex`` checkpoints are saved and loaded through
-tenplex, re-sharded to whatever layout the restarted job has.
+tenplex, re-sharded to whatever layout the restarted job has; without it,
+through megatron-core's dist_checkpointing (torch_dist, fully_reshardable), as
+Megatron-LM does. A ``--load`` directory that holds only a megatron-core
+checkpoint is loaded by megatron-core's loader even with ``--tenplex``
+(adoption mid-run); later saves are then tenplex checkpoints.
 """
 
 from __future__ import annotations
@@ -107,8 +111,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("give --mock-data or --data-path")
     if args.vocab_size is None:
         parser.error("--vocab-size is required (the NullTokenizer / mock data need it)")
-    if (args.save or args.load) and not args.tenplex:
-        parser.error("--save/--load without --tenplex (megatron dist_checkpointing) is not wired in this script yet")
     return args
 
 
@@ -148,12 +150,12 @@ def _print0(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from megatron.core import parallel_state
 
-    from tenplex_megatron.integrations import gpt
+    from tenplex_megatron.integrations import gpt, mcore_dist_ckpt
     from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
     from tenplex_megatron.integrations.synthetic_data import microbatches
     from tenplex_megatron.plan.data_position import microbatch_sample_indices
     from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-    from tenplex_megatron.storage.layout import find_checkpoint, read_metadata
+    from tenplex_megatron.storage.layout import find_checkpoint, find_megatron_checkpoint, read_metadata
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     gpt.init_distributed()
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     layout = ParallelLayout(tp, pp, world // (tp * pp))
     spec = spec_from_args(args)
-    ckpt = find_checkpoint(args.load) if args.load else None
+    ckpt = find_checkpoint(args.load) if (args.load and args.tenplex) else None
     saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
     padded = (
         restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved_padded)
@@ -192,8 +194,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         if args.tenplex_resave:
             save_checkpoint(job, args.tenplex_resave)
+    elif args.load and find_megatron_checkpoint(args.load):
+        mck = find_megatron_checkpoint(args.load)
+        t0 = time.perf_counter()
+        mcore_dist_ckpt.load(job, mck)
+        job.consumed_samples = job.iteration * job.global_batch_size
+        _print0(f"> megatron-core dist_checkpointing: loaded iteration {job.iteration} from {mck} at layout {layout} "
+                f"in {time.perf_counter() - t0:.2f} s" + (" (adopted: later saves are tenplex checkpoints)" if args.tenplex else ""))
     elif args.load:
-        _print0(f"> tenplex: no checkpoint under {args.load}; starting from scratch")
+        _print0(f"> no checkpoint under {args.load}; starting from scratch")
     dp_rank = parallel_state.get_data_parallel_rank()
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
     metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
@@ -235,6 +244,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _save(job: Any, args: argparse.Namespace) -> None:
+    if not args.tenplex:
+        from tenplex_megatron.integrations import mcore_dist_ckpt
+        from tenplex_megatron.storage.layout import TRACKER_FILE, iter_dir_name
+
+        t0 = time.perf_counter()
+        path = os.path.join(args.save, iter_dir_name(job.iteration))
+        mcore_dist_ckpt.save(job, path)
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            with open(os.path.join(args.save, TRACKER_FILE), "w") as f:
+                f.write(str(job.iteration))
+        _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
+                f"in {time.perf_counter() - t0:.2f} s")
+        return
     from tenplex_megatron.integrations.checkpoint import save_checkpoint
 
     res = save_checkpoint(job, args.save, keep=args.tenplex_keep)

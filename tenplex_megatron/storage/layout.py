@@ -52,7 +52,37 @@ def write_json_atomic(path: str, obj: Any) -> None:
 
 
 def is_tenplex_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, METADATA_FILE))
+    """A committed tenplex checkpoint (megatron-core's torch_dist format also writes a metadata.json)."""
+    try:
+        with open(os.path.join(path, METADATA_FILE)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
+
+
+def find_megatron_checkpoint(load: str) -> str | None:
+    """A megatron-core dist_checkpointing checkpoint under ``load`` (tracker, then newest ``iter_*``), if any."""
+    def is_mcore(path: str) -> bool:
+        try:
+            with open(os.path.join(path, METADATA_FILE)) as f:
+                return "sharded_backend" in json.load(f)
+        except (OSError, ValueError, TypeError):
+            return False
+
+    if is_mcore(load):
+        return load
+    tracker = os.path.join(load, TRACKER_FILE)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            text = f.read().strip()
+        if text.isdigit() and is_mcore(os.path.join(load, iter_dir_name(int(text)))):
+            return os.path.join(load, iter_dir_name(int(text)))
+    if os.path.isdir(load):
+        for name in sorted(os.listdir(load), reverse=True):
+            if _ITER_RE.match(name) and is_mcore(os.path.join(load, name)):
+                return os.path.join(load, name)
+    return None
 
 
 def read_metadata(ckpt_dir: str) -> dict[str, Any]:
