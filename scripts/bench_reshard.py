@@ -5,6 +5,7 @@ For each model and transition A -> B it measures, on the same machine and disk:
   mcore     megatron-core dist_checkpointing, torch_dist + fully_reshardable, save at A, load at B;
   central   the Tenplex paper's "Central": rank 0 gathers the whole state from A's
             checkpoint, writes one consolidated copy, then every rank at B reads its part of it;
+tenplex's load is measured with and without checksum verification (its cost),
 plus the raw sequential read bandwidth of the checkpoint files and an in-memory copy of
 the same bytes. Times are medians over --reps repetitions (each the max over ranks,
 between barriers); peak memory is the largest RSS growth of any rank during the
@@ -228,6 +229,9 @@ def run(a: argparse.Namespace) -> dict:
             row["tenplex_save"] = measure("tenplex", "save", model, src, tck, scratch, a)
             row["tenplex_save"]["bytes"] = dir_bytes(tck)
             row["tenplex_load"] = measure("tenplex", "load", model, dst, tck, scratch, a)
+            a.no_verify = True
+            row["tenplex_load_noverify"] = measure("tenplex", "load", model, dst, tck, scratch, a)
+            a.no_verify = False
             row["mcore_save"] = measure("mcore", "save", model, src, mck, scratch, a)
             last = f"{mck}/rep{a.reps - 1}"
             row["mcore_save"]["bytes"] = dir_bytes(last)
@@ -251,7 +255,7 @@ def print_row(r: dict) -> None:
 
     print(f"\n{r['model']}  {r['transition']}  {r['from']} -> {r['to']}")
     print(f"  {'':16} {'time':>10} {'peak RSS+':>12} {'bytes':>12}")
-    for k in ("tenplex_save", "mcore_save", "tenplex_load", "mcore_load", "central_load"):
+    for k in ("tenplex_save", "mcore_save", "tenplex_load", "tenplex_load_noverify", "mcore_load", "central_load"):
         print(f"  {k:16} {f(r[k])}")
     raw = r["raw"]
     print(f"  raw read {raw['read_GBps']:.2f} GB/s, memory copy {raw['copy_GBps']:.2f} GB/s, tenplex load "
@@ -266,6 +270,8 @@ def ratios(report: dict) -> list[str]:
         lines.append(f"RATIO save_time {t} tenplex/mcore = {r['tenplex_save']['seconds'] / r['mcore_save']['seconds']:.2f}")
         lines.append(f"RATIO load_time {t} tenplex/mcore = {r['tenplex_load']['seconds'] / r['mcore_load']['seconds']:.2f}")
         lines.append(f"RATIO load_time {t} tenplex/central = {r['tenplex_load']['seconds'] / r['central_load']['seconds']:.2f}")
+        lines.append(f"RATIO load_time {t} tenplex_verified/tenplex_unverified = "
+                     f"{r['tenplex_load']['seconds'] / r['tenplex_load_noverify']['seconds']:.2f}")
         lines.append(f"RATIO save_mem {t} tenplex/mcore = {r['tenplex_save']['mem_peak'] / max(r['mcore_save']['mem_peak'], 1):.2f}")
         lines.append(f"RATIO load_mem {t} tenplex/mcore = {r['tenplex_load']['mem_peak'] / max(r['mcore_load']['mem_peak'], 1):.2f}")
         lines.append(f"RATIO disk_bytes {t} tenplex/mcore = {r['tenplex_save']['bytes'] / r['mcore_save']['bytes']:.2f}")
@@ -312,7 +318,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128, help="sequence length (shorter than GPT-3's for CPU speed)")
     ap.add_argument("--quick", action="store_true", help="tiny + gpt3-125m, tp2-dp2, 3 repetitions")
-    ap.add_argument("--no-verify", action="store_true", help="tenplex load without checksum verification")
+    ap.add_argument("--no-verify", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--timeout", type=float, default=1200)

@@ -69,6 +69,18 @@ def _tolerate_missing_step() -> None:
     do.DistributedOptimizer._tenplex_step_patch = True
 
 
+def _unshare_steps(optimizer: Any) -> None:
+    """Work around megatron-core 0.16.1 on the CPU: DistributedOptimizer.load_state_dict gives every torch
+    AdamW state the same ``step`` tensor, which torch then increments once per parameter each step (wrong
+    bias correction from the first step after a load). Give each state its own copy."""
+    from tenplex_megatron.integrations.describe import sub_optimizers
+
+    for opt in sub_optimizers(optimizer):
+        for st in opt.optimizer.state.values():
+            if "step" in st:
+                st["step"] = st["step"].clone()
+
+
 def load(job: Any, ckpt_dir: str) -> None:
     """Collective: load a dist_checkpointing checkpoint into ``job`` (any layout), model and optimizer."""
     from megatron.core import dist_checkpointing, parallel_state
@@ -95,5 +107,6 @@ def load(job: Any, ckpt_dir: str) -> None:
     loaded = dist_checkpointing.load(state, ckpt_dir, strategy)
     model.load_state_dict(loaded["model"])
     job.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_steps(job.optimizer)
     job.scheduler.load_state_dict(loaded["scheduler"])
     job.iteration = int(loaded["iteration"])

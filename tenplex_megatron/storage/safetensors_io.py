@@ -170,7 +170,10 @@ class SafetensorsReader:
         numel = math.prod(entry.shape)
         if expect_numel is not None and numel != expect_numel:
             raise CheckpointFileError(f"{self.path}: tensor {name!r} has {numel} elements, metadata says {expect_numel}")
-        return self._buf[entry.begin : entry.end].view(TORCH_DTYPES[entry.dtype])
+        raw = self._buf[entry.begin : entry.end]
+        if entry.begin % DTYPE_SIZES[entry.dtype]:
+            raw = raw.clone()  # a valid but unaligned file: read through a copy instead of a view
+        return raw.view(TORCH_DTYPES[entry.dtype])
 
     def close(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8)
