@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tenplex_megatron.plan.data_position import num_microbatches
 from tenplex_megatron.plan.layout import ModelShape, ParallelLayout, padded_vocab_size
 
 
@@ -128,11 +129,7 @@ def build_job(
 
     world = torch.distributed.get_world_size()
     layout.check_fits(spec.shape(), world_size=world)
-    if global_batch_size % (micro_batch_size * layout.dp):
-        raise ValueError(
-            f"--global-batch-size {global_batch_size} is not divisible by "
-            f"micro-batch-size x DP = {micro_batch_size} x {layout.dp}"
-        )
+    num_microbatches(global_batch_size, micro_batch_size, layout.dp)  # raises naming the valid choices
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
     if padded_vocab % layout.tp or padded_vocab < spec.vocab_size:

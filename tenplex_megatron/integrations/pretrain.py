@@ -175,14 +175,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.tenplex_vocab_padding == "keep"
         else padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp)
     )
-    job = gpt.build_job(
-        spec,
-        layout,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size,
-        padded_vocab=padded,
-    )
+    try:
+        job = gpt.build_job(
+            spec,
+            layout,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size,
+            padded_vocab=padded,
+        )
+    except ValueError as e:  # LayoutError included: the message names the flag or constraint
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
         f"padded vocabulary {padded}")
     if ckpt is not None:

@@ -112,3 +112,19 @@ def test_cli_plan_rejects_layouts(ckpt: str, layout: str, needle: str) -> None:
 def test_cli_names_missing_checkpoint(tmp_path) -> None:
     r = _cli("inspect", str(tmp_path))
     assert r.returncode == 2 and "no complete tenplex checkpoint" in r.stderr
+
+
+def test_global_batch_that_dp_cannot_divide_names_valid_choices(tmp_path) -> None:
+    args = [*TINY_GPT, *MODEL]
+    args[args.index("--micro-batch-size") + 1] = "3"
+    r = torchrun(2, [*args, *layout_flags(1, 1)])
+    assert r.returncode != 0
+    assert "--global-batch-size 8 is not divisible by --micro-batch-size x DP = 3 x 2" in r.log
+    assert "valid micro-batch sizes are [1, 2, 4]" in r.log
+
+
+def test_unsupported_megatron_flag_is_refused(tmp_path) -> None:
+    r = torchrun(1, [*TINY_GPT, *MODEL, "--sequence-parallel"])
+    assert r.returncode != 0 and "Megatron-LM flag --sequence-parallel is not supported" in r.log
+    r = torchrun(1, [*TINY_GPT, *MODEL, "--no-such-flag"])
+    assert r.returncode != 0 and "unknown or unsupported flag(s): --no-such-flag" in r.log
