@@ -113,7 +113,7 @@ class _Grid:
 class _Index:
     """A two-level grid (dimension 0, then dimension 1) over a tensor's source rectangles."""
 
-    def __init__(self, sources: list[_Source]):
+    def __init__(self, sources: list[_Source] | list[_Boxed]):
         self.items: list[tuple[int, Rect]] = [(i, r) for i, s in enumerate(sources) for r in s.rects]
         self.ndim = len(self.items[0][1].offsets) if self.items else 0
         if self.ndim == 0:
@@ -156,19 +156,58 @@ def _unique_sources(chunks: list[tuple[int, StoredChunk]]) -> list[_Source]:
     return sorted(by_chunk.values(), key=lambda s: (s.chunk.offsets, s.chunk.flat_range, s.chunk.shape))
 
 
-def _check_partition(meta: TensorMeta, sources: list[_Source], index: _Index) -> None:
-    """Source chunks of one tensor must be pairwise disjoint and cover it (so copies are exact)."""
-    total = 0
+class _Boxed:
+    """A lone rectangle in the shape _Index expects of a source."""
+
+    __slots__ = ("rects",)
+
+    def __init__(self, rect: Rect):
+        self.rects = [rect]
+
+
+def _boxes(sources: list[_Source]) -> dict[tuple, list[tuple[int, int, int]]]:
+    """Source chunks grouped by their box: sorted (flat start, flat stop, source index) per box."""
+    out: dict[tuple, list[tuple[int, int, int]]] = defaultdict(list)
     for i, s in enumerate(sources):
-        total += s.chunk.numel
-        for r in s.rects:
-            for j, other in index.query(r.offsets, r.end):
-                if j != i and intersect(r.offsets, r.shape, other.offsets, other.shape) is not None:
-                    raise PlanError(
-                        f"tensor {meta.key!r}: source chunks overlap "
-                        f"({s.chunk.offsets}/{s.chunk.shape}/{s.chunk.flat} and "
-                        f"{sources[j].chunk.offsets}/{sources[j].chunk.shape}/{sources[j].chunk.flat})"
-                    )
+        a, b = s.chunk.flat_range
+        out[(s.chunk.offsets, s.chunk.shape)].append((a, b, i))
+    for v in out.values():
+        v.sort()
+    return out
+
+
+def _check_partition(meta: TensorMeta, sources: list[_Source], index: _Index, boxes: dict) -> None:
+    """Source chunks of one tensor must be pairwise disjoint and cover it (so copies are exact).
+
+    Fast path: when the distinct boxes are pairwise disjoint, disjointness reduces to
+    non-overlapping flat intervals inside each box. Otherwise every rectangle pair is checked.
+    """
+    total = sum(s.chunk.numel for s in sources)
+
+    def overlap(i: int, j: int) -> PlanError:
+        a, b = sources[i].chunk, sources[j].chunk
+        return PlanError(
+            f"tensor {meta.key!r}: source chunks overlap ({a.offsets}/{a.shape}/{a.flat} and {b.offsets}/{b.shape}/{b.flat})"
+        )
+
+    box_rects = [Rect(off, shp, 0) for off, shp in boxes]
+    box_index = _Index([_Boxed(r) for r in box_rects])
+    boxes_disjoint = all(
+        j == i or intersect(b.offsets, b.shape, r.offsets, r.shape) is None
+        for i, b in enumerate(box_rects)
+        for j, r in box_index.query(b.offsets, b.end)
+    )
+    if boxes_disjoint:
+        for intervals in boxes.values():
+            for (_, b0, i0), (a1, _, i1) in zip(intervals, intervals[1:]):
+                if a1 < b0:
+                    raise overlap(i0, i1)
+    else:
+        for i, s in enumerate(sources):
+            for r in s.rects:
+                for j, other in index.query(r.offsets, r.end):
+                    if j != i and intersect(r.offsets, r.shape, other.offsets, other.shape) is not None:
+                        raise overlap(i, j)
     if total != meta.numel:
         raise PlanError(
             f"tensor {meta.key!r}: the checkpoint's chunks cover {total} of {meta.numel} elements "
@@ -213,7 +252,9 @@ class Planner:
         for slot, sc in enumerate(source.chunks):
             self._by_key[sc.chunk.key].append((slot, sc))
         self._prepared: dict[str, tuple[list[_Source], _Index, int | None, int]] = {}
+        self._boxes: dict[str, dict[tuple, list[tuple[int, int, int]]]] = {}
         self._memo: dict[Chunk, _ChunkPlan] = {}
+        self._bytes_memo: dict[Chunk, tuple[tuple[int, int], ...]] = {}
 
     def check_keys(self, keys: set[str], strict: bool) -> tuple[str, ...]:
         for key in sorted(keys):
@@ -232,7 +273,8 @@ class Planner:
             meta = self.source.tensors[key]
             srcs = _unique_sources(self._by_key.get(key, []))
             index = _Index(srcs)
-            _check_partition(meta, srcs, index)
+            boxes = self._boxes[key] = _boxes(srcs)
+            _check_partition(meta, srcs, index, boxes)
             got = self._prepared[key] = (srcs, index, _content_limit(meta, self.dst_tensors[key]), dtype_size(meta.dtype))
         return got
 
@@ -305,23 +347,44 @@ class Planner:
                 fills.append(Fill(d_idx, dr.start, dr.shape, sel, shape))
         return RankPlan(rank, chunks, tuple(pieces), tuple(fills), sum(bytes_by_file.values()), dict(bytes_by_file))
 
+    def chunk_bytes(self, chunk: Chunk) -> tuple[tuple[int, int], ...]:
+        """(source index, bytes) read for a destination chunk; flat-interval fast path when the boxes match."""
+        got = self._bytes_memo.get(chunk)
+        if got is not None:
+            return got
+        _, _, limit, itemsize = self.prepare(chunk.key)
+        intervals = self._boxes[chunk.key].get((chunk.offsets, chunk.shape)) if limit is None else None
+        if intervals and sum(b - a for a, b, _ in intervals) == chunk.box_numel:
+            lo, hi = chunk.flat_range
+            got = tuple(
+                (i, (min(b, hi) - max(a, lo)) * itemsize)
+                for a, b, i in intervals[max(bisect.bisect_right(intervals, (lo, float("inf"), 0)) - 1, 0):]
+                if a < hi and b > lo
+            )
+            try:
+                chunk.validate(self.dst_tensors[chunk.key])
+            except PTCError as e:
+                raise PlanError(str(e)) from None
+        else:
+            got = self.chunk_plan(chunk).by_source
+        self._bytes_memo[chunk] = got
+        return got
+
     def rank_bytes(self, rank: int, chunks: list[Chunk], host: str = "", gpus_per_node: int | None = None) -> tuple[int, int]:
         """(bytes read, bytes read from another node's rank) without building pieces: for large dry runs."""
         total = cross = 0
         node = rank // gpus_per_node if gpus_per_node else None
-        memo = self._memo
+        memo = self._bytes_memo
         for chunk in chunks:
-            cp = memo.get(chunk) or self.chunk_plan(chunk)
-            if node is None:
-                total += cp.bytes
-                continue
+            by_source = memo.get(chunk) or self.chunk_bytes(chunk)
             srcs = self._prepared[chunk.key][0]
-            for s_idx, n in cp.by_source:
+            for s_idx, n in by_source:
                 total += n
-                src = srcs[s_idx]
-                slot = src.slots[0] if len(src.slots) == 1 else _choose(src, rank, host)
-                if self.source.chunks[slot].location.rank // gpus_per_node != node:
-                    cross += n
+                if node is not None:
+                    src = srcs[s_idx]
+                    slot = src.slots[0] if len(src.slots) == 1 else _choose(src, rank, host)
+                    if self.source.chunks[slot].location.rank // gpus_per_node != node:
+                        cross += n
         return total, cross
 
 

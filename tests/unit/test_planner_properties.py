@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
-from tenplex_megatron.plan.planner import plan_reshard
+from tenplex_megatron.plan.planner import Planner, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
 from tenplex_megatron.plan.shard_layout import layout_chunks, resize_vocab
 
@@ -134,3 +134,4 @@ def test_plan_is_exact_minimal_and_identical_on_every_rank(
                 filled += int(np.sum(chunk_data(np.arange(meta.numel).reshape(meta.global_shape) // meta.global_shape[1] >= vocab, c)))
             np.testing.assert_array_equal(got, chunk_data(expect, c))
         assert rp.bytes_read == (sum(c.numel for c in rp.chunks) - filled) * 4
+        assert Planner(source, dst_t).rank_bytes(rank, list(rp.chunks), gpus_per_node=2)[0] == rp.bytes_read
