@@ -107,10 +107,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown or unsupported flag(s): {' '.join(unknown)}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if not args.mock_data and not args.data_path:
-        parser.error("give --mock-data or --data-path")
+    if bool(args.mock_data) == bool(args.data_path):
+        parser.error("give exactly one of --mock-data or --data-path")
+    if args.data_path:
+        from tenplex_megatron.integrations.data import ByteTokenizer, check_data_path
+
+        if args.tokenizer_type not in ("ByteLevel", "NullTokenizer"):
+            parser.error(f"--tokenizer-type {args.tokenizer_type} is not supported with --data-path (use ByteLevel)")
+        vocab = ByteTokenizer().vocab_size
+        if args.vocab_size not in (None, vocab):
+            parser.error(f"--vocab-size {args.vocab_size} does not match the byte-level tokenizer's {vocab}")
+        args.vocab_size = vocab
+        try:
+            check_data_path(args.data_path)
+        except ValueError as e:
+            parser.error(str(e))
     if args.vocab_size is None:
-        parser.error("--vocab-size is required (the NullTokenizer / mock data need it)")
+        parser.error("--vocab-size is required with --mock-data")
     return args
 
 
@@ -152,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tenplex_megatron.integrations import gpt, mcore_dist_ckpt
     from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
+    from tenplex_megatron.integrations.data import microbatches_from_dataset
     from tenplex_megatron.integrations.synthetic_data import microbatches
     from tenplex_megatron.plan.data_position import microbatch_sample_indices
     from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
@@ -207,13 +221,23 @@ def main(argv: list[str] | None = None) -> int:
     elif args.load:
         _print0(f"> no checkpoint under {args.load}; starting from scratch")
     dp_rank = parallel_state.get_data_parallel_rank()
+    dataset = None
+    if args.data_path:
+        from tenplex_megatron.integrations.data import build_train_dataset
+
+        dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
+                                      args.train_iters * args.global_batch_size)
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
     metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
     while job.iteration < stop:
         t0 = time.perf_counter()
         start = job.consumed_samples
-        data = microbatches(start, job.global_batch_size, job.micro_batch_size, layout.dp, dp_rank,
-                            spec.seq_length, spec.vocab_size, spec.seed)
+        if dataset is not None:
+            data = microbatches_from_dataset(dataset, start, job.global_batch_size, job.micro_batch_size,
+                                             layout.dp, dp_rank)
+        else:
+            data = microbatches(start, job.global_batch_size, job.micro_batch_size, layout.dp, dp_rank,
+                                spec.seq_length, spec.vocab_size, spec.seed)
         loss = gpt.train_step(job, data)
         dt = (time.perf_counter() - t0) * 1000
         lr = job.optimizer.param_groups[0]["lr"]
