@@ -1,4 +1,4 @@
-"""``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan. Never imports torch.
+"""``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan. Never imports torch (tested).
 
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]
     python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -25,6 +24,8 @@ from tenplex_megatron.plan.layout import (
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.shard_layout import layout_chunks, resize_vocab
+from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.layout import find_checkpoint, read_metadata
 
 
 class CLIError(RuntimeError):
@@ -40,42 +41,15 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
-    # Local import keeps the storage layer (which needs torch for reading tensors) out of this path.
-    ckpt = _find(path)
-    meta_path = os.path.join(ckpt, "metadata.json")
+    ckpt = find_checkpoint(path)
+    if ckpt is None:
+        raise CLIError(f"{path}: no complete tenplex checkpoint here")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise CLIError(f"{meta_path}: missing (not a complete tenplex checkpoint)") from None
-    except json.JSONDecodeError as e:
-        raise CLIError(f"{meta_path}: malformed JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != "tenplex-megatron":
-        raise CLIError(f"{meta_path}: not a tenplex-megatron checkpoint")
-    try:
+        meta = read_metadata(ckpt)
         ptc = PTC.from_json(meta["ptc"])
-    except (PTCError, KeyError) as e:
-        raise CLIError(f"{meta_path}: {e}") from None
+    except (CheckpointFileError, PTCError, KeyError) as e:
+        raise CLIError(f"{ckpt}: {e}") from None
     return ckpt, meta, ptc
-
-
-def _find(path: str) -> str:
-    if os.path.isfile(os.path.join(path, "metadata.json")):
-        return path
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    candidates = []
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        if text.isdigit():
-            candidates.append(os.path.join(path, f"iter_{int(text):07d}"))
-    if os.path.isdir(path):
-        its = sorted(n for n in os.listdir(path) if n.startswith("iter_") and n[5:].isdigit())
-        candidates.extend(os.path.join(path, n) for n in reversed(its))
-    for c in candidates:
-        if os.path.isfile(os.path.join(c, "metadata.json")):
-            return c
-    raise CLIError(f"{path}: no complete tenplex checkpoint here")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -18,7 +18,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-from tenplex_megatron.storage.safetensors_io import CheckpointFileError, fsync_dir, fsync_file
+from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 
 FORMAT_NAME = "tenplex-megatron"
 FORMAT_VERSION = 1

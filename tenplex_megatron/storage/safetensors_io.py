@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES
+from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file  # noqa: F401 (re-exported)
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
@@ -37,10 +38,6 @@ ST_DTYPES = {
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 
-class CheckpointFileError(RuntimeError):
-    """A checkpoint file that is missing, truncated or malformed; the message names it."""
-
-
 def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -51,22 +48,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     begin: int  # absolute byte offset in the file
     end: int
-
-
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def crc32(t: torch.Tensor) -> int:

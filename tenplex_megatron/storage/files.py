@@ -1,0 +1,25 @@
+"""File primitives of the checkpoint format that need no torch: the error type and fsync helpers."""
+
+from __future__ import annotations
+
+import os
+
+
+class CheckpointFileError(RuntimeError):
+    """A checkpoint file that is missing, truncated or malformed; the message names it."""
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
