@@ -56,7 +56,7 @@ def is_tenplex_checkpoint(path: str) -> bool:
     try:
         with open(os.path.join(path, METADATA_FILE)) as f:
             meta = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
@@ -67,7 +67,7 @@ def find_megatron_checkpoint(load: str) -> str | None:
         try:
             with open(os.path.join(path, METADATA_FILE)) as f:
                 return "sharded_backend" in json.load(f)
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError, TypeError, RecursionError):
             return False
 
     if is_mcore(load):
@@ -93,7 +93,7 @@ def read_metadata(ckpt_dir: str) -> dict[str, Any]:
             meta = json.load(f)
     except FileNotFoundError:
         raise CheckpointFileError(f"{path}: missing (not a complete tenplex checkpoint)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointFileError(f"{path}: malformed JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CheckpointFileError(f"{path}: not a {FORMAT_NAME} metadata file")
@@ -118,7 +118,7 @@ def committed_iterations(save: str) -> list[int]:
 
 def find_checkpoint(load: str, iteration: int | None = None) -> str | None:
     """The directory to load: ``load`` itself if it is one, else the tracker's or the newest complete one."""
-    if is_tenplex_checkpoint(load):
+    if is_tenplex_checkpoint(load) and not os.path.normpath(load).endswith(PARTIAL_SUFFIX):
         return load
     if iteration is not None:
         path = os.path.join(load, iter_dir_name(iteration))

@@ -104,7 +104,7 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], int]:
         raise CheckpointFileError(f"{path}: file is missing") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deeply nested JSON
         raise CheckpointFileError(f"{path}: malformed safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointFileError(f"{path}: safetensors header is not a JSON object")
@@ -117,7 +117,7 @@ def read_header(path: str) -> tuple[dict[str, TensorEntry], int]:
             dtype = ST_DTYPES[info["dtype"]]
             shape = tuple(int(x) for x in info["shape"])
             begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
             raise CheckpointFileError(f"{path}: tensor {name!r}: malformed header entry ({e})") from None
         if any(s < 0 for s in shape) or begin < 0 or end < begin:
             raise CheckpointFileError(f"{path}: tensor {name!r}: invalid shape or offsets")
