@@ -107,19 +107,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown or unsupported flag(s): {' '.join(unknown)}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.data_path is not None and not args.data_path:
+        parser.error("--data-path needs at least one dataset prefix")
     if bool(args.mock_data) == bool(args.data_path):
         parser.error("give exactly one of --mock-data or --data-path")
-    if args.data_path:
-        from tenplex_megatron.integrations.data import ByteTokenizer, check_data_path
+    # --data-path reads byte-level datasets (scripts/build_dataset.py): the vocabulary is the byte-level
+    # tokenizer's 257, for --tokenizer-type ByteLevel too; an explicit other --vocab-size is an error.
+    if args.data_path and args.tokenizer_type not in ("ByteLevel", "NullTokenizer"):
+        parser.error(f"--tokenizer-type {args.tokenizer_type} is not supported with --data-path (use ByteLevel)")
+    if args.data_path or args.tokenizer_type == "ByteLevel":
+        from tenplex_megatron.integrations.data import BYTE_VOCAB_SIZE, check_data_path
 
-        if args.tokenizer_type not in ("ByteLevel", "NullTokenizer"):
-            parser.error(f"--tokenizer-type {args.tokenizer_type} is not supported with --data-path (use ByteLevel)")
-        vocab = ByteTokenizer().vocab_size
-        if args.vocab_size not in (None, vocab):
-            parser.error(f"--vocab-size {args.vocab_size} does not match the byte-level tokenizer's {vocab}")
-        args.vocab_size = vocab
+        if args.vocab_size not in (None, BYTE_VOCAB_SIZE):
+            parser.error(f"--vocab-size {args.vocab_size} does not match the byte-level tokenizer's vocabulary of "
+                         f"{BYTE_VOCAB_SIZE} (used by --data-path and --tokenizer-type ByteLevel): leave it out")
+        args.vocab_size = BYTE_VOCAB_SIZE
+    if args.data_path:
         try:
-            check_data_path(args.data_path)
+            check_data_path(args.data_path)  # on every rank, before torch.distributed starts
         except ValueError as e:
             parser.error(str(e))
     if args.vocab_size is None:
@@ -222,11 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         _print0(f"> no checkpoint under {args.load}; starting from scratch")
     dp_rank = parallel_state.get_data_parallel_rank()
     dataset = None
-    if args.data_path:
-        from tenplex_megatron.integrations.data import build_train_dataset
+    if args.data_path:  # megatron-core's GPTDataset, built once on every rank (rank 0 first); read by global index
+        from tenplex_megatron.integrations.data import ByteTokenizer, build_train_dataset
 
-        dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
-                                      args.train_iters * args.global_batch_size)
+        t0 = time.perf_counter()
+        try:
+            dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
+                                          args.train_iters * args.global_batch_size, ByteTokenizer())
+        except ValueError as e:
+            raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
+        _print0(f"> tenplex-megatron: --data-path {' '.join(args.data_path)}: GPTDataset train split, "
+                f"{len(dataset)} samples of {spec.seq_length} tokens (byte-level tokenizer, vocabulary "
+                f"{spec.vocab_size}), built in {time.perf_counter() - t0:.2f} s")
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
     metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
     while job.iteration < stop:
