@@ -18,25 +18,9 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron.integrations.ptc_checkpoint import LocalChunk, tensor_table
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
-
-
-@dataclass
-class LocalChunk:
-    """A chunk this rank holds and the live tensor behind it."""
-
-    meta: TensorMeta
-    chunk: Chunk
-    data: torch.Tensor
-    main: bool
-
-    def flat_view(self) -> torch.Tensor | None:
-        """A writable 1-D view of the chunk's elements, or None if the tensor is not contiguous."""
-        t = self.data
-        if t.numel() != self.chunk.numel:
-            raise PTCError(f"tensor {self.chunk.key!r}: local data has {t.numel()} elements, chunk {self.chunk.numel}")
-        return t.view(-1) if t.is_contiguous() else None
 
 
 def unwrap(module: Any) -> Any:
@@ -228,9 +212,4 @@ def describe_job(job: Any) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
             chunks.extend(_dist_optimizer_chunks(opt, model_sd, ctx))
         else:
             chunks.extend(_plain_optimizer_chunks(opt, model_sd, ctx))
-    tensors: dict[str, TensorMeta] = {}
-    for lc in chunks:
-        prev = tensors.setdefault(lc.meta.key, lc.meta)
-        if prev != lc.meta:
-            raise PTCError(f"tensor {lc.meta.key!r}: inconsistent metadata {prev} vs {lc.meta}")
-    return tensors, chunks
+    return tensor_table(chunks), chunks

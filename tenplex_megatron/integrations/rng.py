@@ -27,18 +27,19 @@ def _unb64(s: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
-def capture() -> dict[str, Any]:
-    """This rank's RNG states, JSON-serialisable."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
+def capture(tracker: bool = True) -> dict[str, Any]:
+    """This rank's RNG states, JSON-serialisable (``tracker``: with megatron-core's model-parallel streams)."""
     py = random.getstate()
     npst = np.random.get_state()
     state: dict[str, Any] = {
         "python": [py[0], list(py[1]), py[2]],
         "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
         "torch": _b64(torch.get_rng_state()),
-        "tracker": {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()},
     }
+    if tracker:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        state["tracker"] = {k: _b64(v) for k, v in get_cuda_rng_tracker().get_states().items()}
     if torch.cuda.is_available():
         state["cuda"] = _b64(torch.cuda.get_rng_state())
     return state
@@ -46,8 +47,6 @@ def capture() -> dict[str, Any]:
 
 def restore(state: dict[str, Any]) -> None:
     """Put back exactly what :func:`capture` returned."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     n = state["numpy"]
@@ -55,15 +54,19 @@ def restore(state: dict[str, Any]) -> None:
     torch.set_rng_state(_unb64(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(_unb64(state["cuda"]))
-    get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
+    if "tracker" in state:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states({k: _unb64(v) for k, v in state["tracker"].items()})
 
 
-def reseed(seed: int, iteration: int) -> None:
+def reseed(seed: int, iteration: int, tracker: bool = True) -> None:
     """The changed-layout policy: deterministic fresh streams from (seed, iteration)."""
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
     s = seed + 7919 * iteration
     random.seed(s)
     np.random.seed(s % (2**32))
     torch.manual_seed(s)
-    model_parallel_cuda_manual_seed(s)
+    if tracker:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(s)
