@@ -33,9 +33,9 @@ SEQ = 16
 VOCAB = 96
 
 
-def build(args: argparse.Namespace, universal: bool = False) -> deepspeed.DeepSpeedEngine:
+def build(args: argparse.Namespace, universal: bool = False, n_embd: int = 32) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(1234)  # same initial weights everywhere (a load overwrites them anyway)
-    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
+    cfg = GPT2Config(n_layer=2, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)
@@ -89,9 +89,47 @@ def full_state(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return out
 
 
+class NotDeepSpeed:
+    """Stands for any class a hostile or foreign pickle may name."""
+
+
+def bad_inputs(args: argparse.Namespace) -> dict[str, str]:
+    """Loads that must fail with an error naming the file or tensor, leaving the engine untouched."""
+    import shutil
+
+    out: dict[str, str] = {}
+    work = os.path.join(os.path.dirname(args.out), "bad")
+    engine = build(args)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    def attempt(name: str, eng: deepspeed.DeepSpeedEngine, path: str) -> None:
+        try:
+            tds.load_checkpoint(eng, path)
+            out[name] = "NO ERROR"
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            out[name] = f"{type(e).__name__}: {e}"
+
+    missing = os.path.join(work, "missing")
+    shutil.copytree(args.ds_dir, missing)
+    os.remove(os.path.join(missing, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+    attempt("missing_rank_file", engine, missing)
+    hostile = os.path.join(work, "hostile")
+    shutil.copytree(args.ds_dir, hostile)
+    torch.save({"optimizer_state_dict": NotDeepSpeed()},
+               os.path.join(hostile, "global_step3", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    attempt("foreign_pickle", engine, hostile)
+    other = build(args, n_embd=16)
+    attempt("other_model_native", other, args.ds_dir)
+    attempt("other_model_tenplex", other, args.tenplex_dir)
+    out["untouched"] = str(all(torch.equal(before[n], p) for n, p in engine.module.named_parameters()))
+    out["step_file"] = os.path.join(missing, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    out["hostile_file"] = os.path.join(hostile, "global_step3", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "resume"])
+    ap.add_argument("mode", choices=["train", "resume", "bad"])
     ap.add_argument("--stage", type=int, required=True)
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--steps", type=int, default=6)
@@ -104,7 +142,9 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     r = dist.get_rank()
     result: dict = {"losses": {}}
-    if args.mode == "train":
+    if args.mode == "bad":
+        result = bad_inputs(args)
+    elif args.mode == "train":
         engine = build(args)
         for step in range(1, args.steps + 1):
             result["losses"][step] = train_step(engine, step)

@@ -86,3 +86,54 @@ def test_zero_reshard_equals_deepspeed_universal_route(tmp_path_factory, stage, 
     assert b["native_next_loss"] == b["universal_next_loss"]  # same state, same DP size: bit-identical step
     for step in ("4", "5", "6"):
         assert b["losses"][step] == pytest.approx(a["losses"][step], rel=tol), (step, a["losses"], b["losses"])
+
+
+PIPE_RUNNER = os.path.join(ROOT, "tests", "multiproc", "ds_pipe_run.py")
+
+
+def _stage_dumps(out: str, nproc: int) -> list[dict]:
+    return [_load(f"{out}.rank{r}.json") for r in range(nproc)]
+
+
+@pytest.mark.parametrize("src,dst", [((2, 2), (1, 1)), ((2, 2), (1, 2)), ((1, 1), (2, 2))],
+                         ids=["pp2-to-pp1", "pp2-to-pp1xdp2", "pp1-to-pp2"])
+def test_pipeline_module_reshard_to_another_pp_size(tmp_path, src, dst) -> None:
+    """PipelineModule with a tied embedding (ZeRO-1): every stage's fp32 master and Adam moments after the load
+    equal those at save time (a tied module's copy is taken from its lowest stage), and losses continue."""
+    (spp, sn), (dpp, dn) = src, dst
+    ck, a_out, b_out = str(tmp_path / "ck"), str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    run = torchrun(sn, ["train", "--pp", str(spp), "--tenplex-dir", ck, "--out", a_out], script=PIPE_RUNNER)
+    assert run.returncode == 0, run.log[-4000:]
+    run = torchrun(dn, ["resume", "--pp", str(dpp), "--tenplex-dir", ck, "--out", b_out], script=PIPE_RUNNER)
+    assert run.returncode == 0, run.log[-4000:]
+    want: dict = {}
+    for d in sorted(_stage_dumps(a_out, sn), key=lambda d: d["stage"]):
+        for k, v in d.items():
+            want.setdefault(k, v)
+    for d in _stage_dumps(b_out, dn):
+        got = {k: v for k, v in d.items() if k != "stage" and not k.startswith("lp.")}
+        assert got, "a stage with no parameters"
+        bad = [k for k in got if got[k] != want[k]]
+        assert not bad, f"stage {d['stage']}: {len(bad)} tensors differ from the state at save, e.g. {bad[:3]}"
+    a, b = _load(a_out), _load(b_out)
+    assert b["load"] == {"global_steps": 3, "source": {"tp": 1, "pp": spp, "dp": sn // spp, "zero_stage": 1}}
+    for step in ("4", "5", "6"):
+        assert b["losses"][step] == pytest.approx(a["losses"][step], rel=2e-6), (step, a["losses"], b["losses"])
+
+
+def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(tmp_path_factory) -> None:
+    """A missing rank file, a pickle naming a foreign class, another model's checkpoint (DeepSpeed's own files
+    and tenplex's): each fails with an error naming the file or parameter, and the engine is left untouched."""
+    d = _train(str(tmp_path_factory.getbasetemp()), 2, 2, False)
+    out = os.path.join(str(tmp_path_factory.mktemp("bad")), "o.json")
+    run = torchrun(1, ["bad", "--stage", "2", "--tenplex-dir", f"{d}/t", "--ds-dir", f"{d}/d", "--out", out],
+                   script=RUNNER)
+    assert run.returncode == 0, run.log[-4000:]
+    r = _load(out)
+    assert f"{r['step_file']}: missing (the checkpoint was written by 2 DP ranks)" in r["missing_rank_file"]
+    assert r["hostile_file"] in r["foreign_pickle"] and "NotDeepSpeed" in r["foreign_pickle"]
+    assert "trust_pickles=True" in r["foreign_pickle"]
+    for key in ("other_model_native", "other_model_tenplex"):
+        assert "parameter 'transformer.h.0.attn.c_attn.bias' has shape [96] in the checkpoint, [48] in the engine" \
+            in r[key], r[key]
+    assert r["untouched"] == "True"

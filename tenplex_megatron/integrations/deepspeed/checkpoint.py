@@ -117,8 +117,8 @@ def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | N
                     keep: int | None = None) -> SaveResult:
     """Collective: write the engine's full state under ``save_dir/iter_NNNNNNN`` (N = global steps) and commit it."""
     lay, chunks = describe_engine(engine)
-    skip = tied_copies(engine, lay)  # a pipeline's tied weights: only the lowest stage's optimizer state is written
-    chunks = [lc for lc in chunks if lc.meta.param not in skip]
+    skip = tied_copies(engine, lay)  # a pipeline's tied modules: only the lowest stage's copy is written
+    chunks = [lc for lc in chunks if (lc.meta.param or lc.meta.key.removeprefix("model.")) not in skip]
 
     def metadata(infos: list[dict[str, Any]]) -> dict[str, Any]:
         return engine_metadata(engine, lay, infos, client_state)

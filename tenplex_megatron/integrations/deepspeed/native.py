@@ -22,6 +22,7 @@ import glob
 import math
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,9 +90,10 @@ def read_pickle(path: str, trust_pickles: bool = False) -> dict[str, Any]:
         with torch.serialization.safe_globals(_safe_globals()):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        why = f"it names {found.group(1)}, not a DeepSpeed checkpoint class" if found else type(e).__name__
         raise CheckpointFileError(
-            f"{path}: cannot be read with torch.load(weights_only=True) ({first}); "
+            f"{path}: cannot be read with torch.load(weights_only=True) ({why}); "
             "pass trust_pickles=True to unpickle it fully, only if you trust where it came from") from None
     except (RuntimeError, OSError, EOFError) as e:
         raise CheckpointFileError(f"{path}: not a readable DeepSpeed checkpoint file ({e})") from None
