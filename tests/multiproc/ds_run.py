@@ -48,6 +48,8 @@ def build(args: argparse.Namespace, universal: bool = False, n_embd: int = 32) -
         "zero_optimization": {"stage": args.stage},
         "bf16": {"enabled": args.bf16},
         "gradient_clipping": 1.0,
+        "scheduler": {"type": "WarmupLR",  # the LR schedule must continue across the restart too
+                      "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 5}},
         "steps_per_print": 10**9,
     }
     if universal:
