@@ -4,13 +4,15 @@
 tenplex checkpoint after step K; records each step's loss. ``resume``: loads
 it at this run's PP/DP and trains the remaining steps. Every rank dumps its
 stage's full fp32 master weights and Adam moments (DeepSpeed's own
-``safe_get_full_*``) into ``OUT.rank<r>.json`` right after the save or load.
+``safe_get_full_*``) into ``OUT.rank<r>.json`` right after the save or load;
+with ``--universal``, also after DeepSpeed's own route (``ds_to_universal`` output, universal load).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import deepspeed
 import deepspeed.ops
@@ -50,7 +52,7 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
 
 
-def build(pp: int) -> deepspeed.DeepSpeedEngine:
+def build(pp: int, universal: bool = False) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(1234)
     layers = [TiedLayerSpec("embed", Embed, tied_weight_attr="wte.weight"), *[LayerSpec(Block) for _ in range(4)],
               LayerSpec(nn.LayerNorm, HIDDEN), TiedLayerSpec("embed", Embed, forward_fn=_head,
@@ -61,6 +63,8 @@ def build(pp: int) -> deepspeed.DeepSpeedEngine:
     conf = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": MICRO,
             "gradient_accumulation_steps": GLOBAL_BATCH // (dp * MICRO), "zero_optimization": {"stage": 1},
             "steps_per_print": 10**9}
+    if universal:
+        conf["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=conf)
     return engine
 
@@ -102,11 +106,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-after", type=int, default=3)
     ap.add_argument("--tenplex-dir", required=True)
+    ap.add_argument("--ds-dir", default=None, help="train: also save DeepSpeed's own checkpoint here")
+    ap.add_argument("--universal", default=None, help="resume: also load this ds_to_universal output (dumped to OUT.univ)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    engine = build(args.pp)
     result: dict = {"losses": {}}
+    if args.universal:  # DeepSpeed's own route, for comparison
+        ref = build(args.pp, universal=True)
+        ref.load_checkpoint(os.path.dirname(args.universal), tag=os.path.basename(args.universal))
+        dump(ref, f"{args.out}.univ")
+        result["universal_next_loss"] = step(ref, int(ref.global_steps) + 1)
+        del ref
+    engine = build(args.pp)
     first = 1
     if args.mode == "resume":
         lr = tds.load_checkpoint(engine, args.tenplex_dir)
@@ -117,6 +129,8 @@ def main() -> None:
         result["losses"][i] = step(engine, i)
         if args.mode == "train" and i == args.save_after:
             tds.save_checkpoint(engine, args.tenplex_dir)
+            if args.ds_dir:
+                engine.save_checkpoint(args.ds_dir)
             dump(engine, args.out)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:

@@ -99,12 +99,26 @@ def _stage_dumps(out: str, nproc: int) -> list[dict]:
                          ids=["pp2-to-pp1", "pp2-to-pp1xdp2", "pp1-to-pp2"])
 def test_pipeline_module_reshard_to_another_pp_size(tmp_path, src, dst) -> None:
     """PipelineModule with a tied embedding (ZeRO-1): every stage's fp32 master and Adam moments after the load
-    equal those at save time (a tied module's copy is taken from its lowest stage), and losses continue."""
+    equal those at save time (a tied module's copy is taken from its lowest stage), and losses continue.
+    At PP2->PP1 DeepSpeed's own route is run too: it agrees everywhere except on the tied module's untied
+    parameter (the position embedding), which it takes from the last stage's drifted, unused copy."""
     (spp, sn), (dpp, dn) = src, dst
     ck, a_out, b_out = str(tmp_path / "ck"), str(tmp_path / "a.json"), str(tmp_path / "b.json")
-    run = torchrun(sn, ["train", "--pp", str(spp), "--tenplex-dir", ck, "--out", a_out], script=PIPE_RUNNER)
+    ds = str(tmp_path / "ds")
+    universal = spp == 2 and dn == 1
+    run = torchrun(sn, ["train", "--pp", str(spp), "--tenplex-dir", ck, "--out", a_out,
+                        *(["--ds-dir", ds] if universal else [])], script=PIPE_RUNNER)
     assert run.returncode == 0, run.log[-4000:]
-    run = torchrun(dn, ["resume", "--pp", str(dpp), "--tenplex-dir", ck, "--out", b_out], script=PIPE_RUNNER)
+    extra = []
+    if universal:
+        conv = subprocess.run(
+            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", f"{ds}/global_step3",
+             "--output_folder", f"{ds}/global_step3_universal", "--inject_missing_state",
+             "--num_extract_workers", "1", "--num_merge_workers", "1"],
+            capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+        assert conv.returncode == 0, (conv.stdout + conv.stderr)[-4000:]
+        extra = ["--universal", f"{ds}/global_step3_universal"]
+    run = torchrun(dn, ["resume", "--pp", str(dpp), "--tenplex-dir", ck, "--out", b_out, *extra], script=PIPE_RUNNER)
     assert run.returncode == 0, run.log[-4000:]
     want: dict = {}
     for d in sorted(_stage_dumps(a_out, sn), key=lambda d: d["stage"]):
@@ -119,21 +133,8 @@ def test_pipeline_module_reshard_to_another_pp_size(tmp_path, src, dst) -> None:
     assert b["load"] == {"global_steps": 3, "source": {"tp": 1, "pp": spp, "dp": sn // spp, "zero_stage": 1}}
     for step in ("4", "5", "6"):
         assert b["losses"][step] == pytest.approx(a["losses"][step], rel=2e-6), (step, a["losses"], b["losses"])
-
-
-def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(tmp_path_factory) -> None:
-    """A missing rank file, a pickle naming a foreign class, another model's checkpoint (DeepSpeed's own files
-    and tenplex's): each fails with an error naming the file or parameter, and the engine is left untouched."""
-    d = _train(str(tmp_path_factory.getbasetemp()), 2, 2, False)
-    out = os.path.join(str(tmp_path_factory.mktemp("bad")), "o.json")
-    run = torchrun(1, ["bad", "--stage", "2", "--tenplex-dir", f"{d}/t", "--ds-dir", f"{d}/d", "--out", out],
-                   script=RUNNER)
-    assert run.returncode == 0, run.log[-4000:]
-    r = _load(out)
-    assert f"{r['step_file']}: missing (the checkpoint was written by 2 DP ranks)" in r["missing_rank_file"]
-    assert r["hostile_file"] in r["foreign_pickle"] and "NotDeepSpeed" in r["foreign_pickle"]
-    assert "trust_pickles=True" in r["foreign_pickle"]
-    for key in ("other_model_native", "other_model_tenplex"):
-        assert "parameter 'transformer.h.0.attn.c_attn.bias' has shape [96] in the checkpoint, [48] in the engine" \
-            in r[key], r[key]
-    assert r["untouched"] == "True"
+    if universal:
+        ours, theirs = _load(f"{b_out}.rank0.json"), _load(f"{b_out}.univ.rank0.json")
+        differ = sorted(k for k in ours if k != "stage" and ours[k] != theirs[k])
+        assert all(".wpe." in k for k in differ), differ  # everything else: bit for bit DeepSpeed's route
+        assert "fp32.tied_modules.embed.wte.weight" not in differ
