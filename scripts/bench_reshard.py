@@ -1,25 +1,39 @@
 """Re-sharding benchmark: tenplex against megatron-core dist_checkpointing and a centralized baseline, same run.
 
-For each model and transition A -> B it measures, on the same machine and disk:
-  tenplex   save at A (every rank writes its own chunks), load-with-reshard at B;
-  mcore     megatron-core dist_checkpointing, torch_dist + fully_reshardable, save at A, load at B;
-  central   the Tenplex paper's "Central": rank 0 gathers the whole state from A's
-            checkpoint, writes one consolidated copy, then every rank at B reads its part of it;
-tenplex's load is measured with and without checksum verification (its cost),
-plus the raw sequential read bandwidth of the checkpoint files and an in-memory copy of
-the same bytes. Times are medians over --reps repetitions (each the max over ranks,
-between barriers); peak memory is the largest RSS growth of any rank during the
-operation. Output: a table, `RATIO <metric> <transition> tenplex/<peer> = X.XX` lines
-(below 1: tenplex is better), a JSON file and a PNG plot.
+For each model (shapes from configs/models.json) and transition A -> B it
+launches two torchrun jobs on this machine: one at layout A that trains one
+step (so optimizer state exists) and then saves with every system, one at
+layout B that loads with every system. Systems:
+  tenplex   every rank writes its own chunks; every rank at B reads only what it needs
+            (``tenplex_noverify``: the same load without checksum verification);
+  mcore     megatron-core dist_checkpointing, torch_dist + fully_reshardable, fully
+            parallel save/load wrappers (integrations/mcore_dist_ckpt.py, as Megatron-LM);
+  central   the Tenplex paper's "Central": rank 0 gathers every tensor at A and writes one
+            file; at B every rank reads that whole file and slices its part out of it.
+Repetitions run round-robin over the systems (the order rotates each repetition).
+Each figure is timed inside the workers around the save/load call only, between
+barriers; a repetition's time is the max over ranks and the table shows the
+median. Peak RSS is sampled (psutil) during the call on every rank; "growth" is
+that peak minus the RSS just before. After the last load of each system the
+state is checked: the model and optimizer are zeroed before that load, and
+afterwards one more training step and one forward pass must reproduce the
+losses the job at A got (within 1e-4 relative; only reduction order differs).
 
-    python scripts/bench_reshard.py --quick            # tiny + gpt3-125m, one transition, 2 CPU cores
-    python scripts/bench_reshard.py --models gpt3-125m gpt3-350m --transitions tp2-dp2 dp2-tp2
+Prints a table, then `RATIO <metric> <model>:<transition> tenplex/<peer> = X.XX`
+lines (below 1: tenplex is better), writes JSON (--out) and a PNG (next to it)
+if matplotlib is importable.
+
+    python scripts/bench_reshard.py --quick                    # tiny + gpt3-125m, tp2-dp2, 3 reps
+    python scripts/bench_reshard.py --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
+import math
 import os
 import shutil
 import statistics
@@ -28,137 +42,319 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-TRANSITIONS = {  # name: ((tp, pp, dp) at A, (tp, pp, dp) at B)
+TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  # (tp, pp, dp) at A, at B
     "tp2-dp2": ((2, 1, 1), (1, 1, 2)),
     "dp2-tp2": ((1, 1, 2), (2, 1, 1)),
     "tp2-pp2": ((2, 1, 1), (1, 2, 1)),
+    "pp2-tp2": ((1, 2, 1), (2, 1, 1)),
     "dp2-dp1": ((1, 1, 2), (1, 1, 1)),
 }
+SAVE_SYSTEMS = ("tenplex", "mcore", "central")
+LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "central")
+CHECK_RTOL = 1e-4
 
 
 # ----------------------------------------------------------------------------------------------- worker
 
 
 class PeakRSS:
-    """Largest RSS growth of this process while the block runs (sampled every 2 ms)."""
+    """This process's RSS just before the block and its peak during it (sampled every 5 ms by a thread)."""
 
     def __enter__(self) -> PeakRSS:
         import psutil
 
-        self.proc = psutil.Process()
-        self.base = self.peak = self.proc.memory_info().rss
-        self.stop = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self._proc = psutil.Process()
+        self.before = self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
         return self
 
     def _run(self) -> None:
-        while not self.stop:
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.002)
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
 
     def __exit__(self, *exc: object) -> None:
-        self.stop = True
-        self.thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
 
-    @property
-    def growth(self) -> int:
-        return self.peak - self.base
+
+def _release_memory() -> None:
+    """Return freed heap pages to the OS so the next call's RSS baseline is not lowered by the previous one."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + s) for o, s in zip(offsets, shape))
+
+
+def central_save(job: Any, path: str) -> int:
+    """Collective: gather every distinct chunk to rank 0 (gloo/NCCL send-recv), assemble full tensors, write one
+    safetensors file (fsynced, like tenplex's writer) plus a JSON of the non-tensor state. Returns bytes written."""
+    import torch
+    import torch.distributed as dist
+
+    from tenplex_megatron.execute.collective import all_gather_json
+    from tenplex_megatron.integrations.describe import describe_job
+    from tenplex_megatron.integrations.optimizer_state import optimizer_state_json
+    from tenplex_megatron.storage.safetensors_io import write_safetensors
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tensors, chunks = describe_job(job)
+    mine = [[c.chunk.key, list(c.chunk.offsets), list(c.chunk.shape), list(c.chunk.flat) if c.chunk.flat else None,
+             c.data.numel() * c.data.element_size()] for c in chunks]
+    gathered = all_gather_json({"chunks": mine, "tensors": {k: [list(m.global_shape), m.dtype] for k, m in tensors.items()}})
+    owner: dict[str, tuple[int, int]] = {}
+    for r, g in enumerate(gathered):
+        for i, c in enumerate(g["chunks"]):
+            owner.setdefault(json.dumps(c[:4]), (r, i))
+
+    def sent_by(r: int) -> list[int]:
+        return [i for i, c in enumerate(gathered[r]["chunks"]) if owner[json.dumps(c[:4])] == (r, i)]
+
+    size = 0
+    if rank != 0:
+        idx = sent_by(rank)
+        if idx:
+            dist.send(torch.cat([chunks[i].data.detach().reshape(-1).view(torch.uint8) for i in idx]), 0)
+    else:
+        meta = {k: v for g in gathered for k, v in g["tensors"].items()}
+        full = {k: torch.empty(shape, dtype=getattr(torch, dt)) for k, (shape, dt) in meta.items()}
+        staging: dict[str, torch.Tensor] = {}
+        for r in range(world):
+            idx = sent_by(r)
+            if not idx:
+                continue
+            if r == 0:
+                pieces = [chunks[i].data.detach().reshape(-1).cpu() for i in idx]
+            else:
+                nbytes = [gathered[r]["chunks"][i][4] for i in idx]
+                buf = torch.empty(sum(nbytes), dtype=torch.uint8, device=chunks[0].data.device)
+                dist.recv(buf, r)
+                buf = buf.cpu()
+                pieces = [p.view(full[gathered[r]["chunks"][i][0]].dtype) for i, p in zip(idx, buf.split(nbytes))]
+            for i, piece in zip(idx, pieces):
+                key, offsets, shape, flat, _ = gathered[r]["chunks"][i]
+                if flat is None:
+                    full[key][_box(offsets, shape)].copy_(piece.view(shape))
+                else:
+                    sid = json.dumps([key, offsets, shape])
+                    if sid not in staging:
+                        staging[sid] = torch.empty(math.prod(shape), dtype=piece.dtype)
+                    staging[sid][flat[0] : flat[1]] = piece
+        for sid, flat_box in staging.items():
+            key, offsets, shape = json.loads(sid)
+            full[key][_box(offsets, shape)].copy_(flat_box.view(shape))
+        staging.clear()
+        os.makedirs(path, exist_ok=True)
+        size, _ = write_safetensors(os.path.join(path, "central.safetensors"), full)
+        with open(os.path.join(path, "central.json"), "w") as f:
+            json.dump({"iteration": job.iteration, "consumed_samples": job.consumed_samples,
+                       "optimizer": optimizer_state_json(job.optimizer), "scheduler": job.scheduler.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    dist.barrier()
+    return size
+
+
+_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+
+
+def _read_whole_safetensors(path: str) -> dict[str, Any]:
+    """Read the whole file into memory (not a lazy mmap: the baseline fetches everything) and view its tensors."""
+    import torch
+
+    n = os.path.getsize(path)
+    raw = torch.empty(n, dtype=torch.uint8)
+    view = memoryview(raw.numpy())
+    with open(path, "rb", buffering=0) as f:
+        got = 0
+        while got < n:
+            k = f.readinto(view[got:])
+            if not k:
+                raise OSError(f"{path}: short read at byte {got} of {n}")
+            got += k
+    hlen = int.from_bytes(bytes(view[:8]), "little")
+    header = json.loads(bytes(view[8 : 8 + hlen]))
+    out = {}
+    for key, e in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = getattr(torch, _ST_DTYPES[e["dtype"]])
+        b, end = (8 + hlen + x for x in e["data_offsets"])
+        part = raw[b:end]
+        if b % dtype.itemsize:
+            part = part.clone()  # unaligned: a reinterpreting view needs an aligned offset
+        out[key] = part.view(dtype).view(e["shape"])
+    return out
+
+
+def central_load(job: Any, path: str) -> int:
+    """Collective: every rank reads the whole central file and copies its own chunks out of it. Returns bytes read."""
+    import torch
+
+    from tenplex_megatron.integrations.describe import describe_job
+    from tenplex_megatron.integrations.optimizer_state import allocate_state, restore_optimizer_state
+
+    allocate_state(job.optimizer)
+    file = os.path.join(path, "central.safetensors")
+    full = _read_whole_safetensors(file)
+    with open(os.path.join(path, "central.json")) as f:
+        side = json.load(f)
+    tensors, chunks = describe_job(job)
+    with torch.no_grad():
+        for lc in chunks:
+            c = lc.chunk
+            src = full[c.key]
+            if tuple(src.shape) != tuple(tensors[c.key].global_shape):
+                raise ValueError(f"{c.key}: central file has shape {tuple(src.shape)}, job needs "
+                                 f"{tuple(tensors[c.key].global_shape)}")
+            region = src[_box(c.offsets, c.shape)].reshape(-1)
+            if c.flat is not None:
+                region = region[c.flat[0] : c.flat[1]]
+            lc.data.copy_(region.view(lc.data.shape))
+    del full
+    restore_optimizer_state(job.optimizer, side["optimizer"])
+    job.scheduler.load_state_dict(side["scheduler"])
+    job.iteration, job.consumed_samples = int(side["iteration"]), int(side["consumed_samples"])
+    return os.path.getsize(file)
+
+
+def _zero_state(job: Any) -> None:
+    """Wipe weights, optimizer state and position so that the check after a load sees only what it loaded."""
+    import torch
+
+    from tenplex_megatron.integrations.describe import sub_optimizers, unwrap
+
+    with torch.no_grad():
+        for p in unwrap(job.model[0]).parameters():
+            p.zero_()
+        for opt in sub_optimizers(job.optimizer):
+            for group in opt.optimizer.param_groups:
+                group["lr"] = 0.0
+            for st in opt.optimizer.state.values():
+                for t in st.values():
+                    if torch.is_tensor(t):
+                        t.zero_()
+    job.scheduler.num_steps = 0
+    job.iteration = job.consumed_samples = 0
+
+
+def _eval_loss(job: Any, start: int) -> float:
+    """Forward-only global-batch mean LM loss on the synthetic batch at global sample ``start``."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from tenplex_megatron.integrations.gpt import make_forward_step, mean_lm_loss
+
+    with torch.no_grad():
+        losses = get_forward_backward_func()(
+            forward_step_func=make_forward_step(), data_iterator=_data(job, start), model=job.model,
+            num_microbatches=job.num_microbatches, seq_length=job.spec.seq_length,
+            micro_batch_size=job.micro_batch_size, forward_only=True,
+        )
+    return mean_lm_loss(losses)
+
+
+def _data(job: Any, start: int) -> Any:
+    from megatron.core import parallel_state
+
+    from tenplex_megatron.integrations.synthetic_data import microbatches
+
+    return microbatches(start, job.global_batch_size, job.micro_batch_size, job.layout.dp,
+                        parallel_state.get_data_parallel_rank(), job.spec.seq_length, job.spec.vocab_size, job.spec.seed)
+
+
+def _check(job: Any) -> dict[str, Any]:
+    """Position after the load, then the loss of training step 2 and a forward pass after it (uses the Adam moments)."""
+    from tenplex_megatron.integrations.gpt import train_step
+
+    g = job.global_batch_size
+    out = {"iteration": job.iteration, "consumed_samples": job.consumed_samples}
+    out["loss_step2"] = train_step(job, _data(job, g))
+    out["loss_after_step2"] = _eval_loss(job, 2 * g)
+    return out
 
 
 def worker(a: argparse.Namespace) -> None:
+    import resource
+
     import torch
-    from megatron.core import parallel_state
 
     from tenplex_megatron.execute.collective import all_gather_json
     from tenplex_megatron.integrations import gpt, mcore_dist_ckpt
     from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
-    from tenplex_megatron.integrations.synthetic_data import microbatches
-    from tenplex_megatron.plan.gpt_catalogue import load_model
+    from tenplex_megatron.integrations.describe import describe_job
     from tenplex_megatron.plan.layout import ParallelLayout
 
     gpt.init_distributed()
-    d = load_model(a.model)
-    spec = gpt.GPTSpec(num_layers=d.num_layers, hidden_size=d.hidden_size, num_attention_heads=d.num_attention_heads,
-                       seq_length=a.seq, max_position_embeddings=a.seq, vocab_size=d.vocab_size,
-                       make_vocab_size_divisible_by=128, swiglu=d.swiglu, hidden_dropout=0.0, attention_dropout=0.0)
+    spec = gpt.GPTSpec.from_json(json.loads(a.spec))
     layout = ParallelLayout(*a.layout)
-    job = gpt.build_job(spec, layout, use_distributed_optimizer=True, micro_batch_size=1, global_batch_size=2 * layout.dp)
+    job = gpt.build_job(spec, layout, use_distributed_optimizer=True, micro_batch_size=1,
+                        global_batch_size=a.gbs, padded_vocab=a.padded)
     rank = torch.distributed.get_rank()
-    results = []
-    if a.op == "save":
-        data = microbatches(0, job.global_batch_size, 1, layout.dp, parallel_state.get_data_parallel_rank(),
-                            a.seq, spec.vocab_size, spec.seed)
-        gpt.train_step(job, data)  # optimizer state exists
+    systems = a.run_systems
+    out: dict[str, Any] = {"phase": a.phase, "layout": list(a.layout), "world": torch.distributed.get_world_size(),
+                           "reps": {s: [] for s in systems}}
+    if a.phase == "save":
+        out["loss_step1"] = gpt.train_step(job, _data(job, 0))
+        tensors, _ = describe_job(job)
+        numel = all_gather_json({k: math.prod(m.global_shape) for k, m in tensors.items() if not k.startswith("optimizer.")})
+        out["params"] = sum({k: v for d in numel for k, v in d.items()}.values())
+    last = a.reps - 1
     for rep in range(a.reps):
-        torch.distributed.barrier()
-        info: dict = {}
-        with PeakRSS() as mem:
-            t0 = time.perf_counter()
-            if a.system == "tenplex" and a.op == "save":
-                info["bytes"] = save_checkpoint(job, a.ckpt).bytes_written
-            elif a.system == "tenplex" and a.op == "load":
-                info["bytes"] = load_checkpoint(job, a.ckpt, verify=not a.no_verify).bytes_read
-            elif a.system == "mcore" and a.op == "save":
-                target = f"{a.ckpt}/rep{rep}"
-                mcore_dist_ckpt.save(job, target)
-            elif a.system == "mcore" and a.op == "load":
-                mcore_dist_ckpt.load(job, a.ckpt)
-            elif a.system == "central" and a.op == "load":
-                info.update(central_load(job, a.ckpt, f"{a.scratch}/central"))
+        order = systems[rep % len(systems):] + systems[: rep % len(systems)]
+        for system in order:
+            if a.phase == "load" and rep == last:
+                _zero_state(job)
+            _release_memory()
             torch.distributed.barrier()
-            seconds = time.perf_counter() - t0
-        info.update(seconds=seconds, mem=mem.growth)
-        results.append(all_gather_json(info))
-        if a.system == "mcore" and a.op == "save" and rank == 0 and rep < a.reps - 1:
-            shutil.rmtree(f"{a.ckpt}/rep{rep}", ignore_errors=True)
+            with PeakRSS() as mem:
+                t0 = time.perf_counter()
+                nbytes: int | None = None
+                if a.phase == "save":
+                    target = os.path.join(a.dir, system, f"rep{rep}")
+                    if system == "tenplex":
+                        nbytes = save_checkpoint(job, target).bytes_written
+                    elif system == "mcore":
+                        mcore_dist_ckpt.save_checkpoint(job, target, check=False)  # as stock megatron-core
+                    else:
+                        nbytes = central_save(job, target)
+                else:
+                    source = os.path.join(a.dir, "tenplex" if system.startswith("tenplex") else system, f"rep{last}")
+                    if system.startswith("tenplex"):
+                        nbytes = load_checkpoint(job, source, verify=system == "tenplex").bytes_read
+                    elif system == "mcore":
+                        mcore_dist_ckpt.load_checkpoint(job, source)
+                    else:
+                        nbytes = central_load(job, source)
+                torch.distributed.barrier()
+                seconds = time.perf_counter() - t0
+            out["reps"][system].append(all_gather_json(
+                {"seconds": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "bytes": nbytes}))
+            if a.phase == "save" and rep > 0 and rank == 0:  # keep one copy per system on disk
+                shutil.rmtree(os.path.join(a.dir, system, f"rep{rep - 1}"), ignore_errors=True)
+            if a.phase == "load" and rep == last:
+                out.setdefault("check", {})[system] = _check(job)
+    if a.phase == "save":
+        out["check"] = {"ref": {"loss_step2": gpt.train_step(job, _data(job, job.global_batch_size)),
+                                "loss_after_step2": _eval_loss(job, 2 * job.global_batch_size)}}
+    out["ru_maxrss"] = all_gather_json(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
-        with open(a.out, "w") as f:
-            json.dump(results, f)
+        with open(a.result, "w") as f:
+            json.dump(out, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-
-
-def central_load(job, src_dir: str, central_dir: str) -> dict:
-    """Rank 0 gathers every tensor at full size, writes one copy; then every rank loads its part of that copy."""
-    import torch
-
-    from tenplex_megatron.execute.executor import SourceFiles, execute_plan
-    from tenplex_megatron.integrations.checkpoint import load_checkpoint
-    from tenplex_megatron.plan.planner import plan_reshard
-    from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk
-    from tenplex_megatron.storage import layout as L
-    from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES, write_safetensors
-
-    rank = torch.distributed.get_rank()
-    gathered = 0
-    if rank == 0:
-        ckpt = L.find_checkpoint(src_dir)
-        meta = L.read_metadata(ckpt)
-        src = PTC.from_json(meta["ptc"])
-        full = [Chunk(k, (0,) * len(t.global_shape), t.global_shape) for k, t in src.tensors.items()]
-        plan = plan_reshard(src, src.tensors, {0: full})
-        bufs = [torch.empty(c.numel, dtype=TORCH_DTYPES[src.tensors[c.key].dtype]) for c in full]
-        files = SourceFiles(ckpt, {k: t.dtype for k, t in src.tensors.items()}, verify=False)
-        gathered = execute_plan(plan.ranks[0], plan.sources, files, bufs).bytes_read
-        files.close()
-        iteration = meta["iteration"]
-        os.makedirs(central_dir, exist_ok=True)
-        L.prepare_partial(central_dir, iteration)
-        name = "central.safetensors"
-        size, sums = write_safetensors(os.path.join(L.partial_dir(central_dir, iteration), name),
-                                       {c.key: b for c, b in zip(full, bufs)})
-        stored = tuple(StoredChunk(c, Location(name, c.key, 0, "", sums[c.key])) for c in full)
-        meta = dict(meta, ptc=PTC(src.tensors, stored, meta["layout"]).to_json(), files={name: size})
-        L.commit(central_dir, iteration, meta, {name: size})
-    torch.distributed.barrier()
-    res = load_checkpoint(job, central_dir, verify=False)
-    return {"bytes": res.bytes_read + gathered}
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -168,140 +364,211 @@ def launch(nproc: int, args: list[str], timeout: float) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            os.path.abspath(__file__), "--worker", *args]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"bench: worker timed out after {timeout:.0f} s: {' '.join(args)}") from None
     if p.returncode != 0:
         sys.stderr.write(p.stdout[-2000:] + p.stderr[-6000:])
         raise SystemExit(f"bench: worker failed: {' '.join(args)}")
-
-
-def measure(system: str, op: str, model: str, layout, ckpt: str, scratch: str, a: argparse.Namespace) -> dict:
-    out = os.path.join(scratch, f"{system}_{op}.json")
-    args = ["--system", system, "--op", op, "--model", model, "--layout", *map(str, layout), "--ckpt", ckpt,
-            "--reps", str(a.reps), "--seq", str(a.seq), "--out", out, "--scratch", scratch]
-    if a.no_verify:
-        args.append("--no-verify")
-    launch(layout[0] * layout[1] * layout[2], args, a.timeout)
-    with open(out) as f:
-        reps = json.load(f)
-    return {
-        "seconds": statistics.median(max(r["seconds"] for r in rep) for rep in reps),
-        "mem_peak": max(max(r["mem"] for r in rep) for rep in reps),
-        "bytes": sum(r.get("bytes", 0) for r in reps[-1]) or None,
-    }
 
 
 def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def raw_bandwidth(path: str) -> tuple[float, float]:
-    """(sequential file read GB/s, in-memory copy GB/s) over the same bytes."""
-    import numpy as np
+def raw_read_gbps(path: str) -> float:
+    """Sequential read bandwidth of every file under ``path`` into one preallocated buffer (best of 3).
 
-    files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs if f.endswith(".safetensors")]
-    t0 = time.perf_counter()
-    blobs = []
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            blobs.append(fh.read())
-    read_s = time.perf_counter() - t0
-    n = sum(len(b) for b in blobs)
-    arr = [np.frombuffer(b, dtype=np.uint8) for b in blobs]
-    t0 = time.perf_counter()
-    for x in arr:
-        x.copy()
-    copy_s = time.perf_counter() - t0
-    return n / read_s / 1e9, n / copy_s / 1e9
+    The page cache is as warm as for the loads timed before it (nothing is dropped: no root needed), so it is
+    the ceiling for those loads: a plain read of the same bytes, no planning, no copies into tensors."""
+    files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    total = sum(os.path.getsize(f) for f in files)
+    buf = bytearray(max(os.path.getsize(f) for f in files)) if files else bytearray()
+    view = memoryview(buf)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for f in files:
+            with open(f, "rb", buffering=0) as fh:
+                while fh.readinto(view):
+                    pass
+        best = min(best, time.perf_counter() - t0)
+    return total / best / 1e9 if total else 0.0
 
 
-def run(a: argparse.Namespace) -> dict:
+def memory_copy_gbps(nbytes: int = 256 << 20) -> float:
+    """In-memory copy bandwidth of this machine (one thread): a ceiling for a warm-page-cache load."""
+    import torch
+
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def summarize(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """Median over repetitions of the max over ranks; memory: the worst repetition of each rank."""
+    times = [max(r["seconds"] for r in rep) for rep in reps]
+    world = len(reps[0])
+    peak = [max(rep[k]["rss_peak"] for rep in reps) for k in range(world)]
+    growth = [max(rep[k]["rss_peak"] - rep[k]["rss_before"] for rep in reps) for k in range(world)]
+    nbytes = [r["bytes"] for r in reps[-1]]
+    return {
+        "seconds": statistics.median(times), "seconds_all": times,
+        "rss_peak": max(peak), "rss_peak_per_rank": peak,
+        "rss_growth": max(growth), "rss_growth_per_rank": growth,
+        "bytes": sum(nbytes) if all(b is not None for b in nbytes) else None,
+    }
+
+
+def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
+    from tenplex_megatron.integrations.gpt import GPTSpec
     from tenplex_megatron.plan.gpt_catalogue import load_model
+    from tenplex_megatron.plan.layout import padded_vocab_size
 
-    report: dict = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "runs": []}
-    for model in a.models:
-        d = load_model(model)
-        for name in a.transitions:
-            src, dst = TRANSITIONS[name]
-            scratch = tempfile.mkdtemp(prefix=f"bench_{model}_{name}_", dir=a.workdir)
-            row: dict = {"model": model, "transition": name, "from": src, "to": dst,
-                         "params": 12 * d.num_layers * d.hidden_size**2 + d.vocab_size * d.hidden_size}
-            tck, mck = f"{scratch}/tenplex", f"{scratch}/mcore"
-            row["tenplex_save"] = measure("tenplex", "save", model, src, tck, scratch, a)
-            row["tenplex_save"]["bytes"] = dir_bytes(tck)
-            row["tenplex_load"] = measure("tenplex", "load", model, dst, tck, scratch, a)
-            a.no_verify = True
-            row["tenplex_load_noverify"] = measure("tenplex", "load", model, dst, tck, scratch, a)
-            a.no_verify = False
-            row["mcore_save"] = measure("mcore", "save", model, src, mck, scratch, a)
-            last = f"{mck}/rep{a.reps - 1}"
-            row["mcore_save"]["bytes"] = dir_bytes(last)
-            row["mcore_load"] = measure("mcore", "load", model, dst, last, scratch, a)
-            row["central_load"] = measure("central", "load", model, dst, tck, scratch, a)
-            read_bw, copy_bw = raw_bandwidth(tck)
-            tb = row["tenplex_load"]["bytes"] or 0
-            row["raw"] = {"read_GBps": read_bw, "copy_GBps": copy_bw,
-                          "tenplex_load_GBps": tb / row["tenplex_load"]["seconds"] / 1e9}
-            report["runs"].append(row)
-            print_row(row)
-            if not a.keep:
-                shutil.rmtree(scratch, ignore_errors=True)
-    return report
+    src, dst = TRANSITIONS[name]
+    d = load_model(model)
+    seq = min(a.seq, d.seq_length)
+    spec = GPTSpec(num_layers=d.num_layers, hidden_size=d.hidden_size, num_attention_heads=d.num_attention_heads,
+                   ffn_hidden_size=d.ffn_hidden_size, seq_length=seq, max_position_embeddings=seq,
+                   vocab_size=d.vocab_size, make_vocab_size_divisible_by=128, swiglu=d.swiglu,
+                   hidden_dropout=0.0, attention_dropout=0.0)
+    # One padded vocabulary for A and B (divisible by both TPs): the loss check compares like with like.
+    padded = padded_vocab_size(d.vocab_size, 128, math.lcm(src[0], dst[0]))
+    gbs = 2 * math.lcm(src[2], dst[2])  # the same global batch at A and B, one sample per micro-batch
+    scratch = tempfile.mkdtemp(prefix=f"bench_{model}_{name}_", dir=a.workdir)
+    common = ["--model", model, "--spec", json.dumps(spec.to_json()), "--padded", str(padded), "--gbs", str(gbs),
+              "--reps", str(a.reps), "--dir", scratch]
+    row: dict[str, Any] = {"model": model, "transition": name, "from": src, "to": dst, "seq_length": seq,
+                           "padded_vocab": padded, "global_batch_size": gbs, "reps": a.reps}
+    phases = {}
+    try:
+        for phase, layout, systems in (("save", src, SAVE_SYSTEMS), ("load", dst, LOAD_SYSTEMS)):
+            systems = [s for s in systems if s.split("_")[0] in a.systems]
+            result = os.path.join(scratch, f"{phase}.json")
+            t0 = time.perf_counter()
+            launch(math.prod(layout), [*common, "--phase", phase, "--layout", *map(str, layout), "--result", result,
+                                       "--run-systems", *systems], a.timeout)
+            with open(result) as f:
+                phases[phase] = json.load(f)
+            row[f"{phase}_launch_seconds"] = time.perf_counter() - t0
+            for s, reps in phases[phase]["reps"].items():
+                row[f"{s}_{phase}"] = summarize(reps)
+        row["params"] = phases["save"]["params"]
+        row["ru_maxrss"] = {p: phases[p]["ru_maxrss"] for p in phases}
+        for s in SAVE_SYSTEMS:
+            if f"{s}_save" in row:
+                row[f"{s}_save"]["bytes"] = dir_bytes(os.path.join(scratch, s, f"rep{a.reps - 1}"))
+        ref = phases["save"]["check"]["ref"]
+        row["check"] = {"ref": ref}
+        for s, got in phases["load"].get("check", {}).items():
+            diffs = [abs(got[k] - ref[k]) / abs(ref[k]) for k in ref]
+            worst = math.inf if any(math.isnan(x) for x in diffs) else max(diffs)  # max() would skip a NaN
+            ok = got["iteration"] == 1 and got["consumed_samples"] == gbs and worst <= CHECK_RTOL
+            row["check"][s] = {**got, "max_rel_diff": worst, "ok": ok}
+        row["memory_copy_GBps"] = memory_copy_gbps()
+        tck = os.path.join(scratch, "tenplex", f"rep{a.reps - 1}")
+        if os.path.isdir(tck):
+            row["raw_read_GBps"] = raw_read_gbps(tck)
+    finally:
+        if not a.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return row
 
 
-def print_row(r: dict) -> None:
-    def f(x: dict) -> str:
-        b = x.get("bytes")
-        return f"{x['seconds']:8.2f} s {x['mem_peak'] / 1e6:9.1f} MB {('%9.1f MB' % (b / 1e6)) if b else '        -   '}"
+def print_row(r: dict[str, Any]) -> None:
+    mb = 1e6
+    print(f"\n{r['model']} ({r['params'] / 1e6:.1f}M params, seq {r['seq_length']}, padded vocab {r['padded_vocab']})"
+          f"  {r['transition']}: (tp,pp,dp) {tuple(r['from'])} -> {tuple(r['to'])}, median of {r['reps']}")
+    print(f"  {'':22} {'time s':>8} {'min-max s':>13} {'peak RSS MB/rank':>18} {'RSS growth MB':>14} {'bytes MB':>10}  check")
+    for op, systems in (("save", SAVE_SYSTEMS), ("load", LOAD_SYSTEMS)):
+        for s in systems:
+            x = r.get(f"{s}_{op}")
+            if x is None:
+                continue
+            b = f"{x['bytes'] / mb:10.1f}" if x["bytes"] is not None else f"{'-':>10}"
+            chk = ""
+            if op == "load" and s in r["check"]:
+                c = r["check"][s]
+                chk = f"{'ok' if c['ok'] else 'MISMATCH'} (rel {c['max_rel_diff']:.1e})"
+            lo, hi = min(x["seconds_all"]), max(x["seconds_all"])
+            peaks = "/".join(f"{p / mb:.0f}" for p in x["rss_peak_per_rank"])
+            print(f"  {s + ' ' + op:22} {x['seconds']:8.2f} {lo:6.2f}-{hi:<6.2f} {peaks:>18} "
+                  f"{x['rss_growth'] / mb:14.1f} {b}  {chk}")
+    tl = r.get("tenplex_load")
+    if tl and tl["bytes"]:
+        gbps = tl["bytes"] / tl["seconds"] / 1e9
+        raw, copy = r.get("raw_read_GBps") or float("nan"), r["memory_copy_GBps"]
+        print(f"  bytes: save = on disk, load = read (summed over ranks). Physical limit: tenplex load {gbps:.2f} GB/s "
+              f"of the bytes it read = {gbps / raw:.0%} of a sequential read of its checkpoint files here "
+              f"({raw:.2f} GB/s, one thread, warm page cache) and {gbps / copy:.0%} of a one-thread memory copy "
+              f"({copy:.2f} GB/s)", flush=True)
 
-    print(f"\n{r['model']}  {r['transition']}  {r['from']} -> {r['to']}")
-    print(f"  {'':16} {'time':>10} {'peak RSS+':>12} {'bytes':>12}")
-    for k in ("tenplex_save", "mcore_save", "tenplex_load", "tenplex_load_noverify", "mcore_load", "central_load"):
-        print(f"  {k:16} {f(r[k])}")
-    raw = r["raw"]
-    print(f"  raw read {raw['read_GBps']:.2f} GB/s, memory copy {raw['copy_GBps']:.2f} GB/s, tenplex load "
-          f"{raw['tenplex_load_GBps']:.2f} GB/s = {raw['tenplex_load_GBps'] / raw['read_GBps']:.0%} of raw read, "
-          f"{raw['tenplex_load_GBps'] / raw['copy_GBps']:.0%} of memory copy", flush=True)
 
-
-def ratios(report: dict) -> list[str]:
+def ratio_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     for r in report["runs"]:
         t = f"{r['model']}:{r['transition']}"
-        lines.append(f"RATIO save_time {t} tenplex/mcore = {r['tenplex_save']['seconds'] / r['mcore_save']['seconds']:.2f}")
-        lines.append(f"RATIO load_time {t} tenplex/mcore = {r['tenplex_load']['seconds'] / r['mcore_load']['seconds']:.2f}")
-        lines.append(f"RATIO load_time {t} tenplex/central = {r['tenplex_load']['seconds'] / r['central_load']['seconds']:.2f}")
-        lines.append(f"RATIO load_time {t} tenplex_verified/tenplex_unverified = "
-                     f"{r['tenplex_load']['seconds'] / r['tenplex_load_noverify']['seconds']:.2f}")
-        lines.append(f"RATIO save_mem {t} tenplex/mcore = {r['tenplex_save']['mem_peak'] / max(r['mcore_save']['mem_peak'], 1):.2f}")
-        lines.append(f"RATIO load_mem {t} tenplex/mcore = {r['tenplex_load']['mem_peak'] / max(r['mcore_load']['mem_peak'], 1):.2f}")
-        lines.append(f"RATIO disk_bytes {t} tenplex/mcore = {r['tenplex_save']['bytes'] / r['mcore_save']['bytes']:.2f}")
-        if r["central_load"].get("bytes") and r["tenplex_load"].get("bytes"):
-            lines.append(f"RATIO bytes_read {t} tenplex/central = {r['tenplex_load']['bytes'] / r['central_load']['bytes']:.2f}")
+
+        def add(metric: str, mine: str, peer: str, field: str, r: dict[str, Any] = r, t: str = t) -> None:
+            a, b = r.get(mine), r.get(peer)
+            if a is None or b is None or not a.get(field) or not b.get(field):
+                return
+            lines.append(f"RATIO {metric} {t} tenplex/{peer.split('_')[0]} = {a[field] / b[field]:.2f}")
+
+        for peer in ("mcore", "central"):
+            add("save_time", "tenplex_save", f"{peer}_save", "seconds")
+            add("load_time", "tenplex_load", f"{peer}_load", "seconds")
+            add("load_time_noverify", "tenplex_noverify_load", f"{peer}_load", "seconds")
+            add("save_peak_rss", "tenplex_save", f"{peer}_save", "rss_peak")
+            add("load_peak_rss", "tenplex_load", f"{peer}_load", "rss_peak")
+            add("save_rss_growth", "tenplex_save", f"{peer}_save", "rss_growth")
+            add("load_rss_growth", "tenplex_load", f"{peer}_load", "rss_growth")
+            add("disk_bytes", "tenplex_save", f"{peer}_save", "bytes")
+        add("bytes_read", "tenplex_load", "central_load", "bytes")
+        tl = r.get("tenplex_load")
+        if tl and tl.get("bytes") and r.get("raw_read_GBps"):
+            eff = tl["bytes"] / tl["seconds"] / 1e9
+            lines.append(f"RATIO load_bandwidth {t} tenplex/raw_read = {eff / r['raw_read_GBps']:.2f}")
+            lines.append(f"RATIO load_bandwidth {t} tenplex/memory_copy = {eff / r['memory_copy_GBps']:.2f}")
     return lines
 
 
-def plot(report: dict, path: str) -> None:
+def plot(report: dict[str, Any], path: str) -> None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(matplotlib not installed: no plot)")
+        print("(matplotlib is not importable: no plot)")
         return
     runs = report["runs"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     labels = [f"{r['model']}\n{r['transition']}" for r in runs]
-    x = range(len(runs))
-    for ax, op, systems in ((axes[0], "save", ("tenplex", "mcore")), (axes[1], "load", ("tenplex", "mcore", "central"))):
-        w = 0.8 / len(systems)
+    panels = (("save", SAVE_SYSTEMS, "seconds", "save time at A (s)"),
+              ("load", LOAD_SYSTEMS, "seconds", "load + re-shard time at B (s)"),
+              ("save", SAVE_SYSTEMS, "rss_growth", "save RSS growth, worst rank (MB)"),
+              ("load", LOAD_SYSTEMS, "rss_growth", "load RSS growth, worst rank (MB)"))
+    colors = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4))
+    for ax, (op, systems, field, title) in zip(axes, panels):
+        systems = [s for s in systems if any(f"{s}_{op}" in r for r in runs)]
+        w = 0.8 / max(len(systems), 1)
         for i, s in enumerate(systems):
-            key = f"{s}_{op}"
-            ax.bar([xi + i * w for xi in x], [r[key]["seconds"] for r in runs], w, label=s)
-        ax.set_xticks([xi + w * (len(systems) - 1) / 2 for xi in x], labels)
-        ax.set_ylabel("seconds (median)")
-        ax.set_title(f"{op} ({'at A' if op == 'save' else 'with re-shard at B'})")
-        ax.legend()
+            vals = [r.get(f"{s}_{op}", {}).get(field, 0) / (1e6 if field.startswith("rss") else 1) for r in runs]
+            ax.bar([x + i * w for x in range(len(runs))], vals, w, label=s, color=colors[s])
+        ax.set_xticks([x + w * (len(systems) - 1) / 2 for x in range(len(runs))], labels)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"median of {runs[0]['reps'] if runs else 0}, {report['machine']['cpus']} CPUs"
+                 f"{', GPU' if report['machine']['gpu'] else ', no GPU'}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
@@ -309,36 +576,78 @@ def plot(report: dict, path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--system"), ap.add_argument("--op"), ap.add_argument("--model", default="tiny")
-    ap.add_argument("--layout", type=int, nargs=3), ap.add_argument("--ckpt"), ap.add_argument("--out")
-    ap.add_argument("--scratch")
-    ap.add_argument("--models", nargs="+", default=["tiny", "gpt3-125m"])
-    ap.add_argument("--transitions", nargs="+", default=["tp2-dp2"], choices=sorted(TRANSITIONS))
+    ap.add_argument("--models", nargs="+", default=["tiny", "gpt3-125m"], help="names in configs/models.json")
+    ap.add_argument("--transitions", nargs="+", default=["tp2-dp2", "dp2-tp2"], choices=sorted(TRANSITIONS))
+    ap.add_argument("--systems", nargs="+", default=["tenplex", "mcore", "central"], choices=["tenplex", "mcore", "central"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=128, help="sequence length (shorter than GPT-3's for CPU speed)")
-    ap.add_argument("--quick", action="store_true", help="tiny + gpt3-125m, tp2-dp2, 3 repetitions")
-    ap.add_argument("--no-verify", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--keep", action="store_true")
-    ap.add_argument("--timeout", type=float, default=1200)
-    ap.add_argument("--json", default=os.path.join(ROOT, "out", "bench_reshard.json"))
-    ap.add_argument("--png", default=os.path.join(ROOT, "out", "bench_reshard.png"))
+    ap.add_argument("--seq", type=int, default=128, help="sequence length cap (shorter than GPT-3's 2048 for CPU speed)")
+    ap.add_argument("--quick", action="store_true", help="tiny + gpt3-125m, tp2-dp2 only, 3 repetitions")
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_reshard.json"), help="JSON report (PNG next to it)")
+    ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: the system temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per torchrun launch")
+    ap.add_argument("--report", metavar="JSON", help="print the table, ratios and plot of an earlier run's JSON; measure nothing")
+    w = ap.add_argument_group("worker (internal)")
+    w.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    w.add_argument("--phase", choices=["save", "load"], help=argparse.SUPPRESS)
+    w.add_argument("--model", help=argparse.SUPPRESS)
+    w.add_argument("--spec", help=argparse.SUPPRESS)
+    w.add_argument("--padded", type=int, help=argparse.SUPPRESS)
+    w.add_argument("--gbs", type=int, help=argparse.SUPPRESS)
+    w.add_argument("--layout", type=int, nargs=3, help=argparse.SUPPRESS)
+    w.add_argument("--dir", help=argparse.SUPPRESS)
+    w.add_argument("--result", help=argparse.SUPPRESS)
+    w.add_argument("--run-systems", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         worker(a)
         return 0
+    if a.reps < 1:
+        ap.error("--reps must be at least 1")
+    if a.report:
+        with open(a.report) as f:
+            report = json.load(f)
+        for row in report["runs"]:
+            print_row(row)
+        print()
+        print("\n".join(ratio_lines(report)))
+        plot(report, os.path.splitext(a.out)[0] + ".png")
+        return 0
     if a.quick:
         a.models, a.transitions, a.reps = ["tiny", "gpt3-125m"], ["tp2-dp2"], 3
-    report = run(a)
+    import torch
+
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": torch.__version__,
+                    "gpu": torch.cuda.is_available(), "load_average": os.getloadavg()},
+        "command": sys.argv,
+        "runs": [],
+    }
+    t0 = time.perf_counter()
+    for model in a.models:
+        for name in a.transitions:
+            row = run_one(model, name, a)
+            report["runs"].append(row)
+            print_row(row)
+    report["wall_seconds"] = time.perf_counter() - t0
+    report["machine"]["load_average_end"] = os.getloadavg()
     print()
-    for line in ratios(report):
+    for line in ratio_lines(report):
         print(line)
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
-    print(f"json: {a.json}")
-    plot(report, a.png)
+    print(f"json: {a.out}  (wall {report['wall_seconds']:.0f} s)")
+    plot(report, os.path.splitext(a.out)[0] + ".png")
+    bad = [f"{r['model']}:{r['transition']}:{s}" for r in report["runs"] for s, c in r["check"].items()
+           if s != "ref" and not c["ok"]]
+    if bad:
+        print(f"CHECK FAILED (state after load differs from the state saved): {', '.join(bad)}")
+        if any(b.endswith(":mcore") for b in bad):
+            print("  (megatron-core 0.16.1's fully_reshardable save is wrong for parameters after a grad buffer's first "
+                  "bucket, e.g. the word embedding at PP>1: NVIDIA/Megatron-LM#5077; see integrations/mcore_dist_ckpt.py)")
+        return 1
     return 0
 
 

@@ -254,7 +254,6 @@ def make_forward_step() -> Callable[..., Any]:
 
 def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
     """One optimizer step over one global batch; returns the global-batch mean LM loss."""
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in job.model:
@@ -276,7 +275,13 @@ def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) ->
     job.scheduler.step(increment=job.global_batch_size)
     job.iteration += 1
     job.consumed_samples += job.global_batch_size
-    # Mean over micro-batches on the last stage, then over DP; broadcast over PP.
+    return mean_lm_loss(losses)
+
+
+def mean_lm_loss(losses: list[dict[str, Any]]) -> float:
+    """Collective: mean over micro-batches on the last stage, then over DP; broadcast over PP."""
+    from megatron.core import parallel_state
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
     value = torch.zeros(1, dtype=torch.float64, device=device)
     if parallel_state.is_pipeline_last_stage():

@@ -3,48 +3,138 @@
 Save: the model's and the optimizer's sharded state dicts with the
 ``fully_reshardable`` distributed-optimizer format (the only one that can be
 re-sharded along TP/PP; it gathers the optimizer buffers across DP at save),
-``torch_dist`` strategy wrapped in ``FullyParallelSaveStrategyWrapper``. Load at
-a new layout: read the content metadata, rebuild the sharded state dict with
+``torch_dist`` strategy wrapped in ``FullyParallelSaveStrategyWrapper``; iteration,
+consumed samples and the LR scheduler go in as plain values. Load at a new
+layout: read the content metadata, rebuild the sharded state dict with
 ``is_loading=True``, ``dist_checkpointing.load`` with the fully parallel load
-wrapper, then ``load_state_dict`` on model and optimizer. Scripts that save must
-have an ``if __name__ == "__main__":`` guard (megatron starts a spawn manager).
+wrapper, then ``load_state_dict`` on model and optimizer. :func:`save_checkpoint`
+and :func:`load_checkpoint` add Megatron-LM's directory layout
+(``<save>/iter_NNNNNNN/`` and ``latest_checkpointed_iteration.txt``).
+Scripts that save must have an ``if __name__ == "__main__":`` guard (megatron
+starts a spawn-method multiprocessing manager) and need psutil.
+
+megatron-core 0.16.1 writes a wrong ``fully_reshardable`` optimizer state for
+parameters after a grad buffer's first bucket (NVIDIA/Megatron-LM#5077): with
+the distributed optimizer and tied embeddings at PP>1 that is the word
+embedding. :func:`save` checks for it and refuses to write (``check=False``
+writes anyway: the benchmark measures megatron-core as it is).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tenplex_megatron.integrations.describe import unwrap
+import torch
+
+from tenplex_megatron.integrations.describe import sub_optimizers, unwrap
 from tenplex_megatron.integrations.optimizer_state import allocate_state
+
+if TYPE_CHECKING:
+    from tenplex_megatron.integrations.gpt import GPTJob
 
 SHARDING_TYPE = "fully_reshardable"
 
 
-def _metadata() -> dict[str, Any]:
-    return {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True}
+def _dp_group() -> Any:
+    """The data-parallel (with context-parallel) group: the fully parallel wrappers' and megatron's ``dp_cp_group``."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def save(job: Any, ckpt_dir: str) -> None:
-    """Collective: megatron-core dist_checkpointing save of model and optimizer into ``ckpt_dir``."""
-    from megatron.core import dist_checkpointing, parallel_state
+def sharded_sd_metadata(saved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Megatron-LM's sharded-state-dict metadata (the checkpoint's own, when loading) plus this job's DP group."""
+    md: dict[str, Any] = {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_local_shards": False,
+                          "chained_optim_avoid_prefix": True}
+    md.update(saved or {})
+    md["dp_cp_group"] = _dp_group()
+    return md
+
+
+def content_metadata(md: dict[str, Any]) -> dict[str, Any]:
+    """What goes on disk: the metadata without the process group. megatron-core strips ``dp_cp_group`` itself
+    only when it validates access integrity (``_clean_metadata_for_serialization`` in ``save_preprocess``);
+    Megatron-LM strips it before calling ``save``, and so do we."""
+    return {k: v for k, v in md.items() if k != "dp_cp_group"}
+
+
+def _state_dict(job: GPTJob, md: dict[str, Any], is_loading: bool) -> dict[str, Any]:
+    model_sd = unwrap(job.model[0]).sharded_state_dict(metadata=md)
+    return {
+        "model": model_sd,
+        "optimizer": job.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=md),
+        "iteration": job.iteration,
+        "consumed_samples": job.consumed_samples,
+        "scheduler": job.scheduler.state_dict(),
+    }
+
+
+def check_main_params(state: dict[str, Any]) -> None:
+    """Raise if the optimizer's saved main weights are not the model's weights (they must be, up to dtype).
+
+    megatron-core 0.16.1's ``fully_reshardable`` format reads every parameter after a grad buffer's first
+    bucket from a shifted offset and zero-pads the overrun (its warning: "param range exceeds unpadded buffer
+    ... can lead to data corruption"; fixed upstream in NVIDIA/Megatron-LM#5077). With the distributed
+    optimizer and tied embeddings at PP>1 the word embedding has its own bucket on the first stage, so such a
+    checkpoint loads a shifted word embedding (by one row, last row zero, in a 2-stage tiny GPT here). The fp32 main weights are the only state we can
+    check against a reference; the Adam moments are sliced the same way."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def tensors(tree: Any) -> dict[tuple, torch.Tensor]:  # (key, global offset) -> data; factories built (views)
+        out = {}
+        for v in nested_values(tree):
+            if isinstance(v, ShardedTensorFactory):
+                built = v.build()
+                parts = list(nested_values(built)) if isinstance(built, (dict, list)) else [built]
+            else:
+                parts = [v]
+            for t in parts:
+                if isinstance(t, ShardedTensor):
+                    out[(t.key, tuple(t.global_offset))] = t.data
+        return out
+
+    prefix = "optimizer.state.param."
+    weights = tensors(state["model"])
+    bad = []
+    for (key, offset), main in tensors(state["optimizer"]).items():
+        w = weights.get((key[len(prefix):], offset)) if key.startswith(prefix) else None
+        if w is not None and w.shape == main.shape and not torch.equal(main.to(w.dtype), w):
+            bad.append(key[len(prefix):])
+    bad = sorted(set(bad))
+    if bad:
+        raise RuntimeError(
+            f"megatron-core's fully_reshardable optimizer state does not match the model for {len(bad)} "
+            f"parameter(s) ({', '.join(bad[:4])}): megatron-core 0.16.1 reads parameters after a grad buffer's "
+            "first bucket from the wrong offset (NVIDIA/Megatron-LM#5077); the checkpoint would be corrupt. "
+            "Use tenplex (--tenplex) or a megatron-core release with that fix."
+        )
+
+
+def save(job: GPTJob, ckpt_dir: str, check: bool = True) -> None:
+    """Collective: megatron-core dist_checkpointing save of model, optimizer, scheduler and position into ``ckpt_dir``.
+
+    ``check``: refuse to write when megatron-core's optimizer state is wrong (:func:`check_main_params`).
+    """
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    md = _metadata()
-    model_sd = unwrap(job.model[0]).sharded_state_dict(metadata=md)
-    state = {
-        "model": model_sd,
-        "optimizer": job.optimizer.sharded_state_dict(model_sd, metadata=md),
-        "iteration": job.iteration,
-        "scheduler": job.scheduler.state_dict(),
-    }
-    strategy = FullyParallelSaveStrategyWrapper(
-        get_default_save_sharded_strategy("torch_dist"), parallel_state.get_data_parallel_group(with_context_parallel=True)
-    )
+    from tenplex_megatron.execute.collective import check_all
+
+    md = sharded_sd_metadata()
+    state = _state_dict(job, md, is_loading=False)
+    if check:
+        error: BaseException | None = None
+        try:
+            check_main_params(state)
+        except RuntimeError as e:
+            error = e
+        check_all(error, f"megatron-core save to {ckpt_dir}")
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
     os.makedirs(ckpt_dir, exist_ok=True)
-    dist_checkpointing.save(state, ckpt_dir, strategy, content_metadata=md)
+    dist_checkpointing.save(state, ckpt_dir, strategy, content_metadata=content_metadata(md))
 
 
 def _tolerate_missing_step() -> None:
@@ -73,40 +163,63 @@ def _unshare_steps(optimizer: Any) -> None:
     """Work around megatron-core 0.16.1 on the CPU: DistributedOptimizer.load_state_dict gives every torch
     AdamW state the same ``step`` tensor, which torch then increments once per parameter each step (wrong
     bias correction from the first step after a load). Give each state its own copy."""
-    from tenplex_megatron.integrations.describe import sub_optimizers
-
     for opt in sub_optimizers(optimizer):
         for st in opt.optimizer.state.values():
             if "step" in st:
                 st["step"] = st["step"].clone()
 
 
-def load(job: Any, ckpt_dir: str) -> None:
-    """Collective: load a dist_checkpointing checkpoint into ``job`` (any layout), model and optimizer."""
-    from megatron.core import dist_checkpointing, parallel_state
+def load(job: GPTJob, ckpt_dir: str) -> None:
+    """Collective: load a dist_checkpointing checkpoint (any source layout) into ``job``'s model, optimizer,
+    scheduler, iteration and (when saved) consumed samples."""
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
-    md = dist_checkpointing.load_content_metadata(ckpt_dir) or _metadata()
+    md = sharded_sd_metadata(dist_checkpointing.load_content_metadata(ckpt_dir))
     # torch's AdamW (no apex/TE on the CPU) keeps the step per state, and megatron's
     # DistributedOptimizer.state_dict() asserts one: allocate the state first, as a GPU run's
     # FusedAdam would not need. This only allocates; the load overwrites every value.
     allocate_state(job.optimizer)
     _tolerate_missing_step()
-    model = unwrap(job.model[0])
-    model_sd = model.sharded_state_dict(metadata=md)
-    state = {
-        "model": model_sd,
-        "optimizer": job.optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=md),
-        "iteration": job.iteration,
-        "scheduler": job.scheduler.state_dict(),
-    }
-    strategy = FullyParallelLoadStrategyWrapper(
-        get_default_load_sharded_strategy(ckpt_dir), parallel_state.get_data_parallel_group(with_context_parallel=True)
-    )
+    state = _state_dict(job, md, is_loading=True)
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), _dp_group())
     loaded = dist_checkpointing.load(state, ckpt_dir, strategy)
-    model.load_state_dict(loaded["model"])
+    unwrap(job.model[0]).load_state_dict(loaded["model"])
     job.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_steps(job.optimizer)
     job.scheduler.load_state_dict(loaded["scheduler"])
     job.iteration = int(loaded["iteration"])
+    if "consumed_samples" in loaded:  # absent from checkpoints written before it was saved
+        job.consumed_samples = int(loaded["consumed_samples"])
+
+
+def save_checkpoint(job: GPTJob, save_dir: str, check: bool = True) -> str:
+    """Collective: :func:`save` into ``save_dir/iter_NNNNNNN`` then (rank 0) update the tracker file, as
+    Megatron-LM does; returns the iteration directory."""
+    from tenplex_megatron.storage.layout import TRACKER_FILE, iter_dir_name
+
+    path = os.path.join(save_dir, iter_dir_name(job.iteration))
+    save(job, path, check=check)
+    torch.distributed.barrier()  # every rank's shards are written before the tracker names the iteration
+    if torch.distributed.get_rank() == 0:
+        tracker = os.path.join(save_dir, TRACKER_FILE)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(job.iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tracker + ".tmp", tracker)
+    torch.distributed.barrier()
+    return path
+
+
+def load_checkpoint(job: GPTJob, load_dir: str) -> str:
+    """Collective: :func:`load` the checkpoint ``load_dir`` names (an ``iter_*`` directory, or a save directory:
+    the tracker's iteration, else the newest); returns the directory loaded."""
+    from tenplex_megatron.storage.layout import find_megatron_checkpoint
+
+    path = find_megatron_checkpoint(load_dir)
+    if path is None:
+        raise FileNotFoundError(f"no megatron-core dist_checkpointing checkpoint under {load_dir}")
+    load(job, path)
+    return path

@@ -285,15 +285,9 @@ def main(argv: list[str] | None = None) -> int:
 def _save(job: Any, args: argparse.Namespace) -> None:
     if not args.tenplex:
         from tenplex_megatron.integrations import mcore_dist_ckpt
-        from tenplex_megatron.storage.layout import TRACKER_FILE, iter_dir_name
 
         t0 = time.perf_counter()
-        path = os.path.join(args.save, iter_dir_name(job.iteration))
-        mcore_dist_ckpt.save(job, path)
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() == 0:
-            with open(os.path.join(args.save, TRACKER_FILE), "w") as f:
-                f.write(str(job.iteration))
+        path = mcore_dist_ckpt.save_checkpoint(job, args.save)
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return
