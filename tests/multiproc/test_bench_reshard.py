@@ -1,0 +1,35 @@
+"""The re-sharding benchmark runs end to end at its smallest size: every system's load reproduces the losses.
+
+Speed is not asserted here (benchmarks measure, tests check); this keeps
+``scripts/bench_reshard.py`` working and its correctness checks honest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.dist
+
+
+def test_bench_reshard_tiny_runs_and_every_system_loads_correctly(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--models", "tiny", "--transitions",
+         "tp2-dp2", "--reps", "1", "--out", str(out), "--workdir", str(tmp_path / "work")],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    run = json.loads(out.read_text())["runs"][0]
+    for system in ("tenplex", "tenplex_noverify", "mcore", "central"):
+        assert run["check"][system]["ok"], (system, run["check"][system])
+    assert run["tenplex_load"]["bytes"] > 0 and run["raw_read_GBps"] > 0
+    for line in ("RATIO load_time tiny:tp2-dp2 tenplex/mcore = ", "RATIO load_time tiny:tp2-dp2 tenplex/central = ",
+                 "RATIO load_bandwidth tiny:tp2-dp2 tenplex/raw_read = "):
+        assert line in p.stdout, p.stdout[-3000:]
