@@ -22,7 +22,7 @@ def test_bench_reshard_tiny_runs_and_every_system_loads_correctly(tmp_path) -> N
     out = tmp_path / "bench.json"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--models", "tiny", "--transitions",
-         "tp2-dp2", "--reps", "1", "--out", str(out), "--workdir", str(tmp_path / "work")],
+         "tp2-dp2", "--reps", "1", "--out", str(out), "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
