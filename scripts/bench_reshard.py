@@ -18,10 +18,18 @@ that peak minus the RSS just before. After the last load of each system the
 state is checked: the model and optimizer are zeroed before that load, and
 afterwards one more training step and one forward pass must reproduce the
 losses the job at A got (within 1e-4 relative; only reduction order differs).
+Bytes: on disk after a save; read from storage by a load (tenplex: the CRC
+blocks it verified plus what it copied unverified, next to the destination
+bytes it needed; issue #4's target is at most 1.05x). Physical limits, timed
+in the load job between the loads in the same way (every rank its share, max
+over ranks, median), warm page cache like the loads: a sequential read of the
+tenplex checkpoint's files (readinto, and a copy out of an mmap: the faster
+counts) and a memory copy of those bytes.
 
 Prints a table, then `RATIO <metric> <model>:<transition> tenplex/<peer> = X.XX`
-lines (below 1: tenplex is better), writes JSON (--out) and a PNG (next to it)
-if matplotlib is importable.
+lines (below 1: tenplex is better; for bytes_read tenplex/destination and
+load_bandwidth the peer is the limit), writes JSON (--out) and a PNG (next to
+it) if matplotlib is importable.
 
     python scripts/bench_reshard.py --quick                    # tiny + gpt3-125m, tp2-dp2, 3 reps
     python scripts/bench_reshard.py --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
@@ -34,6 +42,7 @@ import ctypes
 import gc
 import json
 import math
+import mmap
 import os
 import shutil
 import statistics
@@ -230,6 +239,66 @@ def central_load(job: Any, path: str) -> int:
     return os.path.getsize(file)
 
 
+CEILINGS = ("read_readinto", "read_mmap", "memory_copy")  # physical limits, timed in the load job like the loads
+
+
+def _split(total: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous byte ranges covering ``[0, total)``, as equal as possible."""
+    cuts = [total * i // parts for i in range(parts + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(parts)]
+
+
+def ceiling_op(kind: str, path: str, rank: int, world: int) -> tuple[Any, int]:
+    """Set up (untimed) this rank's share of a physical-limit operation on the checkpoint files under ``path``.
+
+    The files, back to back, are cut into ``world`` contiguous shares; rank r takes share r, into a
+    preallocated, pre-faulted buffer: ``read_readinto`` reads it sequentially with ``readinto``, ``read_mmap``
+    copies it out of a fresh read-only ``mmap`` (tenplex's access path), ``memory_copy`` copies the same bytes
+    (read beforehand) from memory to memory. Returns the operation to time and its byte count.
+    """
+    import numpy as np
+
+    segments, total = [], 0  # (file, its first byte in the concatenation, size)
+    for f in sorted(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs):
+        n = os.path.getsize(f)
+        segments.append((f, total, n))
+        total += n
+    lo, hi = _split(total, world)[rank]
+    buf = np.ones(hi - lo, dtype=np.uint8)  # written once: its pages are faulted in before timing
+    view = memoryview(buf)
+
+    def parts() -> list[tuple[str, int, int, int]]:  # (file, first byte in it, count, first byte in buf)
+        return [(f, max(lo, start) - start, min(hi, start + n) - max(lo, start), max(lo, start) - lo)
+                for f, start, n in segments if max(lo, start) < min(hi, start + n)]
+
+    def readinto() -> None:
+        for f, off, count, at in parts():
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(off)
+                done = 0
+                while done < count:
+                    k = fh.readinto(view[at + done : at + count])
+                    if not k:
+                        raise OSError(f"{f}: short read")
+                    done += k
+
+    def mapped() -> None:
+        for f, off, count, at in parts():
+            with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                src = np.frombuffer(mm, dtype=np.uint8)
+                np.copyto(buf[at : at + count], src[off : off + count])
+                del src  # the map cannot close while a view of it lives
+
+    if kind == "read_readinto":
+        return readinto, hi - lo
+    if kind == "read_mmap":
+        return mapped, hi - lo
+    readinto()
+    dst = np.zeros_like(buf)
+    dst.fill(1)
+    return (lambda: np.copyto(dst, buf)), hi - lo
+
+
 def _zero_state(job: Any) -> None:
     """Wipe weights, optimizer state and position so that the check after a load sees only what it loaded."""
     import torch
@@ -303,7 +372,9 @@ def worker(a: argparse.Namespace) -> None:
     job = gpt.build_job(spec, layout, use_distributed_optimizer=True, micro_batch_size=1,
                         global_batch_size=a.gbs, padded_vocab=a.padded)
     rank = torch.distributed.get_rank()
-    systems = a.run_systems
+    systems = list(a.run_systems)
+    if a.phase == "load" and "tenplex" in systems:
+        systems += CEILINGS  # rotated with the loads: same processes, same timing, same page cache
     out: dict[str, Any] = {"phase": a.phase, "layout": list(a.layout), "world": torch.distributed.get_world_size(),
                            "reps": {s: [] for s in systems}}
     if a.phase == "save":
@@ -315,6 +386,17 @@ def worker(a: argparse.Namespace) -> None:
     for rep in range(a.reps):
         order = systems[rep % len(systems):] + systems[: rep % len(systems)]
         for system in order:
+            if system in CEILINGS:
+                op, share = ceiling_op(system, os.path.join(a.dir, "tenplex", f"rep{last}"), rank, out["world"])
+                torch.distributed.barrier()
+                t0 = time.perf_counter()
+                op()
+                torch.distributed.barrier()
+                seconds = time.perf_counter() - t0
+                out["reps"][system].append(all_gather_json({"seconds": seconds, "bytes": share}))
+                del op
+                _release_memory()
+                continue
             if a.phase == "load" and rep == last:
                 _zero_state(job)
             _release_memory()
@@ -322,6 +404,7 @@ def worker(a: argparse.Namespace) -> None:
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
                 nbytes: int | None = None
+                extra: dict[str, int] = {}
                 if a.phase == "save":
                     target = os.path.join(a.dir, system, f"rep{rep}")
                     if system == "tenplex":
@@ -333,7 +416,9 @@ def worker(a: argparse.Namespace) -> None:
                 else:
                     source = os.path.join(a.dir, "tenplex" if system.startswith("tenplex") else system, f"rep{last}")
                     if system.startswith("tenplex"):
-                        nbytes = load_checkpoint(job, source, verify=system == "tenplex").bytes_read
+                        res = load_checkpoint(job, source, verify=system == "tenplex")
+                        nbytes = res.bytes_verified + res.bytes_unverified  # read from storage: checked blocks + rest
+                        extra = {"needed": res.bytes_read, "verified": res.bytes_verified}
                     elif system == "mcore":
                         mcore_dist_ckpt.load_checkpoint(job, source)
                     else:
@@ -341,7 +426,7 @@ def worker(a: argparse.Namespace) -> None:
                 torch.distributed.barrier()
                 seconds = time.perf_counter() - t0
             out["reps"][system].append(all_gather_json(
-                {"seconds": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "bytes": nbytes}))
+                {"seconds": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "bytes": nbytes, **extra}))
             if a.phase == "save" and rep > 0 and rank == 0:  # keep one copy per system on disk
                 shutil.rmtree(os.path.join(a.dir, system, f"rep{rep - 1}"), ignore_errors=True)
             if a.phase == "load" and rep == last:
@@ -377,41 +462,6 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 
-def raw_read_gbps(path: str) -> float:
-    """Sequential read bandwidth of every file under ``path`` into one preallocated buffer (best of 3).
-
-    The page cache is as warm as for the loads timed before it (nothing is dropped: no root needed), so it is
-    the ceiling for those loads: a plain read of the same bytes, no planning, no copies into tensors."""
-    files = [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    total = sum(os.path.getsize(f) for f in files)
-    buf = bytearray(max(os.path.getsize(f) for f in files)) if files else bytearray()
-    view = memoryview(buf)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for f in files:
-            with open(f, "rb", buffering=0) as fh:
-                while fh.readinto(view):
-                    pass
-        best = min(best, time.perf_counter() - t0)
-    return total / best / 1e9 if total else 0.0
-
-
-def memory_copy_gbps(nbytes: int = 256 << 20) -> float:
-    """In-memory copy bandwidth of this machine (one thread): a ceiling for a warm-page-cache load."""
-    import torch
-
-    torch.set_num_threads(1)
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def summarize(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
     """Median over repetitions of the max over ranks; memory: the worst repetition of each rank."""
     times = [max(r["seconds"] for r in rep) for rep in reps]
@@ -419,12 +469,16 @@ def summarize(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
     peak = [max(rep[k]["rss_peak"] for rep in reps) for k in range(world)]
     growth = [max(rep[k]["rss_peak"] - rep[k]["rss_before"] for rep in reps) for k in range(world)]
     nbytes = [r["bytes"] for r in reps[-1]]
-    return {
+    out = {
         "seconds": statistics.median(times), "seconds_all": times,
         "rss_peak": max(peak), "rss_peak_per_rank": peak,
         "rss_growth": max(growth), "rss_growth_per_rank": growth,
         "bytes": sum(nbytes) if all(b is not None for b in nbytes) else None,
     }
+    for key in ("needed", "verified"):  # tenplex loads: bytes copied into the job, bytes checksum-verified
+        if all(key in r for r in reps[-1]):
+            out[f"bytes_{key}"] = sum(r[key] for r in reps[-1])
+    return out
 
 
 def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -459,7 +513,13 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
                 phases[phase] = json.load(f)
             row[f"{phase}_launch_seconds"] = time.perf_counter() - t0
             for s, reps in phases[phase]["reps"].items():
-                row[f"{s}_{phase}"] = summarize(reps)
+                if s in CEILINGS:  # bandwidth: all ranks' bytes over the median of the max over ranks
+                    times = [max(r["seconds"] for r in rep) for rep in reps]
+                    row[s] = {"seconds": statistics.median(times), "seconds_all": times,
+                              "bytes": sum(r["bytes"] for r in reps[-1])}
+                    row[s]["GBps"] = row[s]["bytes"] / row[s]["seconds"] / 1e9
+                else:
+                    row[f"{s}_{phase}"] = summarize(reps)
         row["params"] = phases["save"]["params"]
         row["ru_maxrss"] = {p: phases[p]["ru_maxrss"] for p in phases}
         for s in SAVE_SYSTEMS:
@@ -472,27 +532,34 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
             worst = math.inf if any(math.isnan(x) for x in diffs) else max(diffs)  # max() would skip a NaN
             ok = got["iteration"] == 1 and got["consumed_samples"] == gbs and worst <= CHECK_RTOL
             row["check"][s] = {**got, "max_rel_diff": worst, "ok": ok}
-        row["memory_copy_GBps"] = memory_copy_gbps()
-        tck = os.path.join(scratch, "tenplex", f"rep{a.reps - 1}")
-        if os.path.isdir(tck):
-            row["raw_read_GBps"] = raw_read_gbps(tck)
+        if all(c in row for c in CEILINGS):
+            row.update({"raw_read_GBps": max(row["read_readinto"]["GBps"], row["read_mmap"]["GBps"]),
+                        "readinto_GBps": row["read_readinto"]["GBps"], "mmap_copy_GBps": row["read_mmap"]["GBps"],
+                        "memory_copy_GBps": row["memory_copy"]["GBps"], "ceiling_workers": math.prod(dst)})
     finally:
         if not a.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     return row
 
 
+def _effective_gbps(x: dict[str, Any]) -> float:
+    """A load's effective bandwidth: bytes delivered into the job's tensors (all ranks) per second of load."""
+    return x.get("bytes_needed", x["bytes"]) / x["seconds"] / 1e9
+
+
 def print_row(r: dict[str, Any]) -> None:
     mb = 1e6
     print(f"\n{r['model']} ({r['params'] / 1e6:.1f}M params, seq {r['seq_length']}, padded vocab {r['padded_vocab']})"
           f"  {r['transition']}: (tp,pp,dp) {tuple(r['from'])} -> {tuple(r['to'])}, median of {r['reps']}")
-    print(f"  {'':22} {'time s':>8} {'min-max s':>13} {'peak RSS MB/rank':>18} {'RSS growth MB':>14} {'bytes MB':>10}  check")
+    print(f"  {'':22} {'time s':>8} {'min-max s':>13} {'peak RSS MB/rank':>18} {'RSS growth MB':>14} {'bytes MB':>10} "
+          f"{'verified MB':>11}  check")
     for op, systems in (("save", SAVE_SYSTEMS), ("load", LOAD_SYSTEMS)):
         for s in systems:
             x = r.get(f"{s}_{op}")
             if x is None:
                 continue
             b = f"{x['bytes'] / mb:10.1f}" if x["bytes"] is not None else f"{'-':>10}"
+            v = f"{x['bytes_verified'] / mb:11.1f}" if "bytes_verified" in x else f"{'-':>11}"
             chk = ""
             if op == "load" and s in r["check"]:
                 c = r["check"][s]
@@ -500,15 +567,24 @@ def print_row(r: dict[str, Any]) -> None:
             lo, hi = min(x["seconds_all"]), max(x["seconds_all"])
             peaks = "/".join(f"{p / mb:.0f}" for p in x["rss_peak_per_rank"])
             print(f"  {s + ' ' + op:22} {x['seconds']:8.2f} {lo:6.2f}-{hi:<6.2f} {peaks:>18} "
-                  f"{x['rss_growth'] / mb:14.1f} {b}  {chk}")
+                  f"{x['rss_growth'] / mb:14.1f} {b} {v}  {chk}")
+    print("  bytes (all ranks): save = on disk; load = read from storage (tenplex: the checksum blocks it verified, "
+          "plus what it copied unverified; central: the whole file on every rank)")
+    for s in ("tenplex", "tenplex_noverify"):
+        x = r.get(f"{s}_load")
+        if x and x.get("bytes_needed") and x["bytes"] is not None:
+            print(f"  {s}: read {x['bytes'] / mb:.1f} MB for {x['bytes_needed'] / mb:.1f} MB of destination shards "
+                  f"({x['bytes'] / x['bytes_needed']:.3f}x), {x.get('bytes_verified', 0) / mb:.1f} MB checksum-verified")
     tl = r.get("tenplex_load")
-    if tl and tl["bytes"]:
-        gbps = tl["bytes"] / tl["seconds"] / 1e9
-        raw, copy = r.get("raw_read_GBps") or float("nan"), r["memory_copy_GBps"]
-        print(f"  bytes: save = on disk, load = read (summed over ranks). Physical limit: tenplex load {gbps:.2f} GB/s "
-              f"of the bytes it read = {gbps / raw:.0%} of a sequential read of its checkpoint files here "
-              f"({raw:.2f} GB/s, one thread, warm page cache) and {gbps / copy:.0%} of a one-thread memory copy "
-              f"({copy:.2f} GB/s)", flush=True)
+    if tl and tl["bytes"] and r.get("raw_read_GBps"):
+        raw, copy, workers = r["raw_read_GBps"], r["memory_copy_GBps"], r.get("ceiling_workers", 1)
+        parts = [f"{s} {_effective_gbps(x):.2f} GB/s = {_effective_gbps(x) / raw:.0%} / {_effective_gbps(x) / copy:.0%}"
+                 for s in ("tenplex", "tenplex_noverify") if (x := r.get(f"{s}_load"))]
+        how = (f" (readinto {r['readinto_GBps']:.2f}, mmap copy {r['mmap_copy_GBps']:.2f})"
+               if "mmap_copy_GBps" in r else "")
+        print(f"  physical limit ({workers} rank(s), timed like the loads, between them; warm page cache, as for them): "
+              f"sequential read of the checkpoint files {raw:.2f} GB/s{how}, memory copy of those bytes {copy:.2f} GB/s; "
+              f"load, destination bytes per second = fraction of read / of copy: {'; '.join(parts)}", flush=True)
 
 
 def ratio_lines(report: dict[str, Any]) -> list[str]:
@@ -532,11 +608,18 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("load_rss_growth", "tenplex_load", f"{peer}_load", "rss_growth")
             add("disk_bytes", "tenplex_save", f"{peer}_save", "bytes")
         add("bytes_read", "tenplex_load", "central_load", "bytes")
+        for s, metric in (("tenplex", "bytes_read"), ("tenplex_noverify", "bytes_read_noverify")):
+            x = r.get(f"{s}_load")
+            if x and x.get("bytes_needed") and x["bytes"] is not None:  # issue #4: at most 1.05
+                lines.append(f"RATIO {metric} {t} tenplex/destination = {x['bytes'] / x['bytes_needed']:.2f}")
         tl = r.get("tenplex_load")
         if tl and tl.get("bytes") and r.get("raw_read_GBps"):
-            eff = tl["bytes"] / tl["seconds"] / 1e9
-            lines.append(f"RATIO load_bandwidth {t} tenplex/raw_read = {eff / r['raw_read_GBps']:.2f}")
-            lines.append(f"RATIO load_bandwidth {t} tenplex/memory_copy = {eff / r['memory_copy_GBps']:.2f}")
+            for s, metric in (("tenplex", "load_bandwidth"), ("tenplex_noverify", "load_bandwidth_noverify")):
+                if (x := r.get(f"{s}_load")) is None:
+                    continue
+                eff = _effective_gbps(x)
+                lines.append(f"RATIO {metric} {t} tenplex/raw_read = {eff / r['raw_read_GBps']:.2f}")
+                lines.append(f"RATIO {metric} {t} tenplex/memory_copy = {eff / r['memory_copy_GBps']:.2f}")
     return lines
 
 
@@ -615,6 +698,8 @@ def main() -> int:
         return 0
     if a.quick:
         a.models, a.transitions, a.reps = ["tiny", "gpt3-125m"], ["tp2-dp2"], 3
+    if a.workdir:
+        os.makedirs(a.workdir, exist_ok=True)
     import torch
 
     report: dict[str, Any] = {

@@ -100,7 +100,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_model(args)
     if not args.checkpoint:
         raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
+    t_read = time.perf_counter()
     ckpt, meta, source = _load(args.checkpoint)
+    read_seconds = time.perf_counter() - t_read
     try:
         dst = ParallelLayout.parse(args.to)
     except LayoutError as e:
@@ -130,8 +132,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_reshard(source, tensors, chunks, strict=True)
     except (LayoutError, PlanError) as e:
         raise CLIError(str(e)) from None
-    seconds = time.perf_counter() - t0
-    report = plan_report(plan, source, dst, args.gpus_per_node, seconds)
+    report = plan_report(plan, source, dst, args.gpus_per_node, 0.0)
+    seconds = time.perf_counter() - t0  # the destination's chunks, the plan and its totals
+    report.update({"plan_seconds": seconds, "read_seconds": read_seconds})
     report.update({"checkpoint": ckpt, "from": meta.get("layout"), "to": dst.to_json(),
                    "distributed_optimizer": distopt, "padded_vocab_size": padded})
     if args.json:
@@ -146,7 +149,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus_per_node:
         print(f"cross-node   {_fmt_bytes(report['bytes_cross_node'])} "
               f"({args.gpus_per_node} GPUs per node; peer-to-peer transfer)")
-    print(f"planned in   {seconds * 1000:.1f} ms")
+    print(f"time         {(read_seconds + seconds) * 1000:.1f} ms: read the checkpoint's metadata "
+          f"{read_seconds * 1000:.1f} ms, plan and totals {seconds * 1000:.1f} ms")
     if args.per_rank:
         for r, b in report["bytes_per_rank"].items():
             print(f"  rank {r:>5}: {_fmt_bytes(b)}")
@@ -155,12 +159,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace) -> int:
     """Dry run for a named model with no checkpoint: the source is what a tenplex save at --from would write."""
-    from tenplex_megatron.plan.gpt_catalogue import gpt_tensors, load_model
-    from tenplex_megatron.plan.planner import Planner
-    from tenplex_megatron.plan.shard_layout import source_from_layout
+    from tenplex_megatron.plan.dry_run import dry_run
+    from tenplex_megatron.plan.gpt_catalogue import load_model
 
     if not args.source:
         raise CLIError("--model needs --from LAYOUT (e.g. --from tp=8,pp=16,dp=8)")
+    t0 = time.perf_counter()
     try:
         dims = load_model(args.model)
         src, dst = ParallelLayout.parse(args.source), ParallelLayout.parse(args.to)
@@ -170,31 +174,22 @@ def _plan_model(args: argparse.Namespace) -> int:
     except (KeyError, LayoutError) as e:
         raise CLIError(str(e).strip("'\"")) from None
     distopt = True if args.distributed_optimizer is None else args.distributed_optimizer
-    t0 = time.perf_counter()
-    tensors = gpt_tensors(dims, padded_vocab_size(dims.vocab_size, 128, src.tp))
-    source = source_from_layout(tensors, src, distopt)
-    padded = restart_padded_vocab_size(dims.vocab_size, 128, dst.tp, padded_vocab_size(dims.vocab_size, 128, src.tp))
-    dst_tensors = resize_vocab(tensors, padded)
-    chunks = layout_chunks(dst_tensors, dst, distopt)
-    t1 = time.perf_counter()
-    planner = Planner(source, dst_tensors)
-    planner.check_keys({k for k in dst_tensors}, strict=True)
-    per_rank = {r: planner.rank_bytes(r, cs, gpus_per_node=args.gpus_per_node) for r, cs in chunks.items()}
-    t2 = time.perf_counter()
-    state = source.total_bytes()
-    reads = [b for b, _ in per_rank.values()]
-    dst_bytes = sum(c.numel * dtype_size(dst_tensors[c.key].dtype) for cs in chunks.values() for c in cs)
+    run = dry_run(dims, src, dst, distopt, args.gpus_per_node)
+    reads = list(run.read_bytes.values())
     report = {
         "model": args.model, "from": src.to_json(), "to": dst.to_json(), "distributed_optimizer": distopt,
-        "state_bytes": state, "bytes_total": sum(reads), "bytes_per_rank_max": max(reads),
+        "state_bytes": run.state_bytes, "bytes_total": sum(reads), "bytes_per_rank_max": max(reads),
         "bytes_per_rank_mean": sum(reads) / len(reads),
-        "bytes_cross_node": sum(c for _, c in per_rank.values()) if args.gpus_per_node else None,
-        "central_bytes_through_one_rank": state + dst_bytes,
-        "describe_seconds": t1 - t0, "plan_seconds": t2 - t1,
+        "bytes_cross_node": sum(run.cross_node.values()) if run.cross_node is not None else None,
+        "central_bytes_through_one_rank": run.central_bytes,
     }
+    total_seconds = time.perf_counter() - t0  # the catalogue look-up, both layouts, the plan and every total
+    report.update({"describe_seconds": total_seconds - run.plan_seconds, "plan_seconds": run.plan_seconds,
+                   "total_seconds": total_seconds})
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
+    state = run.state_bytes
     print(f"plan         {args.model}: {src} -> {dst}  ({src.world_size} -> {dst.world_size} GPUs, distributed optimizer: {distopt})")
     print(f"state        {_fmt_bytes(state)} (bf16 weights, fp32 main weights and Adam moments)")
     print(f"read total   {_fmt_bytes(report['bytes_total'])}  (every DP replica loads its weights)")
@@ -203,7 +198,8 @@ def _plan_model(args: argparse.Namespace) -> int:
         print(f"cross-node   {_fmt_bytes(report['bytes_cross_node'])} ({args.gpus_per_node} GPUs per node, sources at their writers)")
     print(f"central      {_fmt_bytes(report['central_bytes_through_one_rank'])} through one rank (gather all, scatter all): "
           f"{report['central_bytes_through_one_rank'] / report['bytes_per_rank_max']:.0f}x tenplex's busiest rank")
-    print(f"time         describe both layouts {report['describe_seconds']:.2f} s, plan {report['plan_seconds']:.2f} s")
+    print(f"time         {total_seconds:.2f} s: describe both layouts {report['describe_seconds']:.2f} s, "
+          f"plan and totals {run.plan_seconds:.2f} s")
     return 0
 
 

@@ -3,7 +3,8 @@
 Each piece is a strided sub-box of a source rectangle (a zero-copy view of a
 memory-mapped shard file) copied into a strided sub-box of a destination
 tensor, which lives wherever the model lives (the GPU in production), so the
-assembly happens on the device and only the needed pages are read.
+assembly happens on the device and only the needed pages are read. Checksums
+are checked only over the blocks the pieces read (``verify.py``).
 """
 
 from __future__ import annotations
@@ -15,19 +16,29 @@ from dataclasses import dataclass
 
 import torch
 
-from tenplex_megatron.plan.planner import RankPlan
+from tenplex_megatron.execute.verify import BlockVerifier
+from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
-from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader, crc32
+from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
 
 
 @dataclass(frozen=True)
 class ExecStats:
-    """What one rank did: bytes copied from sources, bytes zero-filled, files opened, seconds."""
+    """What one rank did: bytes copied from sources, zero-filled, files opened, seconds, and how much was verified.
+
+    ``bytes_verified``: stored bytes whose checksum this rank checked (the
+    blocks its pieces overlap; whole chunks for format-1 single CRCs), read
+    from storage for that. ``bytes_unverified``: bytes it copied that no
+    checksum covered (verification off, or none recorded). Bytes read from
+    storage are about ``bytes_verified + bytes_unverified``.
+    """
 
     bytes_read: int
     bytes_filled: int
     files: int
     seconds: float
+    bytes_verified: int = 0
+    bytes_unverified: int = 0
 
 
 def _view(flat: torch.Tensor, start: int, rect: tuple[int, ...], sel: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
@@ -36,18 +47,28 @@ def _view(flat: torch.Tensor, start: int, rect: tuple[int, ...], sel: tuple[int,
 
 
 class SourceFiles:
-    """Opens each shard file once and hands out flat views of the stored chunks."""
+    """Opens each shard file once, hands out flat views of the stored chunks and verifies the bytes that are read.
 
-    def __init__(self, ckpt_dir: str, dtypes: dict[str, str], sizes: dict[str, int] | None = None, verify: bool = True):
+    ``require_checksums``: a chunk with no recorded checksum is an error when
+    verifying (format 2 records them for every chunk).
+    """
+
+    def __init__(self, ckpt_dir: str, dtypes: dict[str, str], sizes: dict[str, int] | None = None, verify: bool = True,
+                 require_checksums: bool = False, threads: int | None = None):
         self.ckpt_dir = ckpt_dir
         self.dtypes = dtypes
         self.sizes = sizes or {}
         self.verify = verify
         self.readers: dict[str, SafetensorsReader] = {}
-        self.verified: set[tuple[str, str]] = set()
-        self.bytes_verified = 0
+        self.verifier = BlockVerifier(ckpt_dir, require_checksums, threads)
+        self._covered: dict[tuple[str, str, Piece], bool] = {}  # pieces already checked: not recomputed when copying
+
+    @property
+    def bytes_verified(self) -> int:
+        return self.verifier.bytes_verified
 
     def flat(self, sc: StoredChunk) -> torch.Tensor:
+        """The stored chunk as a flat tensor, its file opened and size-checked once; no checksum is checked here."""
         loc = sc.location
         reader = self.readers.get(loc.file)
         if reader is None:
@@ -58,17 +79,23 @@ class SourceFiles:
                 reader.close()
                 raise CheckpointFileError(f"{path}: size {reader.size} bytes, the metadata recorded {expected} (damaged or truncated)")
             self.readers[loc.file] = reader
-        t = reader.flat(loc.name, self.dtypes[sc.chunk.key], sc.chunk.numel)
-        if self.verify and loc.crc32 is not None and (loc.file, loc.name) not in self.verified:
-            got = crc32(t)
-            if got != loc.crc32:
-                raise CheckpointFileError(
-                    f"{reader.path}: tensor {loc.name!r} (of {sc.chunk.key!r}) fails its checksum "
-                    f"(crc32 {got:#010x}, recorded {loc.crc32:#010x}): the file is damaged"
-                )
-            self.verified.add((loc.file, loc.name))
-            self.bytes_verified += t.numel() * t.element_size()
-        return t
+        return reader.flat(loc.name, self.dtypes[sc.chunk.key], sc.chunk.numel)
+
+    def check(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece) -> bool:
+        """Verify the checksummed blocks ``piece`` reads of ``flat`` (``sc``'s data); returns whether a checksum covers it."""
+        if not self.verify:
+            return False
+        key = (sc.location.file, sc.location.name, piece)
+        covered = self._covered.get(key)
+        if covered is None:
+            covered = self._covered[key] = self.verifier.check(sc, flat, piece)
+        return covered
+
+    def collect(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece, todo: list) -> None:
+        """Queue the blocks ``piece`` reads for :meth:`BlockVerifier.run` (what :func:`prepare_sources` does)."""
+        key = (sc.location.file, sc.location.name, piece)
+        if key not in self._covered:
+            self._covered[key] = self.verifier.collect(sc, flat, piece, todo)
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -76,24 +103,51 @@ class SourceFiles:
         self.readers.clear()
 
 
+def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: SourceFiles) -> None:
+    """Open every source chunk the plan reads and verify the blocks its pieces will copy, before anything is copied.
+
+    ``files`` may be another framework's source (only ``flat``): then the chunks are just opened.
+    """
+    flats: dict[int, torch.Tensor] = {}
+    checking = isinstance(files, SourceFiles) and files.verify
+    todo: list = []
+    for p in plan.pieces:
+        src = flats.get(p.source)
+        if src is None:
+            src = flats[p.source] = files.flat(sources[p.source])
+        if checking:
+            files.collect(sources[p.source], src, p, todo)
+    if checking:
+        files.verifier.run(todo)  # all blocks at once: in parallel where this rank has cores to spare
+
+
 def execute_plan(
     plan: RankPlan, sources: tuple[StoredChunk, ...], files: SourceFiles, dst: list[torch.Tensor]
 ) -> ExecStats:
-    """Fill ``dst`` (one flat tensor per destination chunk, in plan order) from the sources."""
+    """Fill ``dst`` (one flat tensor per destination chunk, in plan order) from the sources, verifying what it reads.
+
+    Blocks already verified (by :func:`prepare_sources`) are not read again for their checksum.
+    """
     t0 = time.perf_counter()
-    read = filled = 0
+    read = filled = unverified = 0
     flats: dict[int, torch.Tensor] = {}
+    checking = isinstance(files, SourceFiles)
     with torch.no_grad():
         for p in plan.pieces:
             src = flats.get(p.source)
             if src is None:
                 src = flats[p.source] = files.flat(sources[p.source])
+            covered = checking and files.check(sources[p.source], src, p)
             s = _view(src, p.src_start, p.src_rect, p.src_sel, p.shape)
             d = _view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape)
             d.copy_(s)
-            read += s.numel() * s.element_size()
+            nbytes = s.numel() * s.element_size()
+            read += nbytes
+            if not covered:
+                unverified += nbytes
         for f in plan.fills:
             d = _view(dst[f.dst], f.dst_start, f.dst_rect, f.dst_sel, f.shape)
             d.zero_()
             filled += d.numel() * d.element_size()
-    return ExecStats(read, filled, len(files.readers), time.perf_counter() - t0)
+    verified = files.bytes_verified if checking else 0
+    return ExecStats(read, filled, len(files.readers), time.perf_counter() - t0, verified, unverified)

@@ -27,11 +27,13 @@ class LoadResult:
     path: str
     iteration: int
     source_layout: ParallelLayout
-    bytes_read: int  # by this rank
+    bytes_read: int  # by this rank: copied into its tensors
     bytes_filled: int
     tensors: int
     seconds: float
     rng_exact: bool
+    bytes_verified: int = 0  # stored bytes whose block checksums this rank checked (read for that)
+    bytes_unverified: int = 0  # bytes copied that no checksum covered (``verify=False``)
 
 
 def save_checkpoint(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
@@ -61,7 +63,7 @@ def load_checkpoint(
 ) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout.
 
-    ``verify``: check the CRC-32 of every stored chunk this rank reads (whole chunks are read for it).
+    ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
     """
     t0 = time.perf_counter()
 
@@ -93,4 +95,6 @@ def load_checkpoint(
         tensors=loaded.tensors,
         seconds=time.perf_counter() - t0,
         rng_exact=exact,
+        bytes_verified=loaded.stats.bytes_verified,
+        bytes_unverified=loaded.stats.bytes_unverified,
     )

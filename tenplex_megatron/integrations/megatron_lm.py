@@ -35,6 +35,10 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-shard on restart)")
     g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N tenplex checkpoints")
     g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
+    g.add_argument("--tenplex-vocab-padding", choices=["keep", "megatron"], default="keep",
+                   help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact "
+                   "loss continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding "
+                   "rows are zero)")
     return parser
 
 
@@ -95,11 +99,14 @@ def _job(model: list[Any], optimizer: Any, scheduler: Any) -> MegatronLMJob:
         mpu.get_pipeline_model_parallel_world_size(),
         mpu.get_data_parallel_world_size(),
     )
-    vocab = getattr(args, "vocab_size", None)
-    if vocab is None:
-        from megatron.training import get_tokenizer
+    # The rows Megatron pads are the tokenizer's (``_vocab_size_with_padding(tokenizer.vocab_size)``), not
+    # ``--vocab-size``: NullTokenizer adds an EOD token after ``--vocab-size`` tokens.
+    from megatron.training import get_tokenizer
 
+    try:
         vocab = get_tokenizer().vocab_size
+    except AssertionError:  # no global tokenizer was built
+        vocab = args.vocab_size
     spec = _Spec(int(vocab), int(args.seed), {k: getattr(args, k, None) for k in _RECORDED_ARGS})
     return MegatronLMJob(model, optimizer, scheduler, layout, spec, int(args.padded_vocab_size),
                          bool(args.use_distributed_optimizer))
@@ -185,13 +192,41 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
                                        persistent_workers=args.num_workers > 0)
 
 
+def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any) -> int:
+    """Megatron-LM's padded vocabulary; with ``--tenplex`` (``keep``) a restart keeps the checkpoint's when TP divides it.
+
+    Megatron's softmax covers the padding rows, so a different padded size is a
+    slightly different model: keeping it makes the resumed losses continue exactly.
+    """
+    padded = _ORIGINALS["_vocab_size_with_padding"](orig_vocab_size, args, *a, **kw)
+    if not getattr(args, "tenplex", False) or getattr(args, "tenplex_vocab_padding", "keep") != "keep" \
+            or not getattr(args, "load", None):
+        return padded
+    from tenplex_megatron.plan.layout import restart_padded_vocab_size
+    from tenplex_megatron.storage.layout import find_checkpoint, read_metadata
+
+    ckpt = find_checkpoint(args.load)
+    if ckpt is None:
+        return padded
+    saved = read_metadata(ckpt).get("padded_vocab_size")
+    kept = restart_padded_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by,
+                                     args.tensor_model_parallel_size, saved)
+    if kept != padded and getattr(args, "rank", 0) == 0:
+        print(f" > tenplex: keeping the checkpoint's padded vocab {kept} (Megatron's rule at this TP: {padded})",
+              flush=True)
+    return kept
+
+
 def install() -> None:
-    """Wrap Megatron-LM's checkpoint and data-loader functions (idempotent)."""
+    """Wrap Megatron-LM's checkpoint, data-loader and vocabulary-padding functions (idempotent)."""
     import megatron.training.checkpointing as ckpt_mod
+    import megatron.training.tokenizer.tokenizer as tok_mod
     import megatron.training.training as train_mod
 
     if _ORIGINALS:
         return
+    _ORIGINALS["_vocab_size_with_padding"] = tok_mod._vocab_size_with_padding
+    tok_mod._vocab_size_with_padding = _vocab_size_with_padding
     _ORIGINALS["save_checkpoint"] = ckpt_mod.save_checkpoint
     _ORIGINALS["load_checkpoint"] = ckpt_mod.load_checkpoint
     _ORIGINALS["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader

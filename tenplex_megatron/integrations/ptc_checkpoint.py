@@ -25,13 +25,13 @@ import torch
 import torch.distributed as dist
 
 from tenplex_megatron.execute.collective import all_gather_json, check_all
-from tenplex_megatron.execute.executor import ExecStats, SourceFiles, execute_plan
+from tenplex_megatron.execute.executor import ExecStats, SourceFiles, execute_plan, prepare_sources
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
 from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import layout as ckpt_layout
 from tenplex_megatron.storage.faults import maybe_fail
-from tenplex_megatron.storage.safetensors_io import CheckpointFileError, write_safetensors
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, CheckpointFileError, write_safetensors
 
 LOAD_ERRORS = (OSError, ValueError, CheckpointFileError, KeyError, RuntimeError)
 
@@ -147,20 +147,21 @@ def save_chunks(
             mine.setdefault(chunk_name(lc.chunk), lc.data.reshape(-1))
     fname = ckpt_layout.rank_file_name(me)
     size = 0
-    sums: dict[str, int] = {}
+    sums: dict[str, tuple[int, ...]] = {}
     try:
         if mine:
             size, sums = write_safetensors(
                 os.path.join(ckpt_layout.partial_dir(save_dir, iteration), fname),
                 mine,
                 after_write=lambda: maybe_fail("save.tensors", me, iteration),
+                block_bytes=BLOCK_BYTES,
             )
     except (OSError, RuntimeError) as e:
         error = e
     check_all(error, f"save of iteration {iteration}: writing shards")
 
     info = {"info": rank_info, "file": fname if mine else None, "size": size, "host": socket.gethostname(),
-            "crc32": sums}
+            "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
     infos = all_gather_json(info)
     path = os.path.join(save_dir, ckpt_layout.iter_dir_name(iteration))
     if me == 0:
@@ -169,7 +170,8 @@ def save_chunks(
                 StoredChunk(
                     c,
                     Location(ckpt_layout.rank_file_name(w), chunk_name(c), w, infos[w]["host"],
-                             infos[w]["crc32"][chunk_name(c)]),
+                             block_crc32=tuple(infos[w]["block_crc32"][chunk_name(c)]),
+                             block_bytes=int(infos[w]["block_bytes"])),
                 )
                 for c, w in writers.items()
             ]
@@ -222,7 +224,8 @@ def open_tenplex(load_dir: str, iteration: int | None, verify: bool) -> Opened:
         raise FileNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
     meta = ckpt_layout.read_metadata(path)
     source = PTC.from_json(meta["ptc"])
-    files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify)
+    files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify,
+                        require_checksums=meta["format_version"] >= 2)  # format 2 records block CRCs for every chunk
     return Opened(path, meta, source, files)
 
 
@@ -260,8 +263,7 @@ def load_chunks(
                             strict=False)
         plan = full.ranks[me]
         maybe_fail("load.read", me)
-        for slot in sorted({p.source for p in plan.pieces}):  # every file, entry, checksum it will read
-            files.flat(full.sources[slot])
+        prepare_sources(plan, full.sources, files)  # every file and entry it will read, the checksums of those bytes
         for lc in chunks:
             view = lc.flat_view()
             if view is None:

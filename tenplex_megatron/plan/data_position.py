@@ -33,6 +33,8 @@ def microbatch_sample_indices(
             f"consumed samples {consumed_samples} is not a multiple of the global batch size {global_batch_size}"
         )
     n = num_microbatches(global_batch_size, micro_batch_size, dp_size)
+    if not 0 <= dp_rank < dp_size:  # else it would silently read another step's samples
+        raise ValueError(f"DP rank {dp_rank} is out of range for DP size {dp_size} (valid: 0 to {dp_size - 1})")
     share = global_batch_size // dp_size
     start = consumed_samples + dp_rank * share
     return [list(range(start + m * micro_batch_size, start + (m + 1) * micro_batch_size)) for m in range(n)]

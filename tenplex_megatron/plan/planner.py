@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tenplex_megatron.plan.geometry import Rect, chunk_rects, intersect
@@ -91,7 +92,14 @@ class _Source:
     chunk: Chunk
     locations: list[Location]
     slots: list[int]  # index of each location's StoredChunk in the source PTC
-    rects: list[Rect]
+    _rects: list[Rect] | None = None
+
+    @property
+    def rects(self) -> list[Rect]:
+        """The chunk's rectangles, worked out when first needed (a box matched whole never needs them)."""
+        if self._rects is None:
+            self._rects = chunk_rects(self.chunk.offsets, self.chunk.shape, self.chunk.flat)
+        return self._rects
 
 
 class _Grid:
@@ -149,8 +157,7 @@ def _unique_sources(chunks: list[tuple[int, StoredChunk]]) -> list[_Source]:
     for slot, sc in chunks:
         src = by_chunk.get(sc.chunk)
         if src is None:
-            rects = chunk_rects(sc.chunk.offsets, sc.chunk.shape, sc.chunk.flat)
-            src = by_chunk[sc.chunk] = _Source(sc.chunk, [], [], rects)
+            src = by_chunk[sc.chunk] = _Source(sc.chunk, [], [])
         src.locations.append(sc.location)
         src.slots.append(slot)
     return sorted(by_chunk.values(), key=lambda s: (s.chunk.offsets, s.chunk.flat_range, s.chunk.shape))
@@ -176,7 +183,21 @@ def _boxes(sources: list[_Source]) -> dict[tuple, list[tuple[int, int, int]]]:
     return out
 
 
-def _check_partition(meta: TensorMeta, sources: list[_Source], index: _Index, boxes: dict) -> None:
+def _extents_disjoint(boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """True when, along every dimension, the distinct extents of the boxes never overlap.
+
+    Then any two distinct boxes (which differ along some dimension) are disjoint: the
+    usual case of TP/PP grids, checked in O(n log n) instead of pairwise.
+    """
+    boxes = list(boxes)
+    for d in range(len(boxes[0][0]) if boxes else 0):
+        extents = sorted({(off[d], off[d] + shp[d]) for off, shp in boxes})
+        if any(b[0] < a[1] for a, b in zip(extents, extents[1:])):
+            return False
+    return True
+
+
+def _check_partition(meta: TensorMeta, sources: list[_Source], index: Callable[[], _Index], boxes: dict) -> None:
     """Source chunks of one tensor must be pairwise disjoint and cover it (so copies are exact).
 
     Fast path: when the distinct boxes are pairwise disjoint, disjointness reduces to
@@ -190,22 +211,25 @@ def _check_partition(meta: TensorMeta, sources: list[_Source], index: _Index, bo
             f"tensor {meta.key!r}: source chunks overlap ({a.offsets}/{a.shape}/{a.flat} and {b.offsets}/{b.shape}/{b.flat})"
         )
 
-    box_rects = [Rect(off, shp, 0) for off, shp in boxes]
-    box_index = _Index([_Boxed(r) for r in box_rects])
-    boxes_disjoint = all(
-        j == i or intersect(b.offsets, b.shape, r.offsets, r.shape) is None
-        for i, b in enumerate(box_rects)
-        for j, r in box_index.query(b.offsets, b.end)
-    )
+    boxes_disjoint = _extents_disjoint(boxes)
+    if not boxes_disjoint:
+        box_rects = [Rect(off, shp, 0) for off, shp in boxes]
+        box_index = _Index([_Boxed(r) for r in box_rects])
+        boxes_disjoint = all(
+            j == i or intersect(b.offsets, b.shape, r.offsets, r.shape) is None
+            for i, b in enumerate(box_rects)
+            for j, r in box_index.query(b.offsets, b.end)
+        )
     if boxes_disjoint:
         for intervals in boxes.values():
             for (_, b0, i0), (a1, _, i1) in zip(intervals, intervals[1:]):
                 if a1 < b0:
                     raise overlap(i0, i1)
     else:
+        rect_index = index()
         for i, s in enumerate(sources):
             for r in s.rects:
-                for j, other in index.query(r.offsets, r.end):
+                for j, other in rect_index.query(r.offsets, r.end):
                     if j != i and intersect(r.offsets, r.shape, other.offsets, other.shape) is not None:
                         raise overlap(i, j)
     if total != meta.numel:
@@ -242,6 +266,42 @@ class _ChunkPlan:
     bytes: int
 
 
+_INF = float("inf")
+
+
+def _flat_bytes(intervals: list[tuple[int, int, int]], lo: int, hi: int, itemsize: int) -> tuple[tuple[int, int], ...]:
+    """(source index, bytes) of flat ``[lo, hi)`` of a box from its sources' sorted (start, stop, index) intervals."""
+    if len(intervals) == 1:  # the box is one source chunk
+        a, b, i = intervals[0]
+        return ((i, (min(b, hi) - max(a, lo)) * itemsize),) if a < hi and b > lo else ()
+    return tuple(
+        (i, (min(b, hi) - max(a, lo)) * itemsize)
+        for a, b, i in intervals[max(bisect.bisect_right(intervals, (lo, _INF, 0)) - 1, 0):]
+        if a < hi and b > lo
+    )
+
+
+class _Prepared:
+    """One tensor made ready to plan: its distinct source chunks, their boxes, and a spatial index built on demand."""
+
+    def __init__(self, srcs: list[_Source], limit: int | None, itemsize: int):
+        self.srcs = srcs
+        self.limit = limit  # rows of dim 0 to copy (vocabulary padding changed), None: shapes match
+        self.itemsize = itemsize
+        self.boxes = _boxes(srcs)
+        # box -> its flat intervals when they cover it whole: a destination chunk in such a box
+        # needs no geometry, only interval arithmetic
+        self.whole = {box: v for box, v in self.boxes.items() if sum(b - a for a, b, _ in v) == math.prod(box[1])}
+        # the rank that wrote each source chunk when it has one location, -1 when replicas give a choice
+        self.writer = [s.locations[0].rank if len(s.slots) == 1 else -1 for s in srcs]
+        self._index: _Index | None = None
+
+    def index(self) -> _Index:
+        if self._index is None:
+            self._index = _Index(self.srcs)
+        return self._index
+
+
 class Planner:
     """Plans destination chunks against one source PTC; per-tensor indexes and per-chunk plans are cached."""
 
@@ -251,10 +311,10 @@ class Planner:
         self._by_key: dict[str, list[tuple[int, StoredChunk]]] = defaultdict(list)
         for slot, sc in enumerate(source.chunks):
             self._by_key[sc.chunk.key].append((slot, sc))
-        self._prepared: dict[str, tuple[list[_Source], _Index, int | None, int]] = {}
-        self._boxes: dict[str, dict[tuple, list[tuple[int, int, int]]]] = {}
+        self._prepared: dict[str, _Prepared] = {}
         self._memo: dict[Chunk, _ChunkPlan] = {}
         self._bytes_memo: dict[Chunk, tuple[tuple[int, int], ...]] = {}
+        self._valid_boxes: set[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = set()
 
     def check_keys(self, keys: set[str], strict: bool) -> tuple[str, ...]:
         for key in sorted(keys):
@@ -267,26 +327,40 @@ class Planner:
             raise PlanError(f"the checkpoint has tensors the model lacks: {', '.join(unused[:5])}")
         return unused
 
-    def prepare(self, key: str) -> tuple[list[_Source], _Index, int | None, int]:
+    def prepare(self, key: str) -> _Prepared:
         got = self._prepared.get(key)
         if got is None:
             meta = self.source.tensors[key]
             srcs = _unique_sources(self._by_key.get(key, []))
-            index = _Index(srcs)
-            boxes = self._boxes[key] = _boxes(srcs)
-            _check_partition(meta, srcs, index, boxes)
-            got = self._prepared[key] = (srcs, index, _content_limit(meta, self.dst_tensors[key]), dtype_size(meta.dtype))
+            got = _Prepared(srcs, _content_limit(meta, self.dst_tensors[key]), dtype_size(meta.dtype))
+            _check_partition(meta, srcs, got.index, got.boxes)
+            self._prepared[key] = got
         return got
+
+    def _validate(self, chunk: Chunk) -> None:
+        """A destination chunk must lie inside its tensor.
+
+        Whether a box fits depends only on the tensor's shape, so each (shape, box) is
+        checked once (a parameter and its optimizer states share them); a flat range every time.
+        """
+        meta = self.dst_tensors[chunk.key]
+        box = (meta.global_shape, chunk.offsets, chunk.shape)
+        flat = chunk.flat
+        if box in self._valid_boxes and (flat is None or 0 <= flat[0] <= flat[1] <= chunk.box_numel):
+            return
+        try:
+            chunk.validate(meta)
+        except PTCError as e:
+            raise PlanError(str(e)) from None
+        self._valid_boxes.add(box)
 
     def chunk_plan(self, chunk: Chunk) -> _ChunkPlan:
         cp = self._memo.get(chunk)
         if cp is not None:
             return cp
-        try:
-            chunk.validate(self.dst_tensors[chunk.key])
-        except PTCError as e:
-            raise PlanError(str(e)) from None
-        srcs, index, limit, itemsize = self.prepare(chunk.key)
+        self._validate(chunk)
+        prep = self.prepare(chunk.key)
+        index, limit, itemsize = prep.index(), prep.limit, prep.itemsize
         copies = []
         fills = []
         by_source: dict[int, int] = defaultdict(int)
@@ -326,7 +400,8 @@ class Planner:
         bytes_by_file: dict[str, int] = defaultdict(int)
         for d_idx, chunk in enumerate(chunks):
             cp = self.chunk_plan(chunk)
-            srcs, _, _, itemsize = self.prepare(chunk.key)
+            prep = self.prepare(chunk.key)
+            srcs, itemsize = prep.srcs, prep.itemsize
             for s_idx, sr, dr, x_off, x_shape in cp.copies:
                 slot = _choose(srcs[s_idx], rank, host)
                 pieces.append(
@@ -350,42 +425,73 @@ class Planner:
     def chunk_bytes(self, chunk: Chunk) -> tuple[tuple[int, int], ...]:
         """(source index, bytes) read for a destination chunk; flat-interval fast path when the boxes match."""
         got = self._bytes_memo.get(chunk)
-        if got is not None:
-            return got
-        _, _, limit, itemsize = self.prepare(chunk.key)
-        intervals = self._boxes[chunk.key].get((chunk.offsets, chunk.shape)) if limit is None else None
-        if intervals and sum(b - a for a, b, _ in intervals) == chunk.box_numel:
-            lo, hi = chunk.flat_range
-            got = tuple(
-                (i, (min(b, hi) - max(a, lo)) * itemsize)
-                for a, b, i in intervals[max(bisect.bisect_right(intervals, (lo, float("inf"), 0)) - 1, 0):]
-                if a < hi and b > lo
-            )
-            try:
-                chunk.validate(self.dst_tensors[chunk.key])
-            except PTCError as e:
-                raise PlanError(str(e)) from None
-        else:
-            got = self.chunk_plan(chunk).by_source
-        self._bytes_memo[chunk] = got
+        if got is None:
+            got = self._bytes_memo[chunk] = self._chunk_bytes(chunk)
+        return got
+
+    def _chunk_bytes(self, chunk: Chunk) -> tuple[tuple[int, int], ...]:
+        prep = self._prepared.get(chunk.key) or self.prepare(chunk.key)
+        intervals = prep.whole.get((chunk.offsets, chunk.shape)) if prep.limit is None else None
+        if intervals is None:
+            return self.chunk_plan(chunk).by_source
+        lo, hi = chunk.flat or (0, chunk.box_numel)
+        got = _flat_bytes(intervals, lo, hi, prep.itemsize)
+        self._validate(chunk)
         return got
 
     def rank_bytes(self, rank: int, chunks: list[Chunk], host: str = "", gpus_per_node: int | None = None) -> tuple[int, int]:
         """(bytes read, bytes read from another node's rank) without building pieces: for large dry runs."""
-        total = cross = 0
-        node = rank // gpus_per_node if gpus_per_node else None
+        return self.runs_bytes([(chunks, (rank,))], {rank: host}, gpus_per_node)[rank]
+
+    def runs_bytes(
+        self,
+        runs: Iterable[tuple[Sequence[Chunk], Sequence[int]]],
+        hosts: dict[int, str] | None = None,
+        gpus_per_node: int | None = None,
+    ) -> dict[int, tuple[int, int]]:
+        """:meth:`rank_bytes` of every rank, from (chunks, ranks holding them) runs: each run is planned once.
+
+        A rank's figures are the sums over the runs it is in. Sources with one location are
+        tallied by node once per run; only replicated sources are chosen rank by rank.
+        """
+        hosts = hosts or {}
+        out: dict[int, tuple[int, int]] = {}
         memo = self._bytes_memo
-        for chunk in chunks:
-            by_source = memo.get(chunk) or self.chunk_bytes(chunk)
-            srcs = self._prepared[chunk.key][0]
-            for s_idx, n in by_source:
-                total += n
-                if node is not None:
-                    src = srcs[s_idx]
-                    slot = src.slots[0] if len(src.slots) == 1 else _choose(src, rank, host)
-                    if self.source.chunks[slot].location.rank // gpus_per_node != node:
-                        cross += n
-        return total, cross
+        for chunks, ranks in runs:
+            total = 0
+            by_writer: dict[int, int] = defaultdict(int)  # bytes from sources with one location, by writer rank
+            choices: list[tuple[_Source, int]] = []  # (replicated source, bytes): the replica depends on the rank
+            for chunk in chunks:
+                by_source = memo.get(chunk)
+                if by_source is None:
+                    by_source = memo[chunk] = self._chunk_bytes(chunk)
+                if not gpus_per_node:
+                    total += sum(n for _, n in by_source)
+                    continue
+                prep = self._prepared[chunk.key]
+                for s_idx, n in by_source:
+                    total += n
+                    w = prep.writer[s_idx]
+                    if w < 0:
+                        choices.append((prep.srcs[s_idx], n))
+                    else:
+                        by_writer[w] += n
+            by_node: dict[int, int] = defaultdict(int)
+            if gpus_per_node:
+                for w, n in by_writer.items():
+                    by_node[w // gpus_per_node] += n
+            single = sum(by_writer.values())
+            for rank in ranks:
+                cross = 0
+                if gpus_per_node:
+                    node = rank // gpus_per_node
+                    cross = single - by_node.get(node, 0)
+                    for src, n in choices:
+                        if self.source.chunks[_choose(src, rank, hosts.get(rank, ""))].location.rank // gpus_per_node != node:
+                            cross += n
+                t, c = out.get(rank, (0, 0))
+                out[rank] = (t + total, c + cross)
+        return out
 
 
 def plan_reshard(

@@ -167,29 +167,49 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Location:
-    """Where a stored chunk lives: a file, the tensor name in it, the rank/host that wrote it, its CRC-32."""
+    """Where a stored chunk lives: a file, the tensor name in it, the rank/host that wrote it, its checksums.
+
+    ``block_crc32``: CRC-32 of each ``block_bytes`` block of the tensor's bytes
+    (the last block may be short), so a load verifies only the blocks it reads.
+    ``crc32``: one CRC-32 of the whole tensor, as older checkpoints recorded it.
+    """
 
     file: str
     name: str
     rank: int = 0
     host: str = ""
     crc32: int | None = None
+    block_crc32: tuple[int, ...] | None = None
+    block_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.block_crc32 is None) != (self.block_bytes is None):
+            raise ValueError(f"{self.file}: tensor {self.name!r}: block_crc32 and block_bytes must be given together")
+        if self.block_bytes is not None and self.block_bytes <= 0:
+            raise ValueError(f"{self.file}: tensor {self.name!r}: block_bytes must be positive, got {self.block_bytes}")
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"file": self.file, "name": self.name, "rank": self.rank, "host": self.host}
         if self.crc32 is not None:
             d["crc32"] = self.crc32
+        if self.block_crc32 is not None:
+            d["block_bytes"] = self.block_bytes
+            d["block_crc32"] = list(self.block_crc32)
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Location:
         crc = d.get("crc32")
+        blocks = d.get("block_crc32")
+        block_bytes = d.get("block_bytes")
         return cls(
             file=str(d["file"]),
             name=str(d["name"]),
             rank=int(d.get("rank", 0)),
             host=str(d.get("host", "")),
             crc32=None if crc is None else int(crc),
+            block_crc32=None if blocks is None else tuple(int(x) for x in blocks),
+            block_bytes=None if block_bytes is None else int(block_bytes),
         )
 
 

@@ -14,12 +14,13 @@ from its own described chunks, never from this model.
 
 from __future__ import annotations
 
+import bisect
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta, dtype_size
-from tenplex_megatron.plan.writers import Holding, assign_writers
+from tenplex_megatron.plan.writers import assign_grouped
 
 
 def resize_vocab(tensors: dict[str, TensorMeta], padded_vocab: int) -> dict[str, TensorMeta]:
@@ -81,96 +82,160 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
     return [_tp_boxes(t, zeros, shape, layout.tp, tp_rank)]
 
 
-def layout_holdings(
-    tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
-) -> dict[int, list[tuple[Chunk, bool]]]:
-    """Every rank's chunks at ``layout`` (megatron-core's rank order), each with megatron's main-replica flag.
+@dataclass(frozen=True)
+class Run:
+    """Consecutive chunks of one rank with megatron's main-replica flag of each.
 
-    Main: DP rank 0 for DP-replicated chunks, TP rank 0 for TP-replicated ones,
-    never the last stage's copy of a tied embedding.
+    Ranks holding the same chunks alike share one Run object (the DP replicas of
+    a model-parallel rank share its parameters), so a consumer can handle it once.
     """
-    params = {k: t for k, t in tensors.items() if t.param is None}
+
+    chunks: tuple[Chunk, ...]
+    main: tuple[bool, ...]
+
+
+class _ModelParallelRank:
+    """What one (TP, PP) rank holds, worked out once for all of its DP replicas."""
+
+    def __init__(self, tensors: dict[str, TensorMeta], states: dict[str, list[TensorMeta]], layout: ParallelLayout,
+                 tp_rank: int, pp_rank: int, distributed_optimizer: bool):
+        params = sorted((k, t) for k, t in tensors.items() if t.param is None)
+        local = {k: _local_params(t, layout, tp_rank, pp_rank) for k, t in params}
+        tied_copy = layout.pp > 1 and pp_rank == layout.pp - 1
+
+        def main(t: TensorMeta) -> bool:  # before the DP-replica condition
+            return not (t.tied and tied_copy) and not (t.tp_axis is None and tp_rank != 0)
+
+        replicated = [t for _, t in params]
+        if not distributed_optimizer:
+            replicated += [st for k in local for st in states.get(k, [])]
+        chunks, flags = [], []
+        for t in replicated:
+            m = main(t)
+            for boxes in local[t.param or t.key]:
+                chunks.extend(Chunk(t.key, off, shp) for off, shp in boxes)
+                flags.extend(m for _ in boxes)
+        self.replicated = Run(tuple(chunks), tuple(flags))  # DP rank 0's: the main replicas
+        self.replica = Run(self.replicated.chunks, (False,) * len(chunks))  # every other DP rank's
+        # the distributed optimizer's buffer: every parameter's boxes end to end, as
+        # (box offsets, box shape, start, stop, [(optimizer state key, main)]) in buffer order
+        self.parts: list[tuple[tuple[int, ...], tuple[int, ...], int, int, list[tuple[str, bool]]]] = []
+        pos = 0
+        for k, plist in local.items():
+            if states.get(k):
+                flagged = [(st.key, main(st)) for st in states[k]]
+                for boxes in plist:
+                    for off, shp in boxes:
+                        n = math.prod(shp)
+                        self.parts.append((off, shp, pos, pos + n, flagged))
+                        pos += n
+        self.stops = [p[3] for p in self.parts]
+        self.total = pos
+
+    def dist_opt_run(self, dp: int, dp_rank: int) -> Run:
+        """DP rank ``dp_rank``'s contiguous 1/DP of the buffer (padded to a multiple of DP) as flat chunks."""
+        padded = -(-self.total // dp) * dp
+        lo, hi = dp_rank * padded // dp, (dp_rank + 1) * padded // dp
+        chunks: list[Chunk] = []
+        flags: list[bool] = []
+        for i in range(bisect.bisect_right(self.stops, lo), len(self.parts)):
+            off, shp, start, stop, flagged = self.parts[i]
+            if start >= hi:
+                break
+            if start == stop:  # an empty box holds nothing
+                continue
+            flat = None if lo <= start and stop <= hi else (max(lo, start) - start, min(hi, stop) - start)
+            for key, main in flagged:
+                chunks.append(Chunk(key, off, shp, flat))
+                flags.append(main)
+        return Run(tuple(chunks), tuple(flags))
+
+
+def layout_runs(
+    tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
+) -> dict[int, tuple[Run, ...]]:
+    """Every rank's chunks at ``layout`` (megatron-core's rank order) as runs, with megatron's main-replica flags.
+
+    First the DP-replicated run (parameters; optimizer state too without the distributed
+    optimizer), one object for all DP ranks but rank 0; then, under the distributed
+    optimizer, the rank's own flat ranges of the optimizer state. Main: DP rank 0 for
+    DP-replicated chunks, TP rank 0 for TP-replicated ones, never the last stage's copy
+    of a tied embedding.
+    """
     states: dict[str, list[TensorMeta]] = {}
     for t in tensors.values():
         if t.param is not None:
             states.setdefault(t.param, []).append(t)
-    out: dict[int, list[tuple[Chunk, bool]]] = {}
-    cache: dict[tuple[int, int], dict[str, list[list[tuple]]]] = {}
-    made: dict[tuple, list] = {}
+    mp: dict[tuple[int, int], _ModelParallelRank] = {}
+    out: dict[int, tuple[Run, ...]] = {}
     for rank in range(layout.world_size):
         tp_rank, pp_rank, dp_rank = layout.rank_coords(rank)
-        key = (tp_rank, pp_rank)
-        if key not in cache:
-            cache[key] = {k: _local_params(t, layout, tp_rank, pp_rank) for k, t in sorted(params.items())}
-        local = cache[key]
-        tied_copy = layout.pp > 1 and pp_rank == layout.pp - 1
-
-        def main(t: TensorMeta, dp_replicated: bool, tied_copy=tied_copy, tp_rank=tp_rank, dp_rank=dp_rank) -> bool:
-            if t.tied and tied_copy:
-                return False
-            if t.tp_axis is None and tp_rank != 0:
-                return False
-            return dp_rank == 0 or not dp_replicated
-
-        chunks: list[tuple[Chunk, bool]] = []
-        keys = list(local) if not distributed_optimizer else []
-        replicated = [(k, params[k]) for k in local] + [(st.key, st) for k in keys for st in states.get(k, [])]
-        if (key, "chunks") not in made:  # chunk objects shared by the DP replicas of a (TP, PP) rank
-            made[(key, "chunks")] = [
-                (name, [Chunk(name, off, shp) for boxes in local[t.param or name] for off, shp in boxes])
-                for name, t in replicated
-            ]
-        for (_, cs), (_, t) in zip(made[(key, "chunks")], replicated):
-            m = main(t, True)
-            chunks.extend((c, m) for c in cs)
-        if distributed_optimizer:
-            chunks.extend((c, main(tensors[c.key], False)) for c in _dist_opt_chunks(local, states, layout.dp, dp_rank))
-        out[rank] = chunks
+        m = mp.get((tp_rank, pp_rank))
+        if m is None:
+            m = mp[(tp_rank, pp_rank)] = _ModelParallelRank(tensors, states, layout, tp_rank, pp_rank,
+                                                             distributed_optimizer)
+        replicated = m.replicated if dp_rank == 0 else m.replica
+        out[rank] = (replicated, m.dist_opt_run(layout.dp, dp_rank)) if distributed_optimizer else (replicated,)
     return out
+
+
+def layout_holdings(
+    tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
+) -> dict[int, list[tuple[Chunk, bool]]]:
+    """Every rank's chunks at ``layout`` (megatron-core's rank order), each with megatron's main-replica flag."""
+    return {r: [h for run in runs for h in zip(run.chunks, run.main)]
+            for r, runs in layout_runs(tensors, layout, distributed_optimizer).items()}
 
 
 def layout_chunks(
     tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
 ) -> dict[int, list[Chunk]]:
     """Every rank's chunks at ``layout`` (ranks in megatron-core's order)."""
-    return {r: [c for c, _ in hs] for r, hs in layout_holdings(tensors, layout, distributed_optimizer).items()}
+    return {r: run_chunks(runs) for r, runs in layout_runs(tensors, layout, distributed_optimizer).items()}
+
+
+def run_chunks(runs: tuple[Run, ...]) -> list[Chunk]:
+    """The chunks of a rank's runs, in order."""
+    out = list(runs[0].chunks) if runs else []
+    for run in runs[1:]:
+        out += run.chunks
+    return out
 
 
 def source_from_layout(tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool) -> PTC:
     """The PTC a tenplex save at ``layout`` would write: each main chunk once, writers balanced."""
-    holdings = [
-        Holding(rank, c, main, c.numel * dtype_size(tensors[c.key].dtype))
-        for rank, hs in layout_holdings(tensors, layout, distributed_optimizer).items()
-        for c, main in hs
-    ]
-    writers = assign_writers(holdings)
-    stored = tuple(
-        StoredChunk(c, Location(f"rank_{w:05d}.safetensors", f"{c.key}@{c.offsets}#{c.flat}", w)) for c, w in writers.items()
-    )
-    return PTC(tensors, stored, layout.to_json())
-
-
-def _dist_opt_chunks(
-    local: dict[str, list[list[tuple]]], states: dict[str, list[TensorMeta]], dp: int, dp_rank: int
-) -> list[Chunk]:
-    entries = [(k, boxes) for k, plist in local.items() if states.get(k) for boxes in plist]
-    sizes = [sum(math.prod(shp) for _, shp in boxes) for _, boxes in entries]
-    total = sum(sizes)
-    padded = -(-total // dp) * dp
-    lo, hi = dp_rank * padded // dp, (dp_rank + 1) * padded // dp
-    out: list[Chunk] = []
-    pos = 0
-    for (k, boxes), n in zip(entries, sizes):
-        a, b = max(lo, pos) - pos, min(hi, pos + n) - pos
-        pos += n
-        if a >= b:
-            continue
-        part_lo = 0
-        for off, shp in boxes:
-            m = math.prod(shp)
-            s, e = max(a, part_lo), min(b, part_lo + m)
-            if s < e:
-                flat = None if (s - part_lo, e - part_lo) == (0, m) else (s - part_lo, e - part_lo)
-                out.extend(Chunk(st.key, off, shp, flat) for st in states[k])
-            part_lo += m
-    return out
+    # each distinct chunk tuple once (DP replicas share theirs), with the ranks holding it and any main flag
+    held: dict[int, list] = {}
+    for rank, runs in layout_runs(tensors, layout, distributed_optimizer).items():
+        for run in runs:
+            got = held.get(id(run.chunks))
+            if got is None:
+                held[id(run.chunks)] = [run.chunks, [rank], run.main]
+            else:
+                got[1].append(rank)
+                if run.main is not got[2] and any(run.main):  # DP rank 0's flags after another's
+                    got[2] = tuple(a or b for a, b in zip(got[2], run.main))
+    itemsize = {k: dtype_size(t.dtype) for k, t in tensors.items()}
+    holders: dict[Chunk, list] = {}  # chunk -> [chunk, ranks, any main, bytes], in order of first appearance
+    for chunks, ranks, mains in held.values():
+        for c, main in zip(chunks, mains):
+            got = holders.get(c)
+            if got is None:
+                flat = c.flat
+                numel = flat[1] - flat[0] if flat is not None else math.prod(c.shape)  # Chunk.numel, inlined
+                holders[c] = [c, list(ranks), main, numel * itemsize[c.key]]
+            else:
+                got[1].extend(ranks)
+                got[2] = got[2] or main
+    files: dict[int, str] = {}
+    suffixes: dict[tuple, str] = {}  # "@offsets#flat", shared by a parameter's optimizer states
+    stored = []
+    for c, w in assign_grouped([tuple(h) for h in holders.values()]):
+        file = files.get(w)
+        if file is None:
+            file = files[w] = f"rank_{w:05d}.safetensors"
+        suffix = suffixes.get((c.offsets, c.flat))
+        if suffix is None:
+            suffix = suffixes[(c.offsets, c.flat)] = f"@{c.offsets}#{c.flat}"
+        stored.append(StoredChunk(c, Location(file, c.key + suffix, w)))
+    return PTC(tensors, tuple(stored), layout.to_json())

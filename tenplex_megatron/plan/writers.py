@@ -9,7 +9,7 @@ stage, is a copy of another tensor's chunk and is not written at all.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tenplex_megatron.plan.ptc import Chunk
@@ -27,15 +27,38 @@ class Holding:
 
 def assign_writers(holdings: list[Holding]) -> dict[Chunk, int]:
     """Map each chunk that has a main replica to the rank that writes it, balancing bytes."""
-    holders: dict[Chunk, list[Holding]] = defaultdict(list)
+    holders: dict[Chunk, list] = {}
     for h in holdings:
-        holders[h.chunk].append(h)
-    groups = [(c, hs) for c, hs in holders.items() if any(h.main for h in hs)]
-    groups.sort(key=lambda g: (-g[1][0].nbytes, g[0].key, g[0].offsets, g[0].flat_range))
-    written: dict[int, int] = defaultdict(int)
-    out: dict[Chunk, int] = {}
-    for chunk, hs in groups:
-        rank = min({h.rank for h in hs}, key=lambda r: (written[r], r))
-        written[rank] += hs[0].nbytes
-        out[chunk] = rank
+        got = holders.get(h.chunk)
+        if got is None:
+            holders[h.chunk] = [[h.rank], h.main, h.nbytes]
+        else:
+            got[0].append(h.rank)
+            got[1] = got[1] or h.main
+    return dict(assign_grouped([(c, ranks, main, nbytes) for c, (ranks, main, nbytes) in holders.items()]))
+
+
+def assign_grouped(groups: Sequence[tuple[Chunk, Sequence[int], bool, int]]) -> list[tuple[Chunk, int]]:
+    """:func:`assign_writers` on chunks already grouped: (chunk, every rank holding it, any main, bytes).
+
+    Largest chunks first (ties by key, offsets, flat range, then order in ``groups``), each
+    to its holder that has written the fewest bytes so far (ties: the lowest rank).
+    Returns (chunk, writer) in that order.
+    """
+    order = sorted((-nbytes, c.key, c.offsets, c.flat_range, n)
+                   for n, (c, _, main, nbytes) in enumerate(groups) if main)
+    written: dict[int, int] = {}
+    out: list[tuple[Chunk, int]] = []
+    for neg, _, _, _, n in order:
+        chunk, ranks = groups[n][0], groups[n][1]
+        if len(ranks) == 1:
+            rank = ranks[0]
+        else:
+            rank, least = -1, -1
+            for r in ranks:
+                w = written.get(r, 0)
+                if least < 0 or w < least or w == least and r < rank:
+                    rank, least = r, w
+        written[rank] = written.get(rank, 0) - neg
+        out.append((chunk, rank))
     return out

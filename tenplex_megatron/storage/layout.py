@@ -21,7 +21,10 @@ from typing import Any
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 
 FORMAT_NAME = "tenplex-megatron"
-FORMAT_VERSION = 1
+# 2: a CRC-32 per fixed-size block of each stored tensor (``block_crc32`` + ``block_bytes``), so a load checks only
+#    the blocks it reads; 1: one ``crc32`` per stored tensor (still read: such tensors are checked whole).
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PARTIAL_SUFFIX = ".tenplex-partial"
@@ -97,9 +100,10 @@ def read_metadata(ckpt_dir: str) -> dict[str, Any]:
         raise CheckpointFileError(f"{path}: malformed JSON: {e}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise CheckpointFileError(f"{path}: not a {FORMAT_NAME} metadata file")
-    if meta.get("format_version") != FORMAT_VERSION:
+    version = meta.get("format_version")
+    if type(version) is not int or version not in READ_VERSIONS:
         raise CheckpointFileError(
-            f"{path}: format version {meta.get('format_version')!r}, this build reads {FORMAT_VERSION}"
+            f"{path}: format version {version!r}, this build reads {', '.join(map(str, READ_VERSIONS))}"
         )
     return meta
 
@@ -219,6 +223,7 @@ __all__ = [
     "CheckpointFileError",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "READ_VERSIONS",
     "commit",
     "committed_iterations",
     "find_checkpoint",

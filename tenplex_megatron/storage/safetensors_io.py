@@ -22,6 +22,7 @@ from tenplex_megatron.plan.ptc import DTYPE_SIZES
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file  # noqa: F401 (re-exported)
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+BLOCK_BYTES = 1 << 20  # checksum granularity: a load verifies only the blocks it reads
 
 ST_DTYPES = {
     "F64": "float64",
@@ -55,16 +56,30 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def block_crc32(data: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> tuple[int, ...]:
+    """CRC-32 of each ``block_bytes`` block of a contiguous CPU tensor's bytes (the last may be short; none if empty).
+
+    Per-block sums let a reader verify just the blocks it copies instead of whole chunks.
+    """
+    raw = data.reshape(-1).view(torch.uint8).numpy()
+    return tuple(zlib.crc32(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes))
+
+
 ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
 
-def write_safetensors(path: str, tensors: dict[str, torch.Tensor], after_write=None) -> tuple[int, dict[str, int]]:
-    """Write ``tensors`` to ``path`` in safetensors format and fsync it; returns its size and each tensor's CRC-32.
+def write_safetensors(
+    path: str, tensors: dict[str, torch.Tensor], after_write=None, block_bytes: int = BLOCK_BYTES
+) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """Write ``tensors`` to ``path`` in safetensors format and fsync it; returns its size and each tensor's block CRCs.
 
-    Tensors are streamed from their own memory (a GPU tensor is copied to the
-    host one at a time): no serialised copy of the whole file is built, so the
-    writer's peak memory stays near the shard itself.
+    The CRCs are :func:`block_crc32` of each tensor's bytes in ``block_bytes``
+    blocks. Tensors are streamed from their own memory (a GPU tensor is copied
+    to the host one at a time): no serialised copy of the whole file is built,
+    so the writer's peak memory stays near the shard itself.
     """
+    if block_bytes <= 0:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     header: dict[str, object] = {}
     offset = 0
     for name, t in tensors.items():
@@ -73,14 +88,14 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], after_write=N
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as the reference writer does
-    sums: dict[str, int] = {}
+    sums: dict[str, tuple[int, ...]] = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         for name, t in tensors.items():
-            host = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-            sums[name] = zlib.crc32(host)
-            f.write(memoryview(host))
+            host = t.detach().to("cpu").contiguous()
+            sums[name] = block_crc32(host, block_bytes)
+            f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
         f.flush()
         if after_write is not None:
             after_write()
@@ -157,10 +172,10 @@ class SafetensorsReader:
         return raw.view(TORCH_DTYPES[entry.dtype])
 
     def close(self) -> None:
+        """Drop this reader's references; the map is unmapped when the last view of it is gone.
+
+        Never ``mmap.close()``: tensors from ``torch.frombuffer`` do not pin the
+        buffer, so closing would leave live views pointing at unmapped memory.
+        """
         self._buf = torch.empty(0, dtype=torch.uint8)
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a view is still alive; the map is released with it
-            self._mm = None
+        self._mm = None

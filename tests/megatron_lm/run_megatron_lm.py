@@ -1,6 +1,12 @@
-"""Run a Megatron-LM checkout's (patched) pretrain_gpt.py; on a CPU-only machine, under the CPU shim first.
+"""Run a Megatron-LM checkout's (patched) pretrain_gpt.py; on a CPU-only machine, under a CPU shim first.
 
 Usage: torchrun ... tests/megatron_lm/run_megatron_lm.py <checkout>/pretrain_gpt.py [Megatron-LM flags]
+
+On a GPU nothing is redirected. On a CPU-only machine (tests and CI here), the
+checkout is not edited; instead, before ``pretrain_gpt.py`` runs, megatron-core's
+CPU shim (``tenplex_megatron.integrations.cpu_shim``) is installed plus the few
+things Megatron-LM's training loop itself needs (each listed in ``_install``).
+Pass ``--distributed-backend gloo`` (a Megatron-LM flag) for the CPU.
 """
 
 import os
@@ -9,12 +15,36 @@ import sys
 
 import torch
 
-if not torch.cuda.is_available():
+
+def _install() -> None:
     from tenplex_megatron.integrations import cpu_shim
 
     cpu_shim.install()
-    torch.cuda.set_device = lambda *a, **k: None
+    import megatron.training.training as training
+
+    # initialize_megatron asserts torch.cuda.is_available() unless allow_no_cuda (its own escape hatch);
+    # pass that instead of making is_available lie to torch itself.
+    init = training.initialize_megatron
+    training.initialize_megatron = lambda *a, **k: init(*a, **{**k, "allow_no_cuda": True})
+    # _initialize_distributed sets up the model-parallel groups only when device_count() > 0,
+    # after set_device(local_rank).
     torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda *a, **k: None
+    # validate_args reads the device's compute capability (get_device_arch_version) to choose between
+    # pre-Blackwell and Blackwell behaviour: answer as a pre-Blackwell device.
+    import megatron.training.arguments as arguments
+    import megatron.training.utils as utils
+
+    arguments.get_device_arch_version = utils.get_device_arch_version = lambda: 9
+    # _compile_dependencies calls the legacy fused_kernels.load(), which in this version only runs
+    # `$CUDA_HOME/bin/nvcc -V` (there is no CUDA toolkit) and compiles nothing.
+    from megatron.legacy import fused_kernels
+
+    fused_kernels.load = lambda *a, **k: None
+
+
+if not torch.cuda.is_available():
+    _install()
 
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

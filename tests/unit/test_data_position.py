@@ -73,3 +73,9 @@ def test_non_positive_sizes(mbs: int, dp: int) -> None:
 def test_consumed_samples_must_be_a_whole_number_of_global_batches() -> None:
     with pytest.raises(ValueError, match="consumed samples 12 .*global batch size 8"):
         microbatch_sample_indices(12, 8, 1, 1, 0)
+
+
+@pytest.mark.parametrize("dp_rank,dp", [(2, 2), (5, 4), (-1, 2)])
+def test_dp_rank_must_be_below_dp_size(dp_rank: int, dp: int) -> None:
+    with pytest.raises(ValueError, match=rf"DP rank {dp_rank} is out of range for DP size {dp}"):
+        microbatch_sample_indices(0, 8, 1, dp, dp_rank)

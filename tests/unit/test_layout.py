@@ -64,10 +64,10 @@ def test_layout_error_is_a_value_error() -> None:
 @pytest.mark.parametrize(
     "layout,world,needles,absent",
     [
-        (ParallelLayout(3, 1, 1), None, ["TP=3", "attention heads (8)"], ["layers", "world size"]),
+        (ParallelLayout(3, 1, 1), None, ["TP=3 does not divide the number of attention heads (8)"], ["layers", "world size"]),
         (ParallelLayout(16, 1, 1), None, ["TP=16", "attention heads (8)"], ["layers"]),
-        (ParallelLayout(1, 3, 1), None, ["PP=3", "layers (4)"], ["attention heads", "world size"]),
-        (ParallelLayout(2, 2, 1), 8, ["world size 8", "2 x 2 x 1 = 4"], ["attention heads", "layers"]),
+        (ParallelLayout(1, 3, 1), None, ["PP=3 does not divide the number of layers (4)"], ["attention heads", "world size"]),
+        (ParallelLayout(2, 2, 1), 8, ["world size 8 != TP x PP x DP = 2 x 2 x 1 = 4"], ["attention heads", "layers"]),
         # every broken constraint is named, not just the first
         (ParallelLayout(3, 3, 1), 4, ["attention heads", "layers", "world size 4"], []),
     ],
