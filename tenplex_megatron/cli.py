@@ -107,6 +107,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         dst = ParallelLayout.parse(args.to)
     except LayoutError as e:
         raise CLIError(str(e)) from None
+    if meta.get("framework") == "deepspeed":
+        raise CLIError(f"{ckpt}: a DeepSpeed checkpoint: its ZeRO partitions at a new DP size are computed by "
+                       "DeepSpeed at load, so `plan --to` is not supported for it (`inspect` is)")
     model = meta.get("model", {})
     shape = ModelShape(
         num_layers=int(model["num_layers"]),
