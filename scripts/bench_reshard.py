@@ -18,20 +18,26 @@ that peak minus the RSS just before. After the last load of each system the
 state is checked: the model and optimizer are zeroed before that load, and
 afterwards one more training step and one forward pass must reproduce the
 losses the job at A got (within 1e-4 relative; only reduction order differs).
-Bytes: on disk after a save; read from storage by a load (tenplex: the CRC
-blocks it verified plus what it copied unverified, next to the destination
-bytes it needed; issue #4's target is at most 1.05x). Physical limits, timed
+Loads are timed twice: with the checkpoint in the page cache (warm), and
+``*_cold`` after evicting its files from the page cache (posix_fadvise
+DONTNEED, no root needed), so they read from storage, as a restart on other
+machines does. Bytes: on disk after a save; read from storage by a load
+(tenplex: the CRC blocks it verified plus what it copied unverified, next to
+the destination bytes it needed; issue #4's target is at most 1.05x). Save
+memory: each rank's own shard (the state it holds) plus its RSS growth during
+the save, over its own shard (issue #4: at most 1.25x). Physical limits, timed
 in the load job between the loads in the same way (every rank its share, max
-over ranks, median), warm page cache like the loads: a sequential read of the
-tenplex checkpoint's files (readinto, and a copy out of an mmap: the faster
-counts) and a memory copy of those bytes.
+over ranks, median): a sequential read of the tenplex checkpoint's files from
+storage (page cache evicted: the raw read that cold loads are compared with),
+the same read from the page cache (readinto, and a copy out of an mmap), and a
+memory copy of those bytes (what warm loads are compared with).
 
 Prints a table, then `RATIO <metric> <model>:<transition> tenplex/<peer> = X.XX`
 lines (below 1: tenplex is better; for bytes_read tenplex/destination and
 load_bandwidth the peer is the limit), writes JSON (--out) and a PNG (next to
 it) if matplotlib is importable.
 
-    python scripts/bench_reshard.py --quick                    # tiny + gpt3-125m, tp2-dp2, 3 reps
+    python scripts/bench_reshard.py --quick                    # gpt3-125m, dp2-tp2 and tp2-dp2, 3 reps
     python scripts/bench_reshard.py --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
 """
 
@@ -62,9 +68,12 @@ TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  #
     "tp2-pp2": ((2, 1, 1), (1, 2, 1)),
     "pp2-tp2": ((1, 2, 1), (2, 1, 1)),
     "dp2-dp1": ((1, 1, 2), (1, 1, 1)),
+    "tp2-tp1": ((2, 1, 1), (1, 1, 1)),
+    "pp2-pp1": ((1, 2, 1), (1, 1, 1)),
 }
 SAVE_SYSTEMS = ("tenplex", "mcore", "central")
 LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "central")
+COLD_LOAD_SYSTEMS = ("tenplex_cold", "mcore_cold", "central_cold")  # the same loads after evicting the page cache
 CHECK_RTOL = 1e-4
 
 
@@ -101,6 +110,22 @@ def _release_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def evict_page_cache(path: str) -> int:
+    """Drop the page cache of every file under ``path`` (``POSIX_FADV_DONTNEED``: clean, unmapped pages go; no root
+    needed), so the next read comes from storage, as after a restart on other machines. Returns the bytes evicted."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
 
 
 def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
@@ -239,7 +264,9 @@ def central_load(job: Any, path: str) -> int:
     return os.path.getsize(file)
 
 
-CEILINGS = ("read_readinto", "read_mmap", "memory_copy")  # physical limits, timed in the load job like the loads
+# physical limits, timed in the load job like the loads: a sequential read from storage (page cache evicted first),
+# the same read and an mmap copy from a warm page cache, and a memory-to-memory copy of the same bytes
+CEILINGS = ("read_cold", "read_readinto", "read_mmap", "memory_copy")
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
@@ -289,7 +316,7 @@ def ceiling_op(kind: str, path: str, rank: int, world: int) -> tuple[Any, int]:
                 np.copyto(buf[at : at + count], src[off : off + count])
                 del src  # the map cannot close while a view of it lives
 
-    if kind == "read_readinto":
+    if kind in ("read_readinto", "read_cold"):  # the caller evicts the page cache first for read_cold
         return readinto, hi - lo
     if kind == "read_mmap":
         return mapped, hi - lo
@@ -377,9 +404,11 @@ def worker(a: argparse.Namespace) -> None:
         systems += CEILINGS  # rotated with the loads: same processes, same timing, same page cache
     out: dict[str, Any] = {"phase": a.phase, "layout": list(a.layout), "world": torch.distributed.get_world_size(),
                            "reps": {s: [] for s in systems}}
-    if a.phase == "save":
+    if a.phase == "save":  # (described only once the optimizer state exists: describing creates its entries)
         out["loss_step1"] = gpt.train_step(job, _data(job, 0))
-        tensors, _ = describe_job(job)
+        tensors, own = describe_job(job)  # the rank's own shard: every tensor chunk it holds (weights, main, moments)
+        out["own_bytes"] = all_gather_json(sum(lc.data.numel() * lc.data.element_size() for lc in own))
+        del own
         numel = all_gather_json({k: math.prod(m.global_shape) for k, m in tensors.items() if not k.startswith("optimizer.")})
         out["params"] = sum({k: v for d in numel for k, v in d.items()}.values())
     last = a.reps - 1
@@ -387,7 +416,10 @@ def worker(a: argparse.Namespace) -> None:
         order = systems[rep % len(systems):] + systems[: rep % len(systems)]
         for system in order:
             if system in CEILINGS:
-                op, share = ceiling_op(system, os.path.join(a.dir, "tenplex", f"rep{last}"), rank, out["world"])
+                files = os.path.join(a.dir, "tenplex", f"rep{last}")
+                op, share = ceiling_op(system, files, rank, out["world"])
+                if system == "read_cold":
+                    evict_page_cache(files)
                 torch.distributed.barrier()
                 t0 = time.perf_counter()
                 op()
@@ -397,9 +429,13 @@ def worker(a: argparse.Namespace) -> None:
                 del op
                 _release_memory()
                 continue
+            base = system.removesuffix("_cold")
+            source = os.path.join(a.dir, base.split("_")[0], f"rep{last}")
             if a.phase == "load" and rep == last:
                 _zero_state(job)
             _release_memory()
+            if system != base:
+                evict_page_cache(source)
             torch.distributed.barrier()
             with PeakRSS() as mem:
                 t0 = time.perf_counter()
@@ -414,12 +450,11 @@ def worker(a: argparse.Namespace) -> None:
                     else:
                         nbytes = central_save(job, target)
                 else:
-                    source = os.path.join(a.dir, "tenplex" if system.startswith("tenplex") else system, f"rep{last}")
-                    if system.startswith("tenplex"):
-                        res = load_checkpoint(job, source, verify=system == "tenplex")
+                    if base.startswith("tenplex"):
+                        res = load_checkpoint(job, source, verify=base == "tenplex")
                         nbytes = res.bytes_verified + res.bytes_unverified  # read from storage: checked blocks + rest
                         extra = {"needed": res.bytes_read, "verified": res.bytes_verified}
-                    elif system == "mcore":
+                    elif base == "mcore":
                         mcore_dist_ckpt.load_checkpoint(job, source)
                     else:
                         nbytes = central_load(job, source)
@@ -503,7 +538,8 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
                            "padded_vocab": padded, "global_batch_size": gbs, "reps": a.reps}
     phases = {}
     try:
-        for phase, layout, systems in (("save", src, SAVE_SYSTEMS), ("load", dst, LOAD_SYSTEMS)):
+        load_systems = (LOAD_SYSTEMS if a.cache != "cold" else ()) + (COLD_LOAD_SYSTEMS if a.cache != "warm" else ())
+        for phase, layout, systems in (("save", src, SAVE_SYSTEMS), ("load", dst, load_systems)):
             systems = [s for s in systems if s.split("_")[0] in a.systems]
             result = os.path.join(scratch, f"{phase}.json")
             t0 = time.perf_counter()
@@ -521,6 +557,7 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
                 else:
                     row[f"{s}_{phase}"] = summarize(reps)
         row["params"] = phases["save"]["params"]
+        row["own_bytes"] = {"save": phases["save"]["own_bytes"]}  # per rank at A: the state it holds
         row["ru_maxrss"] = {p: phases[p]["ru_maxrss"] for p in phases}
         for s in SAVE_SYSTEMS:
             if f"{s}_save" in row:
@@ -533,13 +570,22 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
             ok = got["iteration"] == 1 and got["consumed_samples"] == gbs and worst <= CHECK_RTOL
             row["check"][s] = {**got, "max_rel_diff": worst, "ok": ok}
         if all(c in row for c in CEILINGS):
-            row.update({"raw_read_GBps": max(row["read_readinto"]["GBps"], row["read_mmap"]["GBps"]),
+            row.update({"raw_read_GBps": row["read_cold"]["GBps"],
+                        "warm_read_GBps": max(row["read_readinto"]["GBps"], row["read_mmap"]["GBps"]),
                         "readinto_GBps": row["read_readinto"]["GBps"], "mmap_copy_GBps": row["read_mmap"]["GBps"],
                         "memory_copy_GBps": row["memory_copy"]["GBps"], "ceiling_workers": math.prod(dst)})
     finally:
         if not a.keep:
             shutil.rmtree(scratch, ignore_errors=True)
     return row
+
+
+def _save_peak_over_own(r: dict[str, Any], system: str) -> float | None:
+    """Worst rank's (own shard + RSS growth during the save) / own shard: issue #4 asks at most 1.25 for tenplex."""
+    x, own = r.get(f"{system}_save"), r.get("own_bytes", {}).get("save")
+    if not x or not own:
+        return None
+    return max((o + g) / o for o, g in zip(own, x["rss_growth_per_rank"]) if o)
 
 
 def _effective_gbps(x: dict[str, Any]) -> float:
@@ -553,7 +599,7 @@ def print_row(r: dict[str, Any]) -> None:
           f"  {r['transition']}: (tp,pp,dp) {tuple(r['from'])} -> {tuple(r['to'])}, median of {r['reps']}")
     print(f"  {'':22} {'time s':>8} {'min-max s':>13} {'peak RSS MB/rank':>18} {'RSS growth MB':>14} {'bytes MB':>10} "
           f"{'verified MB':>11}  check")
-    for op, systems in (("save", SAVE_SYSTEMS), ("load", LOAD_SYSTEMS)):
+    for op, systems in (("save", SAVE_SYSTEMS), ("load", LOAD_SYSTEMS + COLD_LOAD_SYSTEMS)):
         for s in systems:
             x = r.get(f"{s}_{op}")
             if x is None:
@@ -569,22 +615,28 @@ def print_row(r: dict[str, Any]) -> None:
             print(f"  {s + ' ' + op:22} {x['seconds']:8.2f} {lo:6.2f}-{hi:<6.2f} {peaks:>18} "
                   f"{x['rss_growth'] / mb:14.1f} {b} {v}  {chk}")
     print("  bytes (all ranks): save = on disk; load = read from storage (tenplex: the checksum blocks it verified, "
-          "plus what it copied unverified; central: the whole file on every rank)")
+          "plus what it copied unverified; central: the whole file on every rank); *_cold: page cache evicted first")
+    for s in ("tenplex", "mcore"):
+        if (frac := _save_peak_over_own(r, s)) is not None:
+            print(f"  {s} save: peak memory (own shard + RSS growth) = {frac:.3f}x the rank's own shard "
+                  f"(worst rank; own shards {'/'.join(f'{b / mb:.0f}' for b in r['own_bytes']['save'])} MB)")
     for s in ("tenplex", "tenplex_noverify"):
         x = r.get(f"{s}_load")
         if x and x.get("bytes_needed") and x["bytes"] is not None:
             print(f"  {s}: read {x['bytes'] / mb:.1f} MB for {x['bytes_needed'] / mb:.1f} MB of destination shards "
                   f"({x['bytes'] / x['bytes_needed']:.3f}x), {x.get('bytes_verified', 0) / mb:.1f} MB checksum-verified")
-    tl = r.get("tenplex_load")
-    if tl and tl["bytes"] and r.get("raw_read_GBps"):
-        raw, copy, workers = r["raw_read_GBps"], r["memory_copy_GBps"], r.get("ceiling_workers", 1)
-        parts = [f"{s} {_effective_gbps(x):.2f} GB/s = {_effective_gbps(x) / raw:.0%} / {_effective_gbps(x) / copy:.0%}"
-                 for s in ("tenplex", "tenplex_noverify") if (x := r.get(f"{s}_load"))]
-        how = (f" (readinto {r['readinto_GBps']:.2f}, mmap copy {r['mmap_copy_GBps']:.2f})"
-               if "mmap_copy_GBps" in r else "")
-        print(f"  physical limit ({workers} rank(s), timed like the loads, between them; warm page cache, as for them): "
-              f"sequential read of the checkpoint files {raw:.2f} GB/s{how}, memory copy of those bytes {copy:.2f} GB/s; "
-              f"load, destination bytes per second = fraction of read / of copy: {'; '.join(parts)}", flush=True)
+    if r.get("memory_copy_GBps"):
+        workers = r.get("ceiling_workers", 1)
+        print(f"  physical limits ({workers} rank(s), each its share, timed like the loads): sequential read of the "
+              f"checkpoint files from storage (page cache evicted) {r['raw_read_GBps']:.2f} GB/s, from the page cache "
+              f"{r['warm_read_GBps']:.2f} GB/s (readinto {r['readinto_GBps']:.2f}, mmap copy {r['mmap_copy_GBps']:.2f}), "
+              f"memory copy of those bytes {r['memory_copy_GBps']:.2f} GB/s")
+        for s, ref, name in (("tenplex_cold", "raw_read_GBps", "of the read from storage"),
+                             ("tenplex", "memory_copy_GBps", "of the memory copy"),
+                             ("tenplex_noverify", "memory_copy_GBps", "of the memory copy")):
+            if (x := r.get(f"{s}_load")) and x.get("bytes"):
+                eff = _effective_gbps(x)
+                print(f"  {s} load: {eff:.2f} GB/s of destination shards = {eff / r[ref]:.0%} {name}", flush=True)
 
 
 def ratio_lines(report: dict[str, Any]) -> list[str]:
@@ -602,24 +654,25 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("save_time", "tenplex_save", f"{peer}_save", "seconds")
             add("load_time", "tenplex_load", f"{peer}_load", "seconds")
             add("load_time_noverify", "tenplex_noverify_load", f"{peer}_load", "seconds")
+            add("load_time_cold", "tenplex_cold_load", f"{peer}_cold_load", "seconds")
             add("save_peak_rss", "tenplex_save", f"{peer}_save", "rss_peak")
             add("load_peak_rss", "tenplex_load", f"{peer}_load", "rss_peak")
             add("save_rss_growth", "tenplex_save", f"{peer}_save", "rss_growth")
             add("load_rss_growth", "tenplex_load", f"{peer}_load", "rss_growth")
             add("disk_bytes", "tenplex_save", f"{peer}_save", "bytes")
         add("bytes_read", "tenplex_load", "central_load", "bytes")
+        if (frac := _save_peak_over_own(r, "tenplex")) is not None:  # issue #4: at most 1.25
+            lines.append(f"RATIO save_peak_mem {t} tenplex/own_shard = {frac:.2f}")
         for s, metric in (("tenplex", "bytes_read"), ("tenplex_noverify", "bytes_read_noverify")):
             x = r.get(f"{s}_load")
             if x and x.get("bytes_needed") and x["bytes"] is not None:  # issue #4: at most 1.05
                 lines.append(f"RATIO {metric} {t} tenplex/destination = {x['bytes'] / x['bytes_needed']:.2f}")
-        tl = r.get("tenplex_load")
-        if tl and tl.get("bytes") and r.get("raw_read_GBps"):
-            for s, metric in (("tenplex", "load_bandwidth"), ("tenplex_noverify", "load_bandwidth_noverify")):
-                if (x := r.get(f"{s}_load")) is None:
-                    continue
-                eff = _effective_gbps(x)
-                lines.append(f"RATIO {metric} {t} tenplex/raw_read = {eff / r['raw_read_GBps']:.2f}")
-                lines.append(f"RATIO {metric} {t} tenplex/memory_copy = {eff / r['memory_copy_GBps']:.2f}")
+        if r.get("memory_copy_GBps"):  # issue #4: at least 0.70 of the raw read
+            for s, metric, ref, peer in (("tenplex_cold", "load_bandwidth", "raw_read_GBps", "raw_read"),
+                                         ("tenplex", "load_bandwidth", "memory_copy_GBps", "memory_copy"),
+                                         ("tenplex_noverify", "load_bandwidth_noverify", "memory_copy_GBps", "memory_copy")):
+                if (x := r.get(f"{s}_load")) and x.get("bytes"):
+                    lines.append(f"RATIO {metric} {t} tenplex/{peer} = {_effective_gbps(x) / r[ref]:.2f}")
     return lines
 
 
@@ -635,11 +688,13 @@ def plot(report: dict[str, Any], path: str) -> None:
     runs = report["runs"]
     labels = [f"{r['model']}\n{r['transition']}" for r in runs]
     panels = (("save", SAVE_SYSTEMS, "seconds", "save time at A (s)"),
-              ("load", LOAD_SYSTEMS, "seconds", "load + re-shard time at B (s)"),
+              ("load", LOAD_SYSTEMS, "seconds", "load + re-shard at B, warm cache (s)"),
+              ("load", COLD_LOAD_SYSTEMS, "seconds", "load + re-shard at B, cold cache (s)"),
               ("save", SAVE_SYSTEMS, "rss_growth", "save RSS growth, worst rank (MB)"),
               ("load", LOAD_SYSTEMS, "rss_growth", "load RSS growth, worst rank (MB)"))
-    colors = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green"}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4))
+    colors = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green",
+              "tenplex_cold": "tab:blue", "mcore_cold": "tab:orange", "central_cold": "tab:green"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
     for ax, (op, systems, field, title) in zip(axes, panels):
         systems = [s for s in systems if any(f"{s}_{op}" in r for r in runs)]
         w = 0.8 / max(len(systems), 1)
@@ -664,7 +719,10 @@ def main() -> int:
     ap.add_argument("--systems", nargs="+", default=["tenplex", "mcore", "central"], choices=["tenplex", "mcore", "central"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128, help="sequence length cap (shorter than GPT-3's 2048 for CPU speed)")
-    ap.add_argument("--quick", action="store_true", help="tiny + gpt3-125m, tp2-dp2 only, 3 repetitions")
+    ap.add_argument("--quick", action="store_true",
+                    help="gpt3-125m, dp2-tp2 (saved at DP=2, loaded at TP=2) and tp2-dp2, 3 repetitions")
+    ap.add_argument("--cache", choices=["warm", "cold", "both"], default="both",
+                    help="loads with the checkpoint in the page cache, after evicting it (read from storage), or both")
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_reshard.json"), help="JSON report (PNG next to it)")
     ap.add_argument("--workdir", default=None, help="where checkpoints are written (default: the system temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
@@ -697,7 +755,7 @@ def main() -> int:
         plot(report, os.path.splitext(a.out)[0] + ".png")
         return 0
     if a.quick:
-        a.models, a.transitions, a.reps = ["tiny", "gpt3-125m"], ["tp2-dp2"], 3
+        a.models, a.transitions, a.reps = ["gpt3-125m"], ["dp2-tp2", "tp2-dp2"], 3
     if a.workdir:
         os.makedirs(a.workdir, exist_ok=True)
     import torch

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.plan.ptc import StoredChunk
+from tenplex_megatron.storage.checksum import crc32
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 
 
@@ -59,7 +59,7 @@ def touched_blocks(starts: np.ndarray, run: int, itemsize: int, block_bytes: int
 def default_threads() -> int:
     """Threads for checksums: ``TENPLEX_VERIFY_THREADS``, else this rank's share of the CPUs (torchrun's local ranks), 1-8.
 
-    ``zlib.crc32`` releases the GIL, so blocks are checked in parallel where a rank has cores to spare.
+    ``storage.checksum.crc32`` releases the GIL, so blocks are checked in parallel where a rank has cores to spare.
     """
     env = os.environ.get("TENPLEX_VERIFY_THREADS")
     if env:
@@ -135,9 +135,9 @@ class BlockVerifier:
             return
         if self.threads > 1 and len(todo) > 1:
             with ThreadPoolExecutor(min(self.threads, len(todo))) as pool:
-                got = list(pool.map(lambda blk: zlib.crc32(blk.data.numpy()), todo))
+                got = list(pool.map(lambda blk: crc32(blk.data.numpy()), todo))
         else:
-            got = [zlib.crc32(blk.data.numpy()) for blk in todo]
+            got = [crc32(blk.data.numpy()) for blk in todo]
         for blk, crc in zip(todo, got):
             if crc != blk.expected:
                 for other in todo:  # nothing of a failed batch counts as verified

@@ -13,12 +13,12 @@ import math
 import mmap
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 
 import torch
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES
+from tenplex_megatron.storage.checksum import crc32 as buffer_crc32
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file  # noqa: F401 (re-exported)
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -53,7 +53,7 @@ class TensorEntry:
 
 def crc32(t: torch.Tensor) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes."""
-    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
+    return buffer_crc32(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def block_crc32(data: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> tuple[int, ...]:
@@ -62,7 +62,7 @@ def block_crc32(data: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> tuple[int
     Per-block sums let a reader verify just the blocks it copies instead of whole chunks.
     """
     raw = data.reshape(-1).view(torch.uint8).numpy()
-    return tuple(zlib.crc32(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes))
+    return tuple(buffer_crc32(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes))
 
 
 ST_CODES = {v: k for k, v in ST_DTYPES.items()}
