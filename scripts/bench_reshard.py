@@ -37,7 +37,7 @@ lines (below 1: tenplex is better; for bytes_read tenplex/destination and
 load_bandwidth the peer is the limit), writes JSON (--out) and a PNG (next to
 it) if matplotlib is importable.
 
-    python scripts/bench_reshard.py --quick                    # gpt3-125m, dp2-tp2 and tp2-dp2, 3 reps
+    python scripts/bench_reshard.py --quick                    # gpt3-125m, dp2-tp2, 3 reps
     python scripts/bench_reshard.py --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
 """
 
@@ -720,7 +720,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128, help="sequence length cap (shorter than GPT-3's 2048 for CPU speed)")
     ap.add_argument("--quick", action="store_true",
-                    help="gpt3-125m, dp2-tp2 (saved at DP=2, loaded at TP=2) and tp2-dp2, 3 repetitions")
+                    help="gpt3-125m, dp2-tp2 (saved at DP=2, loaded at TP=2), 3 repetitions")
     ap.add_argument("--cache", choices=["warm", "cold", "both"], default="both",
                     help="loads with the checkpoint in the page cache, after evicting it (read from storage), or both")
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_reshard.json"), help="JSON report (PNG next to it)")
@@ -755,7 +755,7 @@ def main() -> int:
         plot(report, os.path.splitext(a.out)[0] + ".png")
         return 0
     if a.quick:
-        a.models, a.transitions, a.reps = ["gpt3-125m"], ["dp2-tp2", "tp2-dp2"], 3
+        a.models, a.transitions, a.reps = ["gpt3-125m"], ["dp2-tp2"], 3
     if a.workdir:
         os.makedirs(a.workdir, exist_ok=True)
     import torch

@@ -38,7 +38,7 @@ def all_gather_json(obj: Any) -> list[Any]:
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     bufs = [torch.zeros_like(buf) for _ in sizes]
     dist.all_gather(bufs, buf)
-    return [json.loads(bytes(b[: int(s)].cpu().tolist()).decode()) for b, s in zip(bufs, sizes)]
+    return [json.loads(b[: int(s)].cpu().numpy().tobytes().decode()) for b, s in zip(bufs, sizes)]
 
 
 def check_all(error: BaseException | None, what: str) -> None:

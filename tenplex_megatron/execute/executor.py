@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from tenplex_megatron.execute.verify import BlockVerifier
+from tenplex_megatron.execute.verify import Block, BlockVerifier
 from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
+from tenplex_megatron.plan.verify_share import Interval, to_intervals
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
 
 
@@ -91,11 +92,11 @@ class SourceFiles:
             covered = self._covered[key] = self.verifier.check(sc, flat, piece)
         return covered
 
-    def collect(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece, todo: list) -> None:
+    def collect(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece, todo: list, source: int = -1) -> None:
         """Queue the blocks ``piece`` reads for :meth:`BlockVerifier.run` (what :func:`prepare_sources` does)."""
         key = (sc.location.file, sc.location.name, piece)
         if key not in self._covered:
-            self._covered[key] = self.verifier.collect(sc, flat, piece, todo)
+            self._covered[key] = self.verifier.collect(sc, flat, piece, todo, source)
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -103,9 +104,10 @@ class SourceFiles:
         self.readers.clear()
 
 
-def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: SourceFiles) -> None:
+def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: SourceFiles, check: bool = True) -> list[Block]:
     """Open every source chunk the plan reads and verify the blocks its pieces will copy, before anything is copied.
 
+    ``check=False``: only queue the blocks and return them, for :func:`verify_blocks` to check a share of them.
     ``files`` may be another framework's source (only ``flat``): then the chunks are just opened.
     """
     flats: dict[int, torch.Tensor] = {}
@@ -116,9 +118,24 @@ def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sou
         if src is None:
             src = flats[p.source] = files.flat(sources[p.source])
         if checking:
-            files.collect(sources[p.source], src, p, todo)
-    if checking:
+            files.collect(sources[p.source], src, p, todo, p.source)
+    if checking and check:
         files.verifier.run(todo)  # all blocks at once: in parallel where this rank has cores to spare
+    return todo
+
+
+def block_intervals(todo: list[Block]) -> list[Interval]:
+    """The queued blocks that ranks of a host may split among themselves, as (source, first, last) intervals."""
+    return to_intervals((b.source, b.key[2]) for b in todo if b.shareable)
+
+
+def verify_blocks(files: SourceFiles, todo: list[Block], mine: list[Interval] | None = None) -> None:
+    """Check the queued blocks: all of them, or of the shareable ones only those in ``mine`` (a peer on this
+    host checks the rest: the bytes are the same page-cache pages). Old whole-chunk checksums are always checked."""
+    if mine is not None:
+        keep = {(s, b) for s, lo, hi in mine for b in range(lo, hi + 1)}
+        todo = [b for b in todo if not b.shareable or (b.source, b.key[2]) in keep]
+    files.verifier.run(todo)
 
 
 def execute_plan(

@@ -69,7 +69,7 @@ def default_threads() -> int:
 
 
 @dataclass(frozen=True)
-class _Block:
+class Block:
     """One block to check: where it is (for the error), its bytes and the recorded CRC."""
 
     key: tuple[str, str, int]
@@ -77,6 +77,12 @@ class _Block:
     start: int
     data: torch.Tensor
     expected: int
+    source: int = -1  # index of the stored chunk in the plan's sources (-1: unknown)
+
+    @property
+    def shareable(self) -> bool:
+        """A fixed-size block of a known source: ranks of one host can split such blocks (``plan/verify_share.py``)."""
+        return self.source >= 0 and self.start >= 0
 
 
 class BlockVerifier:
@@ -95,13 +101,16 @@ class BlockVerifier:
 
     def check(self, sc: StoredChunk, flat: torch.Tensor, p: Piece) -> bool:
         """Verify what piece ``p`` reads of ``flat`` (``sc``'s data) now; returns whether a checksum covers those bytes."""
-        todo: list[_Block] = []
+        todo: list[Block] = []
         covered = self.collect(sc, flat, p, todo)
         self.run(todo)
         return covered
 
-    def collect(self, sc: StoredChunk, flat: torch.Tensor, p: Piece, todo: list[_Block]) -> bool:
-        """Append to ``todo`` the blocks piece ``p`` reads that are not verified yet; returns whether checksums cover it."""
+    def collect(self, sc: StoredChunk, flat: torch.Tensor, p: Piece, todo: list[Block], source: int = -1) -> bool:
+        """Append to ``todo`` the blocks piece ``p`` reads that are not verified yet; returns whether checksums cover it.
+
+        ``source``: the stored chunk's index in the plan's sources, which names the block alike on every rank.
+        """
         loc = sc.location
         where = f"{os.path.join(self.ckpt_dir, loc.file)}: tensor {loc.name!r} (of {sc.chunk.key!r})"
         raw = flat.view(torch.uint8)
@@ -117,19 +126,19 @@ class BlockVerifier:
                 key = (loc.file, loc.name, b)
                 if key not in self.verified:
                     self.verified.add(key)  # claimed now, so a block is queued once; run() raises if it fails
-                    todo.append(_Block(key, where, b * size, raw[b * size : (b + 1) * size], loc.block_crc32[b]))
+                    todo.append(Block(key, where, b * size, raw[b * size : (b + 1) * size], loc.block_crc32[b], source))
             return True
         if loc.crc32 is not None:
             key = (loc.file, loc.name, -1)
             if key not in self.verified:
                 self.verified.add(key)
-                todo.append(_Block(key, where, -1, raw, loc.crc32))
+                todo.append(Block(key, where, -1, raw, loc.crc32))
             return True
         if self.require:
             raise CheckpointFileError(f"{where}: no checksum recorded in the metadata (damaged metadata)")
         return False
 
-    def run(self, todo: list[_Block]) -> None:
+    def run(self, todo: list[Block]) -> None:
         """Compute the CRC-32 of every queued block (in ``threads`` threads); raise on the first mismatch, in order."""
         if not todo:
             return

@@ -25,9 +25,17 @@ import torch
 import torch.distributed as dist
 
 from tenplex_megatron.execute.collective import all_gather_json, check_all
-from tenplex_megatron.execute.executor import ExecStats, SourceFiles, execute_plan, prepare_sources
+from tenplex_megatron.execute.executor import (
+    ExecStats,
+    SourceFiles,
+    block_intervals,
+    execute_plan,
+    prepare_sources,
+    verify_blocks,
+)
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
+from tenplex_megatron.plan.verify_share import share_blocks
 from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import layout as ckpt_layout
 from tenplex_megatron.storage.faults import maybe_fail
@@ -254,16 +262,17 @@ def load_chunks(
     tensors: dict[str, TensorMeta] = {}
     dst: list[torch.Tensor] = []
     back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    todo: list = []
+    host = socket.gethostname()
     try:
         opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify)
         path, meta, source, files = opened.path, opened.metadata, opened.ptc, opened.files
         chunks = describe(meta)
         tensors = tensor_table(chunks)
-        full = plan_reshard(source, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: socket.gethostname()},
-                            strict=False)
+        full = plan_reshard(source, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host}, strict=False)
         plan = full.ranks[me]
         maybe_fail("load.read", me)
-        prepare_sources(plan, full.sources, files)  # every file and entry it will read, the checksums of those bytes
+        todo = prepare_sources(plan, full.sources, files, check=False)  # open every file and entry it will read
         for lc in chunks:
             view = lc.flat_view()
             if view is None:
@@ -275,10 +284,17 @@ def load_chunks(
         error = e
     check_all(error, f"load from {load_dir}: planning")
     assert plan is not None and full is not None and files is not None and path is not None
-    needed = {k for keys in all_gather_json(sorted(tensors)) for k in keys}
+    ranks = all_gather_json({"tensors": sorted(tensors), "host": host, "blocks": block_intervals(todo)})
+    needed = {k for r in ranks for k in r["tensors"]}
     unused = sorted(set(source.tensors) - needed)
     if strict and unused:
         raise PlanError(f"{path}: the checkpoint has tensors no rank of this job holds: {', '.join(unused[:8])}")
+    try:  # checksums of every block read, each checked by one rank of the host that reads it, before any copy
+        needs = {r: [(s, lo, hi) for s, lo, hi in x["blocks"]] for r, x in enumerate(ranks)}
+        verify_blocks(files, todo, share_blocks(needs, {r: x["host"] for r, x in enumerate(ranks)}, me))
+    except LOAD_ERRORS as e:
+        error = e
+    check_all(error, f"load from {path}: verifying checksums")
     stats = None
     try:
         stats = execute_plan(plan, full.sources, files, dst)
