@@ -81,26 +81,40 @@ CHECK_RTOL = 1e-4
 
 
 class PeakRSS:
-    """This process's RSS just before the block and its peak during it (sampled every 5 ms by a thread)."""
+    """This process's RSS just before the block and its peak during it (sampled every 5 ms by a thread).
+
+    Also the anonymous part (RSS less file-backed and shared pages): memory the process allocated, without the
+    page-cache pages of files it maps, which the kernel can drop at any time (a load through mmap counts the
+    shard pages it touches in its RSS, not in its anonymous memory).
+    """
 
     def __enter__(self) -> PeakRSS:
         import psutil
 
         self._proc = psutil.Process()
-        self.before = self.peak = self._proc.memory_info().rss
+        self.before, self.anon_before = self._sample()
+        self.peak, self.anon_peak = self.before, self.anon_before
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
+    def _sample(self) -> tuple[int, int]:
+        m = self._proc.memory_info()
+        return m.rss, m.rss - m.shared
+
+    def _update(self) -> None:
+        rss, anon = self._sample()
+        self.peak, self.anon_peak = max(self.peak, rss), max(self.anon_peak, anon)
+
     def _run(self) -> None:
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._update()
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
+        self._update()
 
 
 def _release_memory() -> None:
@@ -461,7 +475,8 @@ def worker(a: argparse.Namespace) -> None:
                 torch.distributed.barrier()
                 seconds = time.perf_counter() - t0
             out["reps"][system].append(all_gather_json(
-                {"seconds": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "bytes": nbytes, **extra}))
+                {"seconds": seconds, "rss_before": mem.before, "rss_peak": mem.peak, "anon_before": mem.anon_before,
+                 "anon_peak": mem.anon_peak, "bytes": nbytes, **extra}))
             if a.phase == "save" and rep > 0 and rank == 0:  # keep one copy per system on disk
                 shutil.rmtree(os.path.join(a.dir, system, f"rep{rep - 1}"), ignore_errors=True)
             if a.phase == "load" and rep == last:
@@ -503,10 +518,11 @@ def summarize(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
     world = len(reps[0])
     peak = [max(rep[k]["rss_peak"] for rep in reps) for k in range(world)]
     growth = [max(rep[k]["rss_peak"] - rep[k]["rss_before"] for rep in reps) for k in range(world)]
+    anon = [max(rep[k].get("anon_peak", 0) - rep[k].get("anon_before", 0) for rep in reps) for k in range(world)]
     nbytes = [r["bytes"] for r in reps[-1]]
     out = {
         "seconds": statistics.median(times), "seconds_all": times,
-        "rss_peak": max(peak), "rss_peak_per_rank": peak,
+        "rss_peak": max(peak), "rss_peak_per_rank": peak, "anon_growth": max(anon), "anon_growth_per_rank": anon,
         "rss_growth": max(growth), "rss_growth_per_rank": growth,
         "bytes": sum(nbytes) if all(b is not None for b in nbytes) else None,
     }
@@ -597,8 +613,8 @@ def print_row(r: dict[str, Any]) -> None:
     mb = 1e6
     print(f"\n{r['model']} ({r['params'] / 1e6:.1f}M params, seq {r['seq_length']}, padded vocab {r['padded_vocab']})"
           f"  {r['transition']}: (tp,pp,dp) {tuple(r['from'])} -> {tuple(r['to'])}, median of {r['reps']}")
-    print(f"  {'':22} {'time s':>8} {'min-max s':>13} {'peak RSS MB/rank':>18} {'RSS growth MB':>14} {'bytes MB':>10} "
-          f"{'verified MB':>11}  check")
+    print(f"  {'':22} {'time s':>8} {'min-max s':>13} {'peak RSS MB/rank':>18} {'RSS growth MB':>14} "
+          f"{'anon growth MB':>14} {'bytes MB':>10} {'verified MB':>11}  check")
     for op, systems in (("save", SAVE_SYSTEMS), ("load", LOAD_SYSTEMS + COLD_LOAD_SYSTEMS)):
         for s in systems:
             x = r.get(f"{s}_{op}")
@@ -612,10 +628,12 @@ def print_row(r: dict[str, Any]) -> None:
                 chk = f"{'ok' if c['ok'] else 'MISMATCH'} (rel {c['max_rel_diff']:.1e})"
             lo, hi = min(x["seconds_all"]), max(x["seconds_all"])
             peaks = "/".join(f"{p / mb:.0f}" for p in x["rss_peak_per_rank"])
+            anon = f"{x['anon_growth'] / mb:14.1f}" if "anon_growth" in x else f"{'-':>14}"
             print(f"  {s + ' ' + op:22} {x['seconds']:8.2f} {lo:6.2f}-{hi:<6.2f} {peaks:>18} "
-                  f"{x['rss_growth'] / mb:14.1f} {b} {v}  {chk}")
+                  f"{x['rss_growth'] / mb:14.1f} {anon} {b} {v}  {chk}")
     print("  bytes (all ranks): save = on disk; load = read from storage (tenplex: the checksum blocks it verified, "
-          "plus what it copied unverified; central: the whole file on every rank); *_cold: page cache evicted first")
+          "plus what it copied unverified; central: the whole file on every rank); *_cold: page cache evicted first;\n"
+          "  RSS growth counts the page-cache pages of mapped files (tenplex loads through mmap), anon growth does not")
     for s in ("tenplex", "mcore"):
         if (frac := _save_peak_over_own(r, s)) is not None:
             print(f"  {s} save: peak memory (own shard + RSS growth) = {frac:.3f}x the rank's own shard "
@@ -659,6 +677,8 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("load_peak_rss", "tenplex_load", f"{peer}_load", "rss_peak")
             add("save_rss_growth", "tenplex_save", f"{peer}_save", "rss_growth")
             add("load_rss_growth", "tenplex_load", f"{peer}_load", "rss_growth")
+            add("save_anon_growth", "tenplex_save", f"{peer}_save", "anon_growth")
+            add("load_anon_growth", "tenplex_load", f"{peer}_load", "anon_growth")
             add("disk_bytes", "tenplex_save", f"{peer}_save", "bytes")
         add("bytes_read", "tenplex_load", "central_load", "bytes")
         if (frac := _save_peak_over_own(r, "tenplex")) is not None:  # issue #4: at most 1.25
@@ -687,24 +707,34 @@ def plot(report: dict[str, Any], path: str) -> None:
         return
     runs = report["runs"]
     labels = [f"{r['model']}\n{r['transition']}" for r in runs]
-    panels = (("save", SAVE_SYSTEMS, "seconds", "save time at A (s)"),
-              ("load", LOAD_SYSTEMS, "seconds", "load + re-shard at B, warm cache (s)"),
-              ("load", COLD_LOAD_SYSTEMS, "seconds", "load + re-shard at B, cold cache (s)"),
-              ("save", SAVE_SYSTEMS, "rss_growth", "save RSS growth, worst rank (MB)"),
-              ("load", LOAD_SYSTEMS, "rss_growth", "load RSS growth, worst rank (MB)"))
+    panels = (("save", SAVE_SYSTEMS, "seconds", "save at A (s)"),
+              ("load", LOAD_SYSTEMS, "seconds", "load + re-shard at B, page cache warm (s)"),
+              ("load", COLD_LOAD_SYSTEMS, "seconds", "load + re-shard at B, from storage (s)"),
+              ("save", SAVE_SYSTEMS, "rss_growth", "save: RSS growth, worst rank (MB)"),
+              ("load", LOAD_SYSTEMS, "anon_growth", "load: memory allocated, worst rank (MB)"),
+              ("load", LOAD_SYSTEMS, "bytes", "load: bytes read, all ranks (MB)"))
     colors = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green",
               "tenplex_cold": "tab:blue", "mcore_cold": "tab:orange", "central_cold": "tab:green"}
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4))
-    for ax, (op, systems, field, title) in zip(axes, panels):
-        systems = [s for s in systems if any(f"{s}_{op}" in r for r in runs)]
+    fig, grid = plt.subplots(2, 3, figsize=(max(13, 4.5 * len(runs) * 1.2), 7.5))
+    for ax, (op, systems, field, title) in zip(grid.ravel(), panels):
+        systems = [s for s in systems if any(r.get(f"{s}_{op}", {}).get(field) is not None for r in runs)]
         w = 0.8 / max(len(systems), 1)
+        scale = 1 if field == "seconds" else 1e6
+        low = math.inf
         for i, s in enumerate(systems):
-            vals = [r.get(f"{s}_{op}", {}).get(field, 0) / (1e6 if field.startswith("rss") else 1) for r in runs]
-            ax.bar([x + i * w for x in range(len(runs))], vals, w, label=s, color=colors[s])
-        ax.set_xticks([x + w * (len(systems) - 1) / 2 for x in range(len(runs))], labels)
+            vals = [max((r.get(f"{s}_{op}", {}).get(field) or 0) / scale, 1e-3) for r in runs]
+            low = min([low, *vals])
+            xs = [x + i * w for x in range(len(runs))]
+            ax.bar(xs, vals, w, label=s, color=colors[s])
+            for x, v in zip(xs, vals):
+                ax.annotate(f"{v:.2f}" if v < 10 else f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks([x + w * (len(systems) - 1) / 2 for x in range(len(runs))], labels, fontsize=8)
         ax.set_yscale("log")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
+        if low < math.inf:
+            ax.set_ylim(bottom=low / 3)
+        ax.set_title(title, fontsize=10)
+        if systems:
+            ax.legend(fontsize=7)
     fig.suptitle(f"median of {runs[0]['reps'] if runs else 0}, {report['machine']['cpus']} CPUs"
                  f"{', GPU' if report['machine']['gpu'] else ', no GPU'}")
     fig.tight_layout()

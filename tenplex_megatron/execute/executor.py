@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tenplex_megatron.execute.verify import Block, BlockVerifier
+from tenplex_megatron.execute.verify import Block, BlockVerifier, piece_runs
 from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.plan.verify_share import Interval, to_intervals
+from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
 
 
@@ -132,10 +133,24 @@ def block_intervals(todo: list[Block]) -> list[Interval]:
 def verify_blocks(files: SourceFiles, todo: list[Block], mine: list[Interval] | None = None) -> None:
     """Check the queued blocks: all of them, or of the shareable ones only those in ``mine`` (a peer on this
     host checks the rest: the bytes are the same page-cache pages). Old whole-chunk checksums are always checked."""
+    if not todo or not isinstance(files, SourceFiles):  # another framework's files carry no checksums
+        return
     if mine is not None:
         keep = {(s, b) for s, lo, hi in mine for b in range(lo, hi + 1)}
         todo = [b for b in todo if not b.shareable or (b.source, b.key[2]) in keep]
     files.verifier.run(todo)
+
+
+def _piece_ranges(p: Piece, src: torch.Tensor) -> list[tuple[int, int]]:
+    """The address ranges piece ``p`` reads of ``src`` (a source chunk's flat tensor): its contiguous runs, or its
+    whole span when the gaps between runs are small (a strided TP slice reads every page of its span anyway)."""
+    starts, run = piece_runs(p)
+    if len(starts) == 0:
+        return []
+    base, size = src.data_ptr(), src.element_size()
+    if len(starts) == 1 or (int(starts[1]) - int(starts[0]) - run) * size < 64 * 1024:
+        return [(base + int(starts[0]) * size, base + (int(starts[-1]) + run) * size)]
+    return [(base + a * size, base + (a + run) * size) for a in starts.tolist()]
 
 
 def execute_plan(
@@ -149,6 +164,15 @@ def execute_plan(
     read = filled = unverified = 0
     flats: dict[int, torch.Tensor] = {}
     checking = isinstance(files, SourceFiles)
+    if not (checking and files.verify):  # verified blocks were announced before their checksums were computed
+        ranges: list[tuple[int, int]] = []
+        for p in plan.pieces:
+            src = flats.get(p.source)
+            if src is None:
+                src = flats[p.source] = files.flat(sources[p.source])
+            if src.device.type == "cpu":
+                ranges += _piece_ranges(p, src)
+        willneed(ranges)
     with torch.no_grad():
         for p in plan.pieces:
             src = flats.get(p.source)

@@ -19,6 +19,7 @@ import torch
 from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.storage.checksum import crc32
+from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 
 
@@ -142,6 +143,7 @@ class BlockVerifier:
         """Compute the CRC-32 of every queued block (in ``threads`` threads); raise on the first mismatch, in order."""
         if not todo:
             return
+        willneed((b.data.data_ptr(), b.data.data_ptr() + b.data.numel()) for b in todo)  # cold files: read ahead
         if self.threads > 1 and len(todo) > 1:
             with ThreadPoolExecutor(min(self.threads, len(todo))) as pool:
                 got = list(pool.map(lambda blk: crc32(blk.data.numpy()), todo))
