@@ -405,6 +405,7 @@ def worker(a: argparse.Namespace) -> None:
     from tenplex_megatron.integrations import gpt, mcore_dist_ckpt
     from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
     from tenplex_megatron.integrations.describe import describe_job
+    from tenplex_megatron.integrations.optimizer_state import allocate_state
     from tenplex_megatron.plan.layout import ParallelLayout
 
     gpt.init_distributed()
@@ -425,6 +426,9 @@ def worker(a: argparse.Namespace) -> None:
         del own
         numel = all_gather_json({k: math.prod(m.global_shape) for k, m in tensors.items() if not k.startswith("optimizer.")})
         out["params"] = sum({k: v for d in numel for k, v in d.items()}.values())
+    if a.phase == "load":  # the optimizer state exists and its pages are touched before any timed load, so no
+        allocate_state(job.optimizer)  # system is charged with first-touching the state every load fills
+        _zero_state(job)
     last = a.reps - 1
     for rep in range(a.reps):
         order = systems[rep % len(systems):] + systems[: rep % len(systems)]
