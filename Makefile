@@ -22,7 +22,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron scripts tests
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: $(VENV)/.installed
 	$(PY) -m pytest -q tests/unit

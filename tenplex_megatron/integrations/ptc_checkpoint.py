@@ -33,6 +33,7 @@ from tenplex_megatron.execute.executor import (
     prepare_sources,
     verify_blocks,
 )
+from tenplex_megatron.plan.gc_pause import gc_paused
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
 from tenplex_megatron.plan.verify_share import share_blocks
@@ -265,14 +266,15 @@ def load_chunks(
     todo: list = []
     host = socket.gethostname()
     try:
-        opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify)
-        path, meta, source, files = opened.path, opened.metadata, opened.ptc, opened.files
-        chunks = describe(meta)
-        tensors = tensor_table(chunks)
-        full = plan_reshard(source, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host}, strict=False)
-        plan = full.ranks[me]
-        maybe_fail("load.read", me)
-        todo = prepare_sources(plan, full.sources, files, check=False)  # open every file and entry it will read
+        with gc_paused():  # metadata JSON, PTC and plan objects: no full collections over the job's heap meanwhile
+            opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify)
+            path, meta, source, files = opened.path, opened.metadata, opened.ptc, opened.files
+            chunks = describe(meta)
+            tensors = tensor_table(chunks)
+            full = plan_reshard(source, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host}, strict=False)
+            plan = full.ranks[me]
+            maybe_fail("load.read", me)
+            todo = prepare_sources(plan, full.sources, files, check=False)  # open every file and entry it will read
         for lc in chunks:
             view = lc.flat_view()
             if view is None:

@@ -8,12 +8,10 @@ so a 1024-GPU plan of GPT-3 175B takes a fraction of a second.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
+from tenplex_megatron.plan.gc_pause import gc_paused
 from tenplex_megatron.plan.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.planner import Planner
@@ -48,24 +46,8 @@ def dry_run(
     make_vocab_size_divisible_by: int = 128,
 ) -> DryRun:
     """Describe both layouts from the model's dimensions, plan the re-shard, total the bytes; timed in two parts."""
-    with _gc_paused():
+    with gc_paused():  # ~10^5 chunk objects: full collections would cost as much as the planning
         return _dry_run(dims, src, dst, distributed_optimizer, gpus_per_node, make_vocab_size_divisible_by)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (reference counting still frees everything).
-
-    Building ~10^5 chunk objects otherwise sets off repeated full collections that
-    cost as much as the planning itself; any cycles are collected once it resumes.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _dry_run(
