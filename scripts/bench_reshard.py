@@ -415,7 +415,7 @@ def worker(a: argparse.Namespace) -> None:
                         global_batch_size=a.gbs, padded_vocab=a.padded)
     rank = torch.distributed.get_rank()
     systems = list(a.run_systems)
-    if a.phase == "load" and "tenplex" in systems:
+    if a.phase == "load" and any(s.startswith("tenplex") for s in systems):
         systems += CEILINGS  # rotated with the loads: same processes, same timing, same page cache
     out: dict[str, Any] = {"phase": a.phase, "layout": list(a.layout), "world": torch.distributed.get_world_size(),
                            "reps": {s: [] for s in systems}}
