@@ -74,6 +74,10 @@ TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  #
 SAVE_SYSTEMS = ("tenplex", "mcore", "central")
 LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "central")
 COLD_LOAD_SYSTEMS = ("tenplex_cold", "mcore_cold", "central_cold")  # the same loads after evicting the page cache
+# each tenplex load's bandwidth over its physical limit: (load, RATIO metric, limit in the row, limit's name)
+BANDWIDTH_LIMITS = (("tenplex_cold", "load_bandwidth", "raw_read_GBps", "raw_read"),
+                    ("tenplex", "load_bandwidth", "memory_copy_GBps", "memory_copy"),
+                    ("tenplex_noverify", "load_bandwidth_noverify", "memory_copy_GBps", "memory_copy"))
 CHECK_RTOL = 1e-4
 
 
@@ -653,12 +657,11 @@ def print_row(r: dict[str, Any]) -> None:
               f"checkpoint files from storage (page cache evicted) {r['raw_read_GBps']:.2f} GB/s, from the page cache "
               f"{r['warm_read_GBps']:.2f} GB/s (readinto {r['readinto_GBps']:.2f}, mmap copy {r['mmap_copy_GBps']:.2f}), "
               f"memory copy of those bytes {r['memory_copy_GBps']:.2f} GB/s")
-        for s, ref, name in (("tenplex_cold", "raw_read_GBps", "of the read from storage"),
-                             ("tenplex", "memory_copy_GBps", "of the memory copy"),
-                             ("tenplex_noverify", "memory_copy_GBps", "of the memory copy")):
+        names = {"raw_read": "of the read from storage", "memory_copy": "of the memory copy"}
+        for s, _, ref, peer in BANDWIDTH_LIMITS:
             if (x := r.get(f"{s}_load")) and x.get("bytes"):
                 eff = _effective_gbps(x)
-                print(f"  {s} load: {eff:.2f} GB/s of destination shards = {eff / r[ref]:.0%} {name}", flush=True)
+                print(f"  {s} load: {eff:.2f} GB/s of destination shards = {eff / r[ref]:.0%} {names[peer]}", flush=True)
 
 
 def ratio_lines(report: dict[str, Any]) -> list[str]:
@@ -692,9 +695,7 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             if x and x.get("bytes_needed") and x["bytes"] is not None:  # issue #4: at most 1.05
                 lines.append(f"RATIO {metric} {t} tenplex/destination = {x['bytes'] / x['bytes_needed']:.2f}")
         if r.get("memory_copy_GBps"):  # issue #4: at least 0.70 of the raw read
-            for s, metric, ref, peer in (("tenplex_cold", "load_bandwidth", "raw_read_GBps", "raw_read"),
-                                         ("tenplex", "load_bandwidth", "memory_copy_GBps", "memory_copy"),
-                                         ("tenplex_noverify", "load_bandwidth_noverify", "memory_copy_GBps", "memory_copy")):
+            for s, metric, ref, peer in BANDWIDTH_LIMITS:
                 if (x := r.get(f"{s}_load")) and x.get("bytes"):
                     lines.append(f"RATIO {metric} {t} tenplex/{peer} = {_effective_gbps(x) / r[ref]:.2f}")
     return lines
@@ -717,8 +718,7 @@ def plot(report: dict[str, Any], path: str) -> None:
               ("save", SAVE_SYSTEMS, "rss_growth", "save: RSS growth, worst rank (MB)"),
               ("load", LOAD_SYSTEMS, "anon_growth", "load: memory allocated, worst rank (MB)"),
               ("load", LOAD_SYSTEMS, "bytes", "load: bytes read, all ranks (MB)"))
-    colors = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green",
-              "tenplex_cold": "tab:blue", "mcore_cold": "tab:orange", "central_cold": "tab:green"}
+    colors = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green"}
     fig, grid = plt.subplots(2, 3, figsize=(max(13, 4.5 * len(runs) * 1.2), 7.5))
     for ax, (op, systems, field, title) in zip(grid.ravel(), panels):
         systems = [s for s in systems if any(r.get(f"{s}_{op}", {}).get(field) is not None for r in runs)]
@@ -729,7 +729,7 @@ def plot(report: dict[str, Any], path: str) -> None:
             vals = [max((r.get(f"{s}_{op}", {}).get(field) or 0) / scale, 1e-3) for r in runs]
             low = min([low, *vals])
             xs = [x + i * w for x in range(len(runs))]
-            ax.bar(xs, vals, w, label=s, color=colors[s])
+            ax.bar(xs, vals, w, label=s, color=colors[s.removesuffix("_cold")])
             for x, v in zip(xs, vals):
                 ax.annotate(f"{v:.2f}" if v < 10 else f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
         ax.set_xticks([x + w * (len(systems) - 1) / 2 for x in range(len(runs))], labels, fontsize=8)
