@@ -295,8 +295,8 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"DeepSpeed's universal load found nothing at {ds_dir}/{a.universal_tag}")
             return {}
         res = tds.load_checkpoint(engine, ds_dir if a.method == "tenplex_direct" else tp_dir)
-        if res.native != (a.method == "tenplex_direct"):
-            raise RuntimeError(f"{a.method}: LoadResult.native={res.native}")
+        if (res.source_format == "deepspeed") != (a.method == "tenplex_direct"):
+            raise RuntimeError(f"{a.method}: LoadResult.source_format={res.source_format}")
         return {"bytes_read": res.bytes_read, "own_seconds": res.seconds}
 
     reps = []

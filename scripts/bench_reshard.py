@@ -1,6 +1,6 @@
 """Re-sharding benchmark: tenplex against megatron-core dist_checkpointing and a centralized baseline, same run.
 
-For each model (shapes from configs/models.json) and transition A -> B it
+For each model (shapes from tenplex_megatron/plan/sim/models.json) and transition A -> B it
 launches two torchrun jobs on this machine: one at layout A that trains one
 step (so optimizer state exists) and then saves with every system, one at
 layout B that loads with every system. Systems:
@@ -157,8 +157,8 @@ def central_save(job: Any, path: str) -> int:
     import torch.distributed as dist
 
     from tenplex_megatron.execute.collective import all_gather_json
-    from tenplex_megatron.integrations.describe import describe_job
-    from tenplex_megatron.integrations.optimizer_state import optimizer_state_json
+    from tenplex_megatron.integrations.megatron_core.optimizer import optimizer_state_json
+    from tenplex_megatron.integrations.megatron_core.sharded import describe_job
     from tenplex_megatron.storage.safetensors_io import write_safetensors
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -255,8 +255,8 @@ def central_load(job: Any, path: str) -> int:
     """Collective: every rank reads the whole central file and copies its own chunks out of it. Returns bytes read."""
     import torch
 
-    from tenplex_megatron.integrations.describe import describe_job
-    from tenplex_megatron.integrations.optimizer_state import allocate_state, restore_optimizer_state
+    from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state, restore_optimizer_state
+    from tenplex_megatron.integrations.megatron_core.sharded import describe_job
 
     allocate_state(job.optimizer)
     file = os.path.join(path, "central.safetensors")
@@ -348,7 +348,7 @@ def _zero_state(job: Any) -> None:
     """Wipe weights, optimizer state and position so that the check after a load sees only what it loaded."""
     import torch
 
-    from tenplex_megatron.integrations.describe import sub_optimizers, unwrap
+    from tenplex_megatron.integrations.megatron_core.sharded import sub_optimizers, unwrap
 
     with torch.no_grad():
         for p in unwrap(job.model[0]).parameters():
@@ -369,7 +369,7 @@ def _eval_loss(job: Any, start: int) -> float:
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from tenplex_megatron.integrations.gpt import make_forward_step, mean_lm_loss
+    from tenplex_megatron.training.gpt import make_forward_step, mean_lm_loss
 
     with torch.no_grad():
         losses = get_forward_backward_func()(
@@ -383,7 +383,7 @@ def _eval_loss(job: Any, start: int) -> float:
 def _data(job: Any, start: int) -> Any:
     from megatron.core import parallel_state
 
-    from tenplex_megatron.integrations.synthetic_data import microbatches
+    from tenplex_megatron.training.synthetic_data import microbatches
 
     return microbatches(start, job.global_batch_size, job.micro_batch_size, job.layout.dp,
                         parallel_state.get_data_parallel_rank(), job.spec.seq_length, job.spec.vocab_size, job.spec.seed)
@@ -391,7 +391,7 @@ def _data(job: Any, start: int) -> Any:
 
 def _check(job: Any) -> dict[str, Any]:
     """Position after the load, then the loss of training step 2 and a forward pass after it (uses the Adam moments)."""
-    from tenplex_megatron.integrations.gpt import train_step
+    from tenplex_megatron.training.gpt import train_step
 
     g = job.global_batch_size
     out = {"iteration": job.iteration, "consumed_samples": job.consumed_samples}
@@ -406,11 +406,11 @@ def worker(a: argparse.Namespace) -> None:
     import torch
 
     from tenplex_megatron.execute.collective import all_gather_json
-    from tenplex_megatron.integrations import gpt, mcore_dist_ckpt
-    from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
-    from tenplex_megatron.integrations.describe import describe_job
-    from tenplex_megatron.integrations.optimizer_state import allocate_state
+    from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_job
+    from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
+    from tenplex_megatron.integrations.megatron_core.sharded import describe_job
     from tenplex_megatron.plan.layout import ParallelLayout
+    from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
     gpt.init_distributed()
     spec = gpt.GPTSpec.from_json(json.loads(a.spec))
@@ -466,14 +466,14 @@ def worker(a: argparse.Namespace) -> None:
                 if a.phase == "save":
                     target = os.path.join(a.dir, system, f"rep{rep}")
                     if system == "tenplex":
-                        nbytes = save_checkpoint(job, target).bytes_written
+                        nbytes = save_job(job, target).bytes_written
                     elif system == "mcore":
                         mcore_dist_ckpt.save_checkpoint(job, target, check=False)  # as stock megatron-core
                     else:
                         nbytes = central_save(job, target)
                 else:
                     if base.startswith("tenplex"):
-                        res = load_checkpoint(job, source, verify=base == "tenplex")
+                        res = load_job(job, source, verify=base == "tenplex")
                         nbytes = res.bytes_verified + res.bytes_unverified  # read from storage: checked blocks + rest
                         extra = {"needed": res.bytes_read, "verified": res.bytes_verified}
                     elif base == "mcore":
@@ -541,9 +541,9 @@ def summarize(reps: list[list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
-    from tenplex_megatron.integrations.gpt import GPTSpec
-    from tenplex_megatron.plan.gpt_catalogue import load_model
     from tenplex_megatron.plan.layout import padded_vocab_size
+    from tenplex_megatron.plan.sim.gpt_catalogue import load_model
+    from tenplex_megatron.training.gpt import GPTSpec
 
     src, dst = TRANSITIONS[name]
     d = load_model(model)
@@ -748,7 +748,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["tiny", "gpt3-125m"], help="names in configs/models.json")
+    ap.add_argument("--models", nargs="+", default=["tiny", "gpt3-125m"], help="names in tenplex_megatron/plan/sim/models.json")
     ap.add_argument("--transitions", nargs="+", default=["tp2-dp2", "dp2-tp2"], choices=sorted(TRANSITIONS))
     ap.add_argument("--systems", nargs="+", default=["tenplex", "mcore", "central"], choices=["tenplex", "mcore", "central"])
     ap.add_argument("--reps", type=int, default=3)

@@ -71,7 +71,7 @@ def build(docs: list[str], out: str) -> tuple[str, int]:
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from tenplex_megatron.integrations.data import ByteTokenizer
+    from tenplex_megatron.training.data import ByteTokenizer
 
     if not docs:
         raise ValueError("no documents to write")

@@ -5,7 +5,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tenplex_megatron.integrations.pretrain import main  # noqa: E402
+from tenplex_megatron.training.pretrain import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

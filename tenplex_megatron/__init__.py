@@ -1,10 +1,32 @@
-"""tenplex-megatron: resume megatron-core GPT training at any new TP/PP/DP layout (Tenplex's PTC as a library).
+"""tenplex-megatron: resume megatron-core / DeepSpeed training at any new TP/PP/DP layout (Tenplex's PTC as a library).
 
-- ``tenplex_megatron.plan``: pure planning (no torch): layouts, the PTC, the re-sharding planner.
-- ``tenplex_megatron.storage``: the checkpoint format on disk (safetensors + versioned JSON, atomic commit).
-- ``tenplex_megatron.execute``: torch execution of plans and collectives.
-- ``tenplex_megatron.integrations``: megatron-core (``checkpoint.save_checkpoint`` / ``load_checkpoint``),
-  the ``--tenplex`` pre-training script's loop.
+Public API for your own megatron-core training loop::
+
+    from tenplex_megatron import load_checkpoint, save_checkpoint
+
+    save_checkpoint(save_dir, model, optimizer, scheduler, iteration=it, consumed_samples=n)
+    res = load_checkpoint(load_dir, model, optimizer, scheduler)  # at any TP/PP/DP
+    it, n = res.iteration, res.consumed_samples
+
+Packages, each depending only on those after it: ``training`` (the reference
+trainer) and ``integrations`` (megatron-core, Megatron-LM, DeepSpeed adapters)
+-> ``engine`` (framework-neutral collective save/load) -> ``execute`` (plans into
+live tensors, collectives) -> ``storage`` (the on-disk format) -> ``plan``
+(pure: layouts, the PTC, the planner; never imports torch).
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.2.0"
+__all__ = ["LoadResult", "SaveResult", "__version__", "load_checkpoint", "save_checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    """The megatron-core API on first use (PEP 562): ``import tenplex_megatron.plan`` must not import torch."""
+    if name in ("save_checkpoint", "load_checkpoint", "LoadResult", "SaveResult"):
+        from tenplex_megatron.integrations.megatron_core import adapter
+
+        return getattr(adapter, name)
+    raise AttributeError(f"module 'tenplex_megatron' has no attribute {name!r}")

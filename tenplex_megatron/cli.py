@@ -23,9 +23,11 @@ from tenplex_megatron.plan.layout import (
 )
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
-from tenplex_megatron.plan.shard_layout import layout_chunks, resize_vocab
+from tenplex_megatron.plan.sim.dry_run import dry_run
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
+from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
+from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.layout import find_checkpoint, read_metadata
 
 
 class CLIError(RuntimeError):
@@ -162,9 +164,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _plan_model(args: argparse.Namespace) -> int:
     """Dry run for a named model with no checkpoint: the source is what a tenplex save at --from would write."""
-    from tenplex_megatron.plan.dry_run import dry_run
-    from tenplex_megatron.plan.gpt_catalogue import load_model
-
     if not args.source:
         raise CLIError("--model needs --from LAYOUT (e.g. --from tp=8,pp=16,dp=8)")
     t0 = time.perf_counter()
@@ -239,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_inspect)
     q = sub.add_parser("plan", help="dry run: bytes each destination rank would read for a new layout")
     q.add_argument("checkpoint", nargs="?", help="checkpoint directory (or use --model and --from)")
-    q.add_argument("--model", help="plan for a model in configs/models.json without a checkpoint, e.g. gpt3-175b")
+    q.add_argument("--model", help="plan for a model in the packaged model catalogue without a checkpoint, e.g. gpt3-175b")
     q.add_argument("--from", dest="source", help="source layout with --model")
     q.add_argument("--to", required=True, help="destination layout, e.g. tp=2,pp=2,dp=1")
     q.add_argument("--gpus-per-node", type=int, default=None)

@@ -1,21 +1,35 @@
-"""Small collectives over torch.distributed: JSON all-gather and errors gathered from every rank.
+"""Collectives over torch.distributed: JSON all-gather and the phase runner that keeps every rank in step.
 
-JSON travels as bytes in tensors (nothing is pickled). :func:`check_all` turns
-a failure on any rank into one error, raised on every rank, that lists each
-failing rank and its reason, so no rank hangs waiting for a failed peer.
+JSON travels as bytes in tensors (nothing is pickled). Every collective phase
+of a save or a load runs through :func:`run_phase` (as PyTorch DCP's
+``_DistWrapper`` does): whatever a rank raises, of any type, is caught and
+gathered, and every rank raises one :class:`RankFailure` naming each failing
+rank with the exception's type and message. No rank is left waiting in a
+collective for a peer that already failed.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+T = TypeVar("T")
+
 
 class RankFailure(RuntimeError):
-    """One or more ranks failed; the message lists each rank and its reason."""
+    """One or more ranks failed a phase; the message lists each rank with its exception's type and message."""
+
+    def __init__(self, message: str, failures: dict[int, str]):
+        super().__init__(message)
+        self.failures = failures  # rank -> "Type: message"
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _device() -> torch.device:
@@ -41,11 +55,32 @@ def all_gather_json(obj: Any) -> list[Any]:
     return [json.loads(b[: int(s)].cpu().numpy().tobytes().decode()) for b, s in zip(bufs, sizes)]
 
 
+def _describe(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 2000 else text[:2000] + " [...]"
+
+
 def check_all(error: BaseException | None, what: str) -> None:
     """Collective: raise on every rank if any rank passed an error, listing all of them."""
-    msg = None if error is None else f"{type(error).__name__}: {error}"
-    msgs = all_gather_json(msg)
-    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    msgs = all_gather_json(None if error is None else _describe(error))
+    failed = {r: m for r, m in enumerate(msgs) if m is not None}
     if failed:
-        lines = "\n".join(f"  rank {r}: {m}" for r, m in failed)
-        raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}") from error
+        lines = "\n".join(f"  rank {r}: {m}" for r, m in failed.items())
+        raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}", failed) from error
+
+
+def run_phase(what: str, fn: Callable[[], T]) -> T:
+    """Collective: run ``fn`` on every rank; if it raised anything on any rank, raise on all of them.
+
+    Every exception is caught (``BaseException``: a ``TypeError`` from a
+    callback, a ``KeyboardInterrupt`` too), so the ranks always meet in the
+    closing all-gather instead of waiting out the process-group timeout.
+    """
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks
+        error = e
+    check_all(error, what)
+    return result

@@ -22,6 +22,7 @@ from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.plan.verify_share import Interval, to_intervals
 from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
+from tenplex_megatron.storage.source import Source
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ def _view(flat: torch.Tensor, start: int, rect: tuple[int, ...], sel: tuple[int,
 
 
 class SourceFiles:
-    """Opens each shard file once, hands out flat views of the stored chunks and verifies the bytes that are read.
+    """tenplex's own shards as a :class:`~tenplex_megatron.storage.source.Source`: each file opened once, flat
+    views of the stored chunks handed out, and the blocks that are read verified against their CRC-32s.
 
     ``require_checksums``: a chunk with no recorded checksum is an error when
     verifying (format 2 records them for every chunk).
@@ -64,6 +66,10 @@ class SourceFiles:
         self.readers: dict[str, SafetensorsReader] = {}
         self.verifier = BlockVerifier(ckpt_dir, require_checksums, threads)
         self._covered: dict[tuple[str, str, Piece], bool] = {}  # pieces already checked: not recomputed when copying
+
+    @property
+    def verifying(self) -> bool:
+        return self.verify
 
     @property
     def bytes_verified(self) -> int:
@@ -93,11 +99,17 @@ class SourceFiles:
             covered = self._covered[key] = self.verifier.check(sc, flat, piece)
         return covered
 
-    def collect(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece, todo: list, source: int = -1) -> None:
-        """Queue the blocks ``piece`` reads for :meth:`BlockVerifier.run` (what :func:`prepare_sources` does)."""
+    def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece, todo: list, source: int = -1) -> None:
+        """Queue the blocks ``piece`` reads for :meth:`run` (what :func:`prepare_sources` does)."""
+        if not self.verify:
+            return
         key = (sc.location.file, sc.location.name, piece)
         if key not in self._covered:
             self._covered[key] = self.verifier.collect(sc, flat, piece, todo, source)
+
+    def run(self, todo: list) -> None:
+        """Check the queued blocks (in parallel where this rank has cores to spare)."""
+        self.verifier.run(todo)
 
     def close(self) -> None:
         for r in self.readers.values():
@@ -105,23 +117,21 @@ class SourceFiles:
         self.readers.clear()
 
 
-def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: SourceFiles, check: bool = True) -> list[Block]:
+def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, check: bool = True) -> list[Block]:
     """Open every source chunk the plan reads and verify the blocks its pieces will copy, before anything is copied.
 
     ``check=False``: only queue the blocks and return them, for :func:`verify_blocks` to check a share of them.
-    ``files`` may be another framework's source (only ``flat``): then the chunks are just opened.
+    A source without checksums queues nothing: its chunks are just opened.
     """
     flats: dict[int, torch.Tensor] = {}
-    checking = isinstance(files, SourceFiles) and files.verify
     todo: list = []
     for p in plan.pieces:
         src = flats.get(p.source)
         if src is None:
             src = flats[p.source] = files.flat(sources[p.source])
-        if checking:
-            files.collect(sources[p.source], src, p, todo, p.source)
-    if checking and check:
-        files.verifier.run(todo)  # all blocks at once: in parallel where this rank has cores to spare
+        files.queue(sources[p.source], src, p, todo, p.source)
+    if check:
+        files.run(todo)  # all blocks at once
     return todo
 
 
@@ -130,15 +140,15 @@ def block_intervals(todo: list[Block]) -> list[Interval]:
     return to_intervals((b.source, b.key[2]) for b in todo if b.shareable)
 
 
-def verify_blocks(files: SourceFiles, todo: list[Block], mine: list[Interval] | None = None) -> None:
+def verify_blocks(files: Source, todo: list[Block], mine: list[Interval] | None = None) -> None:
     """Check the queued blocks: all of them, or of the shareable ones only those in ``mine`` (a peer on this
     host checks the rest: the bytes are the same page-cache pages). Old whole-chunk checksums are always checked."""
-    if not todo or not isinstance(files, SourceFiles):  # another framework's files carry no checksums
+    if not todo:  # nothing queued: verification off, or a source without checksums
         return
     if mine is not None:
         keep = {(s, b) for s, lo, hi in mine for b in range(lo, hi + 1)}
         todo = [b for b in todo if not b.shareable or (b.source, b.key[2]) in keep]
-    files.verifier.run(todo)
+    files.run(todo)
 
 
 def _piece_ranges(p: Piece, src: torch.Tensor) -> list[tuple[int, int]]:
@@ -154,7 +164,7 @@ def _piece_ranges(p: Piece, src: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def execute_plan(
-    plan: RankPlan, sources: tuple[StoredChunk, ...], files: SourceFiles, dst: list[torch.Tensor]
+    plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, dst: list[torch.Tensor]
 ) -> ExecStats:
     """Fill ``dst`` (one flat tensor per destination chunk, in plan order) from the sources, verifying what it reads.
 
@@ -163,8 +173,7 @@ def execute_plan(
     t0 = time.perf_counter()
     read = filled = unverified = 0
     flats: dict[int, torch.Tensor] = {}
-    checking = isinstance(files, SourceFiles)
-    if not (checking and files.verify):  # verified blocks were announced before their checksums were computed
+    if not files.verifying:  # verified blocks were announced before their checksums were computed
         ranges: list[tuple[int, int]] = []
         for p in plan.pieces:
             src = flats.get(p.source)
@@ -178,7 +187,7 @@ def execute_plan(
             src = flats.get(p.source)
             if src is None:
                 src = flats[p.source] = files.flat(sources[p.source])
-            covered = checking and files.check(sources[p.source], src, p)
+            covered = files.check(sources[p.source], src, p)
             s = _view(src, p.src_start, p.src_rect, p.src_sel, p.shape)
             d = _view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape)
             d.copy_(s)
@@ -190,5 +199,4 @@ def execute_plan(
             d = _view(dst[f.dst], f.dst_start, f.dst_rect, f.dst_sel, f.shape)
             d.zero_()
             filled += d.numel() * d.element_size()
-    verified = files.bytes_verified if checking else 0
-    return ExecStats(read, filled, len(files.readers), time.perf_counter() - t0, verified, unverified)
+    return ExecStats(read, filled, len(files.readers), time.perf_counter() - t0, files.bytes_verified, unverified)

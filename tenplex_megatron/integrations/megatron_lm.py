@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec, load_job, save_job
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
-from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
+from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
@@ -53,33 +54,6 @@ def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.
     return provider
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """The parts of Megatron-LM's args that tenplex records and needs."""
-
-    vocab_size: int
-    seed: int
-    args: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"vocab_size": self.vocab_size, "seed": self.seed, **self.args}
-
-
-@dataclass
-class MegatronLMJob:
-    """Megatron-LM's live objects seen through the attributes tenplex's save/load use."""
-
-    model: list[Any]
-    optimizer: Any
-    scheduler: Any
-    layout: ParallelLayout
-    spec: _Spec
-    padded_vocab_size: int
-    use_distributed_optimizer: bool
-    iteration: int = 0
-    consumed_samples: int = 0
-
-
 _RECORDED_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
     "make_vocab_size_divisible_by", "swiglu", "untie_embeddings_and_output_weights", "bf16", "global_batch_size",
@@ -87,7 +61,7 @@ _RECORDED_ARGS = (
 )
 
 
-def _job(model: list[Any], optimizer: Any, scheduler: Any) -> MegatronLMJob:
+def _job(model: list[Any], optimizer: Any, scheduler: Any) -> LiveJob:
     from megatron.core import mpu
     from megatron.training import get_args
 
@@ -107,8 +81,8 @@ def _job(model: list[Any], optimizer: Any, scheduler: Any) -> MegatronLMJob:
         vocab = get_tokenizer().vocab_size
     except AssertionError:  # no global tokenizer was built
         vocab = args.vocab_size
-    spec = _Spec(int(vocab), int(args.seed), {k: getattr(args, k, None) for k in _RECORDED_ARGS})
-    return MegatronLMJob(model, optimizer, scheduler, layout, spec, int(args.padded_vocab_size),
+    spec = LiveSpec(int(vocab), int(args.seed), {k: getattr(args, k, None) for k in _RECORDED_ARGS})
+    return LiveJob(model, optimizer, scheduler, layout, spec, int(args.padded_vocab_size),
                          bool(args.use_distributed_optimizer))
 
 
@@ -121,12 +95,10 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     if not getattr(args, "tenplex", False) or kw.get("non_persistent_ckpt"):
         return _ORIGINALS["save_checkpoint"](iteration, model, optimizer, opt_param_scheduler,
                                              num_floating_point_operations_so_far, *a, **kw)
-    from tenplex_megatron.integrations.checkpoint import save_checkpoint as tenplex_save
-
     job = _job(model, optimizer, opt_param_scheduler)
     job.iteration = iteration
     job.consumed_samples = int(args.consumed_train_samples)
-    res = tenplex_save(job, args.save, extra={"num_floating_point_operations_so_far": num_floating_point_operations_so_far},
+    res = save_job(job, args.save, extra={"num_floating_point_operations_so_far": num_floating_point_operations_so_far},
                        keep=args.tenplex_keep)
     print_rank_0(f"> tenplex: saved iteration {iteration} to {res.path} in {res.seconds:.2f} s")
 
@@ -136,23 +108,18 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     """Megatron-LM's ``load_checkpoint`` signature; re-sharding tenplex load when ``--tenplex``."""
     from megatron.training import get_args, print_rank_0
 
-    from tenplex_megatron.storage.layout import find_checkpoint
-
     args = get_args()
     load_dir = getattr(args, load_arg, None)
     ckpt = find_checkpoint(load_dir) if (getattr(args, "tenplex", False) and load_dir) else None
     if ckpt is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
-    from tenplex_megatron.integrations.checkpoint import load_checkpoint as tenplex_load
-    from tenplex_megatron.storage.layout import read_metadata
-
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    res = tenplex_load(job, ckpt, verify=not args.tenplex_no_verify)
+    res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
     args.consumed_train_samples = job.consumed_samples
     args.skipped_train_samples = 0
-    flops = float(read_metadata(ckpt).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
+    flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
     print_rank_0(
-        f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {res.source_layout} -> {job.layout}, "
+        f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {ParallelLayout.from_json(res.source_layout)} -> {job.layout}, "
         f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
     )
     return res.iteration, flops
@@ -202,9 +169,6 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
     if not getattr(args, "tenplex", False) or getattr(args, "tenplex_vocab_padding", "keep") != "keep" \
             or not getattr(args, "load", None):
         return padded
-    from tenplex_megatron.plan.layout import restart_padded_vocab_size
-    from tenplex_megatron.storage.layout import find_checkpoint, read_metadata
-
     ckpt = find_checkpoint(args.load)
     if ckpt is None:
         return padded

@@ -12,7 +12,7 @@ from tenplex_megatron.execute.executor import SourceFiles, execute_plan
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Location, StoredChunk, TensorMeta
-from tenplex_megatron.plan.shard_layout import layout_chunks
+from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.storage.safetensors_io import write_safetensors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

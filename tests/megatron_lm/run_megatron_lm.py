@@ -4,7 +4,7 @@ Usage: torchrun ... tests/megatron_lm/run_megatron_lm.py <checkout>/pretrain_gpt
 
 On a GPU nothing is redirected. On a CPU-only machine (tests and CI here), the
 checkout is not edited; instead, before ``pretrain_gpt.py`` runs, megatron-core's
-CPU shim (``tenplex_megatron.integrations.cpu_shim``) is installed plus the few
+CPU shim (``tenplex_megatron.training.cpu_shim``) is installed plus the few
 things Megatron-LM's training loop itself needs (each listed in ``_install``).
 Pass ``--distributed-backend gloo`` (a Megatron-LM flag) for the CPU.
 """
@@ -17,7 +17,7 @@ import torch
 
 
 def _install() -> None:
-    from tenplex_megatron.integrations import cpu_shim
+    from tenplex_megatron.training import cpu_shim
 
     cpu_shim.install()
     import megatron.training.training as training

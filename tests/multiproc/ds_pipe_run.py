@@ -122,9 +122,9 @@ def main() -> None:
     first = 1
     if args.mode == "resume":
         lr = tds.load_checkpoint(engine, args.tenplex_dir)
-        result["load"] = {"global_steps": lr.global_steps, "source": lr.source}
+        result["load"] = {"global_steps": lr.iteration, "source": lr.source_layout}
         dump(engine, args.out)
-        first = lr.global_steps + 1
+        first = lr.iteration + 1
     for i in range(first, args.steps + 1):
         result["losses"][i] = step(engine, i)
         if args.mode == "train" and i == args.save_after:

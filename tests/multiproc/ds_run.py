@@ -159,23 +159,23 @@ def main() -> None:
         states = {}
         engine = build(args)
         lr = tds.load_checkpoint(engine, args.tenplex_dir)
-        result["tenplex_load"] = {"global_steps": lr.global_steps, "source": lr.source, "bytes_read": lr.bytes_read}
+        result["tenplex_load"] = {"global_steps": lr.iteration, "source": lr.source_layout, "bytes_read": lr.bytes_read}
         states["tenplex"] = full_state(engine)
         nat = build(args)
         nl = tds.load_checkpoint(nat, args.ds_dir)  # DeepSpeed's own files, read directly at this DP size
-        result["native_load"] = {"global_steps": nl.global_steps, "source": nl.source, "native": nl.native,
+        result["native_load"] = {"global_steps": nl.iteration, "source": nl.source_layout, "native": nl.source_format == "deepspeed",
                                  "bytes_read": nl.bytes_read}
         states["native"] = full_state(nat)
-        result["native_next_loss"] = train_step(nat, nl.global_steps + 1)
+        result["native_next_loss"] = train_step(nat, nl.iteration + 1)
         del nat
         if args.universal:
             ref = build(args, universal=True)
             ref.load_checkpoint(os.path.dirname(args.universal), tag=os.path.basename(args.universal))
             states["universal"] = full_state(ref)
-            result["universal_next_loss"] = train_step(ref, lr.global_steps + 1)
+            result["universal_next_loss"] = train_step(ref, lr.iteration + 1)
             result["universal_global_steps"] = int(ref.global_steps)
             del ref
-        for step in range(lr.global_steps + 1, args.steps + 1):
+        for step in range(lr.iteration + 1, args.steps + 1):
             result["losses"][step] = train_step(engine, step)
         result["state"] = {src: {k: v.tolist() for k, v in s.items()} for src, s in states.items()}
     if r == 0:

@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 
-from tenplex_megatron.storage.layout import find_checkpoint, partial_dirs
+from tenplex_megatron.storage.directory import find_checkpoint, partial_dirs
 from tests.harness import TINY_GPT, layout_flags, torchrun
 
 pytestmark = pytest.mark.dist
@@ -76,7 +76,7 @@ def test_disk_full_on_one_rank_fails_cleanly_everywhere(tmp_path) -> None:
     save = str(tmp_path / "ckpt")
     r = run(["--save", save, "--save-interval", "2"], fault="save.tensors@1#4:enospc")
     assert r.returncode != 0 and "TIMEOUT" not in r.log
-    assert "save of iteration 4: writing shards failed on 1 rank(s)" in r.log
+    assert f"save of iteration 4 to {save}: writing shards failed on 1 rank(s)" in r.log
     assert "rank 1: OSError: [Errno 28] No space left on device" in r.log
     assert find_checkpoint(save) == os.path.join(save, "iter_0000002")
 

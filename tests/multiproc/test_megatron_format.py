@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tenplex_megatron.storage.layout import find_checkpoint, find_megatron_checkpoint
+from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint
 from tests.harness import TINY_GPT, layout_flags, metrics, torchrun
 
 pytestmark = pytest.mark.dist

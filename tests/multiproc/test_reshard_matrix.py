@@ -25,7 +25,7 @@ import torch
 
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.plan.shard_layout import layout_chunks
+from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tests.harness import TINY_GPT, layout_flags, metrics, read_full_tensors, stored_chunks, torchrun
 
 pytestmark = pytest.mark.dist

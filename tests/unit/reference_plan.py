@@ -622,7 +622,7 @@ def _choose(src: _Source, rank: int, host: str) -> int:
 
 def model_report(dims, src: ParallelLayout, dst: ParallelLayout, distopt: bool, gpus_per_node: int | None) -> dict:
     """What ``plan --model`` reported: state, bytes read (total, per rank), cross-node, central baseline."""
-    from tenplex_megatron.plan.gpt_catalogue import gpt_tensors
+    from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors
 
     tensors = gpt_tensors(dims, padded_vocab_size(dims.vocab_size, 128, src.tp))
     source = source_from_layout(tensors, src, distopt)

@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.engine.load import load_chunks
+from tenplex_megatron.engine.save import save_chunks
 from tenplex_megatron.execute.executor import ExecStats, SourceFiles, execute_plan, prepare_sources
 from tenplex_megatron.execute.verify import default_threads, piece_runs, touched_blocks
-from tenplex_megatron.integrations.ptc_checkpoint import LocalChunk, load_chunks, save_chunks
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import Piece, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
-from tenplex_megatron.plan.shard_layout import layout_chunks
+from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.storage.safetensors_io import (
     BLOCK_BYTES,
     CheckpointFileError,

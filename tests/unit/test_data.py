@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tenplex_megatron.integrations.data import (
+from tenplex_megatron.training.data import (
     BATCH_KEYS,
     ByteTokenizer,
     build_train_dataset,
@@ -148,7 +148,7 @@ def test_bad_data_path_is_named(corpus: str, tmp_path) -> None:
 
 
 def test_pretrain_flags_for_data_path(corpus: str, capsys: pytest.CaptureFixture) -> None:
-    from tenplex_megatron.integrations.pretrain import parse_args
+    from tenplex_megatron.training.pretrain import parse_args
 
     base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
             "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "2"]

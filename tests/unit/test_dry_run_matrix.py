@@ -14,11 +14,11 @@ from dataclasses import astuple
 
 import pytest
 
-from tenplex_megatron.plan.dry_run import dry_run
-from tenplex_megatron.plan.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.planner import Planner, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Location, StoredChunk
+from tenplex_megatron.plan.sim.dry_run import dry_run
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
 from tests.unit import reference_plan as ref
 
 

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tenplex_megatron.plan.ptc import PTC, PTCError
-from tenplex_megatron.storage.layout import read_metadata
+from tenplex_megatron.storage.directory import read_metadata
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader, read_header
 
 json_values = st.recursive(

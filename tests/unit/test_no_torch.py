@@ -29,12 +29,12 @@ for n in names:
     importlib.import_module(f"tenplex_megatron.plan.{n}")
 import tenplex_megatron.cli  # noqa: F401
 import tenplex_megatron.storage.files  # noqa: F401
-import tenplex_megatron.storage.layout  # noqa: F401
-from tenplex_megatron.plan.gpt_catalogue import GPTDims, gpt_tensors
+import tenplex_megatron.storage.directory  # noqa: F401
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
-from tenplex_megatron.plan.shard_layout import layout_chunks, source_from_layout
+from tenplex_megatron.plan.sim.sharding import layout_chunks, source_from_layout
 
 # a hand-built PTC: a [4, 6] weight split in two along dim 1, re-sharded to one chunk
 meta = {"w": TensorMeta("w", (4, 6), "float32", tp_axis=1)}

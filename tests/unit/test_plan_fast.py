@@ -18,12 +18,12 @@ from dataclasses import astuple
 import pytest
 
 from tenplex_megatron.cli import main
-from tenplex_megatron.plan.dry_run import dry_run
-from tenplex_megatron.plan.gpt_catalogue import GPTDims, gpt_tensors, load_model
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.planner import Planner, plan_reshard
-from tenplex_megatron.plan.shard_layout import layout_chunks, layout_holdings, resize_vocab, source_from_layout
-from tenplex_megatron.storage.layout import FORMAT_NAME, FORMAT_VERSION, commit, prepare_partial
+from tenplex_megatron.plan.sim.dry_run import dry_run
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors, load_model
+from tenplex_megatron.plan.sim.sharding import layout_chunks, layout_holdings, resize_vocab, source_from_layout
+from tenplex_megatron.storage.directory import FORMAT_NAME, FORMAT_VERSION, commit, prepare_partial
 from tests.unit import reference_plan as ref
 
 # a model whose padded vocabulary changes with TP (100 rows: 128 at TP=1, 384 at TP=3), untied, SwiGLU, fp32

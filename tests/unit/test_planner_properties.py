@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
 from tenplex_megatron.plan.planner import Planner, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
-from tenplex_megatron.plan.shard_layout import layout_chunks, resize_vocab
+from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 
 
 def gpt_tensors(layers: int, hidden: int, ffn: int, vocab: int, padded: int, swiglu: bool, tied: bool) -> dict[str, TensorMeta]:

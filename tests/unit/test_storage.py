@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tenplex_megatron.storage.layout import (
+from tenplex_megatron.storage.directory import (
     FORMAT_NAME,
     FORMAT_VERSION,
     commit,

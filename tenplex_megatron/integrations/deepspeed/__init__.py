@@ -1,11 +1,12 @@
-"""DeepSpeed integration: re-shard ZeRO-1/2/3 engines (and PipelineModule stages) to a new DP/PP size.
+"""DeepSpeed adapter: re-shard ZeRO-1/2/3 engines (and PipelineModule stages) to a new DP/PP size.
 
 ``save_checkpoint(engine, dir)`` / ``load_checkpoint(engine, dir)`` sit next to
 DeepSpeed's own calls; the load also reads DeepSpeed's ``global_stepN``
 checkpoints written at any DP size, with no conversion step on disk.
 """
 
-from tenplex_megatron.integrations.deepspeed.checkpoint import LoadResult, load_checkpoint, save_checkpoint
-from tenplex_megatron.integrations.deepspeed.describe import DeepSpeedStateError
+from tenplex_megatron.engine.load import LoadResult
+from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter, load_checkpoint, save_checkpoint
+from tenplex_megatron.integrations.deepspeed.zero import DeepSpeedStateError
 
-__all__ = ["DeepSpeedStateError", "LoadResult", "load_checkpoint", "save_checkpoint"]
+__all__ = ["DeepSpeedAdapter", "DeepSpeedStateError", "LoadResult", "load_checkpoint", "save_checkpoint"]

@@ -23,22 +23,19 @@ import math
 import os
 import pickle
 import re
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from tenplex_megatron.integrations.deepspeed.describe import (
+from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.integrations.deepspeed.zero import (
     STATE_KEYS,
     DeepSpeedStateError,
-    allocate_state,
-    describe_engine,
-    engine_layout,
 )
-from tenplex_megatron.integrations.ptc_checkpoint import LocalChunk, Opened, load_chunks
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
+from tenplex_megatron.storage.source import Opened, UncheckedSource
 
 OPTIM_STATES = ("fp32_param", *STATE_KEYS)
 
@@ -141,7 +138,7 @@ def _param_shapes(ms: dict[str, Any], path: str) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(x) for x in shape) for g in groups for name, shape in g.items()}
 
 
-class NativeSources:
+class NativeSources(UncheckedSource):
     """Hands out flat ranges of the partitions in DeepSpeed's optimizer files, each file read once (mmap)."""
 
     def __init__(self, path: str, trust_pickles: bool):
@@ -272,41 +269,7 @@ def refresh_model_weights(engine: Any) -> None:
     zo.update_lp_params()
 
 
-def load_native(engine: Any, load_dir: str, tag: str | int | None, seed: int, trust_pickles: bool = False) -> Any:
-    """Collective: load DeepSpeed's own checkpoint under ``load_dir`` into ``engine`` at its (new) DP size."""
-    from tenplex_megatron.integrations import rng
-    from tenplex_megatron.integrations.deepspeed.checkpoint import LoadResult, _restore_counters, restore_optimizer
-
-    t0 = time.perf_counter()
-    path = step_dir(load_dir, tag)
-    box: dict[str, Any] = {}
-
-    def opener() -> Opened:
-        opened, ck = open_native(path, trust_pickles)
-        box["ck"] = ck
-        return opened
-
-    def describe(meta: dict[str, Any]) -> list[LocalChunk]:
-        lay = engine_layout(engine)
-        if lay.pp != 1:
-            raise DeepSpeedStateError("loading DeepSpeed's own checkpoint into a pipeline engine is not supported")
-        allocate_state(engine)
-        chunks = [lc for lc in describe_engine(engine)[1] if not lc.meta.key.startswith("model.")]
-        _check_model(meta, box["ck"], chunks, path)
-        return chunks
-
-    def restore(meta: dict[str, Any]) -> None:
-        refresh_model_weights(engine)
-        restore_optimizer(engine, meta["optimizer"])
-        _restore_counters(engine, meta)
-
-    loaded = load_chunks(load_dir, None, describe, restore, strict=True, verify=False, opener=opener)
-    rng.reseed(seed, int(engine.global_steps), tracker=False)  # DeepSpeed's files carry no RNG state
-    return LoadResult(loaded.path, engine.global_steps, loaded.metadata["layout"], loaded.stats.bytes_read,
-                      loaded.stats.bytes_filled, loaded.tensors, time.perf_counter() - t0, False, native=True)
-
-
-def _check_model(meta: dict[str, Any], ck: NativeCheckpoint, chunks: list[LocalChunk], path: str) -> None:
+def check_model(ck: NativeCheckpoint, chunks: list[LocalChunk], path: str) -> None:
     """Refuse a checkpoint of another model: every engine parameter must be in it with the same shape."""
     shapes = _param_shapes(ck.model_states, path)
     mine = {lc.meta.param: lc.meta.global_shape for lc in chunks if lc.meta.param}

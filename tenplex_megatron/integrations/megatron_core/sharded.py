@@ -17,8 +17,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
 
-from tenplex_megatron.integrations.ptc_checkpoint import LocalChunk, tensor_table
+from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
+from tenplex_megatron.integrations.megatron_core.optimizer import is_distributed_optimizer, sub_optimizers
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
 
@@ -35,8 +38,6 @@ def model_sharded_state_dict(job: Any) -> dict:
 
 
 def _is_main(replica_id: Any) -> bool:
-    from megatron.core.dist_checkpointing.mapping import is_main_replica
-
     return is_main_replica(replica_id)
 
 
@@ -87,8 +88,6 @@ def _factory_chunks(
     param_key: str | None,
 ) -> list[LocalChunk]:
     """Expand a ShardedTensorFactory by building it on a meta tensor to learn each part's flat interval."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     probe = torch.empty(tuple(param.shape), dtype=data.dtype, device="meta")
     built = replace(factory, data=probe).build()
@@ -111,8 +110,6 @@ def _factory_chunks(
 
 
 def _entries(tree: Any) -> Iterable[Any]:
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     for v in nested_values(tree):
         if isinstance(v, (ShardedTensor, ShardedTensorFactory)):
@@ -123,15 +120,10 @@ def _expand(
     sh: Any, data: torch.Tensor, param: torch.Tensor, flat: tuple[int, int] | None, ctx: _Ctx,
     param_key: str | None = None,
 ) -> list[LocalChunk]:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 
     if isinstance(sh, ShardedTensorFactory):
         return _factory_chunks(sh, data, param, flat, ctx, param_key)
     return [_tensor_chunk(sh, data, flat, param, ctx, param_key)]
-
-
-def sub_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -172,12 +164,6 @@ def _plain_optimizer_chunks(opt: Any, model_sd: dict, ctx: _Ctx) -> list[LocalCh
         param = by_key.get(param_key, sh.data) if param_key else sh.data
         out.extend(_expand(sh, sh.data, param, None, ctx, param_key))
     return out
-
-
-def is_distributed_optimizer(opt: Any) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return isinstance(opt, DistributedOptimizer)
 
 
 def _context(job: Any) -> _Ctx:

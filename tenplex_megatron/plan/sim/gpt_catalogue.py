@@ -3,19 +3,20 @@
 Used only for dry-run planning of jobs that have no checkpoint yet (``plan
 --model gpt3-175b``); a real job is always described from megatron-core's own
 metadata. Keys, shapes and sharding facts match what
-``integrations/describe.py`` records for megatron-core 0.16 (the layout model
+``integrations/megatron_core/sharded.py`` records for megatron-core 0.16 (the layout model
 is checked against live jobs in tests/multiproc/test_reshard_matrix.py).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
+from importlib import resources
 
 from tenplex_megatron.plan.ptc import TensorMeta
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs", "models.json")
+#: The catalogue ships inside the package (read with importlib.resources, so an installed wheel has it too).
+CATALOGUE = "models.json"
 
 
 @dataclass(frozen=True)
@@ -35,10 +36,19 @@ class GPTDims:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
 
-def load_model(name: str, path: str = CONFIGS) -> GPTDims:
-    """A named model shape from ``configs/models.json``; the error lists the known names."""
-    with open(path) as f:
-        models = json.load(f)["models"]
+def catalogue(path: str | None = None) -> dict[str, dict]:
+    """Every named model shape: the packaged ``models.json``, or the JSON file at ``path``."""
+    if path is None:
+        text = resources.files(__package__).joinpath(CATALOGUE).read_text()
+    else:
+        with open(path) as f:
+            text = f.read()
+    return json.loads(text)["models"]
+
+
+def load_model(name: str, path: str | None = None) -> GPTDims:
+    """A named model shape from the catalogue (``plan/sim/models.json``); the error lists the known names."""
+    models = catalogue(path)
     if name not in models:
         raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(models))}")
     fields = set(GPTDims.__dataclass_fields__)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tenplex_megatron.plan.data_position import num_microbatches
 from tenplex_megatron.plan.layout import ModelShape, ParallelLayout, padded_vocab_size
+from tenplex_megatron.training import cpu_shim
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,6 @@ def init_distributed(backend: str | None = None) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
-        from tenplex_megatron.integrations import cpu_shim
-
         cpu_shim.install()
     torch.distributed.init_process_group(backend=backend)
 

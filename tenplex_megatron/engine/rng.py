@@ -1,4 +1,4 @@
-"""RNG state as JSON, and the policy for restoring it.
+"""RNG state as JSON, and the policy for restoring it (one policy for every framework).
 
 Same layout: every rank gets back exactly the states it saved (Python, NumPy,
 torch CPU/CUDA, and megatron-core's model-parallel RNG tracker). Changed
@@ -70,3 +70,15 @@ def reseed(seed: int, iteration: int, tracker: bool = True) -> None:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(s)
+
+
+def apply_policy(metadata: dict[str, Any], layout: dict[str, Any], rank: int, seed: int, iteration: int,
+                 tracker: bool = True) -> bool:
+    """Restore this rank's saved streams when the layout is the saved one, else re-seed; returns whether exact."""
+    saved = metadata.get("rng") or {}
+    exact = metadata.get("layout") == layout and str(rank) in saved
+    if exact:
+        restore(saved[str(rank)])
+    else:
+        reseed(seed, iteration, tracker)
+    return exact

@@ -23,15 +23,15 @@ writes anyway: the benchmark measures megatron-core as it is).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from tenplex_megatron.integrations.describe import sub_optimizers, unwrap
-from tenplex_megatron.integrations.optimizer_state import allocate_state
-
-if TYPE_CHECKING:
-    from tenplex_megatron.integrations.gpt import GPTJob
+from tenplex_megatron.execute.collective import check_all
+from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state, sub_optimizers
+from tenplex_megatron.integrations.megatron_core.sharded import unwrap
+from tenplex_megatron.storage.directory import TRACKER_FILE, find_megatron_checkpoint, iter_dir_name
+from tenplex_megatron.training.gpt import GPTJob
 
 SHARDING_TYPE = "fully_reshardable"
 
@@ -121,7 +121,6 @@ def save(job: GPTJob, ckpt_dir: str, check: bool = True) -> None:
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
-    from tenplex_megatron.execute.collective import check_all
 
     md = sharded_sd_metadata()
     state = _state_dict(job, md, is_loading=False)
@@ -197,7 +196,6 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
 def save_checkpoint(job: GPTJob, save_dir: str, check: bool = True) -> str:
     """Collective: :func:`save` into ``save_dir/iter_NNNNNNN`` then (rank 0) update the tracker file, as
     Megatron-LM does; returns the iteration directory."""
-    from tenplex_megatron.storage.layout import TRACKER_FILE, iter_dir_name
 
     path = os.path.join(save_dir, iter_dir_name(job.iteration))
     save(job, path, check=check)
@@ -216,7 +214,6 @@ def save_checkpoint(job: GPTJob, save_dir: str, check: bool = True) -> str:
 def load_checkpoint(job: GPTJob, load_dir: str) -> str:
     """Collective: :func:`load` the checkpoint ``load_dir`` names (an ``iter_*`` directory, or a save directory:
     the tracker's iteration, else the newest); returns the directory loaded."""
-    from tenplex_megatron.storage.layout import find_megatron_checkpoint
 
     path = find_megatron_checkpoint(load_dir)
     if path is None:

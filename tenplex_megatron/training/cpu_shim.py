@@ -60,7 +60,7 @@ def install() -> None:
     if _INSTALLED:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("tenplex_megatron.integrations.cpu_shim must not be used on a GPU machine")
+        raise RuntimeError("tenplex_megatron.training.cpu_shim must not be used on a GPU machine")
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]

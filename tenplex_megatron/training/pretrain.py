@@ -20,8 +20,22 @@ import time
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 
-from tenplex_megatron.integrations.gpt import GPTSpec
+from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_job
+from tenplex_megatron.plan.data_position import microbatch_sample_indices
+from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
+from tenplex_megatron.training import gpt, mcore_dist_ckpt
+from tenplex_megatron.training.data import (
+    BYTE_VOCAB_SIZE,
+    ByteTokenizer,
+    build_train_dataset,
+    check_data_path,
+    microbatches_from_dataset,
+)
+from tenplex_megatron.training.gpt import GPTSpec
+from tenplex_megatron.training.synthetic_data import microbatches
 
 MEGATRON_FLAGS_NOT_SUPPORTED = (
     "--num-layers-per-virtual-pipeline-stage",
@@ -116,8 +130,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.data_path and args.tokenizer_type not in ("ByteLevel", "NullTokenizer"):
         parser.error(f"--tokenizer-type {args.tokenizer_type} is not supported with --data-path (use ByteLevel)")
     if args.data_path or args.tokenizer_type == "ByteLevel":
-        from tenplex_megatron.integrations.data import BYTE_VOCAB_SIZE, check_data_path
-
         if args.vocab_size not in (None, BYTE_VOCAB_SIZE):
             parser.error(f"--vocab-size {args.vocab_size} does not match the byte-level tokenizer's vocabulary of "
                          f"{BYTE_VOCAB_SIZE} (used by --data-path and --tokenizer-type ByteLevel): leave it out")
@@ -166,16 +178,6 @@ def _print0(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron.core import parallel_state
-
-    from tenplex_megatron.integrations import gpt, mcore_dist_ckpt
-    from tenplex_megatron.integrations.checkpoint import load_checkpoint, save_checkpoint
-    from tenplex_megatron.integrations.data import microbatches_from_dataset
-    from tenplex_megatron.integrations.synthetic_data import microbatches
-    from tenplex_megatron.plan.data_position import microbatch_sample_indices
-    from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-    from tenplex_megatron.storage.layout import find_checkpoint, find_megatron_checkpoint, read_metadata
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     gpt.init_distributed()
     world = torch.distributed.get_world_size()
@@ -208,14 +210,15 @@ def main(argv: list[str] | None = None) -> int:
     _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
         f"padded vocabulary {padded}")
     if ckpt is not None:
-        res = load_checkpoint(job, ckpt, verify=not args.tenplex_no_verify)
+        res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
         _print0(
-            f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {res.source_layout} -> {layout}, "
+            f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
+            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, "
             f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
             f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
         )
         if args.tenplex_resave:
-            save_checkpoint(job, args.tenplex_resave)
+            save_job(job, args.tenplex_resave)
     elif args.load and find_megatron_checkpoint(args.load):
         mck = find_megatron_checkpoint(args.load)
         t0 = time.perf_counter()
@@ -228,8 +231,6 @@ def main(argv: list[str] | None = None) -> int:
     dp_rank = parallel_state.get_data_parallel_rank()
     dataset = None
     if args.data_path:  # megatron-core's GPTDataset, built once on every rank (rank 0 first); read by global index
-        from tenplex_megatron.integrations.data import ByteTokenizer, build_train_dataset
-
         t0 = time.perf_counter()
         try:
             dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
@@ -284,16 +285,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _save(job: Any, args: argparse.Namespace) -> None:
     if not args.tenplex:
-        from tenplex_megatron.integrations import mcore_dist_ckpt
-
         t0 = time.perf_counter()
         path = mcore_dist_ckpt.save_checkpoint(job, args.save)
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return
-    from tenplex_megatron.integrations.checkpoint import save_checkpoint
-
-    res = save_checkpoint(job, args.save, keep=args.tenplex_keep)
+    res = save_job(job, args.save, keep=args.tenplex_keep)
     _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
     for path in res.removed:
         _print0(f"> tenplex: removed {path}")

@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from tenplex_megatron.integrations.ptc_checkpoint import LocalChunk
+from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
 
@@ -60,8 +61,6 @@ def engine_layout(engine: Any) -> EngineLayout:
             "(stage 0 keeps an unpartitioned optimizer; use stage 1 for the same memory at no cost)")
     pp = int(getattr(engine, "num_stages", 1) or 1)
     stage_id = int(getattr(engine, "stage_id", 0) or 0)
-    import torch.distributed as dist
-
     dp_rank = dist.get_rank(group=engine.data_parallel_group) if dist.is_initialized() else 0
     return EngineLayout(stage, int(engine.dp_world_size), pp, dp_rank, stage_id)
 

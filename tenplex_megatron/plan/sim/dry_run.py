@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass
 
 from tenplex_megatron.plan.gc_pause import gc_paused
-from tenplex_megatron.plan.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.planner import Planner
 from tenplex_megatron.plan.ptc import Chunk, dtype_size
-from tenplex_megatron.plan.shard_layout import Run, layout_runs, resize_vocab, source_from_layout
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
+from tenplex_megatron.plan.sim.sharding import Run, layout_runs, resize_vocab, source_from_layout
 
 
 @dataclass(frozen=True)

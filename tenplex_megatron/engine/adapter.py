@@ -1,0 +1,45 @@
+"""The one interface between the engine and a framework (megatron-core, DeepSpeed, ...).
+
+An adapter turns the framework's live state into :class:`LocalChunk`s and back
+and owns the framework's non-tensor state; the engine does everything
+collective (gathering, writing, committing, planning, verifying, copying) and
+the policies that are the same for every framework (RNG, optimizer JSON).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from tenplex_megatron.engine.chunks import LocalChunk
+
+
+class Adapter(Protocol):
+    """What a framework supplies to :func:`engine.save.save` and :func:`engine.load.load`."""
+
+    framework: str  # recorded in metadata.json; a load refuses another framework's checkpoint
+    seed: int  # for the RNG re-seed when the layout changed
+    rng_tracker: bool  # capture megatron-core's model-parallel RNG tracker too
+
+    def layout(self) -> dict[str, Any]:
+        """The job's parallel layout as JSON: recorded at save, compared at load (the RNG policy)."""
+        ...
+
+    def iteration(self) -> int:
+        """The step a save is named after; after :meth:`restore`, the step the load resumed."""
+        ...
+
+    def describe(self) -> list[LocalChunk]:
+        """Every chunk of state this rank holds, for a save."""
+        ...
+
+    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+        """Check the checkpoint fits this job (naming what does not), allocate missing state, describe it."""
+        ...
+
+    def metadata(self) -> dict[str, Any]:
+        """The framework's non-tensor state for metadata.json (called on rank 0 during the commit)."""
+        ...
+
+    def restore(self, metadata: dict[str, Any]) -> None:
+        """Restore the non-tensor state after the tensors were copied in."""
+        ...

@@ -1,0 +1,204 @@
+"""Collective load of a checkpoint into an adapter's live chunks, re-sharded to the job's layout.
+
+Each rank plans its own part (a pure function of the saved PTC and its own
+chunks), checks every file it will read, has the checksum blocks it reads
+verified (each block once per host), then copies only the bytes it needs
+straight into the live tensors; the adapter restores its non-tensor state and
+the engine applies the RNG policy. Every phase runs through
+:func:`run_phase`: a failure of any kind on any rank is raised on every rank
+before any rank copies a byte (or, after copying, on every rank at once).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tenplex_megatron.engine import rng
+from tenplex_megatron.engine.adapter import Adapter
+from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
+from tenplex_megatron.execute.collective import all_gather_json, rank, run_phase
+from tenplex_megatron.execute.executor import (
+    ExecStats,
+    SourceFiles,
+    block_intervals,
+    execute_plan,
+    prepare_sources,
+    verify_blocks,
+)
+from tenplex_megatron.plan.gc_pause import gc_paused
+from tenplex_megatron.plan.planner import PlanError, plan_reshard
+from tenplex_megatron.plan.ptc import PTC
+from tenplex_megatron.plan.verify_share import share_blocks
+from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.faults import maybe_fail
+from tenplex_megatron.storage.source import Opened
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """What a load did on this rank (the same type for every framework)."""
+
+    path: str
+    iteration: int  # the step the job resumes from (DeepSpeed: global steps)
+    source_layout: dict[str, Any]  # the saved layout as recorded (megatron: tp/pp/dp; DeepSpeed: + zero_stage)
+    bytes_read: int  # by this rank: copied into its tensors
+    bytes_filled: int  # zero-filled (new vocabulary padding rows)
+    tensors: int
+    seconds: float
+    rng_exact: bool  # the saved RNG streams came back (same layout); else re-seeded from (seed, iteration)
+    bytes_verified: int = 0  # stored bytes whose block checksums this rank checked (read for that)
+    bytes_unverified: int = 0  # bytes copied that no checksum covered (``verify=False``, foreign formats)
+    source_format: str = "tenplex"  # or the foreign format read in place ("deepspeed")
+    consumed_samples: int = 0  # the data position to resume from (DeepSpeed: global samples)
+    metadata: dict[str, Any] | None = None  # the checkpoint's metadata (framework fields: consumed samples, extra)
+
+
+def open_tenplex(load_dir: str, iteration: int | None, verify: bool) -> Opened:
+    """The newest complete tenplex checkpoint under ``load_dir`` (or ``iteration``'s), checked and opened."""
+    path = directory.find_checkpoint(load_dir, iteration)
+    if path is None:
+        raise FileNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
+    meta = directory.read_metadata(path)
+    source = PTC.from_json(meta["ptc"])
+    files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify,
+                        require_checksums=meta["format_version"] >= 2)  # format 2 records block CRCs for every chunk
+    return Opened(path, meta, source, files)
+
+
+@dataclass(frozen=True)
+class ChunksLoaded:
+    """What :func:`load_chunks` did on this rank, before the engine applies the RNG policy."""
+
+    path: str
+    metadata: dict[str, Any]
+    ptc: PTC
+    stats: ExecStats
+    tensors: int  # chunks filled
+
+
+@dataclass
+class _Prepared:
+    """One rank's state between the phases of a load."""
+
+    opened: Opened
+    chunks: list[LocalChunk]
+    plan: Any
+    sources: Any
+    todo: list
+    dst: list[torch.Tensor]
+    back: list[tuple[torch.Tensor, torch.Tensor]]  # non-contiguous destinations: (live tensor, contiguous copy)
+
+
+def load_chunks(
+    load_dir: str,
+    iteration: int | None,
+    describe: Callable[[dict[str, Any]], list[LocalChunk]],
+    restore: Callable[[dict[str, Any]], None],
+    strict: bool = True,
+    verify: bool = True,
+    opener: Callable[[], Opened] | None = None,
+) -> ChunksLoaded:
+    """Collective: fill this rank's live chunks from the newest complete checkpoint under ``load_dir``.
+
+    ``describe(metadata)`` checks compatibility, allocates what must exist and
+    returns the chunks to fill; ``restore(metadata)`` restores the framework's
+    non-tensor state after the copy. ``strict``: refuse a checkpoint with
+    tensors that no rank of this job holds. ``opener``: read another
+    framework's checkpoint (default: a tenplex one).
+    """
+    me = rank()
+    host = socket.gethostname()
+
+    def plan() -> _Prepared:
+        with gc_paused():  # metadata JSON, PTC and plan objects: no full collections over the job's heap meanwhile
+            opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify)
+            chunks = describe(opened.metadata)
+            tensors = tensor_table(chunks)
+            full = plan_reshard(opened.ptc, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host},
+                                strict=False)
+            mine = full.ranks[me]
+            maybe_fail("load.read", me)
+            todo = prepare_sources(mine, full.sources, opened.files, check=False)  # open every file it will read
+        dst, back = [], []
+        for lc in chunks:
+            view = lc.flat_view()
+            if view is None:
+                tmp = torch.empty(lc.chunk.numel, dtype=lc.data.dtype, device=lc.data.device)
+                back.append((lc.data, tmp))
+                view = tmp
+            dst.append(view)
+        return _Prepared(opened, chunks, mine, full.sources, todo, dst, back)
+
+    p = run_phase(f"load from {load_dir}: planning", plan)
+    path = p.opened.path
+    tensors = sorted({lc.meta.key for lc in p.chunks})
+    ranks = all_gather_json({"tensors": tensors, "host": host, "blocks": block_intervals(p.todo)})
+
+    def check_and_verify() -> None:
+        needed = {k for r in ranks for k in r["tensors"]}
+        unused = sorted(set(p.opened.ptc.tensors) - needed)
+        if strict and unused:
+            raise PlanError(f"{path}: the checkpoint has tensors no rank of this job holds: {', '.join(unused[:8])}")
+        maybe_fail("load.verify", me)
+        # checksums of every block read, each checked by one rank of the host that reads it, before any copy
+        needs = {r: [(s, lo, hi) for s, lo, hi in x["blocks"]] for r, x in enumerate(ranks)}
+        verify_blocks(p.opened.files, p.todo, share_blocks(needs, {r: x["host"] for r, x in enumerate(ranks)}, me))
+
+    run_phase(f"load from {path}: verifying checksums", check_and_verify)
+
+    def copy() -> ExecStats:
+        maybe_fail("load.copy", me)
+        stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst)
+        with torch.no_grad():
+            for data, tmp in p.back:
+                data.copy_(tmp.view(data.shape))
+        p.opened.files.close()
+        maybe_fail("load.restore", me)
+        restore(p.opened.metadata)
+        return stats
+
+    stats = run_phase(f"load from {path}: copying", copy)
+    return ChunksLoaded(path, p.opened.metadata, p.opened.ptc, stats, len(p.dst))
+
+
+def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: bool = True, verify: bool = True,
+         opener: Callable[[], Opened] | None = None, source_format: str = "tenplex") -> LoadResult:
+    """Collective: load the newest complete checkpoint under ``load_dir`` into the adapter, re-sharded.
+
+    ``verify``: check the CRC-32 of every stored block this rank reads from
+    (only those blocks, not whole chunks). ``opener``: read a foreign format in
+    place. Then the RNG policy: exact on the same layout, re-seeded otherwise.
+    """
+    t0 = time.perf_counter()
+
+    def describe(meta: dict[str, Any]) -> list[LocalChunk]:
+        found = meta.get("framework")
+        if opener is None and found is not None and found != adapter.framework:
+            raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
+        return adapter.describe_for_load(meta)
+
+    loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener)
+    meta, stats = loaded.metadata, loaded.stats
+    exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(
+        meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker))
+    return LoadResult(
+        path=loaded.path,
+        iteration=adapter.iteration(),
+        source_layout=dict(meta.get("layout") or loaded.ptc.layout),
+        bytes_read=stats.bytes_read,
+        bytes_filled=stats.bytes_filled,
+        tensors=loaded.tensors,
+        seconds=time.perf_counter() - t0,
+        rng_exact=exact,
+        bytes_verified=stats.bytes_verified,
+        bytes_unverified=stats.bytes_unverified,
+        source_format=source_format,
+        consumed_samples=int(meta.get("consumed_samples", meta.get("global_samples", 0)) or 0),
+        metadata=meta,
+    )

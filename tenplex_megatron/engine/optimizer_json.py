@@ -1,0 +1,77 @@
+"""One JSON form of an optimizer's non-tensor state (param-group hyper-parameters and step), for every adapter.
+
+Tensors (moments, fp32 main weights) travel as chunks; this is the rest. A
+``torch.optim.Optimizer``'s groups are written without their ``params``; on
+restore, groups are matched by a key the adapter chooses (megatron-core's
+param-group identifiers, or the group's index) and the step is set in every
+per-parameter state and every group that keeps one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def jsonable(v: Any) -> Any:
+    """Plain JSON data from hyper-parameter values (tuples, tensors, nested dicts)."""
+    if isinstance(v, tuple | list):
+        return [jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): jsonable(x) for k, x in v.items()}
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+def step_of(inner: torch.optim.Optimizer) -> int:
+    """The optimizer's common step: torch's Adam keeps it per parameter state, fused Adams per param group.
+
+    Per-state steps win: megatron's DistributedOptimizer leaves a stale ``step``
+    key in torch Adam's param groups after a load.
+    """
+    steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
+    if not steps:
+        steps = {float(g["step"]) for g in inner.param_groups if "step" in g and g["params"]}
+    if len(steps) > 1:
+        raise ValueError(f"optimizer steps differ across parameters: {sorted(steps)}")
+    return int(steps.pop()) if steps else 0
+
+
+def optimizer_json(inner: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"param_groups": [hyper-parameters without params], "step": n}``."""
+    groups = [{k: jsonable(v) for k, v in g.items() if k != "params"} for g in inner.param_groups]
+    return {"param_groups": groups, "step": step_of(inner)}
+
+
+GroupKey = Callable[[int, dict[str, Any]], Any]
+
+
+def by_index(i: int, group: dict[str, Any]) -> Any:
+    """Match param groups by position (DeepSpeed keeps its groups in a fixed order)."""
+    return i
+
+
+def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: GroupKey = by_index) -> None:
+    """Set hyper-parameters (groups matched by ``key``) and the step from :func:`optimizer_json` output."""
+    groups = saved["param_groups"]
+    by_key = {key(i, g): g for i, g in enumerate(groups)}
+    if key is by_index and len(groups) != len(inner.param_groups):
+        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the job {len(inner.param_groups)}")
+    for i, group in enumerate(inner.param_groups):
+        src = by_key.get(key(i, group))
+        if src is None:
+            raise ValueError(f"checkpoint has no optimizer param group matching {key(i, group)}")
+        for k, v in src.items():
+            if k in group and k not in ("params", "step"):
+                group[k] = tuple(v) if isinstance(group[k], tuple) else v
+    step = int(saved["step"])
+    for group in inner.param_groups:
+        if "step" in group:
+            group["step"] = step
+        for p in group["params"]:
+            st = inner.state.get(p)
+            if st is not None and "step" in st:
+                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)

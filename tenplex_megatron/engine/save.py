@@ -1,0 +1,158 @@
+"""Collective save of an adapter's chunks as a tenplex checkpoint.
+
+The (tiny) chunk lists are all-gathered as JSON; a pure assignment picks one
+writer per distinct chunk, balancing bytes over its replicas; each rank writes
+and fsyncs its own safetensors file at once; rank 0 writes the metadata and
+commits atomically. Every phase runs through :func:`run_phase`: a failure of
+any kind on any rank is raised on every rank, naming each failing rank.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tenplex_megatron.engine import rng
+from tenplex_megatron.engine.adapter import Adapter
+from tenplex_megatron.engine.chunks import LocalChunk, chunk_name, holdings_json
+from tenplex_megatron.execute.collective import all_gather_json, rank, run_phase
+from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
+from tenplex_megatron.plan.writers import Holding, assign_writers
+from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.faults import maybe_fail
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    path: str
+    iteration: int
+    bytes_written: int  # by this rank
+    total_bytes: int
+    seconds: float
+    removed: tuple[str, ...] = ()  # older checkpoints deleted by retention, stale partial saves cleaned up
+
+
+def _writers(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+    holdings = []
+    all_meta: dict[str, TensorMeta] = {}
+    for r, items in enumerate(gathered):
+        for cj, main, nbytes, mj in items:
+            holdings.append(Holding(r, Chunk.from_json(cj), bool(main), int(nbytes)))
+            meta = TensorMeta.from_json(mj)
+            prev = all_meta.setdefault(meta.key, meta)
+            if prev != meta:
+                raise PTCError(f"tensor {meta.key!r}: ranks disagree on its metadata ({prev} vs {meta})")
+    return holdings, assign_writers(holdings), all_meta
+
+
+def save_chunks(
+    chunks: list[LocalChunk],
+    save_dir: str,
+    iteration: int,
+    layout: dict[str, Any],
+    rank_info: dict[str, Any],
+    metadata: Any,
+    keep: int | None = None,
+) -> SaveResult:
+    """Collective: write every chunk once under ``save_dir/iter_NNNNNNN`` and commit it atomically.
+
+    ``rank_info``: JSON this rank contributes (its RNG state, say); ``metadata``
+    is called on rank 0 with every rank's and returns the framework's own part
+    of metadata.json. ``keep``: after the commit, keep only the newest ``keep``.
+    """
+    t0 = time.perf_counter()
+    me = rank()
+    what = f"save of iteration {iteration} to {save_dir}"
+
+    def gather() -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+        maybe_fail("save.gather", me, iteration)
+        return _writers(all_gather_json(holdings_json(chunks)))
+
+    holdings, writers, all_meta = run_phase(f"{what}: gathering chunk lists", gather)
+    removed: list[str] = []
+
+    def prepare() -> None:
+        if me == 0:
+            for stale in directory.partial_dirs(save_dir):  # left by a save that crashed
+                shutil.rmtree(stale)
+                removed.append(stale)
+            directory.prepare_partial(save_dir, iteration)
+
+    run_phase(f"{what}: preparing the directory", prepare)
+
+    def write() -> tuple[int, dict[str, tuple[int, ...]]]:
+        mine: dict[str, torch.Tensor] = {}
+        for lc in chunks:
+            if writers.get(lc.chunk) == me:
+                mine.setdefault(chunk_name(lc.chunk), lc.data.reshape(-1))
+        if not mine:
+            return 0, {}
+        return write_safetensors(
+            os.path.join(directory.partial_dir(save_dir, iteration), directory.rank_file_name(me)),
+            mine,
+            after_write=lambda: maybe_fail("save.tensors", me, iteration),
+            block_bytes=BLOCK_BYTES,
+        )
+
+    size, sums = run_phase(f"{what}: writing shards", write)
+    fname = directory.rank_file_name(me) if sums else None
+    info = {"info": rank_info, "file": fname, "size": size, "host": socket.gethostname(),
+            "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
+    infos = all_gather_json(info)
+
+    def commit() -> str:
+        maybe_fail("save.metadata_callback", me, iteration)
+        if me != 0:
+            return os.path.join(save_dir, directory.iter_dir_name(iteration))
+        stored = [
+            StoredChunk(
+                c,
+                Location(directory.rank_file_name(w), chunk_name(c), w, infos[w]["host"],
+                         block_crc32=tuple(infos[w]["block_crc32"][chunk_name(c)]),
+                         block_bytes=int(infos[w]["block_bytes"])),
+            )
+            for c, w in writers.items()
+        ]
+        ptc = PTC(tensors=all_meta, chunks=tuple(stored), layout=layout)
+        meta = {
+            "format": directory.FORMAT_NAME,
+            "format_version": directory.FORMAT_VERSION,
+            "iteration": iteration,
+            "layout": layout,
+            **metadata([i["info"] for i in infos]),
+            "files": {i["file"]: i["size"] for i in infos if i["file"]},
+            "saved_at": time.time(),
+            "ptc": ptc.to_json(),
+        }
+        path = directory.commit(save_dir, iteration, meta, meta["files"],
+                                fault=lambda point: maybe_fail(point, me, iteration))
+        if keep is not None:
+            removed.extend(directory.apply_retention(save_dir, keep))
+        return path
+
+    path = run_phase(f"{what}: commit", commit)
+    total = sum(h.nbytes for h in holdings if writers.get(h.chunk) == h.rank)
+    return SaveResult(path, iteration, size, total, time.perf_counter() - t0, tuple(removed))
+
+
+def save(adapter: Adapter, save_dir: str, keep: int | None = None) -> SaveResult:
+    """Collective: write the adapter's full state under ``save_dir/iter_NNNNNNN`` and commit it.
+
+    The engine adds what every framework shares: the layout and every rank's RNG
+    streams; the adapter adds its own non-tensor state (:meth:`Adapter.metadata`).
+    """
+    chunks = run_phase(f"save to {save_dir}: describing the job", adapter.describe)
+
+    def metadata(infos: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"framework": adapter.framework, **adapter.metadata(),
+                "rng": {str(r): i["rng"] for r, i in enumerate(infos)}}
+
+    return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(),
+                       {"rng": rng.capture(tracker=adapter.rng_tracker)}, metadata, keep)

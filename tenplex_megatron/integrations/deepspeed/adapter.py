@@ -1,0 +1,137 @@
+"""A DeepSpeed engine as an engine :class:`~tenplex_megatron.engine.adapter.Adapter`, and the calls beside DeepSpeed's.
+
+``save_checkpoint(engine, save_dir)`` / ``load_checkpoint(engine, load_dir)`` sit
+next to ``engine.save_checkpoint`` / ``engine.load_checkpoint``. The tensors
+(model weights, fp32 master, Adam moments) are described from DeepSpeed's own
+bookkeeping (``zero.py``) and re-sharded by the engine; this module adds
+DeepSpeed's non-tensor state: global steps and samples, the optimizer's
+hyper-parameters and step, the LR scheduler. ``load_checkpoint`` also reads
+DeepSpeed's own ``global_stepN`` checkpoints written at any DP size, in place
+(``native.py`` describes them as a PTC).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.engine.load import LoadResult, load
+from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
+from tenplex_megatron.engine.save import SaveResult, save
+from tenplex_megatron.integrations.deepspeed import native
+from tenplex_megatron.integrations.deepspeed.zero import (
+    DeepSpeedStateError,
+    allocate_state,
+    check_param_shapes,
+    describe_engine,
+    engine_layout,
+    inner_optimizer,
+    tied_copies,
+)
+from tenplex_megatron.plan.ptc import PTC
+
+FRAMEWORK = "deepspeed"
+
+
+def _scheduler_json(engine: Any) -> dict[str, Any] | None:
+    sched = getattr(engine, "lr_scheduler", None)
+    if sched is None:
+        return None
+    sd = jsonable(sched.state_dict())
+    json.dumps(sd)  # a scheduler whose state is not plain data is refused here, before anything is written
+    return sd
+
+
+class DeepSpeedAdapter:
+    """A ZeRO-1/2/3 engine (or a PipelineModule stage) for the engine. ``source``: a DeepSpeed checkpoint read
+    in place (its own ``global_stepN`` files: optimizer state only, model weights refreshed from the fp32 master)."""
+
+    framework = FRAMEWORK
+    rng_tracker = False
+
+    def __init__(self, engine: Any, seed: int = 1234, client_state: dict[str, Any] | None = None, where: str = ""):
+        self.engine = engine
+        self.seed = seed
+        self.client_state = client_state or {}
+        self.where = where  # the load directory, for error messages
+        self.source: native.NativeCheckpoint | None = None  # set by the opener of DeepSpeed's own files
+
+    def layout(self) -> dict[str, Any]:
+        return engine_layout(self.engine).to_json()
+
+    def iteration(self) -> int:
+        return int(self.engine.global_steps)
+
+    def describe(self) -> list[LocalChunk]:
+        lay, chunks = describe_engine(self.engine)
+        skip = tied_copies(self.engine, lay)  # a pipeline's tied modules: only the lowest stage's copy is written
+        return [lc for lc in chunks if (lc.meta.param or lc.meta.key.removeprefix("model.")) not in skip]
+
+    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+        if self.source is not None:
+            if engine_layout(self.engine).pp != 1:
+                raise DeepSpeedStateError("loading DeepSpeed's own checkpoint into a pipeline engine is not supported")
+            allocate_state(self.engine)
+            chunks = [lc for lc in describe_engine(self.engine)[1] if not lc.meta.key.startswith("model.")]
+            native.check_model(self.source, chunks, self.source.path)
+            return chunks
+        if metadata.get("framework") != FRAMEWORK:
+            raise ValueError(f"checkpoint was written by {metadata.get('framework', 'megatron-core')!r}, "
+                             "not by a DeepSpeed engine")
+        allocate_state(self.engine)
+        chunks = describe_engine(self.engine)[1]
+        check_param_shapes({lc.meta.key: lc.meta for lc in chunks}, PTC.from_json(metadata["ptc"]).tensors,
+                           self.where)
+        return chunks
+
+    def metadata(self) -> dict[str, Any]:
+        engine = self.engine
+        return {
+            "global_steps": int(engine.global_steps),
+            "global_samples": int(engine.global_samples),
+            "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
+            "train_batch_size": int(engine.train_batch_size()),
+            "zero_stage": engine_layout(engine).zero_stage,
+            "optimizer": optimizer_json(inner_optimizer(engine)),
+            "scheduler": _scheduler_json(engine),
+            "extra": self.client_state,
+        }
+
+    def restore(self, metadata: dict[str, Any]) -> None:
+        engine = self.engine
+        if self.source is not None:
+            native.refresh_model_weights(engine)
+        restore_optimizer(inner_optimizer(engine), metadata["optimizer"])
+        engine.global_steps = int(metadata["global_steps"])
+        engine.global_samples = int(metadata["global_samples"])
+        engine.skipped_steps = int(metadata.get("skipped_steps", 0))
+        sched = getattr(engine, "lr_scheduler", None)
+        if sched is not None and metadata.get("scheduler") is not None:
+            sched.load_state_dict(metadata["scheduler"])
+
+
+def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | None = None,
+                    keep: int | None = None) -> SaveResult:
+    """Collective: write the engine's full state under ``save_dir/iter_NNNNNNN`` (N = global steps) and commit it."""
+    return save(DeepSpeedAdapter(engine, client_state=client_state), save_dir, keep)
+
+
+def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, verify: bool = True,
+                    seed: int = 1234, trust_pickles: bool = False) -> LoadResult:
+    """Collective: load the newest complete checkpoint under ``load_dir`` into ``engine``, re-sharded.
+
+    ``load_dir`` may hold tenplex checkpoints or DeepSpeed's own (``latest`` and
+    ``global_stepN/``, read with ``weights_only=True`` unless ``trust_pickles``),
+    written at any DP size. ``verify``: check tenplex checksums. ``seed``: for
+    the RNG re-seed when the layout changed (always, for DeepSpeed's own files: they carry no RNG state).
+    """
+    adapter = DeepSpeedAdapter(engine, seed, where=load_dir)
+    if not native.is_deepspeed_checkpoint_dir(load_dir):
+        return load(adapter, load_dir, iteration, strict=True, verify=verify)
+
+    def opener() -> Any:  # runs before the adapter describes the engine for the load
+        opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration), trust_pickles)
+        return opened
+
+    return load(adapter, load_dir, None, strict=True, verify=False, opener=opener, source_format="deepspeed")

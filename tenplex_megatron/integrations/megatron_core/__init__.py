@@ -1,0 +1,2 @@
+"""megatron-core adapter: a GPTModel with DDP and a distributed or plain optimizer, described from its own
+``sharded_state_dict`` metadata (``sharded.py``), saved and loaded at any TP/PP/DP (``adapter.py``)."""

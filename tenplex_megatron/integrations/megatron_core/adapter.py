@@ -1,0 +1,174 @@
+"""megatron-core as an engine :class:`~tenplex_megatron.engine.adapter.Adapter`, and the public save/load calls.
+
+Tensors are described from megatron-core's own sharding metadata
+(``sharded.py``); this module adds megatron's non-tensor state: iteration,
+consumed samples, model spec, padded vocabulary, optimizer hyper-parameters
+and step, LR schedule. Two ways in:
+
+- :func:`save_checkpoint` / :func:`load_checkpoint` take a megatron-core model
+  (or list of model chunks), its optimizer and scheduler: for NeMo-style or
+  custom training loops (exported at the package top level).
+- :func:`save_job` / :func:`load_job` take a job object with those attributes
+  (the reference trainer's ``GPTJob``, the Megatron-LM hook's :class:`LiveJob`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron.core import parallel_state
+
+from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.engine.load import LoadResult, load
+from tenplex_megatron.engine.save import SaveResult, save
+from tenplex_megatron.integrations.megatron_core.optimizer import (
+    allocate_state,
+    is_distributed_optimizer,
+    optimizer_state_json,
+    restore_optimizer_state,
+    sub_optimizers,
+)
+from tenplex_megatron.integrations.megatron_core.sharded import describe_job, unwrap
+from tenplex_megatron.plan.layout import ParallelLayout
+
+__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "load_checkpoint", "load_job",
+           "save_checkpoint", "save_job"]
+
+
+@dataclass(frozen=True)
+class LiveSpec:
+    """What tenplex records about a model it did not build: real vocabulary rows, seed, and any other args."""
+
+    vocab_size: int
+    seed: int
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "seed": self.seed, **self.args}
+
+
+@dataclass
+class LiveJob:
+    """A megatron-core model, optimizer and scheduler seen through the attributes the adapter reads."""
+
+    model: list[Any]
+    optimizer: Any
+    scheduler: Any
+    layout: ParallelLayout
+    spec: Any  # vocab_size, seed, to_json()
+    padded_vocab_size: int
+    use_distributed_optimizer: bool
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class MegatronCoreAdapter:
+    """A megatron-core job (model chunks, DDP, distributed or plain optimizer, scheduler) for the engine."""
+
+    framework = "megatron-core"
+    rng_tracker = True
+
+    def __init__(self, job: Any, extra: dict[str, Any] | None = None):
+        self.job = job
+        self.extra = extra or {}
+
+    @property
+    def seed(self) -> int:
+        return int(self.job.spec.seed)
+
+    def layout(self) -> dict[str, Any]:
+        return self.job.layout.to_json()
+
+    def iteration(self) -> int:
+        return int(self.job.iteration)
+
+    def describe(self) -> list[LocalChunk]:
+        return describe_job(self.job)[1]
+
+    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+        allocate_state(self.job.optimizer)
+        return describe_job(self.job)[1]
+
+    def metadata(self) -> dict[str, Any]:
+        job = self.job
+        return {
+            "consumed_samples": int(job.consumed_samples),
+            "model": job.spec.to_json(),
+            "padded_vocab_size": int(job.padded_vocab_size),
+            "use_distributed_optimizer": bool(job.use_distributed_optimizer),
+            "optimizer": optimizer_state_json(job.optimizer),
+            "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None,
+            "extra": self.extra,
+        }
+
+    def restore(self, metadata: dict[str, Any]) -> None:
+        job = self.job
+        restore_optimizer_state(job.optimizer, metadata["optimizer"])
+        if job.scheduler is not None and metadata.get("scheduler") is not None:
+            job.scheduler.load_state_dict(metadata["scheduler"])
+        job.iteration = int(metadata["iteration"])
+        job.consumed_samples = int(metadata["consumed_samples"])
+
+
+def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
+    """Collective: write the job's full state under ``save_dir/iter_NNNNNNN`` and commit it.
+
+    ``keep``: after the commit, delete all but the newest ``keep`` complete checkpoints.
+    """
+    return save(MegatronCoreAdapter(job, extra), save_dir, keep)
+
+
+def load_job(job: Any, load_dir: str, iteration: int | None = None, strict: bool = True,
+             verify: bool = True) -> LoadResult:
+    """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout.
+
+    ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
+    """
+    return load(MegatronCoreAdapter(job), load_dir, iteration, strict, verify)
+
+
+def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,
+             args: dict[str, Any] | None = None) -> LiveJob:
+    """A :class:`LiveJob` over a model built by anyone: the layout from megatron-core's parallel state, the padded
+    vocabulary from the GPTModel, the real vocabulary rows from ``vocab_size`` (default: all rows are real)."""
+    chunks = list(model) if isinstance(model, list | tuple) else [model]
+    if len(chunks) != 1:
+        raise NotImplementedError("tenplex: virtual (interleaved) pipeline stages are not supported yet")
+    layout = ParallelLayout(parallel_state.get_tensor_model_parallel_world_size(),
+                            parallel_state.get_pipeline_model_parallel_world_size(),
+                            parallel_state.get_data_parallel_world_size())
+    padded = int(getattr(unwrap(chunks[0]), "vocab_size", 0) or 0)
+    if padded <= 0:
+        raise ValueError("tenplex: the model has no vocab_size attribute (is it a megatron-core GPTModel?)")
+    real = padded if vocab_size is None else int(vocab_size)
+    if not 0 < real <= padded:
+        raise ValueError(f"tenplex: vocab_size={real} must be between 1 and the model's padded vocabulary {padded}")
+    distopt = any(is_distributed_optimizer(o) for o in sub_optimizers(optimizer))
+    return LiveJob(chunks, optimizer, scheduler, layout, LiveSpec(real, int(seed), dict(args or {})), padded, distopt)
+
+
+def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *, iteration: int,
+                    consumed_samples: int = 0, vocab_size: int | None = None, seed: int = 1234,
+                    extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
+    """Collective: save a megatron-core model, optimizer and scheduler as a tenplex checkpoint.
+
+    ``model``: the (DDP-wrapped) GPTModel or a one-element list of it. ``iteration``
+    names the checkpoint (``iter_NNNNNNN``); ``consumed_samples`` is the data
+    position a restart resumes from; ``vocab_size``: the tokenizer's real rows
+    (the rest of the embedding is padding). ``extra``: JSON your loop wants back.
+    """
+    job = live_job(model, optimizer, scheduler, vocab_size, seed)
+    job.iteration, job.consumed_samples = int(iteration), int(consumed_samples)
+    return save_job(job, save_dir, extra, keep)
+
+
+def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *, vocab_size: int | None = None,
+                    seed: int = 1234, iteration: int | None = None, strict: bool = True,
+                    verify: bool = True) -> LoadResult:
+    """Collective: load the newest complete checkpoint under ``load_dir`` into a model built at any layout.
+
+    Returns a :class:`LoadResult`: ``.iteration`` and ``.consumed_samples`` say where to resume,
+    ``.metadata["extra"]`` holds what was passed as ``extra`` at save.
+    """
+    return load_job(live_job(model, optimizer, scheduler, vocab_size, seed), load_dir, iteration, strict, verify)

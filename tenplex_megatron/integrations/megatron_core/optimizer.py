@@ -1,0 +1,69 @@
+"""megatron-core's optimizers for the engine: sub-optimizers, state allocation, hyper-parameters and step as JSON.
+
+The same JSON (``engine.optimizer_json``, one entry per sub-optimizer) serves
+megatron-core's DistributedOptimizer and its plain optimizers, so a job may
+switch ``--use-distributed-optimizer`` on a restart. Param groups are matched
+by megatron-core's own identifier keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
+
+
+def sub_optimizers(optimizer: Any) -> list[Any]:
+    """The optimizers inside a ChainedOptimizer (or the optimizer itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def is_distributed_optimizer(opt: Any) -> bool:
+    return isinstance(opt, DistributedOptimizer)
+
+
+def optimizer_state_json(optimizer: Any) -> dict[str, Any]:
+    """Param groups (without params) and the common step of every sub-optimizer, plus any grad scaler."""
+    subs = []
+    for opt in sub_optimizers(optimizer):
+        entry = optimizer_json(opt.optimizer)
+        if getattr(opt, "grad_scaler", None) is not None:
+            entry["grad_scaler"] = {k: jsonable(v) for k, v in opt.grad_scaler.state_dict().items()}
+        subs.append(entry)
+    return {"sub_optimizers": subs}
+
+
+def _identifier(i: int, group: dict[str, Any]) -> tuple:
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+
+
+def allocate_state(optimizer: Any) -> None:
+    """Make sure every optimizer state tensor exists (a fresh job has none) so it can be filled in place."""
+    for opt in sub_optimizers(optimizer):
+        inner = opt.optimizer
+        if len(inner.state) > 0:
+            continue
+        if is_distributed_optimizer(opt):
+            groups = [{k: v for k, v in g.items() if k != "params"} | {"step": 0} for g in inner.param_groups]
+            opt.load_state_dict({"optimizer": {"param_groups": groups}})
+        else:
+            opt.init_state_fn(inner, opt.config)
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def restore_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:
+    """Set hyper-parameters and step from :func:`optimizer_state_json` output (tensors untouched)."""
+    subs = sub_optimizers(optimizer)
+    entries = saved["sub_optimizers"]
+    if len(entries) != len(subs):
+        raise ValueError(f"checkpoint has {len(entries)} sub-optimizers, the job has {len(subs)}")
+    for opt, entry in zip(subs, entries):
+        restore_optimizer(opt.optimizer, entry, key=_identifier)
+        if "grad_scaler" in entry and getattr(opt, "grad_scaler", None) is not None:
+            opt.grad_scaler.load_state_dict(entry["grad_scaler"])

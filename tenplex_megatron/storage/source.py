@@ -1,0 +1,78 @@
+"""The protocol the executor reads stored chunks through, whatever wrote them.
+
+A source hands out each stored chunk as a flat tensor and, where its format
+records checksums, queues and checks the blocks a load will read. tenplex's
+own safetensors shards (``execute.executor.SourceFiles``) verify; another
+framework's files (DeepSpeed's ``global_stepN``, a Hugging Face directory)
+carry no checksums and inherit :class:`UncheckedSource`'s no-ops, so the
+executor never asks what kind of source it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tenplex_megatron.plan.ptc import PTC, StoredChunk
+
+if TYPE_CHECKING:  # types only: torch and the planner's Piece are not needed to define the protocol
+    import torch
+
+    from tenplex_megatron.plan.planner import Piece
+
+
+class Source(Protocol):
+    """Stored chunks as flat tensors, plus the checksum hooks of formats that have them."""
+
+    readers: dict[str, Any]  # files opened so far (reported as ExecStats.files)
+
+    @property
+    def verifying(self) -> bool:
+        """Whether :meth:`queue` / :meth:`check` do anything (False: every byte read counts as unverified)."""
+        ...
+
+    @property
+    def bytes_verified(self) -> int: ...
+
+    def flat(self, sc: StoredChunk) -> torch.Tensor: ...
+
+    def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece, todo: list, source: int) -> None:
+        """Queue the checksum blocks ``piece`` reads of ``flat`` (``sc``'s data) into ``todo``."""
+        ...
+
+    def check(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece) -> bool:
+        """Verify what ``piece`` reads (if not already done); True if a checksum covers it."""
+        ...
+
+    def run(self, todo: list) -> None:
+        """Check the queued blocks."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class UncheckedSource:
+    """Base for sources whose format records no checksums: the verification hooks do nothing."""
+
+    readers: dict[str, Any]
+    verifying = False
+    bytes_verified = 0
+
+    def queue(self, sc: StoredChunk, flat: Any, piece: Any, todo: list, source: int) -> None:
+        return None
+
+    def check(self, sc: StoredChunk, flat: Any, piece: Any) -> bool:
+        return False
+
+    def run(self, todo: list) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint found and opened for reading: its directory, metadata, PTC and chunk source."""
+
+    path: str
+    metadata: dict[str, Any]
+    ptc: PTC
+    files: Source
