@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check tenplex_megatron scripts tests
+	$(PY) -m ruff check tenplex_megatron scripts tests examples
 	$(PY) -m pytest -q --durations=15 tests
 
 test-fast: $(VENV)/.installed
@@ -31,7 +31,7 @@ test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu tests
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check tenplex_megatron scripts tests
+	$(PY) -m ruff check tenplex_megatron scripts tests examples
 
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_reshard.py --quick

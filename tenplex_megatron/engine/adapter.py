@@ -4,6 +4,9 @@ An adapter turns the framework's live state into :class:`LocalChunk`s and back
 and owns the framework's non-tensor state; the engine does everything
 collective (gathering, writing, committing, planning, verifying, copying) and
 the policies that are the same for every framework (RNG, optimizer JSON).
+``describe``, ``describe_for_load``, ``metadata`` and ``restore`` run inside the
+engine's phases and must not call collectives (a rank that failed earlier would
+leave its peers in a mismatched one); collective work goes in ``after_load``.
 """
 
 from __future__ import annotations
@@ -41,5 +44,9 @@ class Adapter(Protocol):
         ...
 
     def restore(self, metadata: dict[str, Any]) -> None:
-        """Restore the non-tensor state after the tensors were copied in."""
+        """Restore the non-tensor state after the tensors were copied in (local work: no collective)."""
+        ...
+
+    def after_load(self, metadata: dict[str, Any]) -> None:
+        """Collective work once every rank has restored (DeepSpeed re-gathers its model weights); often nothing."""
         ...

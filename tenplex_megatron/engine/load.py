@@ -22,7 +22,7 @@ import torch
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
-from tenplex_megatron.execute.collective import all_gather_json, rank, run_phase
+from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
 from tenplex_megatron.execute.executor import (
     ExecStats,
     SourceFiles,
@@ -138,7 +138,8 @@ def load_chunks(
     p = run_phase(f"load from {load_dir}: planning", plan)
     path = p.opened.path
     tensors = sorted({lc.meta.key for lc in p.chunks})
-    ranks = all_gather_json({"tensors": tensors, "host": host, "blocks": block_intervals(p.todo)})
+    ranks = gather_phase(f"load from {path}: gathering what each rank reads",
+                         lambda: {"tensors": tensors, "host": host, "blocks": block_intervals(p.todo)})
 
     def check_and_verify() -> None:
         needed = {k for r in ranks for k in r["tensors"]}
@@ -185,6 +186,7 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: 
 
     loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener)
     meta, stats = loaded.metadata, loaded.stats
+    run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(
         meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker))
     return LoadResult(

@@ -21,7 +21,7 @@ import torch
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, chunk_name, holdings_json
-from tenplex_megatron.execute.collective import all_gather_json, rank, run_phase
+from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import directory
@@ -71,14 +71,20 @@ def save_chunks(
     me = rank()
     what = f"save of iteration {iteration} to {save_dir}"
 
-    def gather() -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+    def local_holdings() -> list[Any]:
         maybe_fail("save.gather", me, iteration)
-        return _writers(all_gather_json(holdings_json(chunks)))
+        return holdings_json(chunks)
 
-    holdings, writers, all_meta = run_phase(f"{what}: gathering chunk lists", gather)
+    gathered = gather_phase(f"{what}: gathering chunk lists", local_holdings)
     removed: list[str] = []
+    holdings: list[Holding] = []
+    writers: dict[Chunk, int] = {}
+    all_meta: dict[str, TensorMeta] = {}
 
     def prepare() -> None:
+        holdings[:], w, m = _writers(gathered)
+        writers.update(w)
+        all_meta.update(m)
         if me == 0:
             for stale in directory.partial_dirs(save_dir):  # left by a save that crashed
                 shutil.rmtree(stale)
@@ -102,15 +108,18 @@ def save_chunks(
         )
 
     size, sums = run_phase(f"{what}: writing shards", write)
-    fname = directory.rank_file_name(me) if sums else None
-    info = {"info": rank_info, "file": fname, "size": size, "host": socket.gethostname(),
-            "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
-    infos = all_gather_json(info)
 
-    def commit() -> str:
-        maybe_fail("save.metadata_callback", me, iteration)
+    def local_info() -> dict[str, Any]:
+        fname = directory.rank_file_name(me) if sums else None
+        return {"info": rank_info, "file": fname, "size": size, "host": socket.gethostname(),
+                "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
+
+    infos = gather_phase(f"{what}: gathering file lists", local_info)
+
+    def commit() -> str:  # rank 0's work alone: every rank's shard is written and synced by now
         if me != 0:
             return os.path.join(save_dir, directory.iter_dir_name(iteration))
+        maybe_fail("save.metadata_callback", me, iteration)
         stored = [
             StoredChunk(
                 c,

@@ -1,11 +1,13 @@
 """Collectives over torch.distributed: JSON all-gather and the phase runner that keeps every rank in step.
 
-JSON travels as bytes in tensors (nothing is pickled). Every collective phase
-of a save or a load runs through :func:`run_phase` (as PyTorch DCP's
-``_DistWrapper`` does): whatever a rank raises, of any type, is caught and
-gathered, and every rank raises one :class:`RankFailure` naming each failing
-rank with the exception's type and message. No rank is left waiting in a
-collective for a peer that already failed.
+JSON travels as bytes in tensors (nothing is pickled). Every phase of a save
+or a load runs through :func:`run_phase` or :func:`gather_phase` (as PyTorch
+DCP's ``_DistWrapper`` does): the phase's local work runs on each rank, whatever
+it raises, of any type, is caught, and the outcome (the local result or the
+error) travels in the phase's one collective, so every rank raises the same
+:class:`RankFailure` naming each failing rank with the exception's type and
+message. The local work must contain no collective of its own: a rank that
+failed before it would leave its peers in a mismatched collective.
 """
 
 from __future__ import annotations
@@ -40,9 +42,12 @@ def _device() -> torch.device:
 
 def all_gather_json(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (JSON-serialisable), in rank order."""
+    return [json.loads(b) for b in _all_gather_bytes(json.dumps(obj).encode())]
+
+
+def _all_gather_bytes(data: bytes) -> list[bytes]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [json.loads(json.dumps(obj))]
-    data = json.dumps(obj).encode()
+        return [data]
     dev = _device()
     size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size())]
@@ -52,7 +57,7 @@ def all_gather_json(obj: Any) -> list[Any]:
     buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     bufs = [torch.zeros_like(buf) for _ in sizes]
     dist.all_gather(bufs, buf)
-    return [json.loads(b[: int(s)].cpu().numpy().tobytes().decode()) for b, s in zip(bufs, sizes)]
+    return [b[: int(s)].cpu().numpy().tobytes() for b, s in zip(bufs, sizes)]
 
 
 def _describe(error: BaseException) -> str:
@@ -60,17 +65,35 @@ def _describe(error: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + " [...]"
 
 
-def check_all(error: BaseException | None, what: str) -> None:
-    """Collective: raise on every rank if any rank passed an error, listing all of them."""
-    msgs = all_gather_json(None if error is None else _describe(error))
-    failed = {r: m for r, m in enumerate(msgs) if m is not None}
+def _raise_failures(what: str, failed: dict[int, str], error: BaseException | None) -> None:
     if failed:
         lines = "\n".join(f"  rank {r}: {m}" for r, m in failed.items())
         raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}", failed) from error
 
 
+def check_all(error: BaseException | None, what: str) -> None:
+    """Collective: raise on every rank if any rank passed an error, listing all of them."""
+    msgs = all_gather_json(None if error is None else _describe(error))
+    _raise_failures(what, {r: m for r, m in enumerate(msgs) if m is not None}, error)
+
+
+def gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
+    """Collective: run ``fn`` (local work, JSON result) on every rank and return every rank's result in rank order;
+    if it raised anything on any rank, raise on all of them. Result and error share the one all-gather."""
+    error: BaseException | None = None
+    try:
+        payload = json.dumps({"ok": fn()}).encode()
+    except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks
+        error = e
+        payload = json.dumps({"error": _describe(e)}).encode()
+    got = [json.loads(b) for b in _all_gather_bytes(payload)]
+    _raise_failures(what, {r: g["error"] for r, g in enumerate(got) if "error" in g}, error)
+    return [g["ok"] for g in got]
+
+
 def run_phase(what: str, fn: Callable[[], T]) -> T:
-    """Collective: run ``fn`` on every rank; if it raised anything on any rank, raise on all of them.
+    """Collective: run ``fn`` (local work, no collective inside) on every rank; if it raised anything on any rank,
+    raise on all of them.
 
     Every exception is caught (``BaseException``: a ``TypeError`` from a
     callback, a ``KeyboardInterrupt`` too), so the ranks always meet in the

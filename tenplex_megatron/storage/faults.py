@@ -2,10 +2,16 @@
 
 ``TENPLEX_FAULT=<point>[@<rank>][#<iteration>][:<kind>]`` makes rank ``<rank>``
 (every rank if omitted) fail at ``<point>`` (of the save of ``<iteration>``, if
-given): kind ``kill`` (default) SIGKILLs the process, ``enospc`` raises
-``OSError(ENOSPC)``, ``error`` raises ``RuntimeError``. Points:
-``save.tensors`` (shard file half written), ``save.metadata`` (metadata written,
-not renamed), ``save.commit`` (just before the rename), ``load.read``.
+given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
+``OSError(ENOSPC)``, ``error`` raises ``RuntimeError``, ``typeerror`` raises
+``TypeError`` (a type no code path expects: the phase runner must still carry
+it to every rank). Points, in the order a save or load passes them:
+``save.gather`` (chunk lists), ``save.tensors`` (shard file half written),
+``save.metadata_callback`` (building metadata.json; rank 0 only), ``save.metadata``
+(metadata written, not renamed; rank 0 only), ``save.commit`` (just before the
+rename; rank 0 only), ``load.read`` (planned, files opened), ``load.verify``
+(before checksums), ``load.copy`` (before copying), ``load.restore`` (tensors
+copied, before the framework's non-tensor state).
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
+
+POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
+          "load.read", "load.verify", "load.copy", "load.restore")
+RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
 
 
 def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
@@ -31,4 +41,6 @@ def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected at {point}")
+    if kind == "typeerror":
+        raise TypeError(f"injected unexpected TypeError at {point} on rank {rank}")
     raise RuntimeError(f"injected fault at {point} on rank {rank}")

@@ -100,8 +100,6 @@ class DeepSpeedAdapter:
 
     def restore(self, metadata: dict[str, Any]) -> None:
         engine = self.engine
-        if self.source is not None:
-            native.refresh_model_weights(engine)
         restore_optimizer(inner_optimizer(engine), metadata["optimizer"])
         engine.global_steps = int(metadata["global_steps"])
         engine.global_samples = int(metadata["global_samples"])
@@ -109,6 +107,10 @@ class DeepSpeedAdapter:
         sched = getattr(engine, "lr_scheduler", None)
         if sched is not None and metadata.get("scheduler") is not None:
             sched.load_state_dict(metadata["scheduler"])
+
+    def after_load(self, metadata: dict[str, Any]) -> None:
+        if self.source is not None:  # DeepSpeed's files hold no model weights: DeepSpeed rebuilds them (all-gather)
+            native.refresh_model_weights(self.engine)
 
 
 def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | None = None,

@@ -110,6 +110,9 @@ class MegatronCoreAdapter:
         job.iteration = int(metadata["iteration"])
         job.consumed_samples = int(metadata["consumed_samples"])
 
+    def after_load(self, metadata: dict[str, Any]) -> None:
+        return None
+
 
 def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
     """Collective: write the job's full state under ``save_dir/iter_NNNNNNN`` and commit it.
