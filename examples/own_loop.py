@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer import TransformerConfig
 
 import tenplex_megatron
+from tenplex_megatron.training import cpu_shim  # test support for CPU-only machines
 
 VOCAB, SEQ, GLOBAL_BATCH = 128, 16, 4
 
@@ -91,8 +92,6 @@ def main() -> None:
     ap.add_argument("--metrics", default=None)
     a = ap.parse_args()
     if not torch.cuda.is_available():  # CPU-only machines (CI, this example's test): redirect megatron-core's CUDA
-        from tenplex_megatron.training import cpu_shim
-
         cpu_shim.install()
     torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     ddp, optimizer, scheduler = build(a.tp)

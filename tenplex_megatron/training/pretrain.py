@@ -180,6 +180,17 @@ def _print0(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     gpt.init_distributed()
+    run(args)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Collective: one job from parsed flags in an initialised process group: load, train, save, log.
+
+    Builds megatron-core's parallel state afresh, so one process group can run
+    several jobs in turn (the multi-process tests share launches this way)."""
     world = torch.distributed.get_world_size()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world % (tp * pp):
@@ -278,9 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     if metrics is not None:
         metrics.close()
     _print0("> tenplex-megatron: done")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    return 0
 
 
 def _save(job: Any, args: argparse.Namespace) -> None:

@@ -1,9 +1,13 @@
 """The main oracle: train at layout A, save, resume at layout B, compare with the uninterrupted run.
 
-Each case runs scripts/pretrain_gpt.py under torchrun (gloo, real megatron-core
-GPTModel, DDP and optimizer): a reference run of 8 steps at layout A saves at
-step 3; a second job at layout B loads that checkpoint, immediately saves what
-it loaded (``--tenplex-resave``), then trains steps 4..8.
+Each case runs the real pre-training flow (``training.pretrain.run``, what
+scripts/pretrain_gpt.py runs) under torchrun (gloo, real megatron-core GPTModel,
+DDP and optimizer): a reference run of 8 steps at layout A saves at step 3; a
+second job at layout B loads that checkpoint, immediately saves what it loaded
+(``--tenplex-resave``), then trains steps 4..8. The ~45 jobs run in 7 torchrun
+launches (``matrix_run.py``: jobs of one world size share a process group, each
+with megatron-core's parallel state built afresh); every case keeps its own
+assertions.
 
 - Tensors: every tensor of the re-saved checkpoint (weights, Adam moments, fp32
   main weights where they exist) equals the original element for element at full
@@ -17,6 +21,7 @@ it loaded (``--tenplex-resave``), then trains steps 4..8.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -26,9 +31,10 @@ import torch
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.plan.sim.sharding import layout_chunks
-from tests.harness import TINY_GPT, layout_flags, metrics, read_full_tensors, stored_chunks, torchrun
+from tests.harness import ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, stored_chunks, torchrun
 
 pytestmark = pytest.mark.dist
+MATRIX_RUN = os.path.join(ROOT, "tests", "multiproc", "matrix_run.py")
 
 LOSS_RTOL = 2e-6
 BF16_LOSS_RTOL = 2e-2  # bf16 weights: layout-dependent reduction order costs bf16 ulps (2^-8)
@@ -43,6 +49,10 @@ class Variant:
     untie: bool = False
     bf16: bool = False
 
+    def tag(self) -> str:
+        return f"{'dist' if self.distopt else 'plain'}_v{self.vocab}{'_untied' if self.untie else ''}" \
+               f"{'_bf16' if self.bf16 else ''}"
+
     def flags(self) -> list[str]:
         f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS)]
         if self.distopt:
@@ -54,42 +64,115 @@ class Variant:
         return f
 
 
-class Runs:
-    """Reference runs, made once per (layout, variant) and shared by the cases."""
+@dataclass(frozen=True)
+class Scenario:
+    """A resume: the checkpoint of ``src`` (a reference ``(layout, variant)`` or another scenario's re-save)
+    loaded at layout ``dst``, re-saved at once, trained to ``iters``. ``solo``: in a launch of its own."""
 
-    def __init__(self, root: str):
+    src: tuple[tuple[int, int, int], Variant] | str
+    dst: tuple[int, int, int]
+    variant: Variant
+    iters: int = TRAIN_ITERS
+    extra: tuple[str, ...] = ()
+    solo: bool = False
+
+
+def _world(layout: tuple[int, int, int]) -> int:
+    return layout[0] * layout[1] * layout[2]
+
+
+class Runs:
+    """Reference runs and resumes, shared between cases and batched into few torchrun launches.
+
+    Each launch runs several jobs in turn (``matrix_run.py``): all references of
+    one world size in one launch, all resumes of one world size in another (a
+    resume whose source is another scenario's re-save runs after it). A failed
+    launch fails every case that needs it, with its log.
+    """
+
+    def __init__(self, root: str, scenarios: dict[str, Scenario]):
         self.root = root
-        self.refs: dict[tuple, str] = {}
+        self.scenarios = scenarios
+        self.done: set[str] = set()
+        self.failed: dict[str, str] = {}
+
+    def ref_dir(self, layout: tuple[int, int, int], v: Variant) -> str:
+        tp, pp, dp = layout
+        return os.path.join(self.root, f"ref_{tp}{pp}{dp}_{v.tag()}")
+
+    def _refs(self) -> set[tuple]:
+        return {sc.src for sc in self.scenarios.values() if not isinstance(sc.src, str)}
+
+    def _launch(self, key: str, world: int, tasks: list[list[str]]) -> None:
+        if key in self.failed:
+            raise AssertionError(self.failed[key])
+        path = os.path.join(self.root, f"{key}.json")
+        with open(path, "w") as f:
+            json.dump(tasks, f)
+        r = torchrun(world, [path], timeout=240 + 60 * len(tasks), script=MATRIX_RUN)
+        if r.returncode != 0 or r.log.count("tenplex-megatron: done") < len(tasks):
+            self.failed[key] = f"launch {key} ({len(tasks)} jobs) failed:\n{r.log[-6000:]}"
+            raise AssertionError(self.failed[key])
+        self.done.add(key)
 
     def reference(self, layout: tuple[int, int, int], v: Variant) -> str:
-        key = (layout, v)
-        if key not in self.refs:
-            tp, pp, dp = layout
-            d = os.path.join(self.root, f"ref_{tp}{pp}{dp}_{abs(hash(v))}")
-            os.makedirs(d)
-            r = torchrun(tp * pp * dp, [*TINY_GPT, *v.flags(), *layout_flags(tp, pp), "--save", f"{d}/ckpt",
-                                        "--save-interval", str(SAVE_AT), "--tenplex-metrics", f"{d}/metrics.jsonl"])
-            assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-4000:]
-            self.refs[key] = d
-        return self.refs[key]
+        """The reference run at ``layout``: 8 steps from scratch, saving at step 3 (all of one world size at once)."""
+        world = _world(layout)
+        key = f"refs_w{world}"
+        if key not in self.done:
+            tasks = []
+            for lay, var in sorted((r for r in self._refs() if _world(r[0]) == world), key=lambda r: (r[0], r[1].tag())):
+                d = self.ref_dir(lay, var)
+                os.makedirs(d)
+                tasks.append([*TINY_GPT, *var.flags(), *layout_flags(*lay[:2]), "--save", f"{d}/ckpt",
+                              "--save-interval", str(SAVE_AT), "--tenplex-metrics", f"{d}/metrics.jsonl"])
+            self._launch(key, world, tasks)
+        return self.ref_dir(layout, v)
 
-    def resume(
-        self, ref: str, layout: tuple[int, int, int], v: Variant, name: str, iters: int = TRAIN_ITERS,
-        extra: tuple[str, ...] | list[str] = (),
-    ) -> str:
-        tp, pp, dp = layout
-        d = os.path.join(self.root, name)
-        os.makedirs(d)
-        args = [*TINY_GPT, *v.flags(), *layout_flags(tp, pp), "--load", ref, "--tenplex-resave", f"{d}/resave",
-                "--tenplex-metrics", f"{d}/metrics.jsonl", "--exit-interval", str(iters), *extra]
-        r = torchrun(tp * pp * dp, args)
-        assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-4000:]
-        return d
+    def source(self, sc: Scenario) -> str:
+        return _resaved(self.resume(sc.src)) if isinstance(sc.src, str) else _ckpt(self.reference(*sc.src))
+
+    def _group(self, name: str) -> str:
+        sc = self.scenarios[name]
+        return f"solo_{name}" if sc.solo else f"resumes_w{_world(sc.dst)}"
+
+    def resume(self, name: str) -> str:
+        """The directory of scenario ``name`` (``resave/`` and ``metrics.jsonl``), running its launch if needed."""
+        key = self._group(name)
+        if key not in self.done:
+            members = [n for n in self.scenarios if self._group(n) == key]
+            order: list[str] = []
+
+            def visit(n: str) -> None:  # sources inside this launch first; others' launches before this one
+                if n in order:
+                    return
+                src = self.scenarios[n].src
+                if isinstance(src, str):
+                    if self._group(src) == key:
+                        visit(src)
+                    else:
+                        self.resume(src)
+                else:
+                    self.reference(*src)
+                order.append(n)
+
+            for n in members:
+                visit(n)
+            tasks = []
+            for n in order:
+                s = self.scenarios[n]
+                d = os.path.join(self.root, n)
+                os.makedirs(d)
+                tasks.append([*TINY_GPT, *s.variant.flags(), *layout_flags(*s.dst[:2]), "--load", self.source(s),
+                              "--tenplex-resave", f"{d}/resave", "--tenplex-metrics", f"{d}/metrics.jsonl",
+                              "--exit-interval", str(s.iters), *s.extra])
+            self._launch(key, _world(self.scenarios[name].dst), tasks)
+        return os.path.join(self.root, name)
 
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(str(tmp_path_factory.mktemp("reshard")))
+    return Runs(str(tmp_path_factory.mktemp("reshard")), SCENARIOS)
 
 
 def _ckpt(ref: str, it: int = SAVE_AT) -> str:
@@ -139,6 +222,27 @@ TRANSITIONS = {
     "TP2PP2-DP4": ((2, 2, 1), (1, 1, 4)),
 }
 
+V_DIST, V_PLAIN, V_UNTIE, V_100, V_BF16 = (Variant(), Variant(distopt=False), Variant(untie=True), Variant(vocab=100),
+                                           Variant(bf16=True))
+MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
+SCENARIOS: dict[str, Scenario] = {
+    **{f"{n}-{v.tag()}": Scenario((a, v), b, v) for n, (a, b) in TRANSITIONS.items() for v in (V_DIST, V_PLAIN)},
+    **{f"untied-{a}-{b}": Scenario((a, V_UNTIE), b, V_UNTIE) for a, b in (((2, 1, 1), (1, 2, 1)),
+                                                                           ((1, 2, 1), (2, 1, 1)))},
+    **{f"vocab-megatron-{a}-{b}": Scenario((a, V_100), b, V_100, extra=MEGATRON_PADDING)
+       for a, b in (((2, 1, 1), (1, 1, 1)), ((1, 1, 1), (2, 1, 1)))},
+    **{f"vocab-keep-{a}-{b}": Scenario((a, V_100), b, V_100) for a, b in (((2, 1, 1), (1, 1, 1)),
+                                                                           ((1, 1, 1), (2, 1, 1)))},
+    "bf16": Scenario(((2, 1, 1), V_BF16), (1, 1, 2), V_BF16),
+    "rt-there-(2, 2, 1)-(1, 1, 4)": Scenario(((2, 2, 1), V_DIST), (1, 1, 4), V_DIST, iters=SAVE_AT),
+    "rt-back-(2, 2, 1)-(1, 1, 4)": Scenario("rt-there-(2, 2, 1)-(1, 1, 4)", (2, 2, 1), V_DIST, iters=SAVE_AT),
+    "rt-there-(1, 1, 2)-(1, 1, 1)": Scenario(((1, 1, 2), V_PLAIN), (1, 1, 1), V_PLAIN, iters=SAVE_AT),
+    "rt-back-(1, 1, 2)-(1, 1, 1)": Scenario("rt-there-(1, 1, 2)-(1, 1, 1)", (1, 1, 2), V_PLAIN, iters=SAVE_AT),
+    "rng-same": Scenario(((2, 1, 1), V_DIST), (2, 1, 1), V_DIST, iters=SAVE_AT),
+    "rng-changed-a": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT),
+    "rng-changed-b": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT, solo=True),
+}
+
 
 @pytest.mark.parametrize("distopt", [True, False], ids=["distopt", "plainopt"])
 @pytest.mark.parametrize("name", list(TRANSITIONS))
@@ -146,7 +250,7 @@ def test_transition(runs: Runs, name: str, distopt: bool) -> None:
     src, dst = TRANSITIONS[name]
     v = Variant(distopt=distopt)
     ref = runs.reference(src, v)
-    d = runs.resume(_ckpt(ref), dst, v, f"{name}_{distopt}")
+    d = runs.resume(f"{name}-{v.tag()}")
     n = assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
     keys = set(read_full_tensors(_resaved(d)))
     assert any(k.startswith("optimizer.state.exp_avg.") for k in keys)
@@ -178,7 +282,7 @@ def assert_layout_model_matches(ckpt_dir: str, layout: tuple[int, int, int], dis
 def test_untied_output_layer(runs: Runs, src, dst) -> None:
     v = Variant(untie=True)
     ref = runs.reference(src, v)
-    d = runs.resume(_ckpt(ref), dst, v, f"untied_{src}_{dst}")
+    d = runs.resume(f"untied-{src}-{dst}")
     assert "output_layer.weight" in read_full_tensors(_resaved(d))
     assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
     assert_losses_continue(ref, d, LOSS_RTOL)
@@ -196,7 +300,7 @@ def test_vocab_padding_megatron_rule_changes_padded_size(runs: Runs, src, dst) -
     """
     v = Variant(vocab=100)
     ref = runs.reference(src, v)
-    d = runs.resume(_ckpt(ref), dst, v, f"vocab_{src}_{dst}", extra=["--tenplex-vocab-padding", "megatron"])
+    d = runs.resume(f"vocab-megatron-{src}-{dst}")
     full = read_full_tensors(_resaved(d))
     assert full["embedding.word_embeddings.weight"].shape[0] == (112 if dst[0] == 1 else 128)
     assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
@@ -208,7 +312,7 @@ def test_vocab_padding_kept_when_tp_divides_it(runs: Runs, src, dst) -> None:
     """vocab 100 (not a multiple of the padding): the restart keeps the saved padded size, losses are exact."""
     v = Variant(vocab=100)
     ref = runs.reference(src, v)
-    d = runs.resume(_ckpt(ref), dst, v, f"vocabkeep_{src}_{dst}")
+    d = runs.resume(f"vocab-keep-{src}-{dst}")
     saved = read_full_tensors(_ckpt(ref))["embedding.word_embeddings.weight"].shape[0]
     assert saved == (128 if src[0] == 2 else 112)
     assert read_full_tensors(_resaved(d))["embedding.word_embeddings.weight"].shape[0] == saved
@@ -219,7 +323,7 @@ def test_vocab_padding_kept_when_tp_divides_it(runs: Runs, src, dst) -> None:
 def test_bf16_distributed_optimizer_fp32_main_params(runs: Runs) -> None:
     v = Variant(bf16=True)
     ref = runs.reference((2, 1, 1), v)
-    d = runs.resume(_ckpt(ref), (1, 1, 2), v, "bf16")
+    d = runs.resume("bf16")
     full = read_full_tensors(_resaved(d))
     assert full["decoder.layers.mlp.linear_fc2.weight"].dtype == torch.bfloat16
     assert full["optimizer.state.fp32_param.decoder.layers.mlp.linear_fc2.weight"].dtype == torch.float32
@@ -233,8 +337,7 @@ def test_bf16_distributed_optimizer_fp32_main_params(runs: Runs) -> None:
 def test_round_trip_is_bit_exact(runs: Runs, a, b, distopt: bool) -> None:
     v = Variant(distopt=distopt)
     ref = runs.reference(a, v)
-    there = runs.resume(_ckpt(ref), b, v, f"rt_there_{a}_{b}", iters=SAVE_AT)
-    back = runs.resume(_resaved(there), a, v, f"rt_back_{a}_{b}", iters=SAVE_AT)
+    back = runs.resume(f"rt-back-{a}-{b}")
     orig, again = stored_chunks(_ckpt(ref)), stored_chunks(_resaved(back))
     assert set(orig) == set(again)
     for k in orig:
@@ -253,10 +356,10 @@ def test_rng_policy(runs: Runs) -> None:
     so two restarts at the same new layout agree with each other (and not with the saved streams)."""
     v = Variant()
     ref = runs.reference((2, 1, 1), v)
-    same = runs.resume(_ckpt(ref), (2, 1, 1), v, "rng_same", iters=SAVE_AT)
+    same = runs.resume("rng-same")
     assert _rng(_resaved(same)) == _rng(_ckpt(ref))
-    a = runs.resume(_ckpt(ref), (1, 1, 2), v, "rng_changed_a", iters=SAVE_AT)
-    b = runs.resume(_ckpt(ref), (1, 1, 2), v, "rng_changed_b", iters=SAVE_AT)
+    a = runs.resume("rng-changed-a")
+    b = runs.resume("rng-changed-b")  # in a launch of its own: a restart in a fresh process agrees
     ra, rb = _rng(_resaved(a)), _rng(_resaved(b))
     assert ra == rb
     assert ra["0"]["torch"] != _rng(_ckpt(ref))["0"]["torch"]
