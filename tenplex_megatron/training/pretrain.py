@@ -35,6 +35,7 @@ from tenplex_megatron.training.data import (
     microbatches_from_dataset,
 )
 from tenplex_megatron.training.gpt import GPTSpec
+from tenplex_megatron.training.signals import StopOnSignal
 from tenplex_megatron.training.synthetic_data import microbatches
 
 MEGATRON_FLAGS_NOT_SUPPORTED = (
@@ -100,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
     g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N complete checkpoints")
     g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
+    g.add_argument("--tenplex-no-save-on-signal", action="store_true",
+                   help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
+                   "this turns that off")
     g.add_argument(
         "--tenplex-vocab-padding",
         choices=["keep", "megatron"],
@@ -253,6 +257,8 @@ def run(args: argparse.Namespace) -> None:
                 f"{spec.vocab_size}), built in {time.perf_counter() - t0:.2f} s")
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
     metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
+    # SIGTERM (a scheduler's notice, torchrun's agent restarting for a node that joined or left): save and exit 0
+    stopper = StopOnSignal().__enter__() if (args.tenplex and not args.tenplex_no_save_on_signal) else None
     while job.iteration < stop:
         t0 = time.perf_counter()
         start = job.consumed_samples
@@ -284,6 +290,12 @@ def run(args: argparse.Namespace) -> None:
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
             _save(job, args)
+        if stopper is not None and stopper.agreed():
+            _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
+                    + ("" if args.save else " (no --save: nothing is saved)"))
+            break
+    if stopper is not None:
+        stopper.__exit__()
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
         _save(job, args)
     if metrics is not None:
