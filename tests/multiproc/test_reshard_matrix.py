@@ -130,7 +130,8 @@ class Runs:
         return self.ref_dir(layout, v)
 
     def source(self, sc: Scenario) -> str:
-        return _resaved(self.resume(sc.src)) if isinstance(sc.src, str) else _ckpt(self.reference(*sc.src))
+        """The checkpoint ``sc`` loads (made by then: ``resume`` runs every source first)."""
+        return _resaved(os.path.join(self.root, sc.src)) if isinstance(sc.src, str) else _ckpt(self.ref_dir(*sc.src))
 
     def _group(self, name: str) -> str:
         sc = self.scenarios[name]

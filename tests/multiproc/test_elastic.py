@@ -1,0 +1,117 @@
+"""Elastic by itself, with torchrun's own elastic agent: two agents on localhost stand for two nodes.
+
+``torchrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --max-restarts N``
+runs ``pretrain_gpt.py --tenplex`` on each agent. Mid-run one node is lost
+(its agent and its worker SIGKILLed): the survivor's worker fails at once (gloo
+sees the closed connection), its agent re-forms the rendezvous with the nodes
+left and restarts it; the worker loads the newest complete checkpoint at the
+new world size and trains on. Then the node comes back: the survivor's agent
+sees a node waiting, SIGTERMs its worker (which saves the current iteration and
+exits 0) and restarts both at world size 2. Every iteration's loss (repeated
+iterations after the failure included) equals the uninterrupted run's, and
+every global batch holds the same samples.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.harness import PRETRAIN, ROOT, TINY_GPT, metrics, torchrun
+
+pytestmark = pytest.mark.dist
+ITERS, SAVE_EVERY = 40, 4
+FLAGS = [*TINY_GPT, "--vocab-size", "96", "--train-iters", str(ITERS), "--save-interval", str(SAVE_EVERY)]
+# torchrun's c10d rendezvous store lives in the first agent to bind the endpoint (the head node): the node lost
+# here is the other one. (Losing the store's host ends the rendezvous: torchrun's etcd backend avoids that.)
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+           "--rdzv-conf", RDZV_CONF, "--max-restarts", "5", "--monitor-interval", "0.5", PRETRAIN, *FLAGS,
+           "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log]
+    return subprocess.Popen(cmd, env=env, stdout=open(os.path.join(out_dir, f"{name}.log"), "a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _lose_node(agent: subprocess.Popen) -> None:
+    """SIGKILL an agent and its workers (a SIGKILLed agent leaves its workers running: torchrun starts them
+    in sessions of their own)."""
+    procs = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    agent.wait(timeout=30)
+
+
+def _wait_listening(port: int, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} after {timeout} s")
+
+
+def _wait_for(log: str, n: int, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(log) and len(metrics(log)) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{log}: fewer than {n} iterations after {timeout} s")
+
+
+def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
+    ref_log = str(tmp_path / "ref.jsonl")
+    r = torchrun(2, [*FLAGS, "--tenplex-metrics", ref_log])  # uninterrupted, 2 processes
+    assert r.returncode == 0, r.log[-3000:]
+    ref = {m["iteration"]: m for m in metrics(ref_log)}
+
+    port, ckpt, log = _free_port(), str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    a = _agent("a", port, ckpt, log, str(tmp_path))
+    _wait_listening(port)  # agent a hosts the rendezvous store
+    b = _agent("b", port, ckpt, log, str(tmp_path))
+    try:
+        _wait_for(log, SAVE_EVERY + 2)  # past the first checkpoint, at world size 2
+        lost_at = len(metrics(log))
+        t_lost = time.time()
+        _lose_node(b)
+        _wait_for(log, lost_at + 3)  # the survivor trains on alone
+        t_resumed = time.time()
+        b = _agent("b", port, ckpt, log, str(tmp_path))  # the node is back
+        assert a.wait(timeout=600) == 0 and b.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-4000:]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                _lose_node(p)
+    got = metrics(log)
+    worlds = [m["layout"]["dp"] for m in got]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds  # 2 -> 1 -> 2 processes
+    assert got[-1]["iteration"] == ITERS
+    assert {m["iteration"] for m in got} == set(range(1, ITERS + 1))
+    repeated = len(got) - ITERS
+    assert repeated <= SAVE_EVERY, repeated  # work lost is at most the save interval
+    for m in got:
+        want = ref[m["iteration"]]
+        assert m["samples"] == want["samples"], m["iteration"]  # every global batch holds the same samples
+        assert m["loss"] == pytest.approx(want["loss"], rel=1e-5), (m["iteration"], m["loss"], want["loss"])
+    a_log = (tmp_path / "a.log").read_text()
+    assert "SIGTERM received: stopping after iteration" in a_log  # the rejoin: saved on the agent's notice
+    print(f"node lost -> survivor training again: {t_resumed - t_lost:.1f} s (incl. 3 iterations)")
