@@ -1,8 +1,9 @@
-"""``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan. Never imports torch (tested).
+"""``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan, rank layouts. Never imports torch (tested).
 
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]
     python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
     python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
+    python -m tenplex_megatron layouts --model gpt3-1.3b --gpus 12 --gpus-per-node 4 [--memory-gb 80] [--json]
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from tenplex_megatron.plan.autolayout import (
+    GIB,
+    Hardware,
+    LayoutCandidate,
+    describe_refused,
+    rank_layouts,
+    total_parameters,
+)
 from tenplex_megatron.plan.layout import (
     LayoutError,
     ModelShape,
@@ -21,6 +30,7 @@ from tenplex_megatron.plan.layout import (
     padded_vocab_size,
     restart_padded_vocab_size,
 )
+from tenplex_megatron.plan.layout_files import read_layout_times
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.sim.dry_run import dry_run
@@ -205,6 +215,80 @@ def _plan_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,2,4,8; got {text!r}") from None
+
+
+def cmd_layouts(args: argparse.Namespace) -> int:
+    """Every (TP, PP, DP, micro-batch) for --gpus, ranked, with estimates; each excluded one with its reasons."""
+    try:
+        dims = load_model(args.model)
+    except KeyError as e:
+        raise CLIError(str(e).strip("'\"")) from None
+    hardware = Hardware(flops_per_gpu=args.tflops_per_gpu * 1e12)
+    try:
+        measured = read_layout_times(args.times).get(args.gpus, {}) if args.times else {}
+        ranking = rank_layouts(dims, args.gpus, args.gpus_per_node, args.global_batch_size, memory_gb=args.memory_gb,
+                               micro_batch_sizes=args.micro_batch_sizes, measured=measured, hardware=hardware,
+                               distributed_optimizer=args.distributed_optimizer, flash_attention=args.flash_attention)
+    except LayoutError as e:
+        raise CLIError(str(e)) from None
+    usable = [c for c in ranking if c.usable]
+    shown = usable[: args.top] if args.top else usable
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "parameters": total_parameters(dims), "world_size": args.gpus,
+            "gpus_per_node": args.gpus_per_node, "global_batch_size": args.global_batch_size,
+            "memory_gib": args.memory_gb, "distributed_optimizer": args.distributed_optimizer,
+            "flops_per_gpu": hardware.flops_per_gpu, "best": usable[0].key if usable else None,
+            "candidates": [c.to_json() for c in ranking],
+        }, indent=1))
+    else:
+        _print_layouts(args, dims.bf16, total_parameters(dims), hardware, ranking, shown)
+    if not usable:
+        raise CLIError(f"no usable layout for {args.gpus} GPUs: every candidate is refused (reasons above)")
+    return 0
+
+
+def _fmt_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def _print_layouts(args: argparse.Namespace, bf16: bool, params: int, hw: Hardware,
+                   ranking: tuple[LayoutCandidate, ...], shown: list[LayoutCandidate]) -> None:
+    budget = f"{args.memory_gb:g} GiB per rank" if args.memory_gb else "no memory limit"
+    print(f"layouts      {args.model} ({_fmt_count(params)} parameters, {'bf16' if bf16 else 'fp32'}) on {args.gpus} "
+          f"GPUs, {args.gpus_per_node} per node; global batch {args.global_batch_size}; {budget}; "
+          f"distributed optimizer: {args.distributed_optimizer}")
+    print(f"model        {hw.flops_per_gpu / 1e12:g} TFLOP/s per GPU, {hw.intra_node_bandwidth / 1e9:g} GB/s within a "
+          f"node, {hw.inter_node_bandwidth / 1e9:g} GB/s between nodes (tenplex_megatron/plan/autolayout.py)")
+    usable = sum(c.usable for c in ranking)
+    print(f"candidates   {len(ranking)}: {usable} usable, {len(ranking) - usable} excluded")
+    if shown:
+        print(f"\n{'#':>3}  {'layout':<24} {'micro-batches':>13}  {'memory/rank':>11}  {'(weights+grads+optim+activ)':<27}  "
+              f"{'s/iter':>8}  (bubble, TP, PP, DP comm)")
+    for i, c in enumerate(shown, 1):
+        mem, t = c.memory, c.modelled
+        assert mem is not None and t is not None
+        parts = "+".join(f"{x / GIB:.1f}" for x in (mem.weights, mem.gradients, mem.optimizer, mem.activations))
+        comm = ", ".join(f"{x:.2f}" for x in (t.bubble, t.tp_comm, t.pp_comm, t.dp_comm))
+        how = "measured" if c.measured_seconds is not None else "modelled"
+        print(f"{i:>3}  {c.key:<24} {c.num_microbatches:>13}  {mem.total / GIB:>7.2f} GiB  {parts:<27}  "
+              f"{c.seconds:>8.3f}  ({comm}) {how}")
+    if len(shown) < usable:
+        print(f"     ... {usable - len(shown)} more usable (--top 0 shows all)")
+    refused = describe_refused(ranking)
+    if refused:
+        print(f"\nexcluded ({len(ranking) - usable} candidates):")
+        print("\n".join(refused))
+
+
 def plan_report(plan: Any, source: PTC, dst: ParallelLayout, gpus_per_node: int | None, seconds: float) -> dict[str, Any]:
     per_rank = plan.bytes_per_rank()
     cross = 0
@@ -248,6 +332,24 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--per-rank", action="store_true")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_plan)
+    la = sub.add_parser("layouts", help="rank every TP/PP/DP/micro-batch for a GPU count: memory, modelled time, "
+                                        "why a layout is excluded")
+    la.add_argument("--model", required=True, help="a model in the packaged catalogue, e.g. gpt3-1.3b")
+    la.add_argument("--gpus", type=int, required=True, help="world size: the number of GPUs (processes)")
+    la.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node (default 8)")
+    la.add_argument("--memory-gb", type=float, default=80.0, help="memory budget per rank in GiB (default 80)")
+    la.add_argument("--global-batch-size", type=int, default=512, help="fixed at every world size (default 512)")
+    la.add_argument("--micro-batch-sizes", type=_int_list, default=[1, 2, 4, 8],
+                    help="micro-batch sizes to try, comma-separated (default 1,2,4,8)")
+    la.add_argument("--times", help="measured iteration times (JSON written by --tenplex-layout measure)")
+    la.add_argument("--tflops-per-gpu", type=float, default=Hardware().flops_per_gpu / 1e12,
+                    help="achieved TFLOP/s per GPU for the modelled times (default %(default)g)")
+    la.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    la.add_argument("--flash-attention", action="store_true",
+                    help="no stored attention scores (FlashAttention or selective recomputation) in the memory estimate")
+    la.add_argument("--top", type=int, default=0, help="print only the best N usable candidates (0: all)")
+    la.add_argument("--json", action="store_true")
+    la.set_defaults(fn=cmd_layouts)
     return p
 
 

@@ -23,7 +23,8 @@ else:
     raise SystemExit("torch was not blocked")
 import tenplex_megatron.plan as plan
 names = sorted(m.name for m in pkgutil.iter_modules(plan.__path__))
-for required in ("layout", "ptc", "geometry", "planner", "writers", "data_position"):
+for required in ("layout", "ptc", "geometry", "planner", "writers", "data_position", "autolayout", "layout_files",
+                 "trace", "json_pos"):
     assert required in names, (required, names)
 for n in names:
     importlib.import_module(f"tenplex_megatron.plan.{n}")
@@ -48,6 +49,10 @@ t = gpt_tensors(GPTDims(num_layers=2, hidden_size=8, num_attention_heads=2, voca
 src = source_from_layout(t, ParallelLayout(2, 1, 2), True)
 p = plan_reshard(src, t, layout_chunks(t, ParallelLayout(1, 2, 1), True))
 assert p.total_bytes_read > 0
+# and a layout choice for a world size
+from tenplex_megatron.plan.autolayout import choose_layout
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
+assert choose_layout(load_model("gpt3-1.3b"), 12, 4, 512, memory_gb=80).best.usable
 loaded = [m for m, mod in sys.modules.items() if mod is not None and (m == "torch" or m.startswith("torch."))]
 assert not loaded, loaded
 print("OK", len(names))

@@ -21,6 +21,14 @@ CATALOGUE = "models.json"
 
 @dataclass(frozen=True)
 class GPTDims:
+    """A GPT's dimensions, named after Megatron-LM's flags; the defaults are GPT-3's (learned positions, biases, LayerNorm).
+
+    ``num_query_groups`` (grouped-query attention) None means one group per head;
+    ``add_bias_linear`` False is ``--disable-bias-linear``; ``normalization``
+    ``RMSNorm`` has no bias; ``position_embedding_type`` ``rope`` has no
+    position-embedding table.
+    """
+
     num_layers: int
     hidden_size: int
     num_attention_heads: int
@@ -30,10 +38,26 @@ class GPTDims:
     swiglu: bool = False
     tied: bool = True
     bf16: bool = True
+    num_query_groups: int | None = None
+    add_bias_linear: bool = True
+    normalization: str = "LayerNorm"
+    position_embedding_type: str = "learned_absolute"
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value head groups: ``num_query_groups``, or one per attention head."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output rows of the fused QKV projection: the queries plus a key and a value per query group."""
+        if self.num_query_groups is None:
+            return 3 * self.hidden_size
+        return self.hidden_size + 2 * self.query_groups * (self.hidden_size // self.num_attention_heads)
 
 
 def catalogue(path: str | None = None) -> dict[str, dict]:
@@ -65,24 +89,28 @@ def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[s
     def layer(name: str, shape: tuple[int, ...], tp_axis: int | None = None, tp_parts: int = 1) -> TensorMeta:
         return TensorMeta(f"decoder.layers.{name}", (L, *shape), dt, tp_axis=tp_axis, tp_parts=tp_parts, stage="layers")
 
-    params = [
-        TensorMeta("embedding.word_embeddings.weight", (padded_vocab, h), dt, d.vocab_size, 0, 1, "first", d.tied),
-        TensorMeta("embedding.position_embeddings.weight", (d.seq_length, h), dt, stage="first"),
-        layer("self_attention.linear_qkv.layer_norm_weight", (h,)),
-        layer("self_attention.linear_qkv.layer_norm_bias", (h,)),
-        layer("self_attention.linear_qkv.weight", (3 * h, h), 1),
-        layer("self_attention.linear_qkv.bias", (3 * h,), 1),
-        layer("self_attention.linear_proj.weight", (h, h), 2),
-        layer("self_attention.linear_proj.bias", (h,)),
-        layer("mlp.linear_fc1.layer_norm_weight", (h,)),
-        layer("mlp.linear_fc1.layer_norm_bias", (h,)),
-        layer("mlp.linear_fc1.weight", (f1, h), 1, parts),
-        layer("mlp.linear_fc1.bias", (f1,), 1, parts),
-        layer("mlp.linear_fc2.weight", (h, f), 2),
-        layer("mlp.linear_fc2.bias", (h,)),
-        TensorMeta("decoder.final_layernorm.weight", (h,), dt, stage="last"),
-        TensorMeta("decoder.final_layernorm.bias", (h,), dt, stage="last"),
+    params = [TensorMeta("embedding.word_embeddings.weight", (padded_vocab, h), dt, d.vocab_size, 0, 1, "first", d.tied)]
+    if d.position_embedding_type == "learned_absolute":
+        params.append(TensorMeta("embedding.position_embeddings.weight", (d.seq_length, h), dt, stage="first"))
+    norm_bias = d.normalization == "LayerNorm"
+    bias = d.add_bias_linear
+    layers = [
+        (layer("self_attention.linear_qkv.layer_norm_weight", (h,)), True),
+        (layer("self_attention.linear_qkv.layer_norm_bias", (h,)), norm_bias),
+        (layer("self_attention.linear_qkv.weight", (d.qkv_rows, h), 1), True),
+        (layer("self_attention.linear_qkv.bias", (d.qkv_rows,), 1), bias),
+        (layer("self_attention.linear_proj.weight", (h, h), 2), True),
+        (layer("self_attention.linear_proj.bias", (h,)), bias),
+        (layer("mlp.linear_fc1.layer_norm_weight", (h,)), True),
+        (layer("mlp.linear_fc1.layer_norm_bias", (h,)), norm_bias),
+        (layer("mlp.linear_fc1.weight", (f1, h), 1, parts), True),
+        (layer("mlp.linear_fc1.bias", (f1,), 1, parts), bias),
+        (layer("mlp.linear_fc2.weight", (h, f), 2), True),
+        (layer("mlp.linear_fc2.bias", (h,)), bias),
+        (TensorMeta("decoder.final_layernorm.weight", (h,), dt, stage="last"), True),
+        (TensorMeta("decoder.final_layernorm.bias", (h,), dt, stage="last"), norm_bias),
     ]
+    params += [t for t, present in layers if present]
     if not d.tied:
         params.append(TensorMeta("output_layer.weight", (padded_vocab, h), dt, d.vocab_size, 0, 1, "last"))
     out = {t.key: t for t in params}

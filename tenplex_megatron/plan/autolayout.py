@@ -1,0 +1,410 @@
+"""Choose TP, PP, DP and the micro-batch size for a world size: legal, fits memory, fastest. Pure Python.
+
+Every (TP, PP, DP) with TP x PP x DP = world size is a candidate, with every
+micro-batch size offered; each is legal or refused with every reason, gets a
+per-rank memory estimate and a modelled iteration time, and the candidates are
+ranked: legal and fitting first, fastest first, a measured time (where one is
+given for that candidate) ahead of any modelled one. The global batch is fixed
+(VirtualFlow): DP x micro-batch x micro-batches = global batch.
+
+The estimates are models, documented here, not measurements:
+
+* Memory per rank (the busiest pipeline stage's): weights (2 bytes/param in
+  bf16, 4 in fp32), gradients (4 bytes/param: Megatron-LM accumulates and
+  reduces gradients in fp32 with bf16), optimizer state (fp32 main weights in
+  bf16 plus two Adam moments: 12 or 8 bytes/param, divided over DP with the
+  distributed optimizer) - with bf16 and the distributed optimizer this is
+  Megatron's 6 + 12/DP bytes per parameter - and activations: per layer and
+  micro-batch ``seq x mbs x hidden x (34 + 5 x heads x seq / hidden)`` bytes
+  (Korthikanti et al., 16-bit activations, no recomputation) divided by TP
+  (exact with sequence parallelism; without it 10 x seq x mbs x hidden of that
+  stays whole on every TP rank, so this is optimistic there), doubled for
+  fp32 (with ``flash_attention`` - FlashAttention or selective recomputation,
+  which keep no seq x seq scores - the 5 x heads x seq / hidden term drops), times the layers on the stage, times the micro-batches the 1F1B
+  schedule keeps in flight on stage s: min(PP - s, micro-batches). Logits,
+  temporary buffers, the CUDA context and allocator fragmentation are left out:
+  give the budget less than the device's memory to leave room for them.
+* Iteration time: compute 6 x params x tokens / (world x FLOP/s per GPU); the
+  pipeline bubble adds compute x (PP - 1) / micro-batches; TP costs four ring
+  all-reduces of one micro-batch's activations per layer and micro-batch
+  (2 (TP - 1) / TP of the bytes over the intra-node link: it grows with the TP
+  degree); PP sends activations and their gradients between stages (intra-node
+  link when the job fits on one node, the inter-node link otherwise); DP reduces
+  the gradients of the busiest stage (a ring all-reduce, or with the distributed
+  optimizer a reduce-scatter of gradients plus an all-gather of parameters),
+  over the intra-node link when every DP group lies within a node; and each of
+  the (micro-batches + PP - 1) pipeline slots costs a fixed overhead (kernel
+  launches, scheduling). Nothing is assumed to overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, padded_vocab_size
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
+
+GIB = 1 << 30
+#: Micro-batch sizes tried when the caller offers none.
+DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The throughput model's machine: achieved FLOP/s per GPU, link bandwidths (bytes/s), per-slot overhead (s).
+
+    The defaults are an A100-class GPU at about half its 312 TFLOP/s bf16 peak,
+    NVLink within a node and a 100 Gb/s network between nodes.
+    """
+
+    flops_per_gpu: float = 150e12
+    intra_node_bandwidth: float = 100e9
+    inter_node_bandwidth: float = 12.5e9
+    slot_overhead_s: float = 1e-3
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on one rank of the busiest pipeline stage (``stage``), by kind."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    stage: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    """A modelled iteration's seconds, by cause (see the module's docstring)."""
+
+    compute: float
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.overhead
+
+
+@dataclass(frozen=True)
+class LayoutCandidate:
+    """One (TP, PP, DP, micro-batch size) for a world size: legal or why not, fits or not, its estimates.
+
+    ``reasons`` says why the candidate is refused (empty when usable): broken
+    legality rules, or the memory estimate over the budget. Estimates are None
+    for an illegal candidate.
+    """
+
+    layout: ParallelLayout
+    micro_batch_size: int
+    legal: bool
+    fits: bool
+    reasons: tuple[str, ...]
+    num_microbatches: int | None = None
+    memory: MemoryEstimate | None = None
+    modelled: TimeEstimate | None = None
+    measured_seconds: float | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.legal and self.fits
+
+    @property
+    def key(self) -> str:
+        """``tp=2,pp=1,dp=2,mbs=4``: how measured-time files and messages name the candidate."""
+        return candidate_key(self.layout, self.micro_batch_size)
+
+    @property
+    def seconds(self) -> float | None:
+        """The measured iteration time where there is one, else the modelled one."""
+        if self.measured_seconds is not None:
+            return self.measured_seconds
+        return self.modelled.total if self.modelled is not None else None
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON: degrees, verdict, reasons, estimates (bytes and seconds)."""
+        d: dict[str, Any] = {"key": self.key, **self.layout.to_json(), "micro_batch_size": self.micro_batch_size,
+                             "usable": self.usable, "legal": self.legal, "fits": self.fits,
+                             "reasons": list(self.reasons), "num_microbatches": self.num_microbatches,
+                             "seconds": self.seconds, "measured_seconds": self.measured_seconds}
+        if self.memory is not None:
+            d["memory"] = {**asdict(self.memory), "total": self.memory.total}
+        if self.modelled is not None:
+            d["modelled"] = {**asdict(self.modelled), "total": self.modelled.total}
+        return d
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The chosen candidate and the whole ranking it tops (refused candidates last, with their reasons)."""
+
+    world_size: int
+    best: LayoutCandidate
+    ranking: tuple[LayoutCandidate, ...] = field(repr=False)
+
+    @property
+    def usable(self) -> tuple[LayoutCandidate, ...]:
+        """The usable candidates, best first (``usable[:3]``: the few worth timing)."""
+        return tuple(c for c in self.ranking if c.usable)
+
+    @property
+    def refused(self) -> tuple[LayoutCandidate, ...]:
+        return tuple(c for c in self.ranking if not c.usable)
+
+
+def candidate_key(layout: ParallelLayout, micro_batch_size: int) -> str:
+    return f"{layout},mbs={micro_batch_size}"
+
+
+def parse_candidate_key(text: str) -> tuple[ParallelLayout, int]:
+    """Inverse of :func:`candidate_key`: ``tp=2,pp=1,dp=2,mbs=4`` -> (layout, 4)."""
+    head, sep, mbs = text.rpartition(",mbs=")
+    try:
+        value = int(mbs)
+    except ValueError:
+        value = 0
+    if not sep or value < 1:
+        raise LayoutError(f"cannot parse {text!r}: expected e.g. tp=2,pp=1,dp=2,mbs=4")
+    return ParallelLayout.parse(head), value
+
+
+def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int | None,
+                    *, world_size: int | None = None, gpus_per_node: int | None = None) -> list[str]:
+    """Every rule the candidate breaks (empty: legal). World size, GPUs per node, global batch: checked when given."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    out = []
+    if gpus_per_node is not None and tp > gpus_per_node:
+        out.append(f"TP={tp} spans more than the {gpus_per_node} GPUs of a node")
+    for what, size in (("attention heads", dims.num_attention_heads), ("query groups", dims.query_groups),
+                       ("hidden size", dims.hidden_size), ("FFN hidden size", dims.ffn)):
+        if what == "query groups" and dims.num_query_groups is None:
+            continue
+        if size % tp:
+            out.append(f"TP={tp} does not divide the {what} ({size})")
+    if dims.num_layers % pp:
+        out.append(f"PP={pp} does not divide the {dims.num_layers} layers")
+    if world_size is not None and layout.world_size != world_size:
+        out.append(f"TP x PP x DP = {tp} x {pp} x {dp} = {layout.world_size} is not the world size {world_size}")
+    if micro_batch_size < 1:
+        out.append(f"micro-batch size {micro_batch_size} is not positive")
+    elif global_batch_size is None:
+        pass
+    elif global_batch_size % dp:
+        out.append(f"DP={dp} does not divide the global batch size {global_batch_size}")
+    elif global_batch_size % (dp * micro_batch_size):
+        out.append(f"DP x micro-batch = {dp} x {micro_batch_size} = {dp * micro_batch_size} does not divide "
+                   f"the global batch size {global_batch_size}")
+    return out
+
+
+def stage_parameters(dims: GPTDims, layout: ParallelLayout, make_vocab_size_divisible_by: int = 128) -> list[int]:
+    """Parameters held by one rank of each pipeline stage (the tied embedding counted on both ends)."""
+    padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, layout.tp)
+    per = [0] * layout.pp
+    for t in gpt_tensors(dims, padded, optimizer=False).values():
+        n = t.numel // layout.tp if t.tp_axis is not None else t.numel
+        if t.stage == "layers":
+            for s in range(layout.pp):
+                per[s] += n // layout.pp
+        elif t.stage == "last":
+            per[-1] += n
+        else:
+            per[0] += n
+            if t.tied and layout.pp > 1:
+                per[-1] += n
+    return per
+
+
+def activation_bytes_per_layer(dims: GPTDims, micro_batch_size: int, tp: int, flash_attention: bool = False) -> float:
+    """One layer's stored activations for one micro-batch on one TP rank (Korthikanti et al., divided by TP)."""
+    s, h, a = dims.seq_length, dims.hidden_size, dims.num_attention_heads
+    width = 1 if dims.bf16 else 2  # the formula counts 16-bit activations
+    scores = 0 if flash_attention else 5 * a * s / h
+    return s * micro_batch_size * h * (34 + scores) * width / tp
+
+
+def estimate_memory(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int, *,
+                    distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128,
+                    flash_attention: bool = False) -> MemoryEstimate:
+    """Per-rank bytes of the busiest pipeline stage for a legal candidate (the module's docstring has the model)."""
+    m = global_batch_size // (layout.dp * micro_batch_size)
+    weight_b = 2 if dims.bf16 else 4
+    optim_b = 12 if dims.bf16 else 8
+    per_layer = activation_bytes_per_layer(dims, micro_batch_size, layout.tp, flash_attention)
+    layers = dims.num_layers // layout.pp
+    best: MemoryEstimate | None = None
+    for s, n in enumerate(stage_parameters(dims, layout, make_vocab_size_divisible_by)):
+        optim = optim_b * n
+        est = MemoryEstimate(
+            weights=weight_b * n,
+            gradients=4 * n,
+            optimizer=math.ceil(optim / layout.dp) if distributed_optimizer else optim,
+            activations=math.ceil(per_layer * layers * min(layout.pp - s, m)),
+            stage=s,
+        )
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+def total_parameters(dims: GPTDims, make_vocab_size_divisible_by: int = 128) -> int:
+    """The model's parameters (the tied embedding once, vocabulary padded as at TP 1)."""
+    padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, 1)
+    return sum(t.numel for t in gpt_tensors(dims, padded, optimizer=False).values())
+
+
+def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int,
+                  gpus_per_node: int, *, hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
+                  make_vocab_size_divisible_by: int = 128) -> TimeEstimate:
+    """Modelled seconds per iteration of a legal candidate (the module's docstring has the model)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    world = layout.world_size
+    m = global_batch_size // (dp * micro_batch_size)
+    tokens = global_batch_size * dims.seq_length
+    compute = 6 * total_parameters(dims, make_vocab_size_divisible_by) * tokens / (world * hardware.flops_per_gpu)
+    bubble = compute * (pp - 1) / m
+    act_width = 2 if dims.bf16 else 4
+    act = dims.seq_length * micro_batch_size * dims.hidden_size * act_width  # one micro-batch's hidden states
+    layers = dims.num_layers // pp
+    tp_comm = m * layers * 4 * 2 * (tp - 1) / tp * act / hardware.intra_node_bandwidth
+    one_node = world <= gpus_per_node
+    pp_bw = hardware.intra_node_bandwidth if one_node else hardware.inter_node_bandwidth
+    pp_comm = 2 * m * act / pp_bw if pp > 1 else 0.0
+    # a DP group is tp apart within a block of tp x dp consecutive ranks (megatron-core's tp-dp-pp order)
+    dp_bw = hardware.intra_node_bandwidth if one_node or gpus_per_node % (tp * dp) == 0 else hardware.inter_node_bandwidth
+    params = max(stage_parameters(dims, layout, make_vocab_size_divisible_by))
+    share = (dp - 1) / dp
+    weight_b = 2 if dims.bf16 else 4
+    dp_bytes = share * params * (4 + weight_b) if distributed_optimizer else 2 * share * params * 4
+    return TimeEstimate(compute=compute, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm,
+                        dp_comm=dp_bytes / dp_bw, overhead=(m + pp - 1) * hardware.slot_overhead_s)
+
+
+def _factorizations(world_size: int) -> Iterable[ParallelLayout]:
+    for tp in range(1, world_size + 1):
+        if world_size % tp:
+            continue
+        for pp in range(1, world_size // tp + 1):
+            if (world_size // tp) % pp == 0:
+                yield ParallelLayout(tp, pp, world_size // (tp * pp))
+
+
+def _check_inputs(world_size: int, gpus_per_node: int, global_batch_size: int, memory_gb: float | None,
+                  micro_batch_sizes: Sequence[int]) -> None:
+    for name, value in (("world size", world_size), ("GPUs per node", gpus_per_node),
+                        ("global batch size", global_batch_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+    if memory_gb is not None and not memory_gb > 0:
+        raise LayoutError(f"memory budget must be positive (GiB), got {memory_gb!r}")
+    if not micro_batch_sizes or any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in micro_batch_sizes):
+        raise LayoutError(f"micro-batch sizes must be positive integers, got {list(micro_batch_sizes)!r}")
+
+
+def evaluate(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int, *,
+             world_size: int | None = None, gpus_per_node: int | None = None, memory_gb: float | None = None,
+             measured_seconds: float | None = None, fixed: Mapping[str, int] | None = None,
+             hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
+             make_vocab_size_divisible_by: int = 128, flash_attention: bool = False) -> LayoutCandidate:
+    """One candidate: its legality (and ``fixed`` degrees, e.g. ``{"tp": 2}``), memory, fit and modelled time."""
+    reasons = illegal_reasons(dims, layout, micro_batch_size, global_batch_size, world_size=world_size,
+                              gpus_per_node=gpus_per_node)
+    for name, value in (fixed or {}).items():
+        got = micro_batch_size if name == "micro_batch_size" else getattr(layout, name)
+        if got != value:
+            reasons.append(f"{'micro-batch size' if name == 'micro_batch_size' else name.upper()} is fixed at {value}")
+    if reasons:
+        return LayoutCandidate(layout, micro_batch_size, legal=False, fits=False, reasons=tuple(reasons),
+                               measured_seconds=measured_seconds)
+    kw = {"distributed_optimizer": distributed_optimizer, "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
+    memory = estimate_memory(dims, layout, micro_batch_size, global_batch_size, flash_attention=flash_attention, **kw)
+    modelled = estimate_time(dims, layout, micro_batch_size, global_batch_size, gpus_per_node or layout.world_size,
+                             hardware=hardware, **kw)
+    fits = memory_gb is None or memory.total <= memory_gb * GIB
+    if not fits:
+        assert memory_gb is not None
+        reasons.append(f"needs {memory.total / GIB:.2f} GiB per rank (stage {memory.stage}), "
+                       f"over the budget of {memory_gb:g} GiB")
+    return LayoutCandidate(layout, micro_batch_size, legal=True, fits=fits, reasons=tuple(reasons),
+                           num_microbatches=global_batch_size // (layout.dp * micro_batch_size),
+                           memory=memory, modelled=modelled, measured_seconds=measured_seconds)
+
+
+def _rank_key(c: LayoutCandidate) -> tuple:
+    if c.usable:  # measured first (a fact about this machine, in other units than the model), then fastest
+        group, score = (0 if c.measured_seconds is not None else 1), c.seconds
+    elif c.legal:
+        group, score = 2, float(c.memory.total if c.memory else 0)
+    else:
+        group, score = 3, 0.0
+    return group, score, c.layout.tp, c.layout.pp, c.micro_batch_size
+
+
+def rank_layouts(dims: GPTDims, world_size: int, gpus_per_node: int, global_batch_size: int, *,
+                 memory_gb: float | None = None, micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES,
+                 measured: Mapping[str, float] | None = None, fixed: Mapping[str, int] | None = None,
+                 hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
+                 make_vocab_size_divisible_by: int = 128, flash_attention: bool = False) -> tuple[LayoutCandidate, ...]:
+    """Every candidate for ``world_size``, ranked: usable ones first, measured then modelled, fastest first.
+
+    ``measured`` maps candidate keys (``tp=2,pp=1,dp=2,mbs=4``) to seconds per
+    iteration at this world size; ``memory_gb`` (GiB per rank) None means no
+    limit; ``fixed`` pins degrees the user set (keys ``tp``, ``pp``, ``dp``,
+    ``micro_batch_size``): other candidates are refused saying so. ``flash_attention``:
+    no stored attention scores (FlashAttention or selective recomputation).
+    """
+    _check_inputs(world_size, gpus_per_node, global_batch_size, memory_gb, micro_batch_sizes)
+    unknown = set(fixed or {}) - {"tp", "pp", "dp", "micro_batch_size"}
+    if unknown:
+        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp and micro_batch_size")
+    measured = dict(measured or {})
+    out = []
+    for layout in _factorizations(world_size):
+        for mbs in sorted(set(micro_batch_sizes)):
+            key = candidate_key(layout, mbs)
+            out.append(evaluate(dims, layout, mbs, global_batch_size, world_size=world_size,
+                                gpus_per_node=gpus_per_node, memory_gb=memory_gb, measured_seconds=measured.get(key),
+                                fixed=fixed, hardware=hardware, distributed_optimizer=distributed_optimizer,
+                                make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                                flash_attention=flash_attention))
+    return tuple(sorted(out, key=_rank_key))
+
+
+def choose_layout(dims: GPTDims, world_size: int, gpus_per_node: int, global_batch_size: int, *,
+                  memory_gb: float | None = None, micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES,
+                  measured: Mapping[str, float] | None = None, fixed: Mapping[str, int] | None = None,
+                  hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
+                  make_vocab_size_divisible_by: int = 128, flash_attention: bool = False) -> LayoutChoice:
+    """The top of :func:`rank_layouts`; :class:`LayoutError` listing every refused candidate when none is usable."""
+    ranking = rank_layouts(dims, world_size, gpus_per_node, global_batch_size, memory_gb=memory_gb,
+                           micro_batch_sizes=micro_batch_sizes, measured=measured, fixed=fixed, hardware=hardware,
+                           distributed_optimizer=distributed_optimizer,
+                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, flash_attention=flash_attention)
+    if not ranking[0].usable:
+        budget = f"{memory_gb:g} GiB per rank" if memory_gb is not None else "no memory limit"
+        raise LayoutError(
+            f"no usable layout for world size {world_size} ({gpus_per_node} GPUs per node, global batch size "
+            f"{global_batch_size}, {budget}); every candidate is refused:\n" + "\n".join(describe_refused(ranking)))
+    return LayoutChoice(world_size, ranking[0], ranking)
+
+
+def describe_refused(candidates: Iterable[LayoutCandidate]) -> list[str]:
+    """One line per refused layout and reason set: ``tp=5,pp=1,dp=1 mbs=1,2,4,8: reason; reason``."""
+    groups: dict[tuple[ParallelLayout, tuple[str, ...]], list[int]] = {}
+    for c in candidates:
+        if not c.usable:
+            groups.setdefault((c.layout, c.reasons), []).append(c.micro_batch_size)
+    return [f"  {layout} mbs={','.join(map(str, sorted(mbs)))}: {'; '.join(reasons)}"
+            for (layout, reasons), mbs in groups.items()]

@@ -1,0 +1,85 @@
+"""``python -m tenplex_megatron layouts`` run as a user runs it: the ranked candidates, the exclusions and their reasons."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from tenplex_megatron.plan.autolayout import choose_layout
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tenplex_megatron", "layouts", *args], capture_output=True, text=True,
+                          cwd=ROOT, env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
+def test_layouts_for_12_gpus_ranks_legal_layouts_and_says_why_others_are_excluded() -> None:
+    p = _cli("--model", "gpt3-1.3b", "--gpus", "12", "--gpus-per-node", "4", "--memory-gb", "80",
+             "--global-batch-size", "512")
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    rows = re.findall(r"^\s+(\d+)\s+(tp=\d+,pp=\d+,dp=\d+,mbs=\d+)\s+(\d+)\s+([\d.]+) GiB .* ([\d.]+)\s+\(.*\) modelled$",
+                      out, re.M)
+    assert rows and rows[0][0] == "1"
+    # the top row is the library's choice, and it is legal by the rules written out here
+    assert rows[0][1] == choose_layout(load_model("gpt3-1.3b"), 12, 4, 512, memory_gb=80).best.key
+    for _, key, micro_batches, mem, _seconds in rows:
+        tp, pp, dp, mbs = (int(x) for x in re.findall(r"\d+", key))
+        assert tp * pp * dp == 12 and tp <= 4 and 16 % tp == 0 and 24 % pp == 0 and 512 % (dp * mbs) == 0
+        assert int(micro_batches) == 512 // (dp * mbs) and float(mem) <= 80
+    assert [float(r[4]) for r in rows] == sorted(float(r[4]) for r in rows)
+    assert "candidates   72: " in out
+    # exclusions, each with its reasons
+    assert "tp=3,pp=1,dp=4 mbs=1,2,4,8: TP=3 does not divide the attention heads (16)" in out
+    assert re.search(r"^  tp=6,pp=2,dp=1 mbs=1,2,4,8: TP=6 spans more than the 4 GPUs of a node", out, re.M)
+    assert "tp=1,pp=1,dp=12 mbs=1,2,4,8: DP=12 does not divide the global batch size 512" in out
+    assert re.search(r"^  tp=1,pp=3,dp=4 mbs=8: needs [\d.]+ GiB per rank \(stage 0\), over the budget of 80 GiB$",
+                     out, re.M)
+
+
+def test_layouts_json_lists_every_candidate_in_rank_order() -> None:
+    p = _cli("--model", "tiny", "--gpus", "4", "--gpus-per-node", "2", "--global-batch-size", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    cands = doc["candidates"]
+    assert doc["best"] == cands[0]["key"] and cands[0]["usable"]
+    assert len(cands) == 6 * 4  # (tp, pp, dp) with product 4, times micro-batch sizes 1, 2, 4, 8
+    usable = [c for c in cands if c["usable"]]
+    assert cands[: len(usable)] == usable
+    assert all(c["tp"] <= 2 for c in usable) and any(c["tp"] == 4 for c in cands if not c["usable"])
+    assert all(c["memory"]["total"] == sum(c["memory"][k] for k in ("weights", "gradients", "optimizer", "activations"))
+               for c in usable)
+
+
+def test_layouts_with_measured_times_puts_the_measured_first(tmp_path) -> None:
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"version": 1, "times": {"4": {"tp=1,pp=2,dp=2,mbs=4": 0.125}}}))
+    p = _cli("--model", "tiny", "--gpus", "4", "--gpus-per-node", "4", "--global-batch-size", "8",
+             "--times", str(times))
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"^\s+1\s+tp=1,pp=2,dp=2,mbs=4\s.*\s0\.125\s+\(.*\) measured$", p.stdout, re.M), p.stdout
+
+
+def test_no_usable_layout_is_an_error_listing_every_candidate() -> None:
+    """5 processes, 4 heads, global batch 8: exit status 2, each refused candidate printed with its reasons."""
+    p = _cli("--model", "tiny", "--gpus", "5", "--gpus-per-node", "4", "--global-batch-size", "8")
+    assert p.returncode == 2
+    assert "no usable layout for 5 GPUs" in p.stderr
+    assert "tp=1,pp=1,dp=5 mbs=1,2,4,8: DP=5 does not divide the global batch size 8" in p.stdout
+    assert "tp=1,pp=5,dp=1 mbs=1,2,4,8: PP=5 does not divide the 2 layers" in p.stdout
+    assert "tp=5,pp=1,dp=1 mbs=1,2,4,8: TP=5 spans more than the 4 GPUs of a node" in p.stdout
+
+
+def test_unknown_model_and_bad_flags_are_named() -> None:
+    p = _cli("--model", "gpt5", "--gpus", "4")
+    assert p.returncode == 2 and "unknown model 'gpt5'; known: " in p.stderr and "gpt3-xl" in p.stderr
+    p = _cli("--model", "tiny", "--gpus", "0")
+    assert p.returncode == 2 and "world size must be a positive integer, got 0" in p.stderr
+    p = _cli("--model", "tiny", "--gpus", "4", "--micro-batch-sizes", "1,x")
+    assert p.returncode == 2 and "--micro-batch-sizes" in p.stderr
