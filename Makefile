@@ -20,12 +20,14 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
+# Unit tests on both cores (pytest-xdist); the multi-process tests one at a time (each is a torchrun job).
 test: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron scripts tests examples
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 tests/unit
+	$(PY) -m pytest -q --durations=15 tests --ignore=tests/unit
 
 test-fast: $(VENV)/.installed
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n 2 tests/unit
 
 test-gpu: $(VENV)/.installed
 	$(PY) -m pytest -q -m gpu tests

@@ -26,7 +26,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_j
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
-from tenplex_megatron.training import gpt, mcore_dist_ckpt
+from tenplex_megatron.training import gpt, layout_choice, mcore_dist_ckpt
 from tenplex_megatron.training.data import (
     BYTE_VOCAB_SIZE,
     ByteTokenizer,
@@ -69,11 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--bf16", action="store_true")
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default 1 (or chosen)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, default=None, help="required unless --tenplex-layout chooses it")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--train-iters", type=int, required=True)
     g.add_argument("--exit-interval", type=int, default=None)
@@ -101,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
     g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N complete checkpoints")
     g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
+    g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
+                   help="choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto "
+                   "(legal layouts that fit memory, ranked by a throughput model) or a user's table; explicit "
+                   "--tensor/--pipeline-model-parallel-size and --micro-batch-size still win")
+    g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
+                   help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
     g.add_argument("--tenplex-no-save-on-signal", action="store_true",
                    help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
                    "this turns that off")
@@ -145,6 +151,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(str(e))
     if args.vocab_size is None:
         parser.error("--vocab-size is required with --mock-data")
+    chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
+    if chosen is not None:
+        args.tenplex_layout_why = chosen.why
+    if args.micro_batch_size is None:
+        parser.error("--micro-batch-size is required (or let --tenplex-layout choose it)")
+    args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
+    args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
     return args
 
 
@@ -222,6 +235,9 @@ def run(args: argparse.Namespace) -> None:
         )
     except ValueError as e:  # LayoutError included: the message names the flag or constraint
         raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
+    if getattr(args, "tenplex_layout_why", None):
+        _print0(f"> tenplex-megatron: --tenplex-layout {args.tenplex_layout}: {layout}, micro-batch "
+                f"{args.micro_batch_size} ({args.tenplex_layout_why})")
     _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
         f"padded vocabulary {padded}")
     if ckpt is not None:

@@ -28,7 +28,10 @@ from tests.harness import PRETRAIN, ROOT, TINY_GPT, metrics, torchrun
 
 pytestmark = pytest.mark.dist
 ITERS, SAVE_EVERY = 40, 4
-FLAGS = [*TINY_GPT, "--vocab-size", "96", "--train-iters", str(ITERS), "--save-interval", str(SAVE_EVERY)]
+_MBS = TINY_GPT.index("--micro-batch-size")
+# --tenplex-layout auto chooses TP, PP, DP and the micro-batch size for each world size torchrun gives the job
+FLAGS = [*TINY_GPT[:_MBS], *TINY_GPT[_MBS + 2:], "--vocab-size", "96", "--train-iters", str(ITERS),
+         "--save-interval", str(SAVE_EVERY), "--tenplex-layout", "auto"]
 # torchrun's c10d rendezvous store lives in the first agent to bind the endpoint (the head node): the node lost
 # here is the other one. (Losing the store's host ends the rendezvous: torchrun's etcd backend avoids that.)
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
@@ -114,4 +117,24 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
         assert m["loss"] == pytest.approx(want["loss"], rel=1e-5), (m["iteration"], m["loss"], want["loss"])
     a_log = (tmp_path / "a.log").read_text()
     assert "SIGTERM received: stopping after iteration" in a_log  # the rejoin: saved on the agent's notice
+    assert "--tenplex-layout auto: tp=1,pp=1,dp=1, micro-batch 8" in a_log  # chosen for the survivor alone
     print(f"node lost -> survivor training again: {t_resumed - t_lost:.1f} s (incl. 3 iterations)")
+
+
+def test_no_legal_layout_fails_once_with_every_reason(tmp_path) -> None:
+    """3 processes, 4 heads, 2 layers, global batch 8: nothing is legal. Every candidate is listed with its reasons,
+    no state is touched, and the elastic agent is stopped instead of restarting the job (max-restarts 3)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:1", "--nproc-per-node", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "3",
+           PRETRAIN, *FLAGS, "--save", str(tmp_path / "ckpt")]
+    t0 = time.time()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    log = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "--tenplex-layout auto at world size 3" in log, log[-3000:]
+    assert "tp=1,pp=1,dp=3" in log and "does not divide the global batch" in log, log[-3000:]
+    assert "TP=3 does not divide the attention heads" in log
+    assert "Restarting" not in log and log.count("--tenplex-layout auto at world size 3") <= 3  # one attempt
+    assert not os.path.exists(tmp_path / "ckpt")
+    assert time.time() - t0 < 120
