@@ -71,7 +71,6 @@ def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: 
     for group in inner.param_groups:
         if "step" in group:
             group["step"] = step
-        for p in group["params"]:
-            st = inner.state.get(p)
-            if st is not None and "step" in st:
-                st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+    for st in inner.state.values():  # every state, as step_of reads: ZeRO-3 keys it by partitions not in the groups
+        if "step" in st:
+            st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)

@@ -1,18 +1,24 @@
 """Under torchrun: a DeepSpeed PipelineModule (tied embedding, 4 blocks) trained, saved, resumed at another PP size.
 
-``train``: N global batches at ``--pp`` stages (DP = world / PP); saves a
-tenplex checkpoint after step K; records each step's loss. ``resume``: loads
-it at this run's PP/DP and trains the remaining steps. Every rank dumps its
+One launch runs several jobs in sequence, each on fresh engines (destroyed before the next), given as
+``--job '{"mode": "train", "pp": P, "dir": D, "ds": B}'`` or
+``--job '{"mode": "resume", "pp": P, "dir": D, "src": S, "universal": B}'`` (DP = world / PP).
+``train``: N global batches; saves a tenplex checkpoint (``D/ck``) after step K and, with ``ds``, DeepSpeed's
+own (``D/ds``); records each step's loss in ``D/a.json``. ``resume``: loads ``S/ck`` at this PP/DP and
+trains the remaining steps (``D/b.json``). Every rank dumps its
 stage's full fp32 master weights and Adam moments (DeepSpeed's own
-``safe_get_full_*``) into ``OUT.rank<r>.json`` right after the save or load;
-with ``--universal``, also after DeepSpeed's own route (``ds_to_universal`` output, universal load).
+``safe_get_full_*``) into ``<out>.rank<r>.json`` right after the save or load;
+with ``universal``, also after DeepSpeed's own route (``S/ds/global_stepK_universal``, the
+``ds_to_universal`` output; universal load) into ``<out>.univ.rank<r>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+from dataclasses import dataclass
 
 import deepspeed
 import deepspeed.ops
@@ -99,43 +105,73 @@ def dump(engine: deepspeed.DeepSpeedEngine, path: str) -> None:
         json.dump(out, f)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "resume"])
-    ap.add_argument("--pp", type=int, required=True)
-    ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--save-after", type=int, default=3)
-    ap.add_argument("--tenplex-dir", required=True)
-    ap.add_argument("--ds-dir", default=None, help="train: also save DeepSpeed's own checkpoint here")
-    ap.add_argument("--universal", default=None, help="resume: also load this ds_to_universal output (dumped to OUT.univ)")
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+@dataclass(frozen=True)
+class Job:
+    """One train or resume run at ``pp`` stages; its files under ``dir`` (a resume reads ``src``)."""
+
+    mode: str
+    pp: int
+    dir: str
+    src: str = ""
+    ds: bool = False
+    universal: bool = False
+
+    @staticmethod
+    def parse(text: str) -> Job:
+        d = json.loads(text)
+        allowed = {"train": {"mode", "pp", "dir", "ds"}, "resume": {"mode", "pp", "dir", "src", "universal"}}
+        if d.get("mode") not in allowed or not {"pp", "dir"} <= set(d) <= allowed[d["mode"]]:
+            raise SystemExit(f"--job {text}: expected the keys {allowed}")
+        if d["mode"] == "resume" and "src" not in d:
+            raise SystemExit(f"--job {text}: a resume needs src")
+        return Job(**d)
+
+
+def run(job: Job, args: argparse.Namespace) -> None:
+    """One job on fresh engines; rank 0 writes its losses (and the load's report) to ``a.json`` / ``b.json``."""
     result: dict = {"losses": {}}
-    if args.universal:  # DeepSpeed's own route, for comparison
-        ref = build(args.pp, universal=True)
-        ref.load_checkpoint(os.path.dirname(args.universal), tag=os.path.basename(args.universal))
-        dump(ref, f"{args.out}.univ")
+    out = os.path.join(job.dir, "a.json" if job.mode == "train" else "b.json")
+    if job.universal:  # DeepSpeed's own route, for comparison
+        ref = build(job.pp, universal=True)
+        ref.load_checkpoint(os.path.join(job.src, "ds"), tag=f"global_step{args.save_after}_universal")
+        dump(ref, f"{out}.univ")
         result["universal_next_loss"] = step(ref, int(ref.global_steps) + 1)
+        ref.destroy()
         del ref
-    engine = build(args.pp)
+        gc.collect()
+    engine = build(job.pp)
     first = 1
-    if args.mode == "resume":
-        lr = tds.load_checkpoint(engine, args.tenplex_dir)
+    if job.mode == "resume":
+        lr = tds.load_checkpoint(engine, os.path.join(job.src, "ck"))
         result["load"] = {"global_steps": lr.iteration, "source": lr.source_layout}
-        dump(engine, args.out)
+        dump(engine, out)
         first = lr.iteration + 1
     for i in range(first, args.steps + 1):
         result["losses"][i] = step(engine, i)
-        if args.mode == "train" and i == args.save_after:
-            tds.save_checkpoint(engine, args.tenplex_dir)
-            if args.ds_dir:
-                engine.save_checkpoint(args.ds_dir)
-            dump(engine, args.out)
+        if job.mode == "train" and i == args.save_after:
+            tds.save_checkpoint(engine, os.path.join(job.dir, "ck"))
+            if job.ds:
+                engine.save_checkpoint(os.path.join(job.dir, "ds"))
+            dump(engine, out)
+    engine.destroy()
+    del engine
+    gc.collect()
     if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
+        with open(out, "w") as f:
             json.dump(result, f)
     dist.barrier()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--job", action="append", type=Job.parse, required=True, help="JSON (see the docstring); repeat")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--save-after", type=int, default=3)
+    args = ap.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for job in args.job:
+        os.makedirs(job.dir, exist_ok=True)
+        run(job, args)
 
 
 if __name__ == "__main__":

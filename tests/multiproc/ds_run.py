@@ -1,10 +1,15 @@
-"""Under torchrun: train a tiny GPT-2 with a real DeepSpeed engine, save, or resume at another DP size and compare.
+"""Under torchrun: train tiny GPT-2s with real DeepSpeed engines, save, or resume at another DP size and compare.
 
+One launch runs several jobs in sequence, each on fresh engines (destroyed before the next), so one
+torchrun start-up serves every ZeRO stage and dtype at this DP size. A job is ``--job '{"stage": S,
+"bf16": B, "dir": D}'``; its files live under ``D``: ``t/`` (tenplex), ``d/`` (DeepSpeed's own
+checkpoint), ``d/global_stepK_universal`` (``ds_to_universal``'s output), ``a.json`` (train) and
+``b<DP>.json`` (resume at DP ranks); ``--bad`` names a job whose checkpoints bad loads are tried on.
 ``train``: N steps; saves a tenplex checkpoint and DeepSpeed's own checkpoint
 after step K; writes every step's loss (the uninterrupted reference).
 ``resume``: at this DP size, loads (1) the tenplex checkpoint, (2) DeepSpeed's
-own checkpoint directly through tenplex (no conversion) and, when ``--universal`` names the
-output of ``ds_to_universal``, (3) DeepSpeed's universal route; dumps each
+own checkpoint directly through tenplex (no conversion) and, with ``--universal``,
+(3) DeepSpeed's universal route; dumps each
 engine's full fp32 master weights and Adam moments (DeepSpeed's own
 ``safe_get_full_*`` accessors) and the losses of the remaining steps.
 The global batch is fixed; DP ranks take contiguous shares and the number of
@@ -14,8 +19,11 @@ micro-batches is recomputed, so losses are comparable across DP sizes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import shutil
+from dataclasses import dataclass
 
 import deepspeed
 import deepspeed.ops
@@ -33,7 +41,31 @@ SEQ = 16
 VOCAB = 96
 
 
-def build(args: argparse.Namespace, universal: bool = False, n_embd: int = 32) -> deepspeed.DeepSpeedEngine:
+@dataclass(frozen=True)
+class Job:
+    """One (ZeRO stage, dtype) variant and the directory holding its checkpoints and results."""
+
+    stage: int
+    bf16: bool
+    dir: str
+
+    @staticmethod
+    def parse(text: str) -> Job:
+        d = json.loads(text)
+        if set(d) != {"stage", "bf16", "dir"}:
+            raise SystemExit(f"--job {text}: expected the keys stage, bf16, dir")
+        return Job(int(d["stage"]), bool(d["bf16"]), str(d["dir"]))
+
+    @property
+    def tenplex_dir(self) -> str:
+        return os.path.join(self.dir, "t")
+
+    @property
+    def ds_dir(self) -> str:
+        return os.path.join(self.dir, "d")
+
+
+def build(job: Job, universal: bool = False, n_embd: int = 32) -> deepspeed.DeepSpeedEngine:
     torch.manual_seed(1234)  # same initial weights everywhere (a load overwrites them anyway)
     cfg = GPT2Config(n_layer=2, n_embd=n_embd, n_head=4, vocab_size=VOCAB, n_positions=SEQ, resid_pdrop=0.0,
                      embd_pdrop=0.0, attn_pdrop=0.0)
@@ -45,8 +77,8 @@ def build(args: argparse.Namespace, universal: bool = False, n_embd: int = 32) -
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": GLOBAL_BATCH // (dp * micro),
-        "zero_optimization": {"stage": args.stage},
-        "bf16": {"enabled": args.bf16},
+        "zero_optimization": {"stage": job.stage},
+        "bf16": {"enabled": job.bf16},
         "gradient_clipping": 1.0,
         "scheduler": {"type": "WarmupLR",  # the LR schedule must continue across the restart too
                       "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 2e-3, "warmup_num_steps": 5}},
@@ -56,6 +88,13 @@ def build(args: argparse.Namespace, universal: bool = False, n_embd: int = 32) -
         conf["checkpoint"] = {"load_universal": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=conf)
     return engine
+
+
+def free(*engines: deepspeed.DeepSpeedEngine) -> None:
+    """Release engines before the next job builds its own (ZeRO-3 hooks, optimizer buffers)."""
+    for engine in engines:
+        engine.destroy()
+    gc.collect()
 
 
 def batch(step: int) -> torch.Tensor:
@@ -91,17 +130,59 @@ def full_state(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     return out
 
 
+def train(job: Job, args: argparse.Namespace) -> dict:
+    """The uninterrupted run: every step's loss; both checkpoints and the full state after step K."""
+    result: dict = {"losses": {}}
+    engine = build(job)
+    for step in range(1, args.steps + 1):
+        result["losses"][step] = train_step(engine, step)
+        if step == args.save_after:
+            res = tds.save_checkpoint(engine, job.tenplex_dir)
+            engine.save_checkpoint(job.ds_dir)
+            result["saved"] = res.path
+            result["state"] = {k: v.tolist() for k, v in full_state(engine).items()}
+    free(engine)
+    return result
+
+
+def resume(job: Job, args: argparse.Namespace) -> dict:
+    """Three loads at this DP size (tenplex's, DeepSpeed's files read directly, the universal route) and the rest."""
+    result: dict = {"losses": {}}
+    states = {}
+    engine = build(job)
+    lr = tds.load_checkpoint(engine, job.tenplex_dir)
+    result["tenplex_load"] = {"global_steps": lr.iteration, "source": lr.source_layout, "bytes_read": lr.bytes_read}
+    states["tenplex"] = full_state(engine)
+    nat = build(job)
+    nl = tds.load_checkpoint(nat, job.ds_dir)  # DeepSpeed's own files, read directly at this DP size
+    result["native_load"] = {"global_steps": nl.iteration, "source": nl.source_layout,
+                             "native": nl.source_format == "deepspeed", "bytes_read": nl.bytes_read}
+    states["native"] = full_state(nat)
+    result["native_next_loss"] = train_step(nat, nl.iteration + 1)
+    free(nat)
+    if args.universal:
+        ref = build(job, universal=True)
+        ref.load_checkpoint(job.ds_dir, tag=f"global_step{args.save_after}_universal")
+        states["universal"] = full_state(ref)
+        result["universal_next_loss"] = train_step(ref, lr.iteration + 1)
+        result["universal_global_steps"] = int(ref.global_steps)
+        free(ref)
+    for step in range(lr.iteration + 1, args.steps + 1):
+        result["losses"][step] = train_step(engine, step)
+    free(engine)
+    result["state"] = {src: {k: v.tolist() for k, v in s.items()} for src, s in states.items()}
+    return result
+
+
 class NotDeepSpeed:
     """Stands for any class a hostile or foreign pickle may name."""
 
 
-def bad_inputs(args: argparse.Namespace) -> dict[str, str]:
+def bad_inputs(job: Job, args: argparse.Namespace) -> dict[str, str]:
     """Loads that must fail with an error naming the file or tensor, leaving the engine untouched."""
-    import shutil
-
     out: dict[str, str] = {}
-    work = os.path.join(os.path.dirname(args.out), "bad")
-    engine = build(args)
+    work = os.path.join(job.dir, f"bad{dist.get_world_size()}")
+    engine = build(job)
     before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
     def attempt(name: str, eng: deepspeed.DeepSpeedEngine, path: str) -> None:
@@ -111,77 +192,54 @@ def bad_inputs(args: argparse.Namespace) -> dict[str, str]:
         except Exception as e:  # noqa: BLE001 - the message is what is checked
             out[name] = f"{type(e).__name__}: {e}"
 
+    step_dir = f"global_step{args.save_after}"
     missing = os.path.join(work, "missing")
-    shutil.copytree(args.ds_dir, missing)
-    os.remove(os.path.join(missing, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
-    attempt("missing_rank_file", engine, missing)
     hostile = os.path.join(work, "hostile")
-    shutil.copytree(args.ds_dir, hostile)
-    torch.save({"optimizer_state_dict": NotDeepSpeed()},
-               os.path.join(hostile, "global_step3", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if dist.get_rank() == 0:
+        shutil.copytree(job.ds_dir, missing)
+        os.remove(os.path.join(missing, step_dir, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+        shutil.copytree(job.ds_dir, hostile)
+        torch.save({"optimizer_state_dict": NotDeepSpeed()},
+                   os.path.join(hostile, step_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    dist.barrier()
+    attempt("missing_rank_file", engine, missing)
     attempt("foreign_pickle", engine, hostile)
-    other = build(args, n_embd=16)
-    attempt("other_model_native", other, args.ds_dir)
-    attempt("other_model_tenplex", other, args.tenplex_dir)
+    other = build(job, n_embd=16)
+    attempt("other_model_native", other, job.ds_dir)
+    attempt("other_model_tenplex", other, job.tenplex_dir)
     out["untouched"] = str(all(torch.equal(before[n], p) for n, p in engine.module.named_parameters()))
-    out["step_file"] = os.path.join(missing, "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    out["hostile_file"] = os.path.join(hostile, "global_step3", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    out["step_file"] = os.path.join(missing, step_dir, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    out["hostile_file"] = os.path.join(hostile, step_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    free(engine, other)
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "resume", "bad"])
-    ap.add_argument("--stage", type=int, required=True)
-    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("mode", choices=["train", "resume"])
+    ap.add_argument("--job", action="append", type=Job.parse, required=True,
+                    help='JSON {"stage": S, "bf16": B, "dir": D}; repeat to run several jobs in this launch')
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--save-after", type=int, default=3)
-    ap.add_argument("--tenplex-dir", required=True)
-    ap.add_argument("--ds-dir", required=True)
-    ap.add_argument("--universal", default=None, help="ds_to_universal output folder to load as DeepSpeed's route")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--universal", action="store_true", help="resume: also run DeepSpeed's universal route")
+    ap.add_argument("--bad", type=Job.parse, default=None,
+                    help="resume: then try bad loads on this job's checkpoints (writes its bad<DP>.json)")
     args = ap.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
-    r = dist.get_rank()
-    result: dict = {"losses": {}}
-    if args.mode == "bad":
-        result = bad_inputs(args)
-    elif args.mode == "train":
-        engine = build(args)
-        for step in range(1, args.steps + 1):
-            result["losses"][step] = train_step(engine, step)
-            if step == args.save_after:
-                res = tds.save_checkpoint(engine, args.tenplex_dir)
-                engine.save_checkpoint(args.ds_dir)
-                result["saved"] = res.path
-                result["state"] = {k: v.tolist() for k, v in full_state(engine).items()}
-    else:
-        states = {}
-        engine = build(args)
-        lr = tds.load_checkpoint(engine, args.tenplex_dir)
-        result["tenplex_load"] = {"global_steps": lr.iteration, "source": lr.source_layout, "bytes_read": lr.bytes_read}
-        states["tenplex"] = full_state(engine)
-        nat = build(args)
-        nl = tds.load_checkpoint(nat, args.ds_dir)  # DeepSpeed's own files, read directly at this DP size
-        result["native_load"] = {"global_steps": nl.iteration, "source": nl.source_layout, "native": nl.source_format == "deepspeed",
-                                 "bytes_read": nl.bytes_read}
-        states["native"] = full_state(nat)
-        result["native_next_loss"] = train_step(nat, nl.iteration + 1)
-        del nat
-        if args.universal:
-            ref = build(args, universal=True)
-            ref.load_checkpoint(os.path.dirname(args.universal), tag=os.path.basename(args.universal))
-            states["universal"] = full_state(ref)
-            result["universal_next_loss"] = train_step(ref, lr.iteration + 1)
-            result["universal_global_steps"] = int(ref.global_steps)
-            del ref
-        for step in range(lr.iteration + 1, args.steps + 1):
-            result["losses"][step] = train_step(engine, step)
-        result["state"] = {src: {k: v.tolist() for k, v in s.items()} for src, s in states.items()}
-    if r == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
+    dp = dist.get_world_size()
+    for job in args.job:
+        result = train(job, args) if args.mode == "train" else resume(job, args)
+        out = os.path.join(job.dir, "a.json" if args.mode == "train" else f"b{dp}.json")
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(result, f)
+        dist.barrier()
+    if args.bad:
+        result = bad_inputs(args.bad, args)
+        if dist.get_rank() == 0:
+            with open(os.path.join(args.bad.dir, f"bad{dp}.json"), "w") as f:
+                json.dump(result, f)
+        dist.barrier()
 
 
 if __name__ == "__main__":
