@@ -27,7 +27,7 @@ import pytest
 from tests.harness import PRETRAIN, ROOT, TINY_GPT, metrics, torchrun
 
 pytestmark = pytest.mark.dist
-ITERS, SAVE_EVERY = 40, 4
+ITERS, SAVE_EVERY = 300, 10  # long enough that the node is back before the survivor finishes alone
 _MBS = TINY_GPT.index("--micro-batch-size")
 # --tenplex-layout auto chooses TP, PP, DP and the micro-batch size for each world size torchrun gives the job
 FLAGS = [*TINY_GPT[:_MBS], *TINY_GPT[_MBS + 2:], "--vocab-size", "96", "--train-iters", str(ITERS),
@@ -44,7 +44,10 @@ def _free_port() -> int:
 
 
 def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared with the workers, torch 2.13's agents
+    # hung re-forming the rendezvous when a node joined (each waiting for keys the other wrote elsewhere)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
            "--rdzv-conf", RDZV_CONF, "--max-restarts", "5", "--monitor-interval", "0.5", PRETRAIN, *FLAGS,
@@ -72,10 +75,12 @@ def _wait_listening(port: int, timeout: float = 120) -> None:
     raise AssertionError(f"nothing listens on port {port} after {timeout} s")
 
 
-def _wait_for(log: str, n: int, timeout: float = 300) -> None:
+def _wait_for(log: str, n: int, dp: int | None = None, timeout: float = 300) -> None:
+    """Until ``log`` has ``n`` iterations (and the newest ran at ``dp`` processes, if given)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if os.path.exists(log) and len(metrics(log)) >= n:
+        got = metrics(log) if os.path.exists(log) else []
+        if len(got) >= n and (dp is None or got[-1]["layout"]["dp"] == dp):
             return
         time.sleep(0.2)
     raise AssertionError(f"{log}: fewer than {n} iterations after {timeout} s")
@@ -92,11 +97,11 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
     _wait_listening(port)  # agent a hosts the rendezvous store
     b = _agent("b", port, ckpt, log, str(tmp_path))
     try:
-        _wait_for(log, SAVE_EVERY + 2)  # past the first checkpoint, at world size 2
+        _wait_for(log, SAVE_EVERY + 2, dp=2)  # past the first checkpoint, at world size 2 (a may start alone)
         lost_at = len(metrics(log))
         t_lost = time.time()
         _lose_node(b)
-        _wait_for(log, lost_at + 3)  # the survivor trains on alone
+        _wait_for(log, lost_at + 3, dp=1)  # the survivor trains on alone
         t_resumed = time.time()
         b = _agent("b", port, ckpt, log, str(tmp_path))  # the node is back
         assert a.wait(timeout=600) == 0 and b.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-4000:]
@@ -106,11 +111,12 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
                 _lose_node(p)
     got = metrics(log)
     worlds = [m["layout"]["dp"] for m in got]
-    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds  # 2 -> 1 -> 2 processes
+    lost = next(i for i in range(lost_at, len(worlds)) if worlds[i] == 1)
+    assert worlds[lost_at - 1] == 2 and 2 in worlds[lost:], worlds  # 2 -> 1 (node lost) -> 2 (back)
     assert got[-1]["iteration"] == ITERS
     assert {m["iteration"] for m in got} == set(range(1, ITERS + 1))
-    repeated = len(got) - ITERS
-    assert repeated <= SAVE_EVERY, repeated  # work lost is at most the save interval
+    repeated = len(got) - ITERS  # iterations run twice: after the failure (a rejoin saves first: none there)
+    assert repeated <= SAVE_EVERY + (SAVE_EVERY if worlds[0] == 1 else 0), repeated  # at most the save interval
     for m in got:
         want = ref[m["iteration"]]
         assert m["samples"] == want["samples"], m["iteration"]  # every global batch holds the same samples
