@@ -59,6 +59,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tenplex_megatron._optional import MissingExtraError, require  # noqa: E402
+
 # GPT-2 shapes: layers, hidden, heads, vocabulary, sequence length, position table.
 MODELS: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1024, "seq": 32, "n_positions": 32},
@@ -565,9 +567,8 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot(res: dict[str, Any], path: str) -> None:
-    """Three bar panels: times, bytes, peak RSS."""
-    import matplotlib
-
+    """Three bar panels: times, bytes, peak RSS (MissingExtraError without matplotlib)."""
+    matplotlib = require("matplotlib", "bench", needed_by="the benchmark's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -633,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-workdir", action="store_true")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     a = ap.parse_args(argv)
+    require("deepspeed", "deepspeed", needed_by="scripts/bench_deepspeed.py")
+    require("transformers", "hf", needed_by="scripts/bench_deepspeed.py (its GPT-2 model)")
     if (a.src, a.dst) not in TRANSITIONS:
         ap.error(f"--from {a.src} --to {a.dst}: supported transitions are {sorted(TRANSITIONS)}")
     if a.reps < 3:
@@ -684,8 +687,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot(res, a.png)
         print(f"[bench] wrote {a.json} and {a.png} in {res['wall_s']:.0f} s")
-    except ImportError:
-        print(f"[bench] wrote {a.json} (matplotlib missing: no PNG) in {res['wall_s']:.0f} s")
+    except MissingExtraError as e:
+        print(f"[bench] wrote {a.json} ({e}: no PNG) in {res['wall_s']:.0f} s")
     if not res["checks"]["passed"]:
         print("CORRECTNESS FAILED: " + "; ".join(res["checks"]["problems"]), file=sys.stderr)
         return 1

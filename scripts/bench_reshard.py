@@ -62,6 +62,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tenplex_megatron._optional import MissingExtraError, require  # noqa: E402
+
 TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  # (tp, pp, dp) at A, at B
     "tp2-dp2": ((2, 1, 1), (1, 1, 2)),
     "dp2-tp2": ((1, 1, 2), (2, 1, 1)),
@@ -703,13 +705,12 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
 
 def plot(report: dict[str, Any], path: str) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib is not importable: no plot)")
+        matplotlib = require("matplotlib", "bench", needed_by="the benchmark's plot")
+    except MissingExtraError as e:
+        print(f"({e}: no plot)")
         return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     runs = report["runs"]
     labels = [f"{r['model']}\n{r['transition']}" for r in runs]
     panels = (("save", SAVE_SYSTEMS, "seconds", "save at A (s)"),
