@@ -6,9 +6,11 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-fast test-gpu lint bench venv clean
+.PHONY: demo test test-fast test-gpu lint bench venv dist clean
 
-$(VENV)/.installed: requirements.txt setup.py
+# torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
+# set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
+$(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) -r requirements.txt
@@ -38,5 +40,9 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_reshard.py --quick
 
+# The sdist and the wheel (from the sdist), as a user's pip would get them.
+dist: $(VENV)/.installed
+	$(PY) -m build --no-isolation --outdir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

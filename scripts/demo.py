@@ -23,6 +23,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from tenplex_megatron._optional import MissingExtraError, require  # noqa: E402
+
 MODEL = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
     "--vocab-size", "250", "--make-vocab-size-divisible-by", "64", "--swiglu",
@@ -99,13 +101,12 @@ def main() -> int:
 
 def plot(ref: dict[int, float], ela: dict[int, float], path: str) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("   (matplotlib not installed: no plot)")
+        matplotlib = require("matplotlib", "bench", needed_by="the demo's plot")
+    except MissingExtraError as e:
+        print(f"   ({e}: no plot)")
         return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
     its = sorted(ref)
     ax.plot(its, [ref[i] for i in its], "k-", lw=3, alpha=0.35, label="uninterrupted, 2 procs TP=2")

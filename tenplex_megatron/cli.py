@@ -1,5 +1,6 @@
 """``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan, rank layouts. Never imports torch (tested).
 
+    python -m tenplex_megatron --version        (or the console script: tenplex-megatron --version)
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]
     python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
     python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
@@ -15,6 +16,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from tenplex_megatron import __version__
 from tenplex_megatron.plan.autolayout import (
     GIB,
     Hardware,
@@ -314,6 +316,7 @@ def plan_report(plan: Any, source: PTC, dst: ParallelLayout, gpus_per_node: int 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tenplex_megatron", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"tenplex-megatron {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("inspect", help="layout, tensors, bytes and iteration of a checkpoint")
     i.add_argument("checkpoint")

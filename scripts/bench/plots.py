@@ -5,19 +5,22 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from tenplex_megatron._optional import MissingExtraError, require
+
 # one colour per system in every benchmark's plots (cold loads take their base system's)
 COLORS = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green"}
 
 
 def pyplot() -> Any | None:
-    """matplotlib.pyplot with the file-only Agg backend, or None when matplotlib is not importable."""
+    """matplotlib.pyplot with the file-only Agg backend, or None (saying which extra to install) without it."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        matplotlib = require("matplotlib", "bench", needed_by="the benchmark's plot")
+    except MissingExtraError as e:
+        print(f"({e}: no plot)")
         return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     return plt
 
 

@@ -23,6 +23,7 @@ import argparse
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from tenplex_megatron._optional import require
 from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec, load_job, save_job
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
@@ -183,9 +184,10 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
 
 def install() -> None:
     """Wrap Megatron-LM's checkpoint, data-loader and vocabulary-padding functions (idempotent)."""
+    train_mod = require("megatron.training.training", "megatron-lm", needed_by=__name__,
+                        note="megatron.training is Megatron-LM's, from a core_v0.16.x checkout on PYTHONPATH")
     import megatron.training.checkpointing as ckpt_mod
     import megatron.training.tokenizer.tokenizer as tok_mod
-    import megatron.training.training as train_mod
 
     if _ORIGINALS:
         return

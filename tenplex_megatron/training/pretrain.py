@@ -1,6 +1,8 @@
 """GPT pre-training on megatron-core that speaks Megatron-LM's flags, plus ``--tenplex``.
 
-``scripts/pretrain_gpt.py`` is a thin wrapper around :func:`main`. Flags keep
+``scripts/pretrain_gpt.py`` is a thin wrapper around :func:`main`; from an
+installed package, ``torchrun ... -m tenplex_megatron.training.pretrain`` runs
+the same. Flags keep
 Megatron-LM's names and meanings; an unknown or unsupported flag is an error
 naming it. With ``--tenplex`` checkpoints are saved and loaded through
 tenplex, re-sharded to whatever layout the restarted job has; without it,
@@ -338,3 +340,7 @@ def load_metrics(path: str) -> list[dict[str, Any]]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+if __name__ == "__main__":  # torchrun -m tenplex_megatron.training.pretrain (megatron's spawned manager needs the guard)
+    sys.exit(main())

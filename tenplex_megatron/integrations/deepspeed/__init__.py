@@ -2,11 +2,20 @@
 
 ``save_checkpoint(engine, dir)`` / ``load_checkpoint(engine, dir)`` sit next to
 DeepSpeed's own calls; the load also reads DeepSpeed's ``global_stepN``
-checkpoints written at any DP size, with no conversion step on disk.
+checkpoints written at any DP size, with no conversion step on disk. Needs the
+``[deepspeed]`` extra: without DeepSpeed, importing this package says which.
 """
 
-from tenplex_megatron.engine.load import LoadResult
-from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter, load_checkpoint, save_checkpoint
-from tenplex_megatron.integrations.deepspeed.zero import DeepSpeedStateError
+from tenplex_megatron._optional import require
+
+require("deepspeed", "deepspeed", needed_by="tenplex_megatron.integrations.deepspeed")
+
+from tenplex_megatron.engine.load import LoadResult  # noqa: E402
+from tenplex_megatron.integrations.deepspeed.adapter import (  # noqa: E402
+    DeepSpeedAdapter,
+    load_checkpoint,
+    save_checkpoint,
+)
+from tenplex_megatron.integrations.deepspeed.zero import DeepSpeedStateError  # noqa: E402
 
 __all__ = ["DeepSpeedAdapter", "DeepSpeedStateError", "LoadResult", "load_checkpoint", "save_checkpoint"]
