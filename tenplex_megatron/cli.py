@@ -266,7 +266,7 @@ def _print_report(r: CheckReport) -> None:
     if r.ok:
         print(f"OK       {r.path}: {what}")
         return
-    print(f"DAMAGED  {r.path}: {len(r.damage)} problems ({what})")
+    print(f"DAMAGED  {r.path}: {len(r.damage)} problem{'s' if len(r.damage) != 1 else ''} ({what})")
     for d in r.damage:
         print(f"  {d.why}")
     print(f"  damaged files:   {', '.join(r.damaged_files())}")

@@ -19,7 +19,7 @@ from tenplex_megatron import cli
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.save import save_chunks
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, read_header
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, SafetensorsReader, crc32, read_header
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 from tests.harness import ROOT
 
@@ -92,7 +92,7 @@ def test_a_flipped_byte_fails_naming_file_tensor_and_block(ckpt: str, capsys, wo
         f.write(bytes([b ^ 0x08]))
     rc, out, _ = _verify(capsys, ckpt, "--workers", str(workers))
     assert rc == 1
-    assert f"DAMAGED  {ckpt}: 1 problems" in out
+    assert f"DAMAGED  {ckpt}: 1 problem (" in out
     assert (f"rank_00000.safetensors: tensor '{at['name']}' (of 'w') fails its checksum in block 1 "
             f"(bytes {BLOCK_BYTES}-{393_216 * 4} of the tensor") in out
     assert "damaged files:   rank_00000.safetensors" in out and "damaged tensors: w" in out
@@ -195,3 +195,25 @@ def test_verify_runs_with_torch_blocked(ckpt: str) -> None:
                        env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"}, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith(f"OK       {ckpt}")
+
+
+def test_a_format_1_checkpoint_is_checked_whole_chunk_by_chunk(ckpt: str, capsys) -> None:
+    def to_v1(meta: dict) -> None:  # what format 1 wrote: one CRC-32 per stored tensor, no block sums
+        meta["format_version"] = 1
+        for c in meta["ptc"]["chunks"]:
+            at = c["at"]
+            reader = SafetensorsReader(os.path.join(ckpt, at["file"]))
+            at["crc32"] = crc32(reader.flat(at["name"]))
+            reader.close()
+            del at["block_bytes"], at["block_crc32"]
+
+    _edit(ckpt, to_v1)
+    report = verify_checkpoint(ckpt)
+    assert report.ok and report.blocks == 3 and report.bytes_checked == report.bytes_stored
+    at = _chunk_of(ckpt, 0)
+    path = os.path.join(ckpt, at["file"])
+    with open(path, "r+b") as f:
+        f.seek(read_header(path)[0][at["name"]].begin + 12345)
+        f.write(b"\xff")
+    rc, out, _ = _verify(capsys, ckpt)
+    assert rc == 1 and f"rank_00000.safetensors: tensor '{at['name']}' (of 'w') fails its checksum (crc32 " in out
