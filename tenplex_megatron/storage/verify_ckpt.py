@@ -6,7 +6,7 @@ chunks partition each tensor (no overlap, no gap), that every file is there at
 its recorded size with a valid safetensors header holding each chunk at the
 right dtype and size, and reads every stored chunk's bytes to check each block
 checksum. Files are memory-mapped and the CRC runs straight over the mapped
-pages (no copy: 3.5x a ``pread`` into a buffer here), in threads (the CRC
+pages (no copy: warm, faster than a ``pread`` into a buffer here), in threads (the CRC
 releases the GIL, page faults included), spans of up to 16 MiB in file order,
 each announced to the kernel (``MADV_WILLNEED``) as it starts. Every problem
 found is reported, naming the file and the tensor; nothing stops at the first.
