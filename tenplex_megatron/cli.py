@@ -1,7 +1,9 @@
-"""``python -m tenplex_megatron``: inspect a checkpoint, dry-run a re-shard plan, rank layouts. Never imports torch (tested).
+"""``python -m tenplex_megatron``: inspect or verify a checkpoint, dry-run a re-shard plan, rank layouts. Never imports
+torch (tested).
 
     python -m tenplex_megatron --version        (or the console script: tenplex-megatron --version)
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]
+    python -m tenplex_megatron verify CKPT [--all] [--json] [--workers N]
     python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
     python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
     python -m tenplex_megatron layouts --model gpt3-1.3b --gpus 12 --gpus-per-node 4 [--memory-gb 80] [--json]
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -38,8 +41,10 @@ from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
+from tenplex_megatron.storage.confine import confine_all
 from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
 class CLIError(RuntimeError):
@@ -61,6 +66,7 @@ def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
     try:
         meta = read_metadata(ckpt)
         ptc = PTC.from_json(meta["ptc"])
+        confine_all(ckpt, (sc.location.file for sc in ptc.chunks))
     except (CheckpointFileError, PTCError, KeyError) as e:
         raise CLIError(f"{ckpt}: {e}") from None
     return ckpt, meta, ptc
@@ -313,6 +319,74 @@ def plan_report(plan: Any, source: PTC, dst: ParallelLayout, gpus_per_node: int 
     }
 
 
+class _Progress:
+    """A progress line on stderr for long checks: rewritten in place on a terminal, a new line every
+    ``every`` seconds otherwise (logs); nothing for a check that ends sooner."""
+
+    def __init__(self, name: str, every: float | None):
+        self.tty = sys.stderr.isatty()
+        self.every = every if every is not None else (0.5 if self.tty else 10.0)
+        self.name = name
+        self.t0 = self.last = time.perf_counter()
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every:
+            return
+        self.last, self.shown = now, True
+        rate = done / max(now - self.t0, 1e-9)
+        line = (f"verify: {self.name}: {_fmt_bytes(done)} of {_fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%), "
+                f"{rate / 1e9:.2f} GB/s")
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        if self.tty and self.shown:
+            print(file=sys.stderr)
+
+
+def _print_report(r: CheckReport) -> None:
+    it = f"iteration {r.iteration}, " if r.iteration is not None else ""
+    what = (f"{it}{r.files} files, {r.tensors} tensors in {r.chunks} stored chunks, "
+            f"{_fmt_bytes(r.bytes_checked)} read, {r.blocks} checksums in {r.seconds:.2f} s "
+            f"({r.gb_per_s:.2f} GB/s, {r.threads} threads)")
+    if r.ok:
+        print(f"OK       {r.path}: {what}")
+        return
+    print(f"DAMAGED  {r.path}: {len(r.damage)} problem{'s' if len(r.damage) != 1 else ''} ({what})")
+    for d in r.damage:
+        print(f"  {d.why}")
+    print(f"  damaged files:   {', '.join(r.damaged_files())}")
+    if r.damaged_tensors():
+        print(f"  damaged tensors: {', '.join(r.damaged_tensors())}")
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        raise CLIError(f"--workers must be at least 1, got {args.workers}")
+    paths = checkpoints_in(args.checkpoint, args.all)
+    if not paths:
+        raise CLIError(f"{args.checkpoint}: no tenplex checkpoint here")
+    reports = []
+    for path in paths:
+        progress = _Progress(os.path.basename(os.path.normpath(path)), args.progress_every)
+        try:
+            reports.append(verify_checkpoint(path, args.workers or default_workers(), progress))
+        finally:
+            progress.end()
+        if not args.json:
+            _print_report(reports[-1])
+    bad = [r for r in reports if not r.ok]
+    if args.json:
+        print(json.dumps({"ok": not bad, "checkpoints": [r.to_json() for r in reports]}, indent=1))
+    else:
+        checked = sum(r.bytes_checked for r in reports)
+        seconds = sum(r.seconds for r in reports)
+        print(f"verify: {len(reports) - len(bad)} of {len(reports)} checkpoints intact, "
+              f"{_fmt_bytes(checked)} checked in {seconds:.2f} s ({checked / max(seconds, 1e-9) / 1e9:.2f} GB/s)")
+    return 1 if bad else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tenplex_megatron", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -323,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.add_argument("--json", action="store_true")
     i.set_defaults(fn=cmd_inspect)
+    v = sub.add_parser("verify", help="read every stored chunk and check its checksums, file sizes and the "
+                                      "tensors' partition, without a model (exit 1 naming what is damaged)")
+    v.add_argument("checkpoint", help="a checkpoint directory, or a save directory (its newest checkpoint)")
+    v.add_argument("--all", action="store_true", help="every checkpoint under the save directory")
+    v.add_argument("--json", action="store_true")
+    v.add_argument("--workers", type=int, default=None, help="reading threads (default: the CPUs available)")
+    v.add_argument("--progress-every", type=float, default=None, help=argparse.SUPPRESS)  # seconds between lines
+    v.set_defaults(fn=cmd_verify)
     q = sub.add_parser("plan", help="dry run: bytes each destination rank would read for a new layout")
     q.add_argument("checkpoint", nargs="?", help="checkpoint directory (or use --model and --from)")
     q.add_argument("--model", help="plan for a model in the packaged model catalogue without a checkpoint, e.g. gpt3-175b")

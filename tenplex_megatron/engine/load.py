@@ -66,8 +66,10 @@ def open_tenplex(load_dir: str, iteration: int | None, verify: bool) -> Opened:
         raise FileNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
     meta = directory.read_metadata(path)
     source = PTC.from_json(meta["ptc"])
+    # every file name the metadata uses is confined to the checkpoint here, before anything is read
     files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify,
-                        require_checksums=meta["format_version"] >= 2)  # format 2 records block CRCs for every chunk
+                        require_checksums=meta["format_version"] >= 2,  # format 2 records block CRCs for every chunk
+                        names=(sc.location.file for sc in source.chunks))
     return Opened(path, meta, source, files)
 
 

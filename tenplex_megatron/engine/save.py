@@ -10,9 +10,9 @@ any kind on any rank is raised on every rank, naming each failing rank.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,8 +87,11 @@ def save_chunks(
         all_meta.update(m)
         if me == 0:
             for stale in directory.partial_dirs(save_dir):  # left by a save that crashed
-                shutil.rmtree(stale)
-                removed.append(stale)
+                if directory.remove_partial(stale):
+                    removed.append(stale)
+                else:
+                    warnings.warn(f"{stale}: left in place: named like a staging directory of a tenplex save but "
+                                  "holding other files", stacklevel=1)
             directory.prepare_partial(save_dir, iteration)
 
     run_phase(f"{what}: preparing the directory", prepare)

@@ -10,8 +10,8 @@ are checked only over the blocks the pieces read (``verify.py``).
 from __future__ import annotations
 
 import math
-import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,7 @@ from tenplex_megatron.execute.verify import Block, BlockVerifier, piece_runs
 from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.plan.verify_share import Interval, to_intervals
+from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
 from tenplex_megatron.storage.source import Source
@@ -54,14 +55,17 @@ class SourceFiles:
     views of the stored chunks handed out, and the blocks that are read verified against their CRC-32s.
 
     ``require_checksums``: a chunk with no recorded checksum is an error when
-    verifying (format 2 records them for every chunk).
+    verifying (format 2 records them for every chunk). ``names``: the file
+    names the metadata uses; they and those of ``sizes`` are confined to
+    ``ckpt_dir`` here, before anything is read (any other is, when first used).
     """
 
     def __init__(self, ckpt_dir: str, dtypes: dict[str, str], sizes: dict[str, int] | None = None, verify: bool = True,
-                 require_checksums: bool = False, threads: int | None = None):
+                 require_checksums: bool = False, threads: int | None = None, names: Iterable[str] = ()):
         self.ckpt_dir = ckpt_dir
         self.dtypes = dtypes
         self.sizes = sizes or {}
+        self.paths = confine_all(ckpt_dir, [*names, *self.sizes])
         self.verify = verify
         self.readers: dict[str, SafetensorsReader] = {}
         self.verifier = BlockVerifier(ckpt_dir, require_checksums, threads)
@@ -80,7 +84,9 @@ class SourceFiles:
         loc = sc.location
         reader = self.readers.get(loc.file)
         if reader is None:
-            path = os.path.join(self.ckpt_dir, loc.file)
+            path = self.paths.get(loc.file)
+            if path is None:
+                path = self.paths[loc.file] = confine(self.ckpt_dir, loc.file)
             reader = SafetensorsReader(path)
             expected = self.sizes.get(loc.file)
             if expected is not None and reader.size != expected:

@@ -531,3 +531,18 @@ def _choose(src: _Source, rank: int, host: str) -> int:
     pool = sorted(pool or ((loc.rank, slot) for loc, slot in zip(src.locations, src.slots)))
     offset = sum(src.chunk.offsets) + src.chunk.flat_range[0]
     return pool[(rank + offset) % len(pool)][1]
+
+
+def partition_errors(source: PTC) -> dict[str, str]:
+    """Tensor key -> why its stored chunks do not partition it (overlap, or a gap); empty when every tensor's do.
+
+    The check a load makes per tensor it plans, here for all of them at once (``verify`` uses it).
+    """
+    planner = Planner(source, source.tensors)
+    out: dict[str, str] = {}
+    for key in source.tensors:
+        try:
+            planner.prepare(key)
+        except (PlanError, PTCError) as e:
+            out[key] = str(e)
+    return out

@@ -7,6 +7,13 @@ iteration, optimizer and scheduler state, RNG, data position) and one
 has written and synced its file; ``latest_checkpointed_iteration.txt`` (the
 name Megatron-LM uses) is updated after that, atomically. A directory without
 ``metadata.json`` is never chosen.
+
+Every name read from a checkpoint (the tracker's iteration, the metadata's
+``files``) is confined to its directory (``confine.py``). Deletion is confined
+too: only directories this project made are removed (a real ``iter_NNNNNNN``
+directory holding a tenplex ``metadata.json``; an ``iter_NNNNNNN.tenplex-partial``
+holding nothing but shard and metadata files); a symbolic link named like one is
+unlinked at most, never followed; anything else is left alone.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 
 FORMAT_NAME = "tenplex-megatron"
@@ -28,7 +36,11 @@ READ_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 PARTIAL_SUFFIX = ".tenplex-partial"
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+OLD_SUFFIX = ".tenplex-old"
+_ITER_RE = re.compile(r"iter_([0-9]{7,})")  # always fullmatch: ``$`` would let a trailing newline through
+_PARTIAL_RE = re.compile(r"iter_[0-9]{7,}\.tenplex-partial")
+_STAGED_FILE_RE = re.compile(r"rank_[0-9]{5,}\.safetensors|metadata\.json")  # all a save writes in staging
+_TRACKER_RE = re.compile(r"[0-9]+")
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -75,17 +87,31 @@ def find_megatron_checkpoint(load: str) -> str | None:
 
     if is_mcore(load):
         return load
-    tracker = os.path.join(load, TRACKER_FILE)
-    if os.path.isfile(tracker):
-        with open(tracker) as f:
-            text = f.read().strip()
-        if text.isdigit() and is_mcore(os.path.join(load, iter_dir_name(int(text)))):
-            return os.path.join(load, iter_dir_name(int(text)))
+    it = tracker_iteration(load)
+    if it is not None:
+        path = confine(load, iter_dir_name(it), TRACKER_FILE)
+        if is_mcore(path):
+            return path
     if os.path.isdir(load):
         for name in sorted(os.listdir(load), reverse=True):
-            if _ITER_RE.match(name) and is_mcore(os.path.join(load, name)):
+            if _ITER_RE.fullmatch(name) and _real_dir(os.path.join(load, name)) and is_mcore(os.path.join(load, name)):
                 return os.path.join(load, name)
     return None
+
+
+def tracker_iteration(save: str) -> int | None:
+    """The iteration ``latest_checkpointed_iteration.txt`` names: ASCII digits only, else None (Megatron's "release")."""
+    try:
+        with open(os.path.join(save, TRACKER_FILE), "rb") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return int(text) if _TRACKER_RE.fullmatch(text.decode("ascii", "replace")) else None
+
+
+def _real_dir(path: str) -> bool:
+    """A directory that is not a symbolic link (the only kind this project creates, reads by scanning, or deletes)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def read_metadata(ckpt_dir: str) -> dict[str, Any]:
@@ -105,17 +131,23 @@ def read_metadata(ckpt_dir: str) -> dict[str, Any]:
         raise CheckpointFileError(
             f"{path}: format version {version!r}, this build reads {', '.join(map(str, READ_VERSIONS))}"
         )
+    files = meta.get("files", {})
+    if not isinstance(files, dict) or not all(type(v) is int and v >= 0 for v in files.values()):
+        raise CheckpointFileError(f"{path}: 'files' must map file names to sizes in bytes")
+    for name in files:
+        confine(ckpt_dir, name, f"{METADATA_FILE} ('files')")
     return meta
 
 
 def committed_iterations(save: str) -> list[int]:
-    """Iterations of complete checkpoints under ``save`` (ascending)."""
+    """Iterations of complete checkpoints under ``save`` (ascending): real directories (a symbolic link named
+    like one is not this project's) holding a tenplex ``metadata.json``."""
     if not os.path.isdir(save):
         return []
     out = []
     for name in os.listdir(save):
-        m = _ITER_RE.match(name)
-        if m and is_tenplex_checkpoint(os.path.join(save, name)):
+        m = _ITER_RE.fullmatch(name)
+        if m and _real_dir(os.path.join(save, name)) and is_tenplex_checkpoint(os.path.join(save, name)):
             out.append(int(m.group(1)))
     return sorted(out)
 
@@ -125,35 +157,81 @@ def find_checkpoint(load: str, iteration: int | None = None) -> str | None:
     if is_tenplex_checkpoint(load) and not os.path.normpath(load).endswith(PARTIAL_SUFFIX):
         return load
     if iteration is not None:
-        path = os.path.join(load, iter_dir_name(iteration))
+        path = confine(load, iter_dir_name(iteration), "the requested iteration")
         return path if is_tenplex_checkpoint(path) else None
-    tracker = os.path.join(load, TRACKER_FILE)
-    if os.path.isfile(tracker):
-        try:
-            with open(tracker) as f:
-                it = int(f.read().strip())
-            path = os.path.join(load, iter_dir_name(it))
-            if is_tenplex_checkpoint(path):
-                return path
-        except ValueError:
-            pass
+    it = tracker_iteration(load)
+    if it is not None:
+        path = confine(load, iter_dir_name(it), TRACKER_FILE)
+        if is_tenplex_checkpoint(path):
+            return path
     its = committed_iterations(load)
     return os.path.join(load, iter_dir_name(its[-1])) if its else None
 
 
 def partial_dirs(save: str) -> list[str]:
-    """Left-over directories of saves that never committed."""
+    """Left-overs of saves that never committed: entries named ``iter_NNNNNNN.tenplex-partial``."""
     if not os.path.isdir(save):
         return []
-    return sorted(os.path.join(save, n) for n in os.listdir(save) if n.endswith(PARTIAL_SUFFIX))
+    return sorted(os.path.join(save, n) for n in os.listdir(save) if _PARTIAL_RE.fullmatch(n))
+
+
+def is_staging_dir(path: str) -> bool:
+    """A staging directory as a save leaves it: a real directory holding nothing but shard and metadata files."""
+    if not _real_dir(path):
+        return False
+    try:
+        with os.scandir(path) as entries:
+            return all(_STAGED_FILE_RE.fullmatch(e.name) and not e.is_dir(follow_symlinks=False) for e in entries)
+    except OSError:
+        return False
+
+
+def _is_committed_dir(path: str) -> bool:
+    return _real_dir(path) and is_tenplex_checkpoint(path)
+
+
+def remove_own(path: str, recognised: Callable[[str], bool]) -> bool:
+    """Delete ``path`` if this project made it; returns whether it did.
+
+    A symbolic link is unlinked, never followed (its target is untouched); a
+    directory goes only if ``recognised(path)`` (removed without following the
+    links inside it); anything else is left alone.
+    """
+    if os.path.islink(path):
+        os.unlink(path)
+        return True
+    if recognised(path):
+        shutil.rmtree(path)
+        return True
+    return False
+
+
+def remove_partial(path: str) -> bool:
+    """Delete a left-over staging directory (:func:`partial_dirs`) if it is one this project wrote."""
+    return _PARTIAL_RE.fullmatch(os.path.basename(path)) is not None and remove_own(path, is_staging_dir)
+
+
+def _check_replaceable(final: str) -> None:
+    """A save of an iteration may replace only a tenplex checkpoint of it (or a link named like one)."""
+    if os.path.lexists(final) and not os.path.islink(final) and not _is_committed_dir(final):
+        raise CheckpointFileError(
+            f"{final}: exists and is not a tenplex checkpoint (another format's, or not a checkpoint at all); "
+            "refusing to replace it: move it away or save elsewhere"
+        )
 
 
 def prepare_partial(save: str, iteration: int) -> str:
-    """Create an empty staging directory (rank 0, before the writers start)."""
+    """Create an empty staging directory (rank 0, before the writers start).
+
+    Refuses, before anything is written, to replace anything at the iteration's
+    name that is not a tenplex checkpoint, or a staging entry it did not write.
+    """
     os.makedirs(save, exist_ok=True)
+    _check_replaceable(os.path.join(save, iter_dir_name(iteration)))
     path = partial_dir(save, iteration)
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    if os.path.lexists(path) and not remove_partial(path):
+        raise CheckpointFileError(f"{path}: exists and is not a staging directory of a tenplex save "
+                                  "(it holds other files); refusing to delete it")
     os.makedirs(path)
     return path
 
@@ -165,8 +243,10 @@ def commit(
     """Check every rank's file, write the metadata, rename into place, update the tracker (rank 0)."""
     fault = fault or (lambda point: None)
     staging = partial_dir(save, iteration)
+    final = os.path.join(save, iter_dir_name(iteration))
+    _check_replaceable(final)
     for name, size in expected_files.items():
-        path = os.path.join(staging, name)
+        path = confine(staging, name, "the list of rank files")
         if not os.path.isfile(path):
             raise CheckpointFileError(f"{path}: a rank's shard file is missing at commit")
         if os.path.getsize(path) != size:
@@ -182,11 +262,12 @@ def commit(
         os.fsync(f.fileno())
     fsync_dir(staging)
     fault("save.commit")
-    final = os.path.join(save, iter_dir_name(iteration))
-    if os.path.exists(final):
-        old = final + ".tenplex-old"
-        if os.path.exists(old):
-            shutil.rmtree(old)
+    if os.path.islink(final):  # a link named like the checkpoint: replaced by it, its target untouched
+        os.unlink(final)
+    if os.path.lexists(final):
+        old = final + OLD_SUFFIX
+        if os.path.lexists(old) and not remove_own(old, _is_committed_dir):
+            raise CheckpointFileError(f"{old}: exists and is not a tenplex checkpoint; refusing to delete it")
         os.replace(final, old)
         os.replace(staging, final)
         shutil.rmtree(old)
@@ -205,14 +286,19 @@ def commit(
 
 
 def apply_retention(save: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints (call only after a commit); returns what went."""
+    """Delete all but the newest ``keep`` complete checkpoints (call only after a commit); returns what went.
+
+    Only :func:`committed_iterations` count and go: real ``iter_NNNNNNN``
+    directories with a tenplex ``metadata.json``. Links named like them and
+    other formats' directories are neither counted nor touched.
+    """
     if keep < 1:
         raise ValueError(f"--tenplex-keep must be >= 1, got {keep}")
     removed = []
     for it in committed_iterations(save)[:-keep]:
         path = os.path.join(save, iter_dir_name(it))
-        shutil.rmtree(path)
-        removed.append(path)
+        if remove_own(path, _is_committed_dir):
+            removed.append(path)
     if removed:
         fsync_dir(save)
     return removed
@@ -233,5 +319,8 @@ __all__ = [
     "prepare_partial",
     "rank_file_name",
     "read_metadata",
+    "remove_own",
+    "remove_partial",
+    "tracker_iteration",
     "write_json_atomic",
 ]

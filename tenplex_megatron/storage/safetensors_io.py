@@ -1,4 +1,4 @@
-"""Safetensors files: written with fsync, read through our own validating header parser and mmap.
+"""Safetensors files: written with fsync, read through our own validating header parser (``safetensors_header``) and mmap.
 
 Reading never trusts the file: the header length, JSON, dtypes, shapes and
 byte ranges are checked against the file size before anything is mapped, and
@@ -13,42 +13,27 @@ import math
 import mmap
 import os
 import struct
-from dataclasses import dataclass
 
 import torch
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES
 from tenplex_megatron.storage.checksum import crc32 as buffer_crc32
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file  # noqa: F401 (re-exported)
+from tenplex_megatron.storage.safetensors_header import (  # noqa: F401 (re-exported)
+    MAX_HEADER_BYTES,
+    ST_CODES,
+    ST_DTYPES,
+    TensorEntry,
+    read_header,
+)
 
-MAX_HEADER_BYTES = 64 * 1024 * 1024
 BLOCK_BYTES = 1 << 20  # checksum granularity: a load verifies only the blocks it reads
 
-ST_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int  # absolute byte offset in the file
-    end: int
 
 
 def crc32(t: torch.Tensor) -> int:
@@ -63,9 +48,6 @@ def block_crc32(data: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> tuple[int
     """
     raw = data.reshape(-1).view(torch.uint8).numpy()
     return tuple(buffer_crc32(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes))
-
-
-ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
 
 def write_safetensors(
@@ -101,50 +83,6 @@ def write_safetensors(
             after_write()
         os.fsync(f.fileno())
     return os.path.getsize(path), sums
-
-
-def read_header(path: str) -> tuple[dict[str, TensorEntry], int]:
-    """Parse and validate a safetensors header; returns the entries and the file size."""
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointFileError(f"{path}: truncated ({size} bytes, no safetensors header)")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointFileError(f"{path}: header length {n} does not fit in the file ({size} bytes)")
-            raw = f.read(n)
-    except FileNotFoundError:
-        raise CheckpointFileError(f"{path}: file is missing") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deeply nested JSON
-        raise CheckpointFileError(f"{path}: malformed safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointFileError(f"{path}: safetensors header is not a JSON object")
-    base = 8 + n
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = ST_DTYPES[info["dtype"]]
-            shape = tuple(int(x) for x in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
-            raise CheckpointFileError(f"{path}: tensor {name!r}: malformed header entry ({e})") from None
-        if any(s < 0 for s in shape) or begin < 0 or end < begin:
-            raise CheckpointFileError(f"{path}: tensor {name!r}: invalid shape or offsets")
-        if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise CheckpointFileError(f"{path}: tensor {name!r}: byte range does not match shape {shape}")
-        if base + end > size:
-            raise CheckpointFileError(
-                f"{path}: tensor {name!r}: data ends at byte {base + end} but the file has {size} "
-                "(truncated file)"
-            )
-        entries[name] = TensorEntry(dtype, shape, base + begin, base + end)
-    return entries, size
 
 
 class SafetensorsReader:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -76,6 +77,28 @@ def test_truncated_shard_file_is_named(ckpt: str, tmp_path) -> None:
     assert "iter_0000002/rank_00000.safetensors" in r.log and "truncated" in r.log
 
 
+def test_metadata_naming_a_file_outside_fails_on_every_rank_before_reading(ckpt: str, tmp_path) -> None:
+    """Every rank confines every name at open time, whether it would read that file or not."""
+    bad = _copy(ckpt, tmp_path)
+    it = os.path.join(bad, "iter_0000002")
+    shutil.copy(os.path.join(it, "rank_00001.safetensors"), tmp_path / "outside.safetensors")  # valid, but outside
+    with open(os.path.join(it, "metadata.json")) as f:
+        meta = json.load(f)
+    for c in meta["ptc"]["chunks"]:
+        if c["at"]["file"] == "rank_00001.safetensors":
+            c["at"]["file"] = "../../outside.safetensors"
+    with open(os.path.join(it, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+    r = torchrun(2, [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--load", bad])
+    assert r.returncode != 0
+    assert "planning failed on 2 rank(s)" in r.log
+    for rank in (0, 1):
+        assert f"rank {rank}: CheckpointFileError: {it}: the metadata names the file '../../outside.safetensors', " \
+               "which has a '..' component" in r.log
+    r = _cli("verify", bad)
+    assert r.returncode == 1 and "'../../outside.safetensors', which has a '..' component" in r.stdout
+
+
 def test_layout_that_cannot_hold_the_model_fails_before_reading(ckpt: str, tmp_path) -> None:
     bad = _copy(ckpt, tmp_path)
     shutil.rmtree(os.path.join(bad, "iter_0000002"))  # nothing to read: the layout check must come first
@@ -93,6 +116,9 @@ def test_cli_inspect_and_plan(ckpt: str) -> None:
     r = _cli("plan", ckpt, "--to", "tp=1,pp=2,dp=1", "--gpus-per-node", "1", "--per-rank")
     assert r.returncode == 0, r.stderr
     assert "-> tp=1,pp=2,dp=1" in r.stdout and "rank     1:" in r.stdout and "cross-node" in r.stdout
+    r = _cli("verify", ckpt, "--all")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith(f"OK       {ckpt}/iter_0000002: iteration 2, 2 files,") and "1 of 1" in r.stdout
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ installs the core only. Checks: ``--version`` (console script and ``python
 -m``), the missing-extra errors, ``plan --model gpt3-175b``, a two-process
 ``--tenplex`` job (``torchrun -m tenplex_megatron.training.pretrain``) at TP=2
 restarted at DP=2 from its step-2 checkpoint (losses equal the uninterrupted
-run's), and ``inspect`` / ``plan --to`` on its checkpoints; every CLI report
+run's), and ``inspect`` / ``plan --to`` / ``verify`` on its checkpoints; every CLI report
 equals the checkout's for the same command. ``verify`` has no CLI command yet.
 """
 
@@ -341,3 +341,11 @@ def test_inspect_and_plan_its_checkpoints(installed: Installed, trained: Trained
     assert plan["to"] == {"tp": 1, "pp": 1, "dp": 2} and sorted(plan["bytes_per_rank"]) == ["0", "1"]
     assert plan["bytes_total"] >= plan["state_bytes"] // 2  # each DP rank reads at least its share
     assert _untimed(plan) == _untimed(_checkout_cli(["plan", at_save, "--to", "tp=1,pp=1,dp=2"]))
+
+
+def test_verify_its_checkpoints(installed: Installed, trained: Trained) -> None:
+    """``verify --all`` from the installed package reads and checks every stored byte of every checkpoint it wrote."""
+    got = installed.cli(["verify", trained.ckpt, "--all"])
+    assert got["ok"] and len(got["checkpoints"]) == 2  # iterations 2 and 4
+    for r in got["checkpoints"]:
+        assert r["ok"] and r["bytes_checked"] == r["bytes_stored"] > 0 and r["damage"] == []

@@ -1,4 +1,4 @@
-"""The planner never imports torch: every module of tenplex_megatron.plan (and the CLI) works with torch blocked.
+"""The planner never imports torch: every module of tenplex_megatron.plan (and the CLI, verify included) works with torch blocked.
 
 A subprocess sets ``sys.modules['torch'] = None`` first, so any ``import torch``
 (direct or through a dependency) raises ImportError; it then imports every
@@ -31,6 +31,9 @@ for n in names:
 import tenplex_megatron.cli  # noqa: F401
 import tenplex_megatron.storage.files  # noqa: F401
 import tenplex_megatron.storage.directory  # noqa: F401
+import tenplex_megatron.storage.confine  # noqa: F401
+import tenplex_megatron.storage.safetensors_header  # noqa: F401
+import tenplex_megatron.storage.verify_ckpt  # noqa: F401
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import plan_reshard

@@ -34,6 +34,7 @@ from tenplex_megatron.integrations.deepspeed.zero import (
     DeepSpeedStateError,
 )
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
+from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 from tenplex_megatron.storage.source import Opened, UncheckedSource
 
@@ -53,17 +54,22 @@ def is_deepspeed_checkpoint_dir(path: str) -> bool:
 
 
 def step_dir(load_dir: str, tag: str | int | None) -> str:
-    """The ``global_stepN`` directory to read: ``tag`` (a name or a step), else the one ``latest`` names."""
+    """The ``global_stepN`` directory to read: ``tag`` (a name or a step), else the one ``latest`` names.
+
+    The tag is confined to ``load_dir`` (no absolute path, no ``..``, no link out) before anything in it is read.
+    """
     if glob.glob(os.path.join(load_dir, "*_optim_states.pt")):
         return load_dir
+    source = "the tag argument"
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
             raise FileNotFoundError(f"{load_dir}: no 'latest' file; pass the tag (global_stepN) to load")
-        with open(latest) as f:
-            tag = f.read().strip()
+        with open(latest, encoding="utf-8", errors="surrogateescape") as f:
+            tag = f.read(4096).strip()
+        source = "its 'latest' file"
     name = f"global_step{tag}" if isinstance(tag, int) else str(tag)
-    path = os.path.join(load_dir, name)
+    path = confine(load_dir, name, source)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: no such DeepSpeed checkpoint directory")
     return path
@@ -116,7 +122,8 @@ def inspect_native(path: str, trust_pickles: bool = False) -> NativeCheckpoint:
         raise DeepSpeedStateError(f"{path}: a PipelineModule checkpoint; reading DeepSpeed's own pipeline files "
                                   "is not supported (save with tenplex_megatron.integrations.deepspeed instead)")
     candidates = ["mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"]
-    model_file = next((os.path.join(path, c) for c in candidates if os.path.isfile(os.path.join(path, c))), None)
+    model_file = next((confine(path, c, "the DeepSpeed layout") for c in candidates
+                       if os.path.isfile(os.path.join(path, c))), None)
     if model_file is None:
         raise CheckpointFileError(f"{path}: no {' or '.join(candidates)} (not a DeepSpeed ZeRO checkpoint?)")
     ms = read_pickle(model_file, trust_pickles)
@@ -149,7 +156,7 @@ class NativeSources(UncheckedSource):
     def state_dict(self, fname: str) -> dict[str, Any]:
         sd = self.readers.get(fname)
         if sd is None:
-            sd = self.readers[fname] = read_pickle(os.path.join(self.path, fname), self.trust)
+            sd = self.readers[fname] = read_pickle(confine(self.path, fname, "the DeepSpeed layout"), self.trust)
             if "optimizer_state_dict" not in sd:
                 raise CheckpointFileError(f"{os.path.join(self.path, fname)}: no optimizer_state_dict")
         return sd
@@ -233,8 +240,8 @@ def open_native(path: str, trust_pickles: bool = False) -> tuple[Opened, NativeC
     """Describe a DeepSpeed checkpoint directory as a PTC over its own optimizer files."""
     ck = inspect_native(path, trust_pickles)
     src = NativeSources(path, trust_pickles)
-    for r in range(ck.dp):  # every rank's file must be there, whoever reads it
-        if not os.path.isfile(os.path.join(path, ck.optim_file(r))):
+    for r in range(ck.dp):  # every rank's file must be there (inside the directory), whoever reads it
+        if not os.path.isfile(confine(path, ck.optim_file(r), "the DeepSpeed layout")):
             raise CheckpointFileError(f"{os.path.join(path, ck.optim_file(r))}: missing (the checkpoint was "
                                       f"written by {ck.dp} DP ranks)")
     shapes = _param_shapes(ck.model_states, path)
