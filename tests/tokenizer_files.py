@@ -83,10 +83,11 @@ def derive_gpt2_files(tokenizer_json: str, out_dir: str) -> tuple[str, str]:
     return vocab, merges
 
 
-def make_tokenizer_files(root: str, vocab_size: int, seed: int = 0, post_bos: bool = False) -> TokenizerFiles:
-    """Train a BPE of ``vocab_size`` on generated text and write it in both formats under ``root``."""
+def make_tokenizer_files(root: str, vocab_size: int, seed: int = 0, post_bos: bool = False,
+                         texts: list[str] | None = None) -> TokenizerFiles:
+    """Train a BPE of ``vocab_size`` on ``texts`` (default: generated text) and write it in both formats under ``root``."""
     os.makedirs(root, exist_ok=True)
-    tok = train_bpe(training_text(seed=seed), vocab_size, post_bos)
+    tok = train_bpe(texts if texts is not None else training_text(seed=seed), vocab_size, post_bos)
     hf_dir = os.path.join(root, "hf")
     os.makedirs(hf_dir, exist_ok=True)
     tokenizer_json = os.path.join(hf_dir, "tokenizer.json")
