@@ -174,7 +174,7 @@ def build_indexed_dataset(
     pool = None
     try:
         if workers == 1:
-            _init_worker(spec, json_key, append_eod)
+            _W.update(tok=tok, key=json_key, append_eod=append_eod, eod=tok.eod)
             encoded: Iterable = map(_encode, docs)
         else:
             pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec, json_key, append_eod))
