@@ -419,3 +419,18 @@ def test_byte_level_documents_from_text_files_and_generated(tmp_path) -> None:
     assert tokens == sum(len(d.encode()) + 1 for d in docs)
     r = build_indexed_dataset([Document("text", "", "empty")], str(tmp_path / "one_empty"), TokenizerSpec())
     assert (r.documents, r.sequences, r.tokens, r.max_token_id) == (1, 0, 0, -1)
+
+
+def test_bench_build_dataset_runs_at_its_smallest_size(tmp_path) -> None:
+    """scripts/bench_build_dataset.py end to end on a tiny input (speed is measured there, not asserted here)."""
+    spec = importlib.util.spec_from_file_location("bench_build_dataset",
+                                                  os.path.join(ROOT, "scripts", "bench_build_dataset.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "bench.json"
+    assert bench.main(["--mb", "0.05", "--vocab", "300", "--workers", "1", "--megatron-lm", "", "--workdir",
+                       str(tmp_path / "work"), "--json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["tokenizer"] for r in runs] == ["ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer"]
+    assert all(r["tool"] == "build_dataset" and r["docs_per_s"] > 0 and r["tokens_per_s"] > 0 for r in runs)
+    assert len({r["docs"] for r in runs}) == 1 and runs[0]["tokens"] > runs[1]["tokens"]  # BPE merges bytes
