@@ -1,11 +1,10 @@
 """Megatron's indexed datasets through megatron.core.datasets, read in a DP-independent order.
 
-Tokenizer: byte-level, vocabulary **257** = the 256 byte values of UTF-8 text
-(ids 0-255) plus one end-of-document token (id 256). It needs no download and
-no training. It has no pad token: megatron-core then pads a short final sample
-with -1, an id no real token has, masks it out of the loss and feeds it to the
-model as id 0 (``MegatronDataset._pad_token_id``), so 257 embedding rows are
-all the model needs.
+Tokenizers (``training/tokenizer.py``): byte-level by default (vocabulary 257, UTF-8 bytes plus one
+end-of-document id, no pad token: megatron-core pads a short final sample with -1, masks it out of the
+loss and feeds it to the model as id 0), or Megatron-LM's ``GPT2BPETokenizer`` and
+``HuggingFaceTokenizer`` from local files. Before anything starts, every dataset is checked against the
+tokenizer given (``training/dataset_files.py``).
 
 Datasets are megatron-core's own ``GPTDataset`` built with
 ``BlendedMegatronDatasetBuilder`` and ``GPTDatasetConfig``, as Megatron-LM's
@@ -26,67 +25,19 @@ at a barrier, the others then read it.
 
 from __future__ import annotations
 
-import os
-import struct
-from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
+from tenplex_megatron.training.dataset_files import check_dataset_tokenizer, check_indexed_dataset
+from tenplex_megatron.training.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, Tokenizer
 
-INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
-_DTYPE_SIZE = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # indexed_dataset.DType code -> bytes
-BYTE_VOCAB_SIZE = 257
+__all__ = ["BATCH_KEYS", "BYTE_VOCAB_SIZE", "ByteTokenizer", "build_train_dataset", "check_data_path",
+           "check_indexed_dataset", "microbatches_from_dataset", "parse_blend"]
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
-
-
-class ByteTokenizer:
-    """Byte-level tokenizer for megatron-core's GPTDataset: vocabulary 257 (bytes 0-255 + end-of-document 256).
-
-    A plain class with the attributes megatron-core's datasets read (``vocab_size``,
-    ``eod``, ``unique_identifiers``), as megatron-core's own ``NullTokenizer`` is:
-    the legacy ``MegatronLegacyTokenizer`` base is deprecated in 0.16 and the new
-    ``MegatronTokenizerBase`` wants a tokenizer file. No pad token (see the module
-    docstring).
-    """
-
-    EOD = 256
-
-    def tokenize(self, text: str) -> np.ndarray:
-        """UTF-8 bytes of ``text`` as int64 ids (no end-of-document appended)."""
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-
-    def detokenize(self, ids: Any) -> str:
-        """Text of ``ids``; end-of-document tokens are dropped, bad UTF-8 is replaced."""
-        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
-
-    text_to_ids = tokenize
-    ids_to_text = detokenize
-
-    @property
-    def unique_identifiers(self) -> OrderedDict:
-        """Property required by megatron-core's datasets (it keys their index cache)."""
-        return OrderedDict({"class": f"{type(self).__module__}.{type(self).__qualname__}",
-                            "vocab_size": BYTE_VOCAB_SIZE})
-
-    @property
-    def vocab_size(self) -> int:
-        return BYTE_VOCAB_SIZE
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        return {chr(i): i for i in range(256)} | {"<eod>": self.EOD}
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        return {v: k for k, v in self.vocab.items()}
-
-    @property
-    def eod(self) -> int:
-        return self.EOD
 
 
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
@@ -109,41 +60,19 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     return [p.strip() for p in data_path], None
 
 
-def check_indexed_dataset(prefix: str) -> None:
-    """Raise ValueError naming ``prefix`` unless it is a readable Megatron indexed dataset (.bin + .idx)."""
-    idx, bin_ = prefix + ".idx", prefix + ".bin"
-    missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
-    if missing:
-        raise ValueError(f"--data-path {prefix}: not a Megatron indexed dataset ({', '.join(missing)} missing)")
-    idx_size = os.path.getsize(idx)
-    with open(idx, "rb") as f:
-        head = f.read(34)
-        if len(head) < 34 or head[:9] != INDEX_HEADER:
-            raise ValueError(f"--data-path {prefix}: {idx} is not a Megatron index file (bad header)")
-        version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
-        if version != 1 or code not in _DTYPE_SIZE:
-            raise ValueError(f"--data-path {prefix}: {idx} is not a Megatron index file "
-                             f"(version {version}, dtype code {code})")
-        if idx_size < 34 + 12 * n_seq + 8 * n_doc:
-            raise ValueError(f"--data-path {prefix}: {idx} is truncated ({idx_size} bytes for {n_seq} sequences)")
-        if n_seq == 0:
-            raise ValueError(f"--data-path {prefix}: the dataset holds no documents")
-        f.seek(34 + 4 * (n_seq - 1))
-        (last_len,) = struct.unpack("<i", f.read(4))
-        f.seek(34 + 4 * n_seq + 8 * (n_seq - 1))
-        (last_ptr,) = struct.unpack("<q", f.read(8))
-    expected, got = last_ptr + last_len * _DTYPE_SIZE[code], os.path.getsize(bin_)
-    if expected != got:
-        raise ValueError(f"--data-path {prefix}: {bin_} has {got} bytes, its index {idx} describes {expected}")
+def check_data_path(data_path: list[str], tokenizer: Tokenizer | None = None) -> None:
+    """Raise ValueError naming the first ``--data-path`` entry that is not a Megatron indexed dataset, or,
+    given ``tokenizer``, that was built with another tokenizer (``dataset_files.check_dataset_tokenizer``).
 
-
-def check_data_path(data_path: list[str]) -> None:
-    """Raise ValueError naming the first ``--data-path`` entry that is not a Megatron indexed dataset.
-
-    Cheap (headers and sizes only) and free of torch.distributed: every rank runs it while parsing flags.
+    Free of torch.distributed: every rank runs it while parsing flags. Headers and sizes only, unless a
+    dataset has no ``PREFIX.meta.json``: its ``.bin`` is then scanned for the largest token id.
     """
-    for prefix in parse_blend(data_path)[0]:
+    prefixes = parse_blend(data_path)[0]
+    for prefix in prefixes:
         check_indexed_dataset(prefix)
+    if tokenizer is not None:
+        for prefix in prefixes:
+            check_dataset_tokenizer(prefix, tokenizer)
 
 
 def build_train_dataset(

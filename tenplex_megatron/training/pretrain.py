@@ -29,16 +29,11 @@ from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
 from tenplex_megatron.training import gpt, layout_choice, mcore_dist_ckpt
-from tenplex_megatron.training.data import (
-    BYTE_VOCAB_SIZE,
-    ByteTokenizer,
-    build_train_dataset,
-    check_data_path,
-    microbatches_from_dataset,
-)
+from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
 from tenplex_megatron.training.synthetic_data import microbatches
+from tenplex_megatron.training.tokenizer import TokenizerError, TokenizerSpec, build_tokenizer, describe
 
 MEGATRON_FLAGS_NOT_SUPPORTED = (
     "--num-layers-per-virtual-pipeline-stage",
@@ -63,7 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--tokenizer-type", default="NullTokenizer")
+    g.add_argument("--tokenizer-type", default="NullTokenizer",
+                   help="NullTokenizer (--mock-data: --vocab-size ids; --data-path: byte-level), ByteLevel, "
+                   "GPT2BPETokenizer, HuggingFaceTokenizer")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="HuggingFaceTokenizer: a local tokenizer directory or tokenizer.json (never downloaded)")
+    g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: text to ids adds the tokenizer's special tokens (e.g. BOS)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -137,18 +140,29 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--data-path needs at least one dataset prefix")
     if bool(args.mock_data) == bool(args.data_path):
         parser.error("give exactly one of --mock-data or --data-path")
-    # --data-path reads byte-level datasets (scripts/build_dataset.py): the vocabulary is the byte-level
-    # tokenizer's 257, for --tokenizer-type ByteLevel too; an explicit other --vocab-size is an error.
-    if args.data_path and args.tokenizer_type not in ("ByteLevel", "NullTokenizer"):
-        parser.error(f"--tokenizer-type {args.tokenizer_type} is not supported with --data-path (use ByteLevel)")
-    if args.data_path or args.tokenizer_type == "ByteLevel":
-        if args.vocab_size not in (None, BYTE_VOCAB_SIZE):
-            parser.error(f"--vocab-size {args.vocab_size} does not match the byte-level tokenizer's vocabulary of "
-                         f"{BYTE_VOCAB_SIZE} (used by --data-path and --tokenizer-type ByteLevel): leave it out")
-        args.vocab_size = BYTE_VOCAB_SIZE
+    # A text tokenizer (byte-level, GPT-2 BPE, Hugging Face) sets the vocabulary: --data-path always uses one
+    # (NullTokenizer there means byte-level, as before), --mock-data when --tokenizer-type names one.
+    file_flags = {"--vocab-file": args.vocab_file, "--merge-file": args.merge_file,
+                  "--tokenizer-model": args.tokenizer_model}
+    args.tokenizer = None
+    if args.tokenizer_type == "NullTokenizer" and any(file_flags.values()):
+        given = " and ".join(f for f, v in file_flags.items() if v)
+        parser.error(f"{given} does not apply to --tokenizer-type NullTokenizer (give GPT2BPETokenizer or "
+                     "HuggingFaceTokenizer)")
+    if args.data_path or args.tokenizer_type != "NullTokenizer":
+        ttype = "ByteLevel" if args.tokenizer_type == "NullTokenizer" else args.tokenizer_type
+        try:
+            args.tokenizer = build_tokenizer(TokenizerSpec.from_flags(
+                ttype, args.vocab_file, args.merge_file, args.tokenizer_model, args.tokenizer_hf_include_special_tokens))
+        except TokenizerError as e:
+            parser.error(str(e))
+        if args.vocab_size not in (None, args.tokenizer.vocab_size):
+            parser.error(f"--vocab-size {args.vocab_size} does not match the tokenizer's vocabulary of "
+                         f"{args.tokenizer.vocab_size} ({describe(args.tokenizer)}): leave it out")
+        args.vocab_size = args.tokenizer.vocab_size
     if args.data_path:
         try:
-            check_data_path(args.data_path)  # on every rank, before torch.distributed starts
+            check_data_path(args.data_path, args.tokenizer)  # on every rank, before torch.distributed starts
         except ValueError as e:
             parser.error(str(e))
     if args.vocab_size is None:
@@ -242,6 +256,8 @@ def run(args: argparse.Namespace) -> None:
                 f"{args.micro_batch_size} ({args.tenplex_layout_why})")
     _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
         f"padded vocabulary {padded}")
+    _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
+            f"(new size: {padded})")
     if ckpt is not None:
         res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
         _print0(
@@ -267,12 +283,12 @@ def run(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         try:
             dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
-                                          args.train_iters * args.global_batch_size, ByteTokenizer())
+                                          args.train_iters * args.global_batch_size, args.tokenizer)
         except ValueError as e:
             raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
         _print0(f"> tenplex-megatron: --data-path {' '.join(args.data_path)}: GPTDataset train split, "
-                f"{len(dataset)} samples of {spec.seq_length} tokens (byte-level tokenizer, vocabulary "
-                f"{spec.vocab_size}), built in {time.perf_counter() - t0:.2f} s")
+                f"{len(dataset)} samples of {spec.seq_length} tokens (tokenizer {describe(args.tokenizer)}), "
+                f"built in {time.perf_counter() - t0:.2f} s")
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
     metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
     # SIGTERM (a scheduler's notice, torchrun's agent restarting for a node that joined or left): save and exit 0

@@ -157,7 +157,8 @@ def test_pretrain_flags_for_data_path(corpus: str, capsys: pytest.CaptureFixture
     assert parse_args([*base, "--mock-data", "--tokenizer-type", "ByteLevel"]).vocab_size == 257
     for bad, msg in (
         (["--data-path", corpus, "--vocab-size", "300"], "--vocab-size 300 does not match"),
-        (["--data-path", corpus, "--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer"),
+        (["--data-path", corpus, "--tokenizer-type", "GPT2BPETokenizer"],
+         "--tokenizer-type GPT2BPETokenizer needs --vocab-file and --merge-file"),
         (["--data-path"], "--data-path needs at least one dataset prefix"),
         (["--data-path", corpus + "_nope"], f"--data-path {corpus}_nope: not a Megatron indexed dataset"),
     ):
