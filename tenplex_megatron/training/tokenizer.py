@@ -182,7 +182,27 @@ def read_gpt2_vocab(vocab_file: str) -> dict[str, int]:
     return encoder
 
 
-class GPT2BPETokenizer:
+class _FileTokenizer:
+    """What a tokenizer read from files records: its files, their fingerprint and its vocabulary size."""
+
+    _files: tuple[str, ...]
+    _fingerprint: str
+    _vocab_size: int
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self._files
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+
+class GPT2BPETokenizer(_FileTokenizer):
     """Megatron-LM's ``GPT2BPETokenizer`` from a vocab.json + merges.txt pair, run by the ``tokenizers`` library."""
 
     type_name = "GPT2BPETokenizer"
@@ -215,17 +235,6 @@ class GPT2BPETokenizer:
     def detokenize(self, ids: Any) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return self._files
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     @property
     def eod(self) -> int:
@@ -236,7 +245,7 @@ class GPT2BPETokenizer:
         return _identifiers(self)
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(_FileTokenizer):
     """Megatron-LM's ``HuggingFaceTokenizer`` on a local tokenizer directory or ``tokenizer.json`` file."""
 
     type_name = "HuggingFaceTokenizer"
@@ -282,17 +291,6 @@ class HuggingFaceTokenizer:
     def detokenize(self, ids: Any) -> str:
         return self._tok.decode([int(i) for i in ids])
 
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return self._files
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
 
     @property
     def eod(self) -> int | None:
