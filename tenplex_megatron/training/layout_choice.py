@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -84,11 +85,13 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     try:
         chosen = choose(args, world, local_world)
     except (LayoutError, OSError, ValueError) as e:
+        # the message first (every rank: whichever survives the agent's shutdown says it), then stop the agent
+        print(f"pretrain_gpt.py: error: --tenplex-layout {args.tenplex_layout} at world size {world}: {e}",
+              file=sys.stderr, flush=True)
         if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("RANK", "0")) == 0 \
                 and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
             os.kill(os.getppid(), signal.SIGTERM)  # no restart can help: end the job instead of looping
-        raise SystemExit(f"pretrain_gpt.py: error: --tenplex-layout {args.tenplex_layout} at world size {world}: "
-                         f"{e}") from None
+        raise SystemExit(2) from None
     args.tensor_model_parallel_size = chosen.layout.tp
     args.pipeline_model_parallel_size = chosen.layout.pp
     args.micro_batch_size = chosen.micro_batch_size

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+import psutil
 import torch
 from megatron.core import parallel_state
 
@@ -213,6 +214,7 @@ def _print0(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     gpt.init_distributed()
+    args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}
     run(args)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -260,6 +262,8 @@ def run(args: argparse.Namespace) -> None:
             f"(new size: {padded})")
     if ckpt is not None:
         res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+        if getattr(args, "tenplex_timeline", None) is not None:
+            args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
         _print0(
             f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
             f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, "
@@ -303,6 +307,10 @@ def run(args: argparse.Namespace) -> None:
             data = microbatches(start, job.global_batch_size, job.micro_batch_size, layout.dp, dp_rank,
                                 spec.seq_length, spec.vocab_size, spec.seed)
         loss = gpt.train_step(job, data)
+        timeline = getattr(args, "tenplex_timeline", None)
+        if timeline is not None and "first_iteration" not in timeline:  # where a (re)start's time went
+            timeline["first_iteration"] = time.time()
+            _print0(f"> tenplex-megatron: timeline {json.dumps(timeline)}")
         dt = (time.perf_counter() - t0) * 1000
         lr = job.optimizer.param_groups[0]["lr"]
         if job.iteration % args.log_interval == 0:

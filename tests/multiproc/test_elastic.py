@@ -14,6 +14,7 @@ every global batch holds the same samples.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -102,7 +103,7 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
         t_lost = time.time()
         _lose_node(b)
         _wait_for(log, lost_at + 3, dp=1)  # the survivor trains on alone
-        t_resumed = time.time()
+        t_back = time.time()
         b = _agent("b", port, ckpt, log, str(tmp_path))  # the node is back
         assert a.wait(timeout=600) == 0 and b.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-4000:]
     finally:
@@ -124,7 +125,17 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
     a_log = (tmp_path / "a.log").read_text()
     assert "SIGTERM received: stopping after iteration" in a_log  # the rejoin: saved on the agent's notice
     assert "--tenplex-layout auto: tp=1,pp=1,dp=1, micro-batch 8" in a_log  # chosen for the survivor alone
-    print(f"node lost -> survivor training again: {t_resumed - t_lost:.1f} s (incl. 3 iterations)")
+    timelines = [json.loads(line.split("timeline ", 1)[1]) for name in ("a.log", "b.log")
+                 for line in (tmp_path / name).read_text().splitlines() if "> tenplex-megatron: timeline " in line]
+    for what, since in (("node lost", t_lost), ("node back", t_back)):
+        t = min((x for x in timelines if x["process_start"] > since), key=lambda x: x["process_start"])
+        parts = {"detect+rendezvous+spawn": t["process_start"] - since,
+                 "imports+process group": t["process_group"] - t["process_start"],
+                 "build+plan+re-shard": t["loaded"] - t["process_group"], "of which load": t["load_seconds"],
+                 "first iteration": t["first_iteration"] - t["loaded"]}
+        total = t["first_iteration"] - since
+        print(f"{what}: {total:.1f} s to the first iteration: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()))
+        assert total < 120, parts
 
 
 def test_no_legal_layout_fails_once_with_every_reason(tmp_path) -> None:
