@@ -77,14 +77,9 @@ def save_chunks(
 
     gathered = gather_phase(f"{what}: gathering chunk lists", local_holdings)
     removed: list[str] = []
-    holdings: list[Holding] = []
-    writers: dict[Chunk, int] = {}
-    all_meta: dict[str, TensorMeta] = {}
 
-    def prepare() -> None:
-        holdings[:], w, m = _writers(gathered)
-        writers.update(w)
-        all_meta.update(m)
+    def prepare() -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+        assigned = _writers(gathered)  # the same on every rank: a pure function of the gathered lists
         if me == 0:
             for stale in directory.partial_dirs(save_dir):  # left by a save that crashed
                 if directory.remove_partial(stale):
@@ -93,8 +88,9 @@ def save_chunks(
                     warnings.warn(f"{stale}: left in place: named like a staging directory of a tenplex save but "
                                   "holding other files", stacklevel=1)
             directory.prepare_partial(save_dir, iteration)
+        return assigned
 
-    run_phase(f"{what}: preparing the directory", prepare)
+    holdings, writers, all_meta = run_phase(f"{what}: preparing the directory", prepare)
 
     def write() -> tuple[int, dict[str, tuple[int, ...]]]:
         mine: dict[str, torch.Tensor] = {}
