@@ -11,9 +11,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from tenplex_megatron.storage.safetensors_io import SafetensorsReader, crc32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
@@ -88,3 +91,27 @@ def stored_chunks(ckpt_dir: str) -> dict[str, torch.Tensor]:
                 for k in f.keys():
                     out[f"{name}:{k}"] = f.get_tensor(k)
     return out
+
+
+def rewrite_metadata(ckpt_dir: str, edit: Callable[[dict], None]) -> None:
+    """Apply ``edit`` to a checkpoint's metadata.json in place (crafting damaged or old-format checkpoints)."""
+    path = os.path.join(ckpt_dir, "metadata.json")
+    with open(path) as f:
+        meta = json.load(f)
+    edit(meta)
+    with open(path, "w") as f:
+        json.dump(meta, f)
+
+
+def downgrade_to_format_1(ckpt_dir: str) -> None:
+    """Rewrite a checkpoint's metadata as format 1 wrote it: one CRC-32 per stored tensor, no block sums."""
+    def to_v1(meta: dict) -> None:
+        meta["format_version"] = 1
+        for c in meta["ptc"]["chunks"]:
+            at = c["at"]
+            reader = SafetensorsReader(os.path.join(ckpt_dir, at["file"]))
+            at["crc32"] = crc32(reader.flat(at["name"]))
+            reader.close()
+            del at["block_bytes"], at["block_crc32"]
+
+    rewrite_metadata(ckpt_dir, to_v1)

@@ -21,12 +21,12 @@ from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.storage.safetensors_io import (
     BLOCK_BYTES,
     CheckpointFileError,
-    SafetensorsReader,
     block_crc32,
     crc32,
     read_header,
     write_safetensors,
 )
+from tests.harness import downgrade_to_format_1, rewrite_metadata
 
 FILE = "shard.safetensors"
 
@@ -280,15 +280,6 @@ def test_save_records_block_crcs_and_load_verifies_only_what_it_reads(tmp_path) 
     assert off.stats.bytes_verified == 0 and off.stats.bytes_unverified == off.stats.bytes_read == 400
 
 
-def _rewrite_metadata(ckpt: str, edit) -> None:
-    path = os.path.join(ckpt, "metadata.json")
-    with open(path) as f:
-        meta = json.load(f)
-    edit(meta)
-    with open(path, "w") as f:
-        json.dump(meta, f)
-
-
 def _saved_halves(tmp_path) -> tuple[str, torch.Tensor]:
     full = torch.randn(1024, 768, generator=torch.Generator().manual_seed(3))  # 3 MiB
     halves = [Chunk("w", (0, 0), (1024, 768), (0, 393_216)), Chunk("w", (0, 0), (1024, 768), (393_216, 786_432))]
@@ -299,17 +290,7 @@ def _saved_halves(tmp_path) -> tuple[str, torch.Tensor]:
 
 def test_format_1_checkpoint_with_one_crc_per_chunk_still_loads_checked_whole(tmp_path) -> None:
     ckpt, full = _saved_halves(tmp_path)
-
-    def to_v1(meta: dict) -> None:  # what format 1 wrote: one CRC-32 of each stored tensor
-        meta["format_version"] = 1
-        for c in meta["ptc"]["chunks"]:
-            at = c["at"]
-            reader = SafetensorsReader(os.path.join(ckpt, at["file"]))
-            at["crc32"] = crc32(reader.flat(at["name"]))
-            reader.close()
-            del at["block_bytes"], at["block_crc32"]
-
-    _rewrite_metadata(ckpt, to_v1)
+    downgrade_to_format_1(ckpt)  # one CRC-32 of each stored tensor
     want = Chunk("w", (0, 0), (1024, 768), (100, 200))
     dst = _local("w", torch.zeros_like(full), want)
     loaded = load_chunks(ckpt, None, lambda meta: [dst], lambda meta: None, strict=True)
@@ -334,7 +315,7 @@ def test_format_2_chunk_without_checksums_is_an_error_naming_file_and_tensor(tmp
         names.append((at["file"], at["name"]))
         del at["block_bytes"], at["block_crc32"]
 
-    _rewrite_metadata(ckpt, strip)
+    rewrite_metadata(ckpt, strip)
     dst = _local("w", torch.zeros_like(full), Chunk("w", (0, 0), (1024, 768), (0, 10)))
     (file, name), = names
     with pytest.raises(Exception, match=rf"{file}: tensor '{name}'.*no checksum recorded"):

@@ -10,7 +10,6 @@ opened (seen by an audit hook on every ``open``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -30,6 +29,7 @@ from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage.confine import NAME_MAX, PATH_MAX, confine, confine_all
 from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
+from tests.harness import rewrite_metadata
 
 # ---------------------------------------------------------------------------------------------------------------
 # every file opened by this process, seen by an audit hook (the real opens, nothing mocked)
@@ -232,15 +232,6 @@ def _save(save: str, full: torch.Tensor) -> str:
     return save_chunks([_local(full, c) for c in HALVES], save, 1, {"tp": 1}, {}, lambda infos: {}).path
 
 
-def _edit(ckpt: str, edit) -> None:
-    path = os.path.join(ckpt, "metadata.json")
-    with open(path) as f:
-        meta = json.load(f)
-    edit(meta)
-    with open(path, "w") as f:
-        json.dump(meta, f)
-
-
 @pytest.fixture
 def crafted(tmp_path) -> tuple[str, str]:
     """A checkpoint (of FULL) and, beside it, a valid shard file of other data with the same tensor names."""
@@ -272,9 +263,9 @@ def test_metadata_naming_a_file_outside_fails_at_load_and_reads_nothing_outside(
     ckpt, outside = crafted
     name = "../outside.safetensors" if how != "absolute" else outside
     if how == "files-map":
-        _edit(ckpt, lambda meta: meta.update(files={name: os.path.getsize(outside)}))
+        rewrite_metadata(ckpt, lambda meta: meta.update(files={name: os.path.getsize(outside)}))
     else:
-        _edit(ckpt, _point_chunks_at(name))
+        rewrite_metadata(ckpt, _point_chunks_at(name))
     dst, err = _load_into_zeros(os.path.dirname(ckpt))
     cause = err.__cause__
     assert isinstance(cause, CheckpointFileError), err

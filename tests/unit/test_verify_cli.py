@@ -19,9 +19,9 @@ from tenplex_megatron import cli
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.save import save_chunks
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, SafetensorsReader, crc32, read_header
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, read_header
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
-from tests.harness import ROOT
+from tests.harness import ROOT, downgrade_to_format_1, rewrite_metadata
 
 FULL = torch.randn(1024, 768, generator=torch.Generator().manual_seed(5))  # 3 MiB: each half 2 blocks (1 + 0.5 MiB)
 BIAS = torch.arange(10, dtype=torch.float32)
@@ -47,13 +47,6 @@ def ckpt(tmp_path) -> str:
 def _meta(ckpt: str) -> dict:
     with open(os.path.join(ckpt, "metadata.json")) as f:
         return json.load(f)
-
-
-def _edit(ckpt: str, edit) -> None:
-    meta = _meta(ckpt)
-    edit(meta)
-    with open(os.path.join(ckpt, "metadata.json"), "w") as f:
-        json.dump(meta, f)
 
 
 def _verify(capsys, *args: str) -> tuple[int, str, str]:
@@ -129,12 +122,12 @@ def test_chunks_that_overlap_or_leave_a_gap_fail_naming_the_tensor(ckpt: str, ca
         c = next(c for c in meta["ptc"]["chunks"] if c["key"] == "w" and c["flat"][0] == 393_216)
         c["flat"] = [393_116, 786_332]
 
-    _edit(ckpt, overlap)
+    rewrite_metadata(ckpt, overlap)
     rc, out, _ = _verify(capsys, ckpt)
     assert rc == 1 and "tensor 'w': source chunks overlap" in out and "damaged tensors: w" in out
 
     gap = _save(str(tmp_path / "gap"), 1)
-    _edit(gap, lambda meta: meta["ptc"].update(chunks=[c for c in meta["ptc"]["chunks"] if c["key"] != "b"]))
+    rewrite_metadata(gap, lambda meta: meta["ptc"].update(chunks=[c for c in meta["ptc"]["chunks"] if c["key"] != "b"]))
     rc, out, _ = _verify(capsys, gap)
     assert rc == 1 and "tensor 'b': the checkpoint's chunks cover 0 of 10 elements" in out
     assert "damaged files:   metadata.json" in out and "damaged tensors: b" in out
@@ -146,7 +139,7 @@ def test_a_name_outside_the_checkpoint_is_reported_and_not_read(ckpt: str, capsy
 
     with open(tmp_path / "save" / "outside.safetensors", "wb") as f:
         f.write(b"\0" * 64)
-    _edit(ckpt, out_of_dir)
+    rewrite_metadata(ckpt, out_of_dir)
     rc, out, _ = _verify(capsys, ckpt)
     assert rc == 1
     assert "names the file '../outside.safetensors', which has a '..' component" in out
@@ -198,16 +191,7 @@ def test_verify_runs_with_torch_blocked(ckpt: str) -> None:
 
 
 def test_a_format_1_checkpoint_is_checked_whole_chunk_by_chunk(ckpt: str, capsys) -> None:
-    def to_v1(meta: dict) -> None:  # what format 1 wrote: one CRC-32 per stored tensor, no block sums
-        meta["format_version"] = 1
-        for c in meta["ptc"]["chunks"]:
-            at = c["at"]
-            reader = SafetensorsReader(os.path.join(ckpt, at["file"]))
-            at["crc32"] = crc32(reader.flat(at["name"]))
-            reader.close()
-            del at["block_bytes"], at["block_crc32"]
-
-    _edit(ckpt, to_v1)
+    downgrade_to_format_1(ckpt)  # one CRC-32 per stored tensor, no block sums
     report = verify_checkpoint(ckpt)
     assert report.ok and report.blocks == 3 and report.bytes_checked == report.bytes_stored
     at = _chunk_of(ckpt, 0)
