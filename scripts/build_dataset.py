@@ -42,7 +42,12 @@ from tenplex_megatron.training.dataset_builder import (  # noqa: E402
     input_files,
 )
 from tenplex_megatron.training.progress import Progress  # noqa: E402
-from tenplex_megatron.training.tokenizer import TOKENIZER_TYPES, TokenizerError, TokenizerSpec  # noqa: E402
+from tenplex_megatron.training.tokenizer import (  # noqa: E402
+    TOKENIZER_TYPES,
+    TokenizerError,
+    TokenizerSpec,
+    add_tokenizer_args,
+)
 
 NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Leslie", "Frances"]
 THINGS = ["apples", "books", "GPUs", "servers", "tensors", "layers", "nodes", "tokens"]
@@ -88,13 +93,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=1234, help="seed of the generated corpus")
     g.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin, PREFIX.idx, PREFIX.meta.json)")
     g = ap.add_argument_group("tokenizer (Megatron-LM's flags)")
-    g.add_argument("--tokenizer-type", default="ByteLevel", choices=TOKENIZER_TYPES)
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="HuggingFaceTokenizer: a local tokenizer directory or tokenizer.json (never downloaded)")
-    g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: text to ids adds the tokenizer's special tokens (e.g. BOS)")
+    add_tokenizer_args(g, "ByteLevel", choices=TOKENIZER_TYPES)
     g.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                    help="append the end-of-document id to every document with tokens (default: yes)")
     g = ap.add_argument_group("runtime")

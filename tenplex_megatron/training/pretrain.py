@@ -34,7 +34,13 @@ from tenplex_megatron.training.data import build_train_dataset, check_data_path,
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
 from tenplex_megatron.training.synthetic_data import microbatches
-from tenplex_megatron.training.tokenizer import TokenizerError, TokenizerSpec, build_tokenizer, describe
+from tenplex_megatron.training.tokenizer import (
+    TokenizerError,
+    TokenizerSpec,
+    add_tokenizer_args,
+    build_tokenizer,
+    describe,
+)
 
 MEGATRON_FLAGS_NOT_SUPPORTED = (
     "--num-layers-per-virtual-pipeline-stage",
@@ -59,15 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--tokenizer-type", default="NullTokenizer",
-                   help="NullTokenizer (--mock-data: --vocab-size ids; --data-path: byte-level), ByteLevel, "
-                   "GPT2BPETokenizer, HuggingFaceTokenizer")
-    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
-    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="HuggingFaceTokenizer: a local tokenizer directory or tokenizer.json (never downloaded)")
-    g.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: text to ids adds the tokenizer's special tokens (e.g. BOS)")
+    add_tokenizer_args(g, "NullTokenizer", "NullTokenizer (--mock-data: --vocab-size ids; --data-path: byte-level), "
+                       "ByteLevel, GPT2BPETokenizer, HuggingFaceTokenizer")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)

@@ -19,6 +19,7 @@ pair that does not match, is a :class:`TokenizerError` naming the flag and the f
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -31,6 +32,18 @@ import numpy as np
 BYTE_VOCAB_SIZE = 257
 GPT2_EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer")
+
+
+def add_tokenizer_args(group: argparse._ArgumentGroup, default: str, type_help: str | None = None,
+                       choices: tuple[str, ...] | None = None) -> None:
+    """Megatron-LM's tokenizer flags, with its names and meanings (pretrain_gpt.py and build_dataset.py)."""
+    group.add_argument("--tokenizer-type", default=default, choices=choices, help=type_help)
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="HuggingFaceTokenizer: a local tokenizer directory or tokenizer.json (never downloaded)")
+    group.add_argument("--tokenizer-hf-include-special-tokens", action="store_true",
+                       help="HuggingFaceTokenizer: text to ids adds the tokenizer's special tokens (e.g. BOS)")
 # The files of a Hugging Face tokenizer directory that decide its ids (fingerprinted; model weights are not).
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                       "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
