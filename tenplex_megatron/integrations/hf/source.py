@@ -166,6 +166,11 @@ class HFSource(UncheckedSource):
         self.readers.clear()
 
 
+def check_hf_dir(path: str, run: ModelFacts) -> None:
+    """Raise (naming the file and tensor, or the field and both values) unless ``path`` holds ``run``'s model."""
+    describe_hf(read_hf_dir(path), run)
+
+
 def open_hf(path: str, run: ModelFacts | None = None) -> Opened:
     """Check and describe a Hugging Face directory for a load (nothing of the job is touched here)."""
     d = read_hf_dir(path)
