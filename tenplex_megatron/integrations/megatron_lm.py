@@ -58,7 +58,8 @@ def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.
 _RECORDED_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
     "make_vocab_size_divisible_by", "swiglu", "untie_embeddings_and_output_weights", "bf16", "global_batch_size",
-    "micro_batch_size", "train_iters", "lr", "min_lr", "seed",
+    "micro_batch_size", "train_iters", "lr", "min_lr", "seed", "position_embedding_type", "rotary_base",
+    "rotary_percent", "normalization", "norm_epsilon", "add_bias_linear", "group_query_attention", "num_query_groups",
 )
 
 

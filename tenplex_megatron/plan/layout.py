@@ -18,6 +18,7 @@ class ModelShape:
     num_attention_heads: int
     vocab_size: int
     make_vocab_size_divisible_by: int = 128
+    num_query_groups: int | None = None  # grouped-query attention; None: one group per head
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ class ParallelLayout:
         if shape.num_attention_heads % self.tp:
             problems.append(
                 f"TP={self.tp} does not divide the number of attention heads ({shape.num_attention_heads})"
+            )
+        if shape.num_query_groups is not None and shape.num_query_groups % self.tp:
+            problems.append(
+                f"TP={self.tp} does not divide the number of query groups (--num-query-groups "
+                f"{shape.num_query_groups})"
             )
         if shape.hidden_size % self.tp:
             problems.append(f"TP={self.tp} does not divide the hidden size ({shape.hidden_size})")

@@ -42,7 +42,10 @@ def _dims(args: argparse.Namespace) -> GPTDims:
     return GPTDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
                    num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                    seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu,
-                   tied=not args.untie_embeddings_and_output_weights, bf16=args.bf16)
+                   tied=not args.untie_embeddings_and_output_weights, bf16=args.bf16,
+                   num_query_groups=args.num_query_groups if args.group_query_attention else None,
+                   add_bias_linear=args.add_bias_linear, normalization=args.normalization,
+                   position_embedding_type=args.position_embedding_type)
 
 
 def _memory_gb(args: argparse.Namespace) -> float | None:

@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period (with rope)")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's dimensions rotated (rope)")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no biases in the linear layers (QKV, projection, MLP)")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1, help="key/value head groups (with --group-query-attention)")
     g.add_argument("--bf16", action="store_true")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
@@ -136,6 +145,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown or unsupported flag(s): {' '.join(unknown)}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    check_model_flags(parser, args, argv)
     if args.data_path is not None and not args.data_path:
         parser.error("--data-path needs at least one dataset prefix")
     if bool(args.mock_data) == bool(args.data_path):
@@ -174,7 +184,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--micro-batch-size is required (or let --tenplex-layout choose it)")
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
+    if args.group_query_attention and args.num_query_groups % args.tensor_model_parallel_size:
+        parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
+                     f"--num-query-groups {args.num_query_groups} (TP splits the key/value head groups)")
     return args
+
+
+def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """The Llama-style flags' own rules (before any layout is chosen): errors name the flag."""
+    given = {flag.split("=", 1)[0] for flag in argv}
+    if args.group_query_attention:
+        if args.num_query_groups < 1:
+            parser.error(f"--num-query-groups {args.num_query_groups} must be >= 1")
+        if args.num_attention_heads % args.num_query_groups:
+            parser.error(f"--num-query-groups {args.num_query_groups} does not divide --num-attention-heads "
+                         f"{args.num_attention_heads} (each key/value group serves a whole number of heads)")
+    elif "--num-query-groups" in given:
+        parser.error("--num-query-groups needs --group-query-attention (without it every head is its own group)")
+    if args.position_embedding_type != "rope" and given & {"--rotary-base", "--rotary-percent"}:
+        parser.error(f"{' and '.join(sorted(given & {'--rotary-base', '--rotary-percent'}))} needs "
+                     "--position-embedding-type rope")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        parser.error(f"--rotary-percent {args.rotary_percent} must be in (0, 1]")
+    if args.rotary_base < 1:
+        parser.error(f"--rotary-base {args.rotary_base} must be >= 1")
+    if not args.norm_epsilon > 0.0:
+        parser.error(f"--norm-epsilon {args.norm_epsilon} must be > 0")
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:
@@ -189,6 +224,14 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         swiglu=args.swiglu,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        group_query_attention=args.group_query_attention,
+        num_query_groups=args.num_query_groups,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         bf16=args.bf16,
