@@ -130,14 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if meta.get("framework") == "deepspeed":
         raise CLIError(f"{ckpt}: a DeepSpeed checkpoint: its ZeRO partitions at a new DP size are computed by "
                        "DeepSpeed at load, so `plan --to` is not supported for it (`inspect` is)")
-    model = meta.get("model", {})
-    shape = ModelShape(
-        num_layers=int(model["num_layers"]),
-        hidden_size=int(model["hidden_size"]),
-        num_attention_heads=int(model["num_attention_heads"]),
-        vocab_size=int(model["vocab_size"]),
-        make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
-    )
+    shape = ModelShape.from_record(meta.get("model", {}))
     try:
         dst.check_fits(shape)
     except LayoutError as e:
@@ -188,7 +181,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     try:
         dims = load_model(args.model)
         src, dst = ParallelLayout.parse(args.source), ParallelLayout.parse(args.to)
-        shape = ModelShape(dims.num_layers, dims.hidden_size, dims.num_attention_heads, dims.vocab_size, 128)
+        shape = dims.shape()
         src.check_fits(shape)
         dst.check_fits(shape)
     except (KeyError, LayoutError) as e:

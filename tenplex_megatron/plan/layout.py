@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class LayoutError(ValueError):
@@ -19,6 +20,26 @@ class ModelShape:
     vocab_size: int
     make_vocab_size_divisible_by: int = 128
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+
+    @classmethod
+    def from_record(cls, model: dict[str, Any]) -> ModelShape:
+        """The shape in a checkpoint's ``model`` record (the trainer's or the Megatron-LM hook's: same names)."""
+        return cls(
+            num_layers=int(model["num_layers"]),
+            hidden_size=int(model["hidden_size"]),
+            num_attention_heads=int(model["num_attention_heads"]),
+            vocab_size=int(model["vocab_size"]),
+            make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by") or 128),
+            num_query_groups=record_query_groups(model),
+        )
+
+
+def record_query_groups(model: dict[str, Any]) -> int | None:
+    """Key/value head groups in a ``model`` record: ``num_query_groups`` with ``group_query_attention`` (Megatron-LM's
+    rule), else None (one per head; also for records written before these fields existed)."""
+    if model.get("group_query_attention") and model.get("num_query_groups") is not None:
+        return int(model["num_query_groups"])
+    return None
 
 
 @dataclass(frozen=True)
