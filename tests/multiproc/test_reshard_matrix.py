@@ -4,10 +4,11 @@ Each case runs the real pre-training flow (``training.pretrain.run``, what
 scripts/pretrain_gpt.py runs) under torchrun (gloo, real megatron-core GPTModel,
 DDP and optimizer): a reference run of 8 steps at layout A saves at step 3; a
 second job at layout B loads that checkpoint, immediately saves what it loaded
-(``--tenplex-resave``), then trains steps 4..8. The ~45 jobs run in 7 torchrun
+(``--tenplex-resave``), then trains steps 4..8. The 51 jobs run in 7 torchrun
 launches (``matrix_run.py``: jobs of one world size share a process group, each
 with megatron-core's parallel state built afresh); every case keeps its own
-assertions.
+assertions. GPT-style models (learned positions, LayerNorm, biases) and a
+Llama-style one (RoPE, RMSNorm, no biases, grouped-query attention) share them.
 
 - Tensors: every tensor of the re-saved checkpoint (weights, Adam moments, fp32
   main weights where they exist) equals the original element for element at full
