@@ -7,6 +7,7 @@ torch (tested).
     python -m tenplex_megatron plan CKPT --to tp=2,pp=2,dp=1 [--gpus-per-node 8] [--json]
     python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
     python -m tenplex_megatron layouts --model gpt3-1.3b --gpus 12 --gpus-per-node 4 [--memory-gb 80] [--json]
+    python -m tenplex_megatron export-hf CKPT OUT [--dtype bf16|fp32] [--max-shard-size 5GB] [--force]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections import defaultdict
 from typing import Any
 
 from tenplex_megatron import __version__
+from tenplex_megatron._optional import require
 from tenplex_megatron.plan.autolayout import (
     GIB,
     Hardware,
@@ -28,6 +30,7 @@ from tenplex_megatron.plan.autolayout import (
     rank_layouts,
     total_parameters,
 )
+from tenplex_megatron.plan.hf_map import HFMapError, parse_size
 from tenplex_megatron.plan.layout import (
     LayoutError,
     ModelShape,
@@ -380,6 +383,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    """Export a checkpoint as a Hugging Face model (torch and transformers are imported only here)."""
+    try:
+        max_shard = parse_size(args.max_shard_size)
+        if find_checkpoint(args.checkpoint) is None:
+            raise CLIError(f"{args.checkpoint}: no complete tenplex checkpoint here")
+        export = require("tenplex_megatron.integrations.hf.export", "hf", needed_by="export-hf")
+        res = export.export_hf(args.checkpoint, args.out, args.dtype, max_shard, args.force)
+    except (HFMapError, PlanError, PTCError, CheckpointFileError, FileExistsError) as e:
+        raise CLIError(str(e)) from None
+    print(f"export-hf: {res.arch} model, {res.tensors} tensors, {_fmt_bytes(res.bytes)} in {len(res.files)} "
+          f"file(s) written to {res.path} in {res.seconds:.2f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tenplex_megatron", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -428,6 +446,15 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--top", type=int, default=0, help="print only the best N usable candidates (0: all)")
     la.add_argument("--json", action="store_true")
     la.set_defaults(fn=cmd_layouts)
+    e = sub.add_parser("export-hf", help="write a checkpoint (any layout) as a Hugging Face transformers model "
+                                         "directory, streaming one tensor at a time")
+    e.add_argument("checkpoint", help="a checkpoint directory, or a save directory (its newest checkpoint)")
+    e.add_argument("out", help="the output directory (must be empty unless --force)")
+    e.add_argument("--dtype", choices=["bf16", "fp32", "fp16"], default=None,
+                   help="dtype of the written weights (default: the checkpoint's)")
+    e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    e.add_argument("--force", action="store_true", help="write into a non-empty directory")
+    e.set_defaults(fn=cmd_export_hf)
     return p
 
 

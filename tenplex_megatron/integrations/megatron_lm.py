@@ -12,7 +12,10 @@ them up. With ``--tenplex`` a save goes through tenplex and a load re-shards
 the newest tenplex checkpoint to the restarted job's layout; a ``--load``
 directory holding only a Megatron checkpoint is loaded by Megatron's own
 loader (adoption mid-run), and later saves are tenplex checkpoints. Without
-``--tenplex`` nothing changes. The padded vocabulary follows Megatron's rule
+``--tenplex`` nothing changes. ``--tenplex-init-from-hf DIR`` starts a run
+whose ``--load`` directory holds no checkpoint yet from a Hugging Face
+transformers checkpoint (Megatron-LM calls ``load_checkpoint`` only when
+``--load`` is given: give it, empty on the first start). The padded vocabulary follows Megatron's rule
 here (``--make-vocab-size-divisible-by x TP``): when it changes, real rows move
 exactly and new padding rows start at zero.
 """
@@ -24,10 +27,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from tenplex_megatron._optional import require
+from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec, load_job, save_job
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
+from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
+from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
@@ -37,6 +42,9 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-shard on restart)")
     g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N tenplex checkpoints")
     g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
+    g.add_argument("--tenplex-init-from-hf", default=None, metavar="DIR",
+                   help="when --load holds no checkpoint yet, start from this Hugging Face transformers checkpoint "
+                   "(GPT-2 or Llama) at this run's layout; its config must match the model flags")
     g.add_argument("--tenplex-vocab-padding", choices=["keep", "megatron"], default="keep",
                    help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact "
                    "loss continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding "
@@ -113,6 +121,13 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     args = get_args()
     load_dir = getattr(args, load_arg, None)
     ckpt = find_checkpoint(load_dir) if (getattr(args, "tenplex", False) and load_dir) else None
+    if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and not (load_dir and find_megatron_checkpoint(load_dir)):
+        job = _job(ddp_model, optimizer, opt_param_scheduler)
+        run = ModelFacts.from_model_json(job.spec.to_json())
+        hf = init_from_hf(job, args.tenplex_init_from_hf, run)
+        print_rank_0(f"> tenplex: initialised from Hugging Face checkpoint {args.tenplex_init_from_hf} at layout "
+                     f"{job.layout}: {hf.tensors} tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0")
+        return 0, 0.0
     if ckpt is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)

@@ -25,10 +25,14 @@ import psutil
 import torch
 from megatron.core import parallel_state
 
+from tenplex_megatron.integrations.hf.load import init_from_hf
+from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_job
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
+from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
+from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.training import gpt, layout_choice, mcore_dist_ckpt
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
@@ -115,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
     g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N complete checkpoints")
     g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
+    g.add_argument("--tenplex-init-from-hf", default=None, metavar="DIR",
+                   help="start from a Hugging Face transformers checkpoint (GPT-2 or Llama) at this run's layout, "
+                   "each rank reading only its slice; its config must match the model flags. A tenplex "
+                   "checkpoint under --load (a restart) takes precedence")
     g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
                    help="choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto "
                    "(legal layouts that fit memory, ranked by a throughput model) or a user's table; explicit "
@@ -279,6 +287,12 @@ def run(args: argparse.Namespace) -> None:
     spec = spec_from_args(args)
     ckpt = find_checkpoint(args.load) if (args.load and args.tenplex) else None
     saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
+    from_hf = args.tenplex_init_from_hf if ckpt is None else None
+    if from_hf:  # the directory and its config against the flags, before anything is built
+        try:
+            check_hf_dir(from_hf, ModelFacts.from_model_json(spec.to_json()))
+        except (ValueError, CheckpointFileError) as e:
+            raise SystemExit(f"pretrain_gpt.py: error: --tenplex-init-from-hf {e}") from None
     padded = (
         restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved_padded)
         if args.tenplex_vocab_padding == "keep"
@@ -314,6 +328,10 @@ def run(args: argparse.Namespace) -> None:
         )
         if args.tenplex_resave:
             save_job(job, args.tenplex_resave)
+    elif from_hf:
+        hf = init_from_hf(job, from_hf, ModelFacts.from_model_json(spec.to_json()))
+        _print0(f"> tenplex: initialised from Hugging Face checkpoint {from_hf} at layout {layout}: {hf.tensors} "
+                f"tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0 in {hf.stats.seconds:.2f} s")
     elif args.load and find_megatron_checkpoint(args.load):
         mck = find_megatron_checkpoint(args.load)
         t0 = time.perf_counter()

@@ -186,6 +186,12 @@ def _context(job: Any) -> _Ctx:
     return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, stages, tied)
 
 
+def describe_model(job: Any) -> list[LocalChunk]:
+    """The model's chunks only, no optimizer state: what a weights-only load (a Hugging Face import) fills."""
+    ctx = _context(job)
+    return [c for sh in _entries(model_sharded_state_dict(job)) for c in _expand(sh, sh.data, sh.data, None, ctx)]
+
+
 def describe_job(job: Any) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
     """All chunks this rank holds (model, then optimizer), with their tensor metadata."""
     ctx = _context(job)

@@ -1,0 +1,389 @@
+"""How a megatron-core GPT's tensors map onto a Hugging Face transformers checkpoint's, without torch.
+
+One table serves both directions. Every Hugging Face tensor is the union of
+:class:`Link` s: a box of a megatron-core global tensor (layer axis first for
+the decoder's layers) that equals a contiguous range of the HF tensor's rows
+(of its columns for GPT-2's transposed ``Conv1D`` weights). Export reads the
+boxes and writes the ranges; import describes the ranges as stored chunks of
+the boxes, so the planner reads only what each rank holds. The transforms are:
+megatron-core's per-group fused QKV (per query group: its query heads, then
+its key head, then its value head) against separate or concatenated q/k/v,
+SwiGLU's fused gate/up, GPT-2's transposed ``Conv1D`` weights, and the padded
+vocabulary rows, which Hugging Face does not have. Keys are megatron-core's
+``sharded_state_dict`` keys, in which the layer norms before attention and MLP
+are named as Transformer Engine's fused layers name them
+(``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), local spec or not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+GPT2 = "gpt2"
+LLAMA = "llama"
+
+
+class HFMapError(ValueError):
+    """A model or a Hugging Face config that the mapping cannot express; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The layout-independent facts of a megatron-core GPT that decide its Hugging Face form."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    vocab_size: int  # real rows (the tokenizer's), without megatron's padding
+    max_position_embeddings: int
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    tied: bool = True  # word embedding shared with the output layer
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0
+    norm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_model_json(cls, d: dict[str, Any]) -> ModelFacts:
+        """From a checkpoint's ``metadata["model"]`` (the trainer's GPTSpec or the Megatron-LM hook's recorded args)."""
+
+        def get(name: str, default: Any = None) -> Any:
+            v = d.get(name)
+            return default if v is None else v
+
+        try:
+            h = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            groups = int(get("num_query_groups", heads)) if get("group_query_attention", True) else heads
+            add_bias = bool(get("add_bias_linear", not get("disable_bias_linear", False)))
+            return cls(
+                num_layers=int(d["num_layers"]),
+                hidden_size=h,
+                num_attention_heads=heads,
+                num_query_groups=groups,
+                ffn_hidden_size=int(get("ffn_hidden_size", 4 * h)),
+                vocab_size=int(d["vocab_size"]),
+                max_position_embeddings=int(get("max_position_embeddings", get("seq_length"))),
+                position_embedding_type=str(get("position_embedding_type", "learned_absolute")),
+                normalization=str(get("normalization", "LayerNorm")),
+                swiglu=bool(get("swiglu", False)),
+                add_bias_linear=add_bias,
+                tied=not bool(get("untie_embeddings_and_output_weights", False)),
+                rotary_base=float(get("rotary_base", 10000.0)),
+                rotary_percent=float(get("rotary_percent", 1.0)),
+                norm_epsilon=float(get("norm_epsilon", get("layernorm_epsilon", 1e-5))),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise HFMapError(f"the checkpoint's model description lacks or garbles {e}") from None
+
+
+def architecture(f: ModelFacts) -> str:
+    """``gpt2`` (learned positions, LayerNorm, GELU, biases, multi-head) or ``llama`` (rope, RMSNorm, SwiGLU, no
+    biases, grouped-query attention allowed); anything else is refused naming the field that fits neither."""
+    if f.hidden_size % f.num_attention_heads:
+        raise HFMapError(f"hidden_size {f.hidden_size} is not a multiple of num_attention_heads {f.num_attention_heads}")
+    if f.num_attention_heads % f.num_query_groups:
+        raise HFMapError(f"num_attention_heads {f.num_attention_heads} is not a multiple of num_query_groups "
+                         f"{f.num_query_groups}")
+    if f.position_embedding_type == "learned_absolute":
+        want = {"normalization": (f.normalization, "LayerNorm"), "swiglu": (f.swiglu, False),
+                "add_bias_linear": (f.add_bias_linear, True),
+                "num_query_groups": (f.num_query_groups, f.num_attention_heads)}
+        name = GPT2
+    elif f.position_embedding_type == "rope":
+        want = {"normalization": (f.normalization, "RMSNorm"), "swiglu": (f.swiglu, True),
+                "add_bias_linear": (f.add_bias_linear, False), "rotary_percent": (f.rotary_percent, 1.0)}
+        name = LLAMA
+    else:
+        raise HFMapError(f"position_embedding_type {f.position_embedding_type!r} fits neither a GPT-2 "
+                         "(learned_absolute) nor a Llama (rope) Hugging Face model")
+    for field, (got, need) in want.items():
+        if got != need:
+            pos = "learned absolute positions" if name == GPT2 else "rotary positions"
+            raise HFMapError(f"{field}={got!r} does not fit a Hugging Face {name} model ({pos} need {field}={need!r})")
+    return name
+
+
+def hf_config(f: ModelFacts, dtype: str) -> tuple[str, dict[str, Any]]:
+    """The transformers config class name and its keyword arguments for this model."""
+    arch = architecture(f)
+    if arch == GPT2:
+        return "GPT2Config", {
+            "vocab_size": f.vocab_size, "n_positions": f.max_position_embeddings, "n_embd": f.hidden_size,
+            "n_layer": f.num_layers, "n_head": f.num_attention_heads, "n_inner": f.ffn_hidden_size,
+            "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "layer_norm_epsilon": f.norm_epsilon, "tie_word_embeddings": f.tied, "bos_token_id": None,
+            "eos_token_id": None, "architectures": ["GPT2LMHeadModel"], "dtype": dtype,
+        }
+    return "LlamaConfig", {
+        "vocab_size": f.vocab_size, "hidden_size": f.hidden_size, "intermediate_size": f.ffn_hidden_size,
+        "num_hidden_layers": f.num_layers, "num_attention_heads": f.num_attention_heads,
+        "num_key_value_heads": f.num_query_groups, "head_dim": f.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": f.max_position_embeddings, "rms_norm_eps": f.norm_epsilon,
+        "rope_parameters": {"rope_type": "default", "rope_theta": f.rotary_base}, "attention_bias": False,
+        "mlp_bias": False, "tie_word_embeddings": f.tied, "bos_token_id": None, "eos_token_id": None,
+        "architectures": ["LlamaForCausalLM"], "dtype": dtype,
+    }
+
+
+def facts_from_hf_config(cfg: dict[str, Any], path: str = "config.json") -> ModelFacts:
+    """A Hugging Face ``config.json`` as :class:`ModelFacts`; an unsupported architecture is refused naming the field."""
+    mt = cfg.get("model_type")
+
+    def need(name: str) -> Any:
+        if cfg.get(name) is None:
+            raise HFMapError(f"{path}: model_type {mt!r} config has no {name!r}")
+        return cfg[name]
+
+    def check(name: str, ok: Any, default: Any) -> None:
+        got = cfg.get(name, default)
+        if got not in ok:
+            raise HFMapError(f"{path}: {name}={got!r} is not supported (supported: {', '.join(map(repr, ok))})")
+
+    if mt == GPT2:
+        check("activation_function", ("gelu",), "gelu_new")
+        for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+            check(name, (False,), False)
+        check("scale_attn_weights", (True,), True)
+        h = int(need("n_embd"))
+        return ModelFacts(int(need("n_layer")), h, int(need("n_head")), int(need("n_head")),
+                          int(cfg.get("n_inner") or 4 * h), int(need("vocab_size")), int(need("n_positions")),
+                          tied=bool(cfg.get("tie_word_embeddings", True)),
+                          norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)))
+    if mt == LLAMA:
+        check("hidden_act", ("silu",), "silu")
+        check("attention_bias", (False,), False)
+        check("mlp_bias", (False,), False)
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype != "default":
+            raise HFMapError(f"{path}: rope_type {rtype!r} is not supported (supported: 'default')")
+        h, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        head_dim = cfg.get("head_dim") or h // heads
+        if head_dim * heads != h:
+            raise HFMapError(f"{path}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={h}")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return ModelFacts(int(need("num_hidden_layers")), h, heads, int(cfg.get("num_key_value_heads") or heads),
+                          int(need("intermediate_size")), int(need("vocab_size")), int(need("max_position_embeddings")),
+                          position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                          tied=bool(cfg.get("tie_word_embeddings", False)), rotary_base=float(theta),
+                          norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)))
+    raise HFMapError(f"{path}: model_type={mt!r} is not supported (supported: 'gpt2', 'llama')")
+
+
+# fields compared between a Hugging Face config and a run's flags, with the flag that sets each
+FLAG_NAMES = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
+    "max_position_embeddings": "--max-position-embeddings", "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "tied": "--untie-embeddings-and-output-weights", "rotary_base": "--rotary-base",
+    "rotary_percent": "--rotary-percent",
+}
+
+
+def check_flags(hf: ModelFacts, run: ModelFacts, path: str) -> None:
+    """Refuse a run whose flags describe another model than the Hugging Face config: name the field, both values."""
+    for name, flag in FLAG_NAMES.items():
+        a, b = getattr(hf, name), getattr(run, name)
+        if name in ("rotary_base", "rotary_percent") and hf.position_embedding_type != "rope":
+            continue
+        if a != b:
+            raise HFMapError(f"{path}: {name} is {a!r} in the Hugging Face config but {b!r} from the flags ({flag})")
+
+
+@dataclass(frozen=True)
+class MTensor:
+    """A megatron-core global tensor (layer axis first for the decoder's layers) as the mapping sees it."""
+
+    key: str
+    shape: tuple[int, ...]
+    vocab_rows: int | None = None
+
+
+@dataclass(frozen=True)
+class Link:
+    """Box ``offsets``/``shape`` of megatron tensor ``key`` = rows ``[lo, lo + n)`` of HF tensor ``hf`` (its columns
+    when ``transposed``), ``n`` the box's first non-layer size."""
+
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    hf: str
+    lo: int
+    transposed: bool = False
+
+    @property
+    def n(self) -> int:
+        return self.shape[1] if self.layered else self.shape[0]
+
+    @property
+    def layered(self) -> bool:
+        return self.key.startswith("decoder.layers.")
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One tensor of the Hugging Face checkpoint: its name, shape and the megatron boxes it is made of."""
+
+    name: str
+    shape: tuple[int, ...]
+    links: tuple[Link, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """The whole correspondence: megatron tensors (unpadded vocabulary) and the HF tensors in checkpoint order."""
+
+    arch: str
+    megatron: dict[str, MTensor]
+    hf: tuple[HFTensor, ...]
+
+    def by_name(self) -> dict[str, HFTensor]:
+        return {t.name: t for t in self.hf}
+
+
+def _qkv_rows(f: ModelFacts) -> list[tuple[str, int, int, int]]:
+    """(part, fused row, part row, rows) runs of megatron-core's per-group fused QKV: per group its q, k, v heads."""
+    hn, groups = f.head_dim, f.num_query_groups
+    qpg = f.num_attention_heads // groups
+    out = []
+    for g in range(groups):
+        base = g * (qpg + 2) * hn
+        out += [("q", base, g * qpg * hn, qpg * hn), ("k", base + qpg * hn, g * hn, hn),
+                ("v", base + (qpg + 1) * hn, g * hn, hn)]
+    return out
+
+
+def build_mapping(f: ModelFacts) -> Mapping:
+    """The mapping for this model (refused as :func:`architecture` says when it fits no HF architecture)."""
+    arch = architecture(f)
+    h, ffn, L, V = f.hidden_size, f.ffn_hidden_size, f.num_layers, f.vocab_size
+    qkv = (f.num_attention_heads + 2 * f.num_query_groups) * f.head_dim
+    fc1 = 2 * ffn if f.swiglu else ffn
+    M: dict[str, MTensor] = {}
+    out: list[HFTensor] = []
+
+    def mt(key: str, shape: tuple[int, ...], vocab: bool = False) -> MTensor:
+        M[key] = MTensor(key, shape, V if vocab else None)
+        return M[key]
+
+    def whole(name: str, key: str, shape: tuple[int, ...], vocab: bool = False, transposed: bool = False) -> None:
+        mt(key, shape, vocab)
+        hshape = (shape[1], shape[0]) if transposed else shape
+        out.append(HFTensor(name, hshape, (Link(key, (0,) * len(shape), shape, name, 0, transposed),)))
+
+    def layer(name: str, key: str, shape: tuple[int, ...], runs: list[tuple[int, int, int]] | None = None,
+              transposed: bool = False, hshape: tuple[int, ...] | None = None) -> None:
+        """Layer tensors: ``runs`` of (megatron row, HF row, rows); default the whole tensor."""
+        if key not in M:
+            mt(key, (L, *shape))
+        runs = runs or [(0, 0, shape[0])]
+        hs = hshape or ((shape[1], shape[0]) if transposed else shape)
+        for i in range(L):
+            links = tuple(Link(key, (i, m0, *([0] * (len(shape) - 1))), (1, n, *shape[1:]), name.format(i), h0, transposed)
+                          for m0, h0, n in runs)
+            out.append(HFTensor(name.format(i), hs, links))
+
+    if arch == GPT2:
+        P = "transformer."
+        whole(P + "wte.weight", "embedding.word_embeddings.weight", (V, h), vocab=True)
+        whole(P + "wpe.weight", "embedding.position_embeddings.weight", (f.max_position_embeddings, h))
+        qkv_runs = [(m0, {"q": 0, "k": h, "v": 2 * h}[part] + h0, n) for part, m0, h0, n in _qkv_rows(f)]
+        for i_name, key, shape, runs, tr in (
+            ("ln_1.weight", "self_attention.linear_qkv.layer_norm_weight", (h,), None, False),
+            ("ln_1.bias", "self_attention.linear_qkv.layer_norm_bias", (h,), None, False),
+            ("attn.c_attn.weight", "self_attention.linear_qkv.weight", (qkv, h), qkv_runs, True),
+            ("attn.c_attn.bias", "self_attention.linear_qkv.bias", (qkv,), qkv_runs, False),
+            ("attn.c_proj.weight", "self_attention.linear_proj.weight", (h, h), None, True),
+            ("attn.c_proj.bias", "self_attention.linear_proj.bias", (h,), None, False),
+            ("ln_2.weight", "mlp.linear_fc1.layer_norm_weight", (h,), None, False),
+            ("ln_2.bias", "mlp.linear_fc1.layer_norm_bias", (h,), None, False),
+            ("mlp.c_fc.weight", "mlp.linear_fc1.weight", (ffn, h), None, True),
+            ("mlp.c_fc.bias", "mlp.linear_fc1.bias", (ffn,), None, False),
+            ("mlp.c_proj.weight", "mlp.linear_fc2.weight", (h, ffn), None, True),
+            ("mlp.c_proj.bias", "mlp.linear_fc2.bias", (h,), None, False),
+        ):
+            layer(P + "h.{}." + i_name, "decoder.layers." + key, shape, runs, tr)
+        whole(P + "ln_f.weight", "decoder.final_layernorm.weight", (h,))
+        whole(P + "ln_f.bias", "decoder.final_layernorm.bias", (h,))
+    else:
+        P = "model."
+        whole(P + "embed_tokens.weight", "embedding.word_embeddings.weight", (V, h), vocab=True)
+        rows = _qkv_rows(f)
+        sizes = {"q": f.num_attention_heads * f.head_dim, "k": f.num_query_groups * f.head_dim}
+        sizes["v"] = sizes["k"]
+        mt("decoder.layers.self_attention.linear_qkv.weight", (L, qkv, h))
+        for i in range(L):
+            for part in "qkv":
+                runs = [(m0, h0, n) for p, m0, h0, n in rows if p == part]
+                name = f"{P}layers.{i}.self_attn.{part}_proj.weight"
+                links = tuple(Link("decoder.layers.self_attention.linear_qkv.weight", (i, m0, 0), (1, n, h), name, h0)
+                              for m0, h0, n in runs)
+                out.append(HFTensor(name, (sizes[part], h), links))
+        layer(P + "layers.{}.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (h,))
+        layer(P + "layers.{}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", (h, h),
+              hshape=(h, h))
+        layer(P + "layers.{}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight", (h,))
+        mt("decoder.layers.mlp.linear_fc1.weight", (L, fc1, h))
+        for i in range(L):
+            for part, m0 in (("gate", 0), ("up", ffn)):
+                name = f"{P}layers.{i}.mlp.{part}_proj.weight"
+                out.append(HFTensor(name, (ffn, h), (Link("decoder.layers.mlp.linear_fc1.weight", (i, m0, 0),
+                                                           (1, ffn, h), name, 0),)))
+        layer(P + "layers.{}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", (h, ffn), hshape=(h, ffn))
+        whole(P + "norm.weight", "decoder.final_layernorm.weight", (h,))
+    if not f.tied:
+        whole("lm_head.weight", "output_layer.weight", (V, h), vocab=True)
+    return Mapping(arch, M, tuple(out))
+
+
+# tensors a Hugging Face checkpoint may hold that are not weights of the model (old buffers) or are tied copies
+IGNORABLE_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def ignorable(name: str, mapping: Mapping, tied: bool) -> bool:
+    """Whether an HF tensor outside the mapping may be skipped at import (a buffer, or the tied output layer)."""
+    return name.endswith(IGNORABLE_SUFFIXES) or (tied and name == "lm_head.weight")
+
+
+def shard_files(sizes: list[int], max_shard_bytes: int) -> list[int]:
+    """Greedy assignment of tensors (in order) to shards of at most ``max_shard_bytes`` (a bigger tensor alone)."""
+    out, shard, used = [], 0, 0
+    for n in sizes:
+        if used and used + n > max_shard_bytes:
+            shard, used = shard + 1, 0
+        out.append(shard)
+        used += n
+    return out
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``10GiB``, ``1000000`` -> bytes (as transformers' ``max_shard_size``)."""
+    t = text.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    for u, mult in units.items():
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(t)
+    except ValueError:
+        raise HFMapError(f"--max-shard-size {text!r} is not a size (e.g. 5GB, 500MB, 2GiB)") from None

@@ -1,0 +1,170 @@
+"""Hugging Face out and in, at any layout, with transformers' own models as the oracle (one torchrun launch).
+
+The launch (``hf_run.py``, 4 ranks) saves random megatron-core models at
+TP2 x PP2 and at TP1 (x DP4, distributed optimizer, untied output layer) with
+their logits on fixed tokens, starts jobs at TP2 x PP2 from a transformers
+checkpoint (``--tenplex-init-from-hf``), and records a refused config. This
+process then exports with ``python -m tenplex_megatron export-hf`` (no
+torch.distributed) and compares, with transformers' own model classes:
+
+- export: transformers' logits equal megatron-core's (fp32, 1e-5 relative);
+- import: the first iteration's loss equals transformers' loss on the same batch;
+- round trip: transformers -> import at TP2 x PP2 -> tenplex checkpoint ->
+  export gives every tensor back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from tenplex_megatron.training.synthetic_data import batch_from_indices
+from tests.harness import ROOT, TINY_GPT, layout_flags, metrics, torchrun
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.dist
+HF_RUN = os.path.join(ROOT, "tests", "multiproc", "hf_run.py")
+RTOL = 1e-5
+VOCAB = 100
+GBS = 8
+
+
+def _perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Random weights everywhere (layer norms included: transformers initialises them to 1 and 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def _gpt2_dir(path: str) -> str:
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=VOCAB,
+                                  activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = _perturbed(transformers.GPT2LMHeadModel(cfg), 1)
+    model.save_pretrained(path, max_shard_size="100KB")  # several shards and an index
+    return path
+
+
+def _flags(*extra: str) -> list[str]:
+    return [*TINY_GPT, "--vocab-size", str(VOCAB), *extra]
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = str(tmp_path_factory.mktemp("hf"))
+    p = {k: os.path.join(d, k) for k in ("hf_gpt2", "ck_tp2pp2", "ck_tp1", "ck_rt", "lg_tp2pp2", "lg_tp1",
+                                         "loss.jsonl", "refused")}
+    _gpt2_dir(p["hf_gpt2"])
+    tasks = [
+        {"kind": "logits", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4"), "save": p["ck_tp2pp2"],
+         "out": p["lg_tp2pp2"]},
+        {"kind": "logits", "flags": _flags(*layout_flags(1, 1), "--train-iters", "4", "--use-distributed-optimizer",
+                                           "--untie-embeddings-and-output-weights"),
+         "save": p["ck_tp1"], "out": p["lg_tp1"]},
+        # no vocabulary padding (megatron's softmax covers padding rows, transformers' has none): the losses compare
+        {"kind": "pretrain", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4", "--exit-interval", "1",
+                                             "--make-vocab-size-divisible-by", "1", "--tenplex-init-from-hf", p["hf_gpt2"],
+                                             "--tenplex-metrics", p["loss.jsonl"])},
+        # padded to 128 at TP2: the padding rows start at zero and are dropped again at export
+        {"kind": "pretrain", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4", "--exit-interval", "0",
+                                             "--use-distributed-optimizer", "--tenplex-init-from-hf", p["hf_gpt2"],
+                                             "--save", p["ck_rt"])},
+        {"kind": "refused", "flags": [*TINY_GPT, "--vocab-size", str(VOCAB), "--hidden-size", "32",
+                                      *layout_flags(2, 2), "--train-iters", "4", "--tenplex-init-from-hf",
+                                      p["hf_gpt2"]], "out": p["refused"]},
+    ]
+    tasks_file = os.path.join(d, "tasks.json")
+    with open(tasks_file, "w") as f:
+        json.dump(tasks, f)
+    run = torchrun(4, [tasks_file], timeout=600, script=HF_RUN)
+    assert run.returncode == 0, run.log[-6000:]
+    return p
+
+
+def _export(ckpt: str, out: str, *flags: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "tenplex_megatron", "export-hf", ckpt, out, *flags],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("layout", ["tp2pp2", "tp1"])
+def test_export_logits_equal_megatron(hf_runs: dict[str, str], tmp_path, layout: str) -> None:
+    out = str(tmp_path / "hf")
+    r = _export(hf_runs[f"ck_{layout}"], out, "--max-shard-size", "50KB")
+    assert r.returncode == 0, r.stderr
+    with open(os.path.join(out, "model.safetensors.index.json")) as f:
+        files = set(json.load(f)["weight_map"].values())
+    assert len(files) > 1  # sharded as asked
+    cfg = transformers.AutoConfig.from_pretrained(out)
+    assert cfg.model_type == "gpt2" and cfg.tie_word_embeddings == (layout == "tp2pp2")
+    saved = load_file(hf_runs[f"lg_{layout}"])
+    megatron = saved["logits"][..., :VOCAB]  # padded vocabulary columns dropped
+    assert saved["logits"].shape[-1] > VOCAB  # the model had padding rows
+    hf = _hf_logits(out, saved["tokens"])
+    assert hf.shape == megatron.shape
+    err = (hf - megatron).abs().max() / megatron.abs().max()
+    assert err <= RTOL, f"{layout}: relative logits error {err}"
+
+
+def test_export_refuses_non_empty_dir(hf_runs: dict[str, str], tmp_path) -> None:
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    r = _export(hf_runs["ck_tp1"], str(out))
+    assert r.returncode == 2 and "not empty" in r.stderr and "--force" in r.stderr
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+    r = _export(hf_runs["ck_tp1"], str(out), "--force", "--dtype", "bf16")
+    assert r.returncode == 0, r.stderr
+    with safe_open(str(out / "model-00001-of-00001.safetensors"), framework="pt") as f:
+        assert f.get_tensor("transformer.wte.weight").dtype == torch.bfloat16
+
+
+def test_import_first_loss_equals_transformers(hf_runs: dict[str, str]) -> None:
+    loss = metrics(hf_runs["loss.jsonl"])[0]["loss"]
+    batch = batch_from_indices(list(range(GBS)), 32, VOCAB, 1234)
+    logits = _hf_logits(hf_runs["hf_gpt2"], batch["tokens"])
+    ref = float(F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1)))
+    assert abs(loss - ref) <= RTOL * abs(ref), (loss, ref)
+
+
+def test_round_trip_bit_identical(hf_runs: dict[str, str], tmp_path) -> None:
+    out = str(tmp_path / "rt")
+    r = _export(hf_runs["ck_rt"], out)
+    assert r.returncode == 0, r.stderr
+
+    def tensors(path: str) -> dict[str, torch.Tensor]:
+        got = {}
+        for name in os.listdir(path):
+            if name.endswith(".safetensors"):
+                got.update(load_file(os.path.join(path, name)))
+        return got
+
+    original, back = tensors(hf_runs["hf_gpt2"]), tensors(out)
+    assert sorted(original) == sorted(back)
+    for name, t in original.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
+
+
+def test_import_refuses_config_mismatch(hf_runs: dict[str, str]) -> None:
+    for rank in range(4):
+        with open(f"{hf_runs['refused']}.rank{rank}") as f:
+            msg = json.load(f)["message"]
+        assert msg is not None and "hidden_size" in msg and "64" in msg and "32" in msg and "--hidden-size" in msg, msg

@@ -1,0 +1,135 @@
+"""The torch-free Hugging Face mapping: exact coverage, megatron-core's per-group QKV order, refusals naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tenplex_megatron.plan.hf_map import (
+    GPT2,
+    LLAMA,
+    HFMapError,
+    ModelFacts,
+    architecture,
+    build_mapping,
+    check_flags,
+    facts_from_hf_config,
+    hf_config,
+    parse_size,
+    shard_files,
+)
+
+GPT2_FACTS = ModelFacts(num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=2, ffn_hidden_size=32,
+                        vocab_size=11, max_position_embeddings=16)
+LLAMA_FACTS = ModelFacts(num_layers=2, hidden_size=16, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=24,
+                         vocab_size=11, max_position_embeddings=16, position_embedding_type="rope",
+                         normalization="RMSNorm", swiglu=True, add_bias_linear=False, tied=False, rotary_base=5e5,
+                         norm_epsilon=1e-6)
+
+
+@pytest.mark.parametrize("facts", [GPT2_FACTS, LLAMA_FACTS, GPT2_FACTS.__class__(**{**GPT2_FACTS.__dict__, "tied": False})])
+def test_every_element_is_covered_exactly_once_both_ways(facts: ModelFacts) -> None:
+    m = build_mapping(facts)
+    meg: dict[str, int] = {k: 0 for k in m.megatron}
+    seen_boxes: set[tuple] = set()
+    for t in m.hf:
+        hf_rows = 0
+        axis = 1 if t.links[0].transposed else 0
+        hf_ranges = []
+        for lk in t.links:
+            mt = m.megatron[lk.key]
+            assert len(lk.offsets) == len(mt.shape) == len(lk.shape)
+            assert all(o + s <= g for o, s, g in zip(lk.offsets, lk.shape, mt.shape)), lk
+            box = (lk.key, lk.offsets, lk.shape)
+            assert box not in seen_boxes, box
+            seen_boxes.add(box)
+            meg[lk.key] += math.prod(lk.shape)
+            rest = lk.shape[2:] if lk.layered else lk.shape[1:]
+            other = t.shape[1 - axis] if len(t.shape) == 2 else 1
+            assert math.prod(rest) == other, (t.name, lk)
+            hf_ranges.append((lk.lo, lk.lo + lk.n))
+            hf_rows += lk.n
+        assert hf_rows == t.shape[axis], t.name
+        ranges = sorted(hf_ranges)
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), t.name
+    for key, n in meg.items():
+        assert n == math.prod(m.megatron[key].shape), key  # disjoint boxes (checked above) of the full size
+
+
+def test_grouped_qkv_follows_megatron_core_per_group_order() -> None:
+    # 4 query heads in 2 groups, head_dim 1: fused rows are q0 q1 k0 v0 | q2 q3 k1 v1
+    f = ModelFacts(1, 4, 4, 2, 8, 5, 8, "rope", "RMSNorm", True, False, True)
+    m = build_mapping(f).by_name()
+    runs = {p: [(lk.offsets[1], lk.lo, lk.n) for lk in m[f"model.layers.0.self_attn.{p}_proj.weight"].links]
+            for p in "qkv"}
+    assert runs == {"q": [(0, 0, 2), (4, 2, 2)], "k": [(2, 0, 1), (6, 1, 1)], "v": [(3, 0, 1), (7, 1, 1)]}
+    gate, up = (m[f"model.layers.0.mlp.{p}_proj.weight"].links[0] for p in ("gate", "up"))
+    assert (gate.offsets, up.offsets, gate.shape) == ((0, 0, 0), (0, 8, 0), (1, 8, 4))
+
+
+def test_gpt2_conv1d_weights_are_transposed_and_qkv_interleaved_per_head() -> None:
+    m = build_mapping(GPT2_FACTS).by_name()  # 2 heads of 4: fused rows q0 k0 v0 q1 k1 v1
+    c_attn = m["transformer.h.1.attn.c_attn.weight"]
+    assert c_attn.shape == (8, 24) and all(lk.transposed for lk in c_attn.links)
+    assert [(lk.offsets, lk.lo) for lk in c_attn.links] == [
+        ((1, 0, 0), 0), ((1, 4, 0), 8), ((1, 8, 0), 16), ((1, 12, 0), 4), ((1, 16, 0), 12), ((1, 20, 0), 20)]
+    assert not m["transformer.h.1.attn.c_attn.bias"].links[0].transposed
+    assert m["transformer.h.0.mlp.c_fc.weight"].shape == (8, 32)
+    assert m["transformer.wte.weight"].links[0].key == "embedding.word_embeddings.weight"
+    assert "lm_head.weight" not in m  # tied
+
+
+@pytest.mark.parametrize("facts", [GPT2_FACTS, LLAMA_FACTS])
+def test_config_round_trips_through_hf_config(facts: ModelFacts) -> None:
+    name, kw = hf_config(facts, "float32")
+    cfg = {**kw, "model_type": GPT2 if name == "GPT2Config" else LLAMA}
+    assert facts_from_hf_config(cfg) == facts
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"normalization": "RMSNorm"}, "normalization"),
+    ({"swiglu": True}, "swiglu"),
+    ({"add_bias_linear": False}, "add_bias_linear"),
+    ({"num_query_groups": 1}, "num_query_groups"),
+    ({"position_embedding_type": "none"}, "position_embedding_type"),
+])
+def test_models_that_fit_neither_architecture_are_refused_naming_the_field(change: dict, field: str) -> None:
+    with pytest.raises(HFMapError, match=field):
+        architecture(ModelFacts(**{**GPT2_FACTS.__dict__, **change}))
+    with pytest.raises(HFMapError, match="rotary_percent"):
+        architecture(ModelFacts(**{**LLAMA_FACTS.__dict__, "rotary_percent": 0.5}))
+
+
+@pytest.mark.parametrize(("cfg", "field"), [
+    ({"model_type": "mistral"}, "model_type"),
+    ({"model_type": "gpt2", "activation_function": "gelu_new"}, "activation_function"),
+    ({"model_type": "llama", "attention_bias": True}, "attention_bias"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "yarn"}}, "rope_type"),
+])
+def test_unsupported_hf_configs_are_refused_naming_the_field(cfg: dict, field: str) -> None:
+    with pytest.raises(HFMapError, match=field):
+        facts_from_hf_config(cfg, "x/config.json")
+
+
+def test_flag_mismatch_names_field_both_values_and_flag() -> None:
+    with pytest.raises(HFMapError) as e:
+        check_flags(GPT2_FACTS, ModelFacts(**{**GPT2_FACTS.__dict__, "ffn_hidden_size": 64}), "d/config.json")
+    assert "ffn_hidden_size is 32 in the Hugging Face config but 64 from the flags (--ffn-hidden-size)" in str(e.value)
+    check_flags(GPT2_FACTS, GPT2_FACTS, "d/config.json")
+
+
+def test_from_model_json_reads_the_trainers_spec() -> None:
+    spec = {"num_layers": 2, "hidden_size": 8, "num_attention_heads": 2, "ffn_hidden_size": None, "seq_length": 16,
+            "max_position_embeddings": 16, "vocab_size": 11, "swiglu": False,
+            "untie_embeddings_and_output_weights": False}
+    assert ModelFacts.from_model_json(spec) == GPT2_FACTS
+    with pytest.raises(HFMapError, match="hidden_size"):
+        ModelFacts.from_model_json({"num_layers": 2})
+
+
+def test_sizes_and_shards() -> None:
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100") == 100
+    with pytest.raises(HFMapError, match="--max-shard-size"):
+        parse_size("lots")
+    assert shard_files([4, 4, 4, 10, 1], 8) == [0, 0, 1, 2, 3]
