@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.save import SaveResult, save
+from tenplex_megatron.integrations.megatron_core.native import opener_for
 from tenplex_megatron.integrations.megatron_core.optimizer import (
     allocate_state,
     is_distributed_optimizer,
@@ -32,7 +33,8 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
 from tenplex_megatron.integrations.megatron_core.sharded import describe_job, unwrap
 from tenplex_megatron.plan.layout import ParallelLayout
 
-__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "load_checkpoint", "load_job",
+__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
+           "load_checkpoint", "load_job",
            "save_checkpoint", "save_job"]
 
 
@@ -129,6 +131,13 @@ def load_job(job: Any, load_dir: str, iteration: int | None = None, strict: bool
     ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
     """
     return load(MegatronCoreAdapter(job), load_dir, iteration, strict, verify)
+
+
+def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) -> LoadResult:
+    """Collective: load Megatron's own ``torch_dist`` checkpoint directory ``path`` (any optimizer format, any
+    saving layout) into ``job`` through tenplex's planner and executor, each rank reading only its part."""
+    return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener_for(path, job, trust_pickles),
+                source_format="megatron")
 
 
 def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,
