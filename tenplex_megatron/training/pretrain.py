@@ -29,8 +29,13 @@ from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_c
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
-from tenplex_megatron.training import gpt, layout_choice, mcore_dist_ckpt
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
+from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -100,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="without --tenplex: megatron-core's dist_checkpointing (torch_dist) or Megatron-LM's legacy "
+                   "per-rank files (torch; read back with --tenplex)")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
                    "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
@@ -243,7 +251,11 @@ def run(args: argparse.Namespace) -> None:
     ckpt = find_checkpoint(args.load) if (args.load and args.tenplex) else None
     mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None) else None
     saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
-    if mck is not None and args.tenplex:
+    legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
+    if legacy and not args.tenplex:
+        raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
+                         "--tenplex")
+    if mck is not None and args.tenplex and not legacy:
         saved_padded = saved_padded_vocab(mck, args.tenplex_trust_pickles)
     padded = (
         restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved_padded)
@@ -358,6 +370,12 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _save(job: Any, args: argparse.Namespace) -> None:
+    if not args.tenplex and args.ckpt_format == "torch":
+        t0 = time.perf_counter()
+        path = legacy_ckpt.save_checkpoint(job, args.save)
+        _print0(f"> Megatron-LM legacy checkpoint (--ckpt-format torch): saved iteration {job.iteration} to {path} "
+                f"in {time.perf_counter() - t0:.2f} s")
+        return
     if not args.tenplex:
         t0 = time.perf_counter()
         sharding = "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"

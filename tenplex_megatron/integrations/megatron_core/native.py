@@ -33,15 +33,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from tenplex_megatron.engine.optimizer_json import jsonable
-from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
-from tenplex_megatron.integrations.megatron_core.sharded import describe_job, describe_model
+from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.sharding import _local_params
+from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.distcp import DistcpFiles, read_dcp_metadata
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, torch_dtype_name
 from tenplex_megatron.storage.source import Opened, UncheckedSource
@@ -61,24 +62,26 @@ class MegatronCheckpointError(CheckpointFileError):
 
 
 def safe_globals() -> list[Any]:
-    """The plain classes Megatron's pickles may hold besides tensors and containers (one list, as for DeepSpeed)."""
-    return [argparse.Namespace]
+    """The plain classes Megatron's pickles may hold besides tensors and containers (one list, as for DeepSpeed):
+    the args Namespace, and numpy's RNG state in the legacy format's ``rng_state``."""
+    core = getattr(np, "_core", None) or np.core
+    return [argparse.Namespace, core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 SAFE_GLOBALS = safe_globals()
 
 
-def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = False) -> Any:
-    """``torch.load(weights_only=True)`` of a Megatron pickle (a file, or ``data`` read from one) with only
-    :data:`SAFE_GLOBALS` allowed; any other class fails naming the file and the class."""
+def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = False, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of a Megatron pickle (a file, memory-mapped with ``mmap``, or ``data``
+    read from one) with only :data:`SAFE_GLOBALS` allowed; any other class fails naming the file and the class."""
     src: Any = io.BytesIO(data) if data is not None else path
     if data is None and not os.path.isfile(path):
         raise MegatronCheckpointError(f"{path}: missing")
     try:
         if trust_pickles:
-            return torch.load(src, map_location="cpu", weights_only=False)
+            return torch.load(src, map_location="cpu", weights_only=False, mmap=mmap)
         with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(src, map_location="cpu", weights_only=True)
+            return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         why = f"it names {found.group(1)}, not one of the plain classes allowed" if found else type(e).__name__
@@ -153,6 +156,10 @@ def open_torch_dist(path: str, trust_pickles: bool = False) -> TorchDistCheckpoi
         raise MegatronCheckpointError(f"{path}: distributed-optimizer format {sharding!r} is not supported "
                                       f"(tenplex reads {', '.join(SUPPORTED_SHARDING)})")
     storage = {(k.fqn, tuple(k.offset) if k.offset is not None else ()): v for k, v in index.storage_data.items()}
+    for name in sorted({s.relative_path for s in storage.values()}):  # every rank's file, whoever reads it
+        if not os.path.isfile(confine(path, name, "the torch_dist index")):
+            raise MegatronCheckpointError(f"{os.path.join(path, name)}: missing (the index names it: every rank's "
+                                          "file must be there)")
     return TorchDistCheckpoint(path, index, common, sharding, storage)
 
 
@@ -311,8 +318,12 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
     return out, dtypes
 
 
-def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], layer_keys: tuple[str, ...]) -> PTC:
-    """The checkpoint as a PTC with the live job's tensor keys (the optimizer's as tenplex names them)."""
+def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], layer_keys: tuple[str, ...],
+                        wanted: set[str]) -> PTC:
+    """The checkpoint as a PTC with the live job's tensor keys (the optimizer's as tenplex names them).
+
+    ``live``: the job's model tensors; ``wanted``: the optimizer states it keeps (``fp32_param`` only when the
+    model's weights are not fp32 themselves)."""
     check_model(ck, live)
     saved = ck.tensors()
     tp = _saved_tp(ck, live)
@@ -329,7 +340,6 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
             info = ck.storage[(key, tuple(c.offsets))]
             chunks.append(StoredChunk(Chunk(key, tuple(c.offsets), tuple(c.sizes)),
                                       _loc(ck, info, int(torch.Size(c.sizes).numel()), 0)))
-    wanted = {t.key.split(".")[2] for t in live.values() if t.param is not None}
     if ck.sharding_type == "dp_reshardable":
         opt_chunks, dtypes = _dist_opt_chunks(ck, metas, layer_keys, layout, wanted)
         chunks.extend(opt_chunks)
@@ -363,8 +373,9 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
 
 
 def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) -> dict[str, Any]:
-    """Param groups (without params) and step in ``optimizer_state_json``'s form."""
-    if ck.sharding_type is not None:
+    """Param groups (without params) and step in ``optimizer_state_json``'s form: ``dp_reshardable`` keeps them in
+    a sharded object per DP group, ``fully_reshardable`` and plain optimizers in ``common.pt``."""
+    if ck.sharding_type == "dp_reshardable":
         key = next((k for k, _ in ck.storage if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_0\.optimizer"
                                                              r"/shard_0_\d+", k)), None)
         if key is None:
@@ -373,11 +384,16 @@ def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) ->
         states = obj if isinstance(obj, list) else [obj]
     else:
         opt = ck.common.get("optimizer") or {}
-        states = [opt.get("optimizer", opt)]
+        states = [opt.get("optimizer", opt) if "param_groups" not in opt else opt]
     subs = []
     for sd in states:
+        if not isinstance(sd, dict) or "param_groups" not in sd:
+            raise MegatronCheckpointError(f"{ck.path}: no optimizer param groups in the checkpoint")
         groups = sd["param_groups"]
         steps = {int(g["step"]) for g in groups if "step" in g}
+        common_step = (sd.get("state") or {}).get("common_step")
+        if common_step is not None:
+            steps.add(int(common_step))
         subs.append({"param_groups": [{k: jsonable(v) for k, v in g.items() if k != "params"} for g in groups],
                      "step": max(steps) if steps else int(ck.common.get("iteration", 0))})
     return {"sub_optimizers": subs}
@@ -386,12 +402,12 @@ def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) ->
 def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
     """Describe the ``torch_dist`` checkpoint ``path`` for ``job`` (checked against it) and open it for reading.
 
-    The model is checked before the job's optimizer state is allocated (a fresh job has none yet)."""
+    Nothing of the job is touched: an error here (another model, a missing file, a format not understood)
+    leaves every rank's state as it was."""
     ck = open_torch_dist(path, trust_pickles)
-    model, layer_keys = describe_model(job)
-    check_model(ck, model)
-    allocate_state(job.optimizer)
-    ptc = describe_torch_dist(ck, describe_job(job)[0], layer_keys)
+    model, layer_keys, _ = describe_model(job)
+    wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in model.values()) else set())
+    ptc = describe_torch_dist(ck, model, layer_keys, wanted)
     source = DistcpSource(path, {k: t.dtype for k, t in ptc.tensors.items()})
     common = ck.common
     args = common.get("args")
