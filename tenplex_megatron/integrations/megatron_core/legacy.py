@@ -177,6 +177,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
                                           "step": max(steps) if steps else iteration}]},
         "scheduler": first.get("opt_param_scheduler"),
         "padded_vocab_size": int(metas[PRE_KEYS[0]].global_shape[0]) if PRE_KEYS[0] in metas else None,
+        "extra": {"num_floating_point_operations_so_far": float(first.get("num_floating_point_operations_so_far", 0.0) or 0.0)},
         "source_format": "megatron legacy torch",
     }
     return Opened(path, meta, ptc, src)

@@ -420,6 +420,7 @@ def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
         "optimizer": _optimizer_json(ck, source.files, trust_pickles),
         "scheduler": common.get("scheduler", common.get("opt_param_scheduler")),
         "padded_vocab_size": int(ptc.tensors[PRE_KEYS[0]].global_shape[0]) if PRE_KEYS[0] in ptc.tensors else None,
+        "extra": {"num_floating_point_operations_so_far": float(common.get("num_floating_point_operations_so_far", 0.0) or 0.0)},
         "source_format": f"megatron torch_dist ({ck.sharding_type or 'model-space optimizer'})",
     }
     return Opened(path, meta, ptc, source)
