@@ -94,8 +94,8 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     tp1 = [*MODEL, *DIST, *layout_flags(1, 1)]
     adopters += [
         {"flags": [*tp1, "--ffn-hidden-size", "128"], "load": base,
-         "error": "tensor 'decoder.layers.mlp.linear_fc1.weight' has shape [2, 512, 64] in the checkpoint, "
-                  "[2, 256, 64] in the model"},
+         "error": "tensor 'decoder.layers.mlp.linear_fc1.bias' has shape [2, 512] in the checkpoint, [2, 256] in "
+                  "the model"},
         {"flags": tp1, "load": bad["missing"], "error": "__1_0.distcp: missing"},
         {"flags": tp1, "load": bad["version"],
          "error": "sharded backend torch_dist version 99 is not supported (tenplex reads torch_dist version 1)"},
