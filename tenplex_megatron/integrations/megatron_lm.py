@@ -33,6 +33,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
     load_job,
     save_job,
 )
+from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
@@ -195,8 +196,9 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
     mck = find_megatron_checkpoint(args.load) if ckpt is None else None
     if ckpt is not None:
         saved = read_metadata(ckpt).get("padded_vocab_size")
-    elif mck is not None and not is_legacy_megatron_checkpoint(mck):
-        saved = saved_padded_vocab(mck, getattr(args, "tenplex_trust_pickles", False))
+    elif mck is not None:
+        read = legacy_padded_vocab if is_legacy_megatron_checkpoint(mck) else saved_padded_vocab
+        saved = read(mck, getattr(args, "tenplex_trust_pickles", False))
     else:
         return padded
     kept = restart_padded_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by,

@@ -26,6 +26,7 @@ import torch
 from megatron.core import parallel_state
 
 from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job, save_job
+from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
@@ -255,8 +256,8 @@ def run(args: argparse.Namespace) -> None:
     if legacy and not args.tenplex:
         raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
                          "--tenplex")
-    if mck is not None and args.tenplex and not legacy:
-        saved_padded = saved_padded_vocab(mck, args.tenplex_trust_pickles)
+    if mck is not None and args.tenplex:
+        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, args.tenplex_trust_pickles)
     padded = (
         restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved_padded)
         if args.tenplex_vocab_padding == "keep"

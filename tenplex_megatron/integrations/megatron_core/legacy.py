@@ -239,3 +239,11 @@ def _optimizer_chunks(path: str, src: LegacySource, rdir: str, sd: dict[str, Any
                                            Location(fname, f"optim/{n}:{base + s + at}", t + p * layout.tp)))
         base += b.numel_unpadded
     return out
+
+
+def legacy_padded_vocab(path: str, trust_pickles: bool = False) -> int | None:
+    """The padded vocabulary of a legacy checkpoint: its first rank's word-embedding rows times the saving TP."""
+    layout = _layout(path)
+    first = LegacySource(path, trust_pickles).load(os.path.join(_rank_dir(0, 0, layout.pp), MODEL_FILE))
+    emb = (first.get("model") or {}).get(PRE_KEYS[0])
+    return None if emb is None else int(emb.shape[0]) * layout.tp
