@@ -10,12 +10,14 @@ Use (``patches/megatron-lm-core_v0.16.x.patch`` does this in ``pretrain_gpt.py``
 ``build_pretraining_data_loader`` where ``megatron.training.training`` looks
 them up. With ``--tenplex`` a save goes through tenplex and a load re-shards
 the newest tenplex checkpoint to the restarted job's layout; a ``--load``
-directory holding only a Megatron checkpoint is loaded by Megatron's own
-loader (adoption mid-run), and later saves are tenplex checkpoints. Without
-``--tenplex`` nothing changes. ``--tenplex-init-from-hf DIR`` starts a run
-whose ``--load`` directory holds no checkpoint yet from a Hugging Face
-transformers checkpoint (Megatron-LM calls ``load_checkpoint`` only when
-``--load`` is given: give it, empty on the first start). The padded vocabulary follows Megatron's rule
+directory holding only Megatron's own checkpoint (``torch_dist`` with any
+distributed-optimizer format, or legacy ``torch``) is adopted by tenplex at
+the new layout (``megatron_core/native.py``, ``legacy.py``), and later saves
+are tenplex checkpoints. Without ``--tenplex`` nothing changes.
+``--tenplex-init-from-hf DIR`` starts a run whose ``--load`` directory holds no
+checkpoint yet from a Hugging Face transformers checkpoint (Megatron-LM calls
+``load_checkpoint`` only when ``--load`` is given: give it, empty on the first
+start). The padded vocabulary follows Megatron's rule
 here (``--make-vocab-size-divisible-by x TP``): when it changes, real rows move
 exactly and new padding rows start at zero.
 """
@@ -28,11 +30,24 @@ from typing import Any
 
 from tenplex_megatron._optional import require
 from tenplex_megatron.integrations.hf.load import init_from_hf
-from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec, load_job, save_job
+from tenplex_megatron.integrations.megatron_core.adapter import (
+    LiveJob,
+    LiveSpec,
+    adopt_megatron_checkpoint,
+    load_job,
+    save_job,
+)
+from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
+from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
@@ -45,6 +60,8 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tenplex-init-from-hf", default=None, metavar="DIR",
                    help="when --load holds no checkpoint yet, start from this Hugging Face transformers checkpoint "
                    "(GPT-2 or Llama) at this run's layout; its config must match the model flags")
+    g.add_argument("--tenplex-trust-pickles", action="store_true",
+                   help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
     g.add_argument("--tenplex-vocab-padding", choices=["keep", "megatron"], default="keep",
                    help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact "
                    "loss continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding "
@@ -120,18 +137,24 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
 
     args = get_args()
     load_dir = getattr(args, load_arg, None)
-    ckpt = find_checkpoint(load_dir) if (getattr(args, "tenplex", False) and load_dir) else None
-    if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and not (load_dir and find_megatron_checkpoint(load_dir)):
+    tenplex = getattr(args, "tenplex", False) and load_dir
+    ckpt = find_checkpoint(load_dir) if tenplex else None
+    mck = find_megatron_checkpoint(load_dir) if (tenplex and ckpt is None) else None
+    no_megatron = not (load_dir and find_megatron_checkpoint(load_dir))
+    if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and no_megatron:
         job = _job(ddp_model, optimizer, opt_param_scheduler)
         run = ModelFacts.from_model_json(job.spec.to_json())
         hf = init_from_hf(job, args.tenplex_init_from_hf, run)
         print_rank_0(f"> tenplex: initialised from Hugging Face checkpoint {args.tenplex_init_from_hf} at layout "
                      f"{job.layout}: {hf.tensors} tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0")
         return 0, 0.0
-    if ckpt is None:
+    if ckpt is None and mck is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    if ckpt is not None:
+        res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    else:  # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
+        res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
     args.consumed_train_samples = job.consumed_samples
     args.skipped_train_samples = 0
     flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
@@ -187,9 +210,14 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
             or not getattr(args, "load", None):
         return padded
     ckpt = find_checkpoint(args.load)
-    if ckpt is None:
+    mck = find_megatron_checkpoint(args.load) if ckpt is None else None
+    if ckpt is not None:
+        saved = read_metadata(ckpt).get("padded_vocab_size")
+    elif mck is not None:
+        read = legacy_padded_vocab if is_legacy_megatron_checkpoint(mck) else saved_padded_vocab
+        saved = read(mck, getattr(args, "tenplex_trust_pickles", False))
+    else:
         return padded
-    saved = read_metadata(ckpt).get("padded_vocab_size")
     kept = restart_padded_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by,
                                      args.tensor_model_parallel_size, saved)
     if kept != padded and getattr(args, "rank", 0) == 0:

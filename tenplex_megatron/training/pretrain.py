@@ -6,10 +6,10 @@ the same. Flags keep
 Megatron-LM's names and meanings; an unknown or unsupported flag is an error
 naming it. With ``--tenplex`` checkpoints are saved and loaded through
 tenplex, re-sharded to whatever layout the restarted job has; without it,
-through megatron-core's dist_checkpointing (torch_dist, fully_reshardable), as
-Megatron-LM does. A ``--load`` directory that holds only a megatron-core
-checkpoint is loaded by megatron-core's loader even with ``--tenplex``
-(adoption mid-run); later saves are then tenplex checkpoints.
+through megatron-core's dist_checkpointing (torch_dist, dp_reshardable by default), as
+Megatron-LM does. With ``--tenplex``, a ``--load`` directory that holds only a
+megatron-core checkpoint is adopted by tenplex at whatever layout the job has
+(``integrations/megatron_core/native.py``); later saves are tenplex checkpoints.
 """
 
 from __future__ import annotations
@@ -27,13 +27,20 @@ from megatron.core import parallel_state
 
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
-from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_job
+from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job, save_job
+from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
+from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.training import gpt, layout_choice, mcore_dist_ckpt
+from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -112,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="without --tenplex: megatron-core's dist_checkpointing (torch_dist) or Megatron-LM's legacy "
+                   "per-rank files (torch; read back with --tenplex)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
+                   "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
     g.add_argument("--log-interval", type=int, default=1)
     g = p.add_argument_group("tenplex")
     g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-sharding on restart)")
@@ -123,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from a Hugging Face transformers checkpoint (GPT-2 or Llama) at this run's layout, "
                    "each rank reading only its slice; its config must match the model flags. A tenplex "
                    "checkpoint under --load (a restart) takes precedence")
+    g.add_argument("--tenplex-trust-pickles", action="store_true",
+                   help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
     g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
                    help="choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto "
                    "(legal layouts that fit memory, ranked by a throughput model) or a user's table; explicit "
@@ -286,8 +301,15 @@ def run(args: argparse.Namespace) -> None:
     layout = ParallelLayout(tp, pp, world // (tp * pp))
     spec = spec_from_args(args)
     ckpt = find_checkpoint(args.load) if (args.load and args.tenplex) else None
+    mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None) else None
     saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
-    from_hf = args.tenplex_init_from_hf if ckpt is None else None
+    legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
+    if legacy and not args.tenplex:
+        raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
+                         "--tenplex")
+    if mck is not None and args.tenplex:
+        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, args.tenplex_trust_pickles)
+    from_hf = args.tenplex_init_from_hf if (ckpt is None and mck is None) else None
     if from_hf:  # the directory and its config against the flags, before anything is built
         try:
             check_hf_dir(from_hf, ModelFacts.from_model_json(spec.to_json()))
@@ -316,8 +338,11 @@ def run(args: argparse.Namespace) -> None:
         f"padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
-    if ckpt is not None:
-        res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    if ckpt is not None or (mck is not None and args.tenplex):
+        if ckpt is not None:
+            res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+        else:  # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
+            res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
         if getattr(args, "tenplex_timeline", None) is not None:
             args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
         _print0(
@@ -325,6 +350,8 @@ def run(args: argparse.Namespace) -> None:
             f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, "
             f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
             f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+            + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
+               if res.source_format == "megatron" else "")
         )
         if args.tenplex_resave:
             save_job(job, args.tenplex_resave)
@@ -332,13 +359,12 @@ def run(args: argparse.Namespace) -> None:
         hf = init_from_hf(job, from_hf, ModelFacts.from_model_json(spec.to_json()))
         _print0(f"> tenplex: initialised from Hugging Face checkpoint {from_hf} at layout {layout}: {hf.tensors} "
                 f"tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0 in {hf.stats.seconds:.2f} s")
-    elif args.load and find_megatron_checkpoint(args.load):
-        mck = find_megatron_checkpoint(args.load)
+    elif mck is not None:
         t0 = time.perf_counter()
         mcore_dist_ckpt.load(job, mck)
         job.consumed_samples = job.iteration * job.global_batch_size
         _print0(f"> megatron-core dist_checkpointing: loaded iteration {job.iteration} from {mck} at layout {layout} "
-                f"in {time.perf_counter() - t0:.2f} s" + (" (adopted: later saves are tenplex checkpoints)" if args.tenplex else ""))
+                f"in {time.perf_counter() - t0:.2f} s")
     elif args.load:
         _print0(f"> no checkpoint under {args.load}; starting from scratch")
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -406,9 +432,16 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _save(job: Any, args: argparse.Namespace) -> None:
+    if not args.tenplex and args.ckpt_format == "torch":
+        t0 = time.perf_counter()
+        path = legacy_ckpt.save_checkpoint(job, args.save)
+        _print0(f"> Megatron-LM legacy checkpoint (--ckpt-format torch): saved iteration {job.iteration} to {path} "
+                f"in {time.perf_counter() - t0:.2f} s")
+        return
     if not args.tenplex:
         t0 = time.perf_counter()
-        path = mcore_dist_ckpt.save_checkpoint(job, args.save)
+        sharding = "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+        path = mcore_dist_ckpt.save_checkpoint(job, args.save, sharding_type=sharding)
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return
