@@ -49,7 +49,7 @@ from scripts.bench.elastic_analysis import (  # noqa: E402
     timelines,
 )
 from scripts.bench.launch import ROOT, torchrun, write_json  # noqa: E402
-from scripts.bench.report import Column, Table, num, ratio_key, ratio_line  # noqa: E402
+from scripts.bench.report import Column, Table, machine, num, ratio_key, ratio_line  # noqa: E402
 from tenplex_megatron.plan.layout_files import load_layout_table  # noqa: E402
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims  # noqa: E402
 from tenplex_megatron.plan.trace import Trace, load_trace  # noqa: E402
@@ -101,7 +101,7 @@ def nodes_for(policy: str, gpus: int, gpus_per_node: int, mp: int) -> int:
 
 
 def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float, target: int, mp: int,
-           timeout: float) -> dict[str, Any]:
+           timeout: float, from_first_iteration: bool) -> dict[str, Any]:
     """Run one policy through the trace until the target iteration; what happened, for the report."""
     ckpt, log = os.path.join(work, f"{policy}.ckpt"), os.path.join(work, f"{policy}.metrics.jsonl")
     cluster = Cluster(policy, PRETRAIN, [*flags, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log],
@@ -109,10 +109,11 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
     changes: list[Change] = []
     nodes, pending, reached = 0, list(trace.events), None
     t0 = time.time()
+    clock = 0.0 if from_first_iteration else t0  # the trace's t=0: the launch, or the job's first iteration
     try:
         while True:
-            now = time.time() - t0
-            while pending and pending[0].t * scale <= now and reached is None:
+            now = time.time() - clock if clock else 0.0
+            while pending and pending[0].t * scale <= now and reached is None and (clock or not changes):
                 want = nodes_for(policy, pending.pop(0).gpus, trace.gpus_per_node, mp)
                 if want != nodes:
                     changes.append(Change(time.time(), nodes, want))
@@ -126,11 +127,13 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
                     tail = f.readlines()[-1:]
                 if tail and json.loads(tail[0])["iteration"] >= target:
                     reached = json.loads(tail[0])["time"]
+                if tail and not clock:
+                    clock = json.loads(tail[0])["time"]
             if reached is not None and cluster.done:
                 break
             if trace.end is not None and now > trace.end * scale and reached is None:
                 break  # the allocation is gone before the target
-            if now > timeout:
+            if time.time() - t0 > timeout:
                 raise SystemExit(f"bench_elastic: {policy}: not done after {timeout:.0f} s (logs in {work})")
             time.sleep(0.2)
     finally:
@@ -149,10 +152,34 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
             "repeated": repeated_iterations(metrics),
             "layouts": sorted({",".join(f"{k}={v}" for k, v in m["layout"].items()) for m in metrics}),
             "changes": [{"t": c.t - t0, "before": c.before, "after": c.after,
-                         "breakdown": breakdown(c, spans, lines) if c.after else None} for c in changes]}
+                         "breakdown": breakdown(c, spans, lines, changes[i + 1].t if i + 1 < len(changes) else None)
+                         if c.after else None} for i, c in enumerate(changes)]}
 
 
-def report(runs: list[dict[str, Any]], ref: dict[int, float], trace: Trace, gbs: int, window: float) -> list[str]:
+def start_layout(run: dict[str, Any]) -> tuple[int, int]:
+    """(TP, PP) of a policy's first iteration: the initial weights depend on them (not on DP)."""
+    first = min(run["metrics"], key=lambda m: m["time"])["layout"]
+    return first["tp"], first["pp"]
+
+
+def references(runs: list[dict[str, Any]], flags: list[str], work: str, timeout: float) -> dict[tuple[int, int],
+                                                                                                  dict[int, float]]:
+    """An uninterrupted run per starting (TP, PP) among the policies, on TP x PP processes: losses by iteration."""
+    out = {}
+    for tp, pp in sorted({start_layout(r) for r in runs}):
+        log = os.path.join(work, f"reference.tp{tp}pp{pp}.metrics.jsonl")
+        t0 = time.time()
+        torchrun(tp * pp, PRETRAIN, [*flags, "--tenplex-layout", "auto", "--tensor-model-parallel-size", str(tp),
+                                     "--pipeline-model-parallel-size", str(pp), "--tenplex-metrics", log],
+                 os.path.join(work, f"reference.tp{tp}pp{pp}.log"), timeout)
+        with open(log) as f:
+            out[(tp, pp)] = {m["iteration"]: m["loss"] for m in map(json.loads, filter(str.strip, f))}
+        print(f"uninterrupted reference at TP={tp}, PP={pp}: {time.time() - t0:.1f} s", flush=True)
+    return out
+
+
+def report(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, float]], trace: Trace, gbs: int,
+           window: float) -> list[str]:
     """Print the tables and RATIO lines; return the RATIO lines."""
     t = Table([Column("policy", 8, "<"), Column("to target (s)", 14), Column("samples/s", 10),
                Column("repeated it.", 13), Column("max rel. loss dev.", 19), Column("layouts", 40, "<", "  ")])
@@ -160,7 +187,8 @@ def report(runs: list[dict[str, Any]], ref: dict[int, float], trace: Trace, gbs:
     for r in runs:
         tt = r["time_to_target"]
         r["samples_per_s"] = None if not tt else r["iterations"] * gbs / tt
-        r["loss_deviation"] = loss_deviation(r["metrics"], ref)
+        r["reference"] = list(start_layout(r))
+        r["loss_deviation"] = loss_deviation(r["metrics"], refs[start_layout(r)])
         r["throughput"] = throughput(r["metrics"], r["t0"], gbs, window)
         print(t.row(r["policy"], num(tt, ".1f"), num(r["samples_per_s"], ".1f"), str(r["repeated"]),
                     f"{r['loss_deviation']:.2e}", " ".join(r["layouts"])))
@@ -188,23 +216,28 @@ def report(runs: list[dict[str, Any]], ref: dict[int, float], trace: Trace, gbs:
     return out
 
 
-def plot(runs: list[dict[str, Any]], ref: dict[int, float], trace: Trace, scale: float, path: str) -> None:
+def plot(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, float]], trace: Trace, path: str) -> None:
     plt = plots.pyplot()
     if plt is None:
         return
-    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7))
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(9, 10))
     for r in runs:
         xs = [x for x, _ in r["throughput"]]
         a.step(xs, [y for _, y in r["throughput"]], where="post", color=COLORS[r["policy"]], label=r["policy"])
         prog = sorted({m["iteration"]: m["loss"] for m in r["metrics"]}.items())
         b.plot([i for i, _ in prog], [x for _, x in prog], color=COLORS[r["policy"]], lw=1, label=r["policy"])
-    b.plot(sorted(ref), [ref[i] for i in sorted(ref)], "k--", lw=1, label="uninterrupted")
-    g = a.twinx()
-    ts = [e.t * scale for e in trace.events]
-    g.step([*ts, max(max(x for x, _ in r["throughput"]) for r in runs if r["throughput"])],
-           [*(e.gpus for e in trace.events), trace.events[-1].gpus], where="post", color="grey", lw=0.8, ls=":")
-    g.set_ylabel("GPUs (trace)")
-    a.set_xlabel("seconds")
+    for (tp, pp), ref in refs.items():
+        b.plot(sorted(ref), [ref[i] for i in sorted(ref)], "k--", lw=0.8, label=f"uninterrupted TP={tp} PP={pp}")
+        for r in runs:  # the relative deviation from the policy's own reference, on a second axis
+            if tuple(r["reference"]) == (tp, pp):
+                dev = sorted({m["iteration"]: abs(m["loss"] - ref[m["iteration"]]) / abs(ref[m["iteration"]])
+                              for m in r["metrics"]}.items())
+                c.semilogy([i for i, _ in dev], [max(d, 1e-12) for _, d in dev], color=COLORS[r["policy"]], lw=0.8,
+                           label=r["policy"])
+    for r in runs:  # when the allocation changed (seconds from the policy's start)
+        for ch in r["changes"][1:]:
+            a.axvline(ch["t"], color=COLORS[r["policy"]], lw=0.5, ls=":")
+    a.set_xlabel("seconds (dotted: allocation changes)")
     a.set_ylabel("samples/s (new iterations)")
     a.set_title(f"{trace.name}: throughput over time")
     a.legend(fontsize=8)
@@ -212,6 +245,10 @@ def plot(runs: list[dict[str, Any]], ref: dict[int, float], trace: Trace, scale:
     b.set_ylabel("lm loss")
     b.set_title("loss curves against the uninterrupted run")
     b.legend(fontsize=8)
+    c.set_xlabel("iteration")
+    c.set_ylabel("|loss - uninterrupted| / uninterrupted")
+    c.set_title(f"relative loss deviation ({trace.name})")
+    c.legend(fontsize=8)
     plots.save(plt, fig, path)
     print(f"plot: {path}")
 
@@ -219,7 +256,7 @@ def plot(runs: list[dict[str, Any]], ref: dict[int, float], trace: Trace, scale:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="configs/traces/NAME.json")
-    p.add_argument("--quick", action="store_true", help="tiny model, configs/traces/quick.json, 400 iterations")
+    p.add_argument("--quick", action="store_true", help="tiny model, configs/traces/quick.json, 300 iterations")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--table", default=None, help="the table policy's --tenplex-layout FILE.json")
@@ -227,7 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per trace second")
     p.add_argument("--window", type=float, default=5.0, help="seconds per samples/s window")
-    p.add_argument("--ref-nproc", type=int, default=1, help="processes of the uninterrupted reference run")
+    p.add_argument("--clock", choices=["launch", "first-iteration"], default="launch",
+                   help="the trace's t=0: the launch, or the job's first iteration (after the first start-up, "
+                   "which an oversubscribed CPU can make longer than the trace's first phase)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per policy")
     p.add_argument("--out", default=None, help="the report as JSON")
     p.add_argument("--plot", default=None, help="PNG (default: next to --out, or in the work directory)")
@@ -235,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.trace = a.trace or os.path.join(ROOT, "configs", "traces", "quick.json")
-        a.train_iters = a.train_iters or 400
+        a.train_iters = a.train_iters or 300
         a.save_interval = 5
+        a.clock = "first-iteration"
     if not a.trace or not a.train_iters:
         p.error("give --trace and --train-iters (or --quick)")
     policies = [x for x in a.policies.split(",") if x]
@@ -254,34 +294,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_elastic: trace {trace.name} ({' -> '.join(str(e.gpus) for e in trace.events)} GPUs, "
           f"x{a.time_scale:g} time), model {a.model}, target iteration {a.train_iters}, save every "
           f"{a.save_interval}; dp_only keeps TP x PP = {start.tp} x {start.pp}; table {table}; work {work}")
-    ref_log = os.path.join(work, "reference.metrics.jsonl")
-    t0 = time.time()
-    torchrun(a.ref_nproc, PRETRAIN, [*flags, "--tenplex-layout", "auto", "--tenplex-metrics", ref_log],
-             os.path.join(work, "reference.log"), a.timeout)
-    with open(ref_log) as f:
-        ref = {m["iteration"]: m["loss"] for m in map(json.loads, filter(str.strip, f))}
-    print(f"uninterrupted reference ({a.ref_nproc} process(es)): {time.time() - t0:.1f} s")
     per_policy = {"tenplex": ["--tenplex-layout", "auto"], "table": ["--tenplex-layout", table],
                   "dp_only": ["--tenplex-layout", "auto", "--tensor-model-parallel-size", str(start.tp),
                               "--pipeline-model-parallel-size", str(start.pp)]}
     runs = []
     for policy in policies:
         r = replay(policy, trace, [*flags, *per_policy[policy]], work, a.time_scale, a.train_iters,
-                   start.tp * start.pp, a.timeout)
+                   start.tp * start.pp, a.timeout, a.clock == "first-iteration")
         print(f"{policy}: iteration {r['iterations']} in {num(r['time_to_target'], '.1f')} s, "
-              f"{len(r['changes'])} allocation changes")
+              f"{len(r['changes'])} allocation changes", flush=True)
         runs.append(r)
-    print()
-    ratios = report(runs, ref, trace, gbs, a.window)
+    refs = references(runs, flags, work, a.timeout)
+    print(f"\nmachine: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
+          "(other processes share the cores: compare policies within one run)\n")
+    ratios = report(runs, refs, trace, gbs, a.window)
     png = a.plot or os.path.join(os.path.dirname(os.path.abspath(a.out)) if a.out else (a.workdir or "."),
                                  f"bench_elastic_{trace.name}.png")
-    plot(runs, ref, trace, a.time_scale, png)
+    plot(runs, refs, trace, png)
     if a.out:
         for r in runs:
             r["losses"] = [[m["iteration"], m["loss"]] for m in r.pop("metrics")]
         write_json(a.out, {"trace": trace.name, "model": a.model, "target": a.train_iters, "time_scale": a.time_scale,
-                           "dp_only_mp": [start.tp, start.pp], "table": table, "reference": sorted(ref.items()),
-                           "runs": runs, "ratios": ratios, "progress_note": "seconds from each policy's start"},
+                           "clock": a.clock, "dp_only_mp": [start.tp, start.pp], "table": table,
+                           "references": {f"tp{tp}pp{pp}": sorted(ref.items()) for (tp, pp), ref in refs.items()},
+                           "runs": runs, "ratios": ratios, "times_note": "seconds from each policy's launch",
+                           "machine": machine()},
                    indent=1)
     if a.workdir is None:
         shutil.rmtree(work, ignore_errors=True)

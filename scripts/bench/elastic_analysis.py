@@ -68,8 +68,10 @@ def loss_deviation(metrics: Sequence[Mapping[str, Any]], reference: Mapping[int,
                default=0.0)
 
 
-def breakdown(change: Change, spans: Sequence[Any], lines: Sequence[Mapping[str, float]]) -> dict[str, float] | None:
-    """Seconds of each phase from ``change`` to the first iteration after it (None: no restart followed it).
+def breakdown(change: Change, spans: Sequence[Any], lines: Sequence[Mapping[str, float]],
+              next_change: float | None = None) -> dict[str, float] | None:
+    """Seconds of each phase from ``change`` to the first iteration after it (None: no restart followed it, or
+    the next change, at wall time ``next_change``, came before that first iteration).
 
     detect: until the workers that were running after the change (survivors of a lost node, or the old group
     on a grow, which saves on the agent's SIGTERM first) had exited; rendezvous+spawn: until the new rank 0
@@ -80,6 +82,8 @@ def breakdown(change: Change, spans: Sequence[Any], lines: Sequence[Mapping[str,
     if not nxt:
         return None
     t = nxt[0]
+    if next_change is not None and t["first_iteration"] > next_change:
+        return None
     old = [s for s in spans if s.seen <= change.t and (s.gone is None or s.gone > change.t)]
     stopped = max((s.gone for s in old if s.gone is not None and s.gone <= t["process_start"]), default=change.t)
     loaded = t.get("loaded", t["process_group"])
