@@ -8,7 +8,11 @@ Use (``patches/megatron-lm-core_v0.16.x.patch`` does this in ``pretrain_gpt.py``
 
 ``install`` wraps ``save_checkpoint``, ``load_checkpoint`` and
 ``build_pretraining_data_loader`` where ``megatron.training.training`` looks
-them up. With ``--tenplex`` a save goes through tenplex and a load re-shards
+them up, and ``validate_args`` where ``initialize_megatron`` calls it: with
+``--tenplex-layout auto|FILE.json`` TP, PP and the micro-batch size are chosen
+for ``WORLD_SIZE`` there (:func:`choose_layout_for_args`), after Megatron-LM
+parsed its flags and before it checks them or builds any process group;
+flags given on the command line still win. With ``--tenplex`` a save goes through tenplex and a load re-shards
 the newest tenplex checkpoint to the restarted job's layout; a ``--load``
 directory holding only Megatron's own checkpoint (``torch_dist`` with any
 distributed-optimizer format, or legacy ``torch``) is adopted by tenplex at
@@ -25,10 +29,12 @@ exactly and new padding rows start at zero.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tenplex_megatron._optional import require
+from tenplex_megatron.engine import elastic
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
@@ -41,7 +47,9 @@ from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_voc
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
-from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
+from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, restart_padded_vocab_size
+from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -66,7 +74,80 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact "
                    "loss continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding "
                    "rows are zero)")
+    g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
+                   help="choose TP, PP and the micro-batch size for the world size of every (re)start: auto "
+                   "(legal layouts that fit memory, ranked by a throughput model) or a user's table; "
+                   "--tensor/--pipeline-model-parallel-size and --micro-batch-size given on the command line win")
+    g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
+                   help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
     return parser
+
+
+_FIXING_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+                 "micro_batch_size": "--micro-batch-size"}
+# Megatron-LM features the layout choice does not model: refused with --tenplex-layout rather than ignored
+_UNMODELLED = (("context_parallel_size", 1, "--context-parallel-size"),
+               ("expert_model_parallel_size", 1, "--expert-model-parallel-size"),
+               ("virtual_pipeline_model_parallel_size", None, "--num-layers-per-virtual-pipeline-stage"))
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int) -> LayoutRequest:
+    """Megatron-LM's parsed flags as a layout request; a degree given in ``argv`` is fixed (it wins).
+
+    The vocabulary, when the tokenizer sets it (``--vocab-size`` not given), is estimated as GPT-2's: it only
+    weighs in the memory and time estimates."""
+    for name, default, flag in _UNMODELLED:
+        if getattr(args, name, default) not in (default, None):
+            raise LayoutError(f"{flag} is not modelled by --tenplex-layout: give the layout explicitly")
+    if not getattr(args, "global_batch_size", None):
+        raise LayoutError("--global-batch-size is required: the layout choice keeps the global batch fixed")
+    dims = GPTDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size or 50257,
+                   seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, swiglu=bool(args.swiglu),
+                   tied=not args.untie_embeddings_and_output_weights, bf16=bool(args.bf16),
+                   num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None)
+    attr = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+            "micro_batch_size": "micro_batch_size"}
+    fixed = {k: int(getattr(args, attr[k])) for k, flag in _FIXING_FLAGS.items() if _given(argv, flag)}
+    return LayoutRequest(args.tenplex_layout, dims, world, local_world, int(args.global_batch_size),
+                         memory_gb=elastic.memory_gb(args.tenplex_memory_budget), tp=fixed.get("tp"),
+                         pp=fixed.get("pp"), micro_batch_size=fixed.get("micro_batch_size"),
+                         distributed_optimizer=bool(args.use_distributed_optimizer),
+                         make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by))
+
+
+def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chosen | None:
+    """With ``--tenplex-layout``: set ``args``' TP, PP and micro-batch size for torchrun's ``WORLD_SIZE``.
+
+    None without the flag. No legal layout: every refused candidate printed, exit 2, and under torchrun's
+    elastic agent the agent is stopped (``engine/elastic.refuse``)."""
+    if not getattr(args, "tenplex_layout", None):
+        return None
+    world, local_world = elastic.world()
+    if args.tenplex_layout == "measure":
+        elastic.refuse("pretrain_gpt.py", "measure", world, LayoutError(
+            "not supported under Megatron-LM (scripts/pretrain_gpt.py has it): give auto or a table"))
+    try:
+        chosen = choose(layout_request(args, sys.argv[1:] if argv is None else argv, world, local_world))
+    except (LayoutError, OSError, ValueError) as e:
+        elastic.refuse("pretrain_gpt.py", args.tenplex_layout, world, e)
+    args.tensor_model_parallel_size = chosen.layout.tp
+    args.pipeline_model_parallel_size = chosen.layout.pp
+    args.micro_batch_size = chosen.micro_batch_size
+    if getattr(args, "rank", 0) == 0:
+        print(f"> tenplex: --tenplex-layout {args.tenplex_layout}: {chosen.layout}, micro-batch "
+              f"{chosen.micro_batch_size} ({chosen.why})", flush=True)
+    return chosen
+
+
+def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
+    """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags)."""
+    choose_layout_for_args(args)
+    return _ORIGINALS["validate_args"](args, *a, **kw)
 
 
 def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -227,14 +308,17 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
 
 
 def install() -> None:
-    """Wrap Megatron-LM's checkpoint, data-loader and vocabulary-padding functions (idempotent)."""
+    """Wrap Megatron-LM's checkpoint, data-loader, vocabulary-padding and argument-checking functions (idempotent)."""
     train_mod = require("megatron.training.training", "megatron-lm", needed_by=__name__,
                         note="megatron.training is Megatron-LM's, from a core_v0.16.x checkout on PYTHONPATH")
     import megatron.training.checkpointing as ckpt_mod
+    import megatron.training.initialize as init_mod
     import megatron.training.tokenizer.tokenizer as tok_mod
 
     if _ORIGINALS:
         return
+    _ORIGINALS["validate_args"] = init_mod.validate_args
+    init_mod.validate_args = _validate_args
     _ORIGINALS["_vocab_size_with_padding"] = tok_mod._vocab_size_with_padding
     tok_mod._vocab_size_with_padding = _vocab_size_with_padding
     _ORIGINALS["save_checkpoint"] = ckpt_mod.save_checkpoint

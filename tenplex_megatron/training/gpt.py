@@ -273,15 +273,15 @@ def make_forward_step() -> Callable[..., Any]:
     return forward_step
 
 
-def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
-    """One optimizer step over one global batch; returns the global-batch mean LM loss."""
+def forward_backward(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """Forward and backward over one global batch (gradients reduced over DP), no optimizer step: the losses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in job.model:
         chunk.zero_grad_buffer()
     job.optimizer.zero_grad()
     fwd_bwd = get_forward_backward_func()
-    losses = fwd_bwd(
+    return fwd_bwd(
         forward_step_func=make_forward_step(),
         data_iterator=data_iterator,
         model=job.model,
@@ -290,6 +290,11 @@ def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) ->
         micro_batch_size=job.micro_batch_size,
         forward_only=False,
     )
+
+
+def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
+    """One optimizer step over one global batch; returns the global-batch mean LM loss."""
+    losses = forward_backward(job, data_iterator)
     update_successful, _grad_norm, _ = job.optimizer.step()
     if not update_successful:
         raise RuntimeError(f"optimizer step {job.iteration + 1} was skipped")

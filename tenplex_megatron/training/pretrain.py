@@ -40,7 +40,7 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt
+from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt, measure
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -138,10 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint under --load (a restart) takes precedence")
     g.add_argument("--tenplex-trust-pickles", action="store_true",
                    help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
-    g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
+    g.add_argument("--tenplex-layout", default=None, metavar="auto|measure|FILE.json",
                    help="choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto "
-                   "(legal layouts that fit memory, ranked by a throughput model) or a user's table; explicit "
-                   "--tensor/--pipeline-model-parallel-size and --micro-batch-size still win")
+                   "(legal layouts that fit memory, ranked by a throughput model), measure (also time the best "
+                   "3 in this job the first time at a world size; the times are kept in the checkpoint "
+                   "directory) or a user's table; explicit --tensor/--pipeline-model-parallel-size and "
+                   "--micro-batch-size still win")
     g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
                    help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
     g.add_argument("--tenplex-no-save-on-signal", action="store_true",
@@ -292,6 +294,8 @@ def run(args: argparse.Namespace) -> None:
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
     world = torch.distributed.get_world_size()
+    if args.tenplex_layout == "measure":  # time the best few candidates once per world size, then choose
+        measure.measure_and_choose(args, spec_from_args(args))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world % (tp * pp):
         raise SystemExit(
@@ -414,7 +418,7 @@ def run(args: argparse.Namespace) -> None:
                 for i in mb
             ]
             metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": lr, "samples": samples,
-                                      "layout": layout.to_json()}) + "\n")
+                                      "layout": layout.to_json(), "time": time.time()}) + "\n")
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
             _save(job, args)
