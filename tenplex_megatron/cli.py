@@ -45,8 +45,14 @@ from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 from tenplex_megatron.storage.confine import confine_all
-from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.megatron_summary import summarize
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
@@ -75,7 +81,49 @@ def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
     return ckpt, meta, ptc
 
 
+def _megatron(path: str) -> str | None:
+    """Megatron's own checkpoint under ``path`` when there is no tenplex one."""
+    if find_checkpoint(path) is not None:
+        return None
+    try:
+        return find_megatron_checkpoint(path)
+    except (CheckpointFileError, OSError):
+        return None
+
+
+def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
+    if is_legacy_megatron_checkpoint(path):
+        raise CLIError(f"{path}: Megatron-LM's legacy --ckpt-format torch checkpoint: its files are pickles that "
+                       "`inspect` does not open; it is adopted (described and checked) at load with --tenplex")
+    try:
+        summary = summarize(path)
+    except CheckpointFileError as e:
+        raise CLIError(str(e)) from None
+    table = summary.pop("tensor_table")
+    if args.json:
+        if args.tensors:
+            summary["tensor_table"] = table
+        print(json.dumps(summary, indent=1))
+        return 0
+    lay = summary["layout"]
+    print(f"checkpoint   {path}  ({summary['format']}: Megatron's own, adopted at any layout with --tenplex)")
+    print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
+    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  (as the index shows it)  "
+          f"distributed optimizer: {summary['distributed_optimizer']}")
+    print(f"tensors      {summary['tensors']} ({summary['model_parameters']:,} model parameters), "
+          f"{summary['chunks']} stored chunks")
+    print(f"bytes        {_fmt_bytes(summary['bytes'])} in {len(summary['files'])} files")
+    if args.tensors:
+        width = max(len(k) for k in table)
+        print(f"\n{'tensor':<{width}}  {'shape':<18} {'dtype':<9} {'chunks':>6}")
+        for k, t in table.items():
+            print(f"{k:<{width}}  {str(t['shape']):<18} {t['dtype']:<9} {t['chunks']:>6}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if (mck := _megatron(args.checkpoint)) is not None:
+        return _inspect_megatron(mck, args)
     ckpt, meta, ptc = _load(args.checkpoint)
     per_tensor: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for sc in ptc.chunks:
@@ -123,6 +171,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_model(args)
     if not args.checkpoint:
         raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
+    if (mck := _megatron(args.checkpoint)) is not None:
+        raise CLIError(f"{mck}: Megatron's own checkpoint: where its distributed-optimizer buckets' bytes go depends "
+                       "on the model's parameter order, which tenplex takes from the model at load (--tenplex); "
+                       "`plan --to` works on tenplex checkpoints (or `plan --model NAME --from LAYOUT`)")
     t_read = time.perf_counter()
     ckpt, meta, source = _load(args.checkpoint)
     read_seconds = time.perf_counter() - t_read

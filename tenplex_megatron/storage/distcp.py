@@ -1,16 +1,9 @@
-"""torch.distributed.checkpoint (DCP) directories read in place: the ``.metadata`` index and each item's bytes.
+"""The ``.distcp`` files of a torch.distributed.checkpoint (DCP) directory, read in place.
 
-A ``torch_dist`` checkpoint (megatron-core's dist_checkpointing) is a DCP
-directory: ``.metadata`` (a pickle of torch's ``Metadata``: every tensor's
-global shape, dtype and saved chunks, and for each item its ``.distcp`` file,
-byte offset and length) plus the ``__R_N.distcp`` files. ``FileSystemWriter``
+Where each item lies comes from the index (``distcp_index.py``). ``FileSystemWriter``
 stores each tensor item as its own ``torch.save`` archive in the stream (an
 uncompressed zip whose ``data/0`` record holds the raw elements), so an item's
 elements are found by reading only the archive's directory, then memory-mapped.
-
-``.metadata`` is unpickled by a restricted unpickler that allows only the
-plain torch classes DCP's index is made of (:data:`METADATA_CLASSES`); any
-other class fails naming the file and the class.
 """
 
 from __future__ import annotations
@@ -18,7 +11,6 @@ from __future__ import annotations
 import io
 import mmap
 import os
-import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
@@ -28,55 +20,6 @@ import torch
 
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
-
-# (module, name) of every class a DCP ``.metadata`` pickle may name (torch 2.x); dtypes are allowed separately.
-METADATA_CLASSES: frozenset[tuple[str, str]] = frozenset({
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.planner", n) for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-})
-
-
-class UnsafePickleError(CheckpointFileError):
-    """A pickle names a class outside the allowed list."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def __init__(self, f: Any, path: str):
-        super().__init__(f)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise UnsafePickleError(f"{self.path}: names {module}.{name}, not a class of torch's checkpoint index; "
-                                "pass --tenplex-trust-pickles (trust_pickles=True) to unpickle it fully, only if "
-                                "you trust where it came from")
-
-
-def read_dcp_metadata(ckpt_dir: str, trust_pickles: bool = False) -> Any:
-    """The DCP ``Metadata`` of ``ckpt_dir/.metadata``, unpickled with only DCP's own classes allowed."""
-    path = os.path.join(ckpt_dir, ".metadata")
-    if not os.path.isfile(path):
-        raise CheckpointFileError(f"{path}: missing (not a torch_dist checkpoint?)")
-    with open(path, "rb") as f:
-        try:
-            if trust_pickles:
-                return pickle.load(f)
-            return _MetadataUnpickler(f, path).load()
-        except UnsafePickleError:
-            raise
-        except Exception as e:  # truncated or not a pickle
-            raise CheckpointFileError(f"{path}: not a readable torch.distributed.checkpoint index ({e})") from None
 
 
 class _Slice(io.RawIOBase):

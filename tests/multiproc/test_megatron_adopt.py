@@ -13,6 +13,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -130,3 +132,21 @@ def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> No
     _, log = adopted
     errors = [line for line in log.splitlines() if line.startswith("> adopt_run: error ")]
     assert len(errors) == 5, log[-3000:]
+
+
+def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:
+    tmp, _ = adopted
+    code = "import sys; sys.modules['torch'] = None\nfrom tenplex_megatron.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name, layout in (("tp2_dp_reshardable", (2, 1, 1)), ("pp2_dp_reshardable", (1, 2, 1)),
+                         ("dp2_dp_reshardable", (1, 1, 2))):
+        p = subprocess.run([sys.executable, "-c", code, "inspect", f"{tmp}/{name}/mc", "--json"], capture_output=True,
+                           text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        summary = json.loads(p.stdout)
+        assert summary["iteration"] == 3 and summary["consumed_samples"] == 24, summary
+        assert summary["layout"] == dict(zip(("tp", "pp", "dp"), layout)), summary
+        assert summary["format"] == "megatron torch_dist (dp_reshardable)" and summary["padded_vocab_size"] == 96
+    p = subprocess.run([sys.executable, "-c", code, "plan", f"{tmp}/tp2_dp_reshardable/mc", "--to", "tp=1,pp=1,dp=2"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "Megatron's own checkpoint" in p.stderr, p.stderr[-2000:]

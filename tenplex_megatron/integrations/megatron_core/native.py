@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import pickle
 import re
@@ -43,8 +44,9 @@ from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.sharding import _local_params
 from tenplex_megatron.storage.confine import confine
-from tenplex_megatron.storage.distcp import DistcpFiles, read_dcp_metadata
-from tenplex_megatron.storage.safetensors_io import CheckpointFileError, torch_dtype_name
+from tenplex_megatron.storage.distcp import DistcpFiles
+from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor, read_dcp_metadata
+from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 from tenplex_megatron.storage.source import Opened, UncheckedSource
 
 SUPPORTED_BACKENDS = {("torch_dist", 1)}  # metadata.json's (sharded_backend, sharded_backend_version)
@@ -106,13 +108,16 @@ class TorchDistCheckpoint:
     """What a megatron-core ``torch_dist`` directory holds: its index, common state and optimizer format."""
 
     path: str
-    index: Any  # torch.distributed.checkpoint.metadata.Metadata
+    index: DcpIndex
     common: dict[str, Any]
     sharding_type: str | None  # the distributed optimizer's format; None: a plain optimizer (or none)
-    storage: dict[tuple[str, tuple[int, ...]], Any]  # (key, chunk offsets) -> _StorageInfo
 
-    def tensors(self) -> dict[str, Any]:
-        return {k: v for k, v in self.index.state_dict_metadata.items() if hasattr(v, "chunks")}
+    @property
+    def storage(self) -> dict[tuple[str, tuple[int, ...]], DcpItem]:
+        return self.index.items
+
+    def tensors(self) -> dict[str, DcpTensor]:
+        return self.index.tensors
 
     def world(self) -> int:
         ranks = {int(m.group(1)) for s in self.storage.values() if (m := _RANK_FILE.fullmatch(s.relative_path))}
@@ -151,16 +156,15 @@ def open_torch_dist(path: str, trust_pickles: bool = False) -> TorchDistCheckpoi
     opt = common.get("optimizer") or {}
     sharding = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
     sharding = sharding or (content.get("distrib_optim_sharding_type") if any(
-        k.startswith("optimizer.distributed.") for k in index.state_dict_metadata) else None)
+        k.startswith("optimizer.distributed.") for k in index.tensors) else None)
     if sharding is not None and sharding not in SUPPORTED_SHARDING:
         raise MegatronCheckpointError(f"{path}: distributed-optimizer format {sharding!r} is not supported "
                                       f"(tenplex reads {', '.join(SUPPORTED_SHARDING)})")
-    storage = {(k.fqn, tuple(k.offset) if k.offset is not None else ()): v for k, v in index.storage_data.items()}
-    for name in sorted({s.relative_path for s in storage.values()}):  # every rank's file, whoever reads it
+    for name in sorted({s.relative_path for s in index.items.values()}):  # every rank's file, whoever reads it
         if not os.path.isfile(confine(path, name, "the torch_dist index")):
             raise MegatronCheckpointError(f"{os.path.join(path, name)}: missing (the index names it: every rank's "
                                           "file must be there)")
-    return TorchDistCheckpoint(path, index, common, sharding, storage)
+    return TorchDistCheckpoint(path, index, common, sharding)
 
 
 class DistcpSource(UncheckedSource):
@@ -188,7 +192,7 @@ def _saved_tp(ck: TorchDistCheckpoint, live: dict[str, TensorMeta]) -> int:
     for key, t in sorted(live.items()):
         st = ck.tensors().get(key)
         if t.tp_axis is not None and st is not None:
-            parts = {tuple(c.offsets)[t.tp_axis] for c in st.chunks}
+            parts = {offsets[t.tp_axis] for offsets, _ in st.chunks}
             return max(len(parts) // t.tp_parts, 1)
     return 1
 
@@ -203,7 +207,7 @@ def check_model(ck: TorchDistCheckpoint, live: dict[str, TensorMeta]) -> None:
         if st is None:
             raise MegatronCheckpointError(f"{ck.path}: the checkpoint has no tensor {key!r}: is it from a different "
                                           "model?")
-        shape = tuple(st.size)
+        shape = st.size
         same = shape[1:] == t.global_shape[1:] if t.vocab_rows is not None else shape == t.global_shape
         if not same:
             raise MegatronCheckpointError(f"{ck.path}: tensor {key!r} has shape {list(shape)} in the checkpoint, "
@@ -217,7 +221,7 @@ def _stage_params(metas: dict[str, TensorMeta], layer_keys: tuple[str, ...], sav
     out = []
 
     def add(key: str, boxes: list, shared: bool, name: str) -> None:
-        n = sum(int(torch.Size(s).numel()) for _, s in boxes)
+        n = sum(math.prod(s) for _, s in boxes)
         out.append((BufferParam(name, n, shared), boxes, key))
 
     tied_pp = "output_layer.weight" not in saved and layout.pp > 1
@@ -250,7 +254,7 @@ def _split(lo: int, hi: int, boxes: list) -> list[tuple[int, tuple[int, ...], tu
     """Flat range ``[lo, hi)`` of a parameter made of ``boxes`` (in memory order): (part start, box..., lo, hi)."""
     out, at = [], 0
     for off, shape in boxes:
-        n = int(torch.Size(shape).numel())
+        n = math.prod(shape)
         a, b = max(lo, at), min(hi, at + n)
         if a < b:
             out.append((at, off, shape, a - at, b - at))
@@ -291,7 +295,7 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
                 f"model at {layout} has {len(layout_buckets)} (another model, or bucketed with --overlap-grad-reduce?)")
         for b, bucket in enumerate(layout_buckets):
             for state, (key, st) in sorted(buckets[b].items()):
-                got = {(tuple(c.offsets)[0], tuple(c.sizes)[0]) for c in st.chunks}
+                got = {(offsets[0], sizes[0]) for offsets, sizes in st.chunks}
                 want = {(p.start, p.stop - p.start) for p in bucket.pieces}
                 if tuple(st.size) != (bucket.numel_unpadded,) or got != want:
                     extra, missing = sorted(got - want), sorted(want - got)
@@ -310,7 +314,7 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
                         continue  # padding, or the last stage's replica of the word embedding
                     boxes, pkey = where[piece.param]
                     okey = f"optimizer.state.{name}.{pkey}"
-                    dtypes[okey] = torch_dtype_name(st.properties.dtype)
+                    dtypes[okey] = st.dtype
                     lo = piece.start - piece.param_start
                     for at, off, shape, a, bb in _split(lo, piece.stop - piece.param_start, boxes):
                         out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape), (a, bb)),
@@ -331,15 +335,13 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
     pp = max(len(groups) // tp, 1) if groups else 1
     layout = ParallelLayout(tp, pp, max(ck.world() // (tp * pp), 1))
     model = {k: t for k, t in live.items() if t.param is None}
-    metas = {k: replace(t, global_shape=tuple(saved[k].size), dtype=torch_dtype_name(saved[k].properties.dtype))
-             for k, t in model.items()}
+    metas = {k: replace(t, global_shape=saved[k].size, dtype=saved[k].dtype) for k, t in model.items()}
     tensors: dict[str, TensorMeta] = dict(metas)
     chunks: list[StoredChunk] = []
     for key in metas:
-        for c in saved[key].chunks:
-            info = ck.storage[(key, tuple(c.offsets))]
-            chunks.append(StoredChunk(Chunk(key, tuple(c.offsets), tuple(c.sizes)),
-                                      _loc(ck, info, int(torch.Size(c.sizes).numel()), 0)))
+        for offsets, sizes in saved[key].chunks:
+            chunks.append(StoredChunk(Chunk(key, offsets, sizes), _loc(ck, ck.storage[(key, offsets)],
+                                                                       math.prod(sizes), 0)))
     if ck.sharding_type == "dp_reshardable":
         opt_chunks, dtypes = _dist_opt_chunks(ck, metas, layer_keys, layout, wanted)
         chunks.extend(opt_chunks)
@@ -358,12 +360,10 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
             if name not in wanted or pkey not in metas:
                 continue
             okey = f"optimizer.state.{name}.{pkey}"
-            tensors[okey] = replace(metas[pkey], key=okey, global_shape=tuple(st.size),
-                                    dtype=torch_dtype_name(st.properties.dtype), param=pkey)
-            for c in st.chunks:
-                info = ck.storage[(key, tuple(c.offsets))]
-                chunks.append(StoredChunk(Chunk(okey, tuple(c.offsets), tuple(c.sizes)),
-                                          _loc(ck, info, int(torch.Size(c.sizes).numel()), 0)))
+            tensors[okey] = replace(metas[pkey], key=okey, global_shape=st.size, dtype=st.dtype, param=pkey)
+            for offsets, sizes in st.chunks:
+                chunks.append(StoredChunk(Chunk(okey, offsets, sizes), _loc(ck, ck.storage[(key, offsets)],
+                                                                            math.prod(sizes), 0)))
     ptc = PTC(tensors, tuple(chunks), layout.to_json())
     try:
         ptc.validate()
@@ -433,5 +433,5 @@ def opener_for(path: str, job: Any, trust_pickles: bool = False) -> Callable[[],
 
 def saved_padded_vocab(path: str, trust_pickles: bool = False) -> int | None:
     """The padded vocabulary of a ``torch_dist`` checkpoint's word embedding (None: it has none)."""
-    st = read_dcp_metadata(path, trust_pickles).state_dict_metadata.get(PRE_KEYS[0])
-    return int(st.size[0]) if st is not None and hasattr(st, "size") else None
+    st = read_dcp_metadata(path, trust_pickles).tensors.get(PRE_KEYS[0])
+    return None if st is None else st.size[0]
