@@ -28,8 +28,7 @@ from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import chunk_name, holdings_json
 from tenplex_megatron.engine.save import SaveResult, build_metadata, save, writer_assignment
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
-from tenplex_megatron.execute.peer import cpu_group, exchange
-from tenplex_megatron.plan.peer_schedule import Transfer
+from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.persist_helper import PersistHelper
@@ -61,6 +60,10 @@ class MemoryTier:
     pending: int | None = None  # iteration being persisted in the background
     pending_meta: dict[str, Any] | None = None  # rank 0: its metadata, for the durable commit
     helper: PersistHelper | None = None
+    helpers_started: bool = False  # on every node (the same on every rank): started at the first need
+    generation: int = 0  # of the helpers' process group (a new one after a helper died)
+    replicating: int | None = None  # iteration whose replicas the helpers are copying
+    replicated: int | None = None  # newest iteration with every replica in place (kept until a newer one is)
     last: tuple[int, dict[str, Any], list[str]] | None = None  # the last snapshot: iteration, metadata, own files
 
     @property
@@ -97,11 +100,40 @@ def open_tier(mem: str, job: str, save_dir: str | None, **options: Any) -> Memor
     tier.node = ids[rank()]
     for r, n in enumerate(ids):
         tier.nodes.setdefault(n, []).append(r)
-    cpu_group()  # created collectively now, used by replication and peer loads
+    cpu_group()  # created collectively now, used by peer loads
     if tier.replicas > len(tier.nodes) and rank() == 0:
         warnings.warn(f"--tenplex-replicas {tier.replicas}: only {len(tier.nodes)} live node(s); each snapshot keeps "
                       "one copy per node", stacklevel=2)
     return tier
+
+
+_OPENED = [0]  # tiers opened by this process (the same count on every rank: open_tier is collective)
+
+
+def _start_helpers(tier: MemoryTier) -> None:
+    """Collective: every node's helper process, in a gloo group of their own when there are replicas to copy."""
+    _OPENED[0] += 1
+    tier.generation += 1
+    tier.helpers_started = True
+    replicate = len(tier.nodes) > 1 and tier.replicas > 1
+    if not (replicate or tier.save_dir):
+        return
+
+    def start() -> None:
+        if not tier.leader:
+            return
+        if tier.helper is not None:  # a restart after a helper failed: the others may wait on it in the group
+            tier.helper.proc.kill()
+            tier.helper.close()
+        group = None
+        if replicate:
+            store = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
+            prefix = (f"tenplex-memory-helpers/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_OPENED[0]}/{tier.generation}")
+            group = (store, prefix, tier.order().index(tier.node), len(tier.nodes))
+        tier.helper = PersistHelper(group)
+
+    run_phase(f"--tenplex-memory {tier.mem}: starting the helper processes", start)
 
 
 @dataclass(frozen=True)
@@ -119,27 +151,74 @@ class SnapshotResult:
     fallback: SaveResult | None = None  # the durable save made instead, when the snapshot did not fit
 
 
-def _poll(tier: MemoryTier, wait: float) -> str | None:
-    """This node's answer for the pending persist: "ok", an error, "running" (None: nothing to report)."""
-    if tier.pending is None or not tier.leader:
+def _poll(tier: MemoryTier, wait: float) -> dict[str, str] | None:
+    """This node's answers for the pending persist and replication: "ok", an error, or "running"."""
+    if not tier.leader or (tier.pending is None and tier.replicating is None):
         return None
-    if tier.helper is None:
-        return "error: no persist helper on this node"
-    got = tier.helper.poll(tier.pending, wait)
-    if got is None:
-        return "running"
-    return "ok" if got.get("ok") else f"error: {got.get('error')}"
+    out = {}
+    for op, it in (("persist", tier.pending), ("replicate", tier.replicating)):
+        if it is None:
+            continue
+        if tier.helper is None:
+            out[op] = "error: no helper process on this node"
+            continue
+        got = tier.helper.poll(op, it, wait)
+        out[op] = "running" if got is None else "ok" if got.get("ok") else f"error: {got.get('error')}"
+    return out
 
 
-def _settle(tier: MemoryTier, answers: list[str | None]) -> tuple[bool, str | None]:
-    """From every leader's answer: (commit the pending durable checkpoint now, error that ended it)."""
-    said = [a for a in answers if a is not None]
-    if tier.pending is None or not said:
+def _settle(answers: list[dict[str, str] | None], op: str) -> tuple[bool, str | None]:
+    """From every leader's answer about ``op``: (finished on every node, the error that ended it)."""
+    said = [a[op] for a in answers if a is not None and op in a]
+    if not said:
         return False, None
     errors = [a for a in said if a.startswith("error")]
     if errors:
         return False, errors[0]
     return all(a == "ok" for a in said), None
+
+
+def _resolve(tier: MemoryTier, answers: list[dict[str, str] | None], what: str) -> bool:
+    """Apply every node's answers: replication done or failed (a failed helper: all helpers restart);
+    returns whether the pending durable checkpoint can be committed now. Collective when helpers restart."""
+    done, error = _settle(answers, "replicate")
+    restart = False
+    if done:
+        tier.replicated, tier.replicating = tier.replicating, None
+    elif error is not None:
+        if rank() == 0:
+            warnings.warn(f"{what}: replication of iteration {tier.replicating} failed: {error}; the helpers "
+                          "restart", stacklevel=3)
+        tier.replicating = None
+        restart = True
+    commit, error = _settle(answers, "persist")
+    if error is not None:
+        if rank() == 0:
+            warnings.warn(f"{what}: background persist of iteration {tier.pending} failed: {error}; its staging "
+                          "directory is removed by the next persist", stacklevel=3)
+        tier.pending = tier.pending_meta = None
+        restart = restart or len(tier.nodes) > 1 and tier.replicas > 1
+
+    def local() -> bool:
+        if done and tier.leader:  # the older snapshot the replicated one protected can go now
+            memory_tier.retain(tier.mem, tier.keep, _protected(tier))
+        return restart or (tier.leader and tier.helper is not None and not tier.helper.alive)
+
+    if any(gather_phase(f"{what}: checking the helper processes", local)):
+        if rank() == 0 and (tier.replicating is not None or (tier.pending is not None and not commit)):
+            warnings.warn(f"{what}: the helper processes restart: the replication of iteration {tier.replicating} "
+                          f"and the persist of iteration {tier.pending} under way are abandoned", stacklevel=3)
+        tier.replicating = None  # what the old helpers were doing is lost with them
+        if not commit:
+            tier.pending = tier.pending_meta = None
+        _start_helpers(tier)
+    return commit
+
+
+def _protected(tier: MemoryTier) -> tuple[int, ...]:
+    """Snapshots retention keeps besides the newest: being persisted, being replicated, the newest replicated."""
+    replicas = tier.replicated if len(tier.nodes) > 1 and tier.replicas > 1 else None
+    return tuple(x for x in (tier.pending, tier.replicating, replicas) if x is not None)
 
 
 def _commit_durable(tier: MemoryTier, removed: list[str]) -> str:
@@ -154,15 +233,12 @@ def _commit_durable(tier: MemoryTier, removed: list[str]) -> str:
 
 
 def drain(tier: MemoryTier) -> tuple[str, ...]:
-    """Collective: wait for the pending background persist and commit it; returns the durable path (if any)."""
+    """Collective: wait for the pending replication and background persist; commit the persisted checkpoint;
+    returns the durable path (if any)."""
     persisted: list[str] = []
-    while tier.pending is not None:
-        answers = gather_phase("waiting for the background persist", lambda: _poll(tier, 0.5))
-        commit, error = _settle(tier, answers)
-        if error is not None:
-            warnings.warn(f"background persist of iteration {tier.pending} failed: {error}", stacklevel=2)
-            tier.pending = tier.pending_meta = None
-        elif commit:
+    while tier.pending is not None or tier.replicating is not None:
+        answers = gather_phase("waiting for the helper processes", lambda: _poll(tier, 0.5))
+        if _resolve(tier, answers, "waiting for the helper processes"):
             persisted.append(run_phase("committing the persisted checkpoint",
                                        lambda: _commit_durable(tier, []) if rank() == 0 else ""))
             tier.pending = tier.pending_meta = None
@@ -197,12 +273,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
 
     gathered = gather_phase(f"{what}: gathering chunk lists", local)
     holdings, writers, all_meta = writer_assignment([g["holdings"] for g in gathered])
-    commit_durable, error = _settle(tier, [g["persist"] for g in gathered])
-    if error is not None:
-        if me == 0:
-            warnings.warn(f"background persist of iteration {tier.pending} failed: {error}; its staging directory "
-                          "is removed by the next persist", stacklevel=2)
-        tier.pending = tier.pending_meta = None
+    commit_durable = _resolve(tier, [g["persist"] for g in gathered], what)
     node_of = tier.node_of()
     written: dict[int, int] = {}
     for h in holdings:
@@ -279,7 +350,6 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
                 "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
 
     infos = gather_phase(f"{what}: gathering file lists", info)
-    sent = _replicate(tier, infos, staging, it, what)
 
     def build() -> dict[str, Any] | None:
         if me != 0:
@@ -299,14 +369,14 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             maybe_fail("memory.commit", me, it)
             here = {n: s for n, s in meta["files"].items() if os.path.isfile(os.path.join(staging, n))}
             path = directory.commit(tier.mem, it, meta, here)
-            protect = (tier.pending,) if tier.pending is not None else ()
-            removed.extend(memory_tier.retain(tier.mem, tier.keep, protect))
+            removed.extend(memory_tier.retain(tier.mem, tier.keep, (*_protected(tier), it)))
         return path
 
     path = run_phase(f"{what}: committing in memory", commit)
     tier.snapshots += 1
     stall = time.perf_counter() - t0
     tier.last = (it, meta, [infos[r]["file"] for r in tier.nodes[tier.node] if infos[r]["file"]])
+    sent = _replicate(tier, infos, it, what)
     if persisting:
         _start_persist(tier, what)
     return SnapshotResult(path, it, stall, size, sent, persisting, tuple(persisted), tuple(removed))
@@ -316,6 +386,8 @@ def _start_persist(tier: MemoryTier, what: str) -> None:
     """Collective: hand the last snapshot's files of each node's own ranks to the node's helper process."""
     assert tier.last is not None and tier.save_dir is not None
     it, meta, own = tier.last
+    if not tier.helpers_started:
+        _start_helpers(tier)
     tier.pending = it
     if rank() == 0:
         tier.pending_meta = meta
@@ -324,11 +396,10 @@ def _start_persist(tier: MemoryTier, what: str) -> None:
         if not tier.leader:
             return
         assert tier.save_dir is not None
-        if tier.helper is None or tier.helper.proc.poll() is not None:
-            tier.helper = PersistHelper()
+        assert tier.helper is not None
         src = memory_tier.snapshot_dir(tier.mem, it)
-        tier.helper.request(it, [(os.path.join(src, f), os.path.join(directory.partial_dir(tier.save_dir, it), f))
-                                 for f in own])
+        tier.helper.request("persist", it, copies=[
+            (os.path.join(src, f), os.path.join(directory.partial_dir(tier.save_dir, it), f)) for f in own])
 
     run_phase(f"{what}: starting the background persist", start)
 
@@ -357,44 +428,40 @@ def persist_last(tier: MemoryTier) -> tuple[str, ...]:
     return done + drain(tier)
 
 
-def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], staging: str, it: int, what: str) -> int:
-    """Collective: copy every rank file into the memory of the nodes that keep replicas of its node's files."""
-    me = rank()
+def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str) -> int:
+    """Collective: have the helpers copy this snapshot's files into the memory of the nodes that keep replicas
+    of them (in the background); returns the bytes this rank's node will send for this rank's file."""
+    if len(tier.nodes) < 2 or tier.replicas < 2:
+        tier.replicated = it
+        return 0
+    if tier.replicating is not None:  # the helpers are still copying an older snapshot: this one stays local
+        if rank() == 0:
+            warnings.warn(f"{what}: replication of iteration {tier.replicating} is still under way: iteration {it} "
+                          "is kept on its own node only (iteration "
+                          f"{tier.replicated} is the newest replicated snapshot)", stacklevel=3)
+        return 0
+    if not tier.helpers_started:
+        _start_helpers(tier)
+    tier.replicating = it
+    order = tier.order()
     node_of = tier.node_of()
-    transfers = []
+    path = memory_tier.snapshot_dir(tier.mem, it)
+    sends, recvs = [], []
     for r, i in enumerate(infos):
         if not i["file"]:
             continue
-        local_index = tier.nodes[node_of[r]].index(r)
-        for t in tier.targets(node_of[r]):
-            ranks = tier.nodes[t]
-            transfers.append(Transfer(r, ranks[local_index % len(ranks)], i["file"], 0, int(i["size"])))
-    if not transfers:
-        return 0
-    buffers: dict[str, torch.Tensor] = {}
+        src = node_of[r]
+        for t in tier.targets(src):
+            if src == tier.node:
+                sends.append([os.path.join(path, i["file"]), order.index(t), r])
+            elif t == tier.node:
+                recvs.append([order.index(src), int(i["size"]), os.path.join(path, i["file"]), r])
 
-    def prepare() -> torch.Tensor | None:
-        for t in transfers:
-            if t.receiver == me:
-                buffers[t.key] = torch.empty(t.nbytes, dtype=torch.uint8)
-        if not any(t.sender == me for t in transfers):
-            return None
-        path = os.path.join(staging, directory.rank_file_name(me))
-        memory_tier.log_open(path)
-        return torch.from_file(path, shared=False, size=int(infos[me]["size"]), dtype=torch.uint8)
+    def start() -> None:
+        if tier.leader:
+            assert tier.helper is not None
+            tier.helper.request("replicate", it, sends=sends, recvs=recvs)
 
-    own = run_phase(f"{what}: reading files to replicate", prepare)
-    sent, _ = exchange(transfers, me, lambda key: own, lambda key: buffers[key], cpu_group())
-
-    def store() -> None:
-        for key, buf in buffers.items():
-            path = os.path.join(staging, key)
-            memory_tier.log_open(path)
-            with open(path, "wb") as f:
-                f.write(buf.numpy().data)
-                maybe_fail("memory.replicate", me, it)
-                f.flush()
-                os.fsync(f.fileno())
-
-    run_phase(f"{what}: storing replicas in node memory", store)
-    return sent
+    run_phase(f"{what}: starting the replication", start)
+    mine = infos[rank()]
+    return int(mine["size"]) * len(tier.targets(tier.node)) if mine["file"] else 0
