@@ -44,6 +44,7 @@ from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
+from tenplex_megatron.storage import memory_tier
 from tenplex_megatron.storage.confine import confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -450,6 +451,19 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clean_memory(args: argparse.Namespace) -> int:
+    """Remove the snapshots a finished job left in a memory directory (its node id stays)."""
+    if not os.path.isdir(args.directory):
+        raise CLIError(f"{args.directory}: no such directory")
+    if not os.path.isfile(os.path.join(args.directory, memory_tier.NODE_FILE)):
+        raise CLIError(f"{args.directory}: not a tenplex memory directory (no {memory_tier.NODE_FILE}); nothing removed")
+    removed = memory_tier.clean(args.directory)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"clean-memory: {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} removed from {args.directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tenplex_megatron", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -507,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
     e.add_argument("--force", action="store_true", help="write into a non-empty directory")
     e.set_defaults(fn=cmd_export_hf)
+    cm = sub.add_parser("clean-memory", help="remove the host-memory snapshots (--tenplex-memory) a finished job "
+                                             "left in a node's memory directory")
+    cm.add_argument("directory")
+    cm.set_defaults(fn=cmd_clean_memory)
     return p
 
 

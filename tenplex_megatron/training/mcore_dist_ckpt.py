@@ -141,6 +141,24 @@ def save(job: GPTJob, ckpt_dir: str, check: bool = True, sharding_type: str = SH
     dist_checkpointing.save(state, ckpt_dir, strategy, content_metadata=content_metadata(md))
 
 
+def save_async(job: GPTJob, ckpt_dir: str, queue: Any) -> None:
+    """Collective: megatron-core's asynchronous save (``async_sharded_save``, as Megatron-LM's ``--async-save``):
+    returns once the state is staged and the write is scheduled on ``queue`` (an ``AsyncCallsQueue``); the
+    caller finalizes it (``queue.maybe_finalize_async_calls``). Used by the benchmark as the peer of tenplex's
+    memory snapshots."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    md = sharded_sd_metadata()
+    state = _state_dict(job, md, is_loading=False)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
+    os.makedirs(ckpt_dir, exist_ok=True)
+    request = dist_checkpointing.save(state, ckpt_dir, strategy, async_sharded_save=True,
+                                      content_metadata=content_metadata(md))
+    queue.schedule_async_request(request)
+
+
 def _tolerate_missing_step() -> None:
     """Work around megatron-core 0.16.1 on the CPU: its fully_reshardable load copies every state key,
     'step' included, which torch's AdamW state has and the checkpoint does not (KeyError: 'step').

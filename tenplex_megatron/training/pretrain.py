@@ -25,14 +25,21 @@ import psutil
 import torch
 from megatron.core import parallel_state
 
+from tenplex_megatron.engine import memory_load, memory_save
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
-from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job, save_job
+from tenplex_megatron.integrations.megatron_core.adapter import (
+    MegatronCoreAdapter,
+    adopt_megatron_checkpoint,
+    load_job,
+    save_job,
+)
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.storage import memory_tier
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -149,6 +156,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex-no-save-on-signal", action="store_true",
                    help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
                    "this turns that off")
+    g.add_argument("--tenplex-memory", nargs="?", const=memory_tier.default_dir(), default=None, metavar="DIR",
+                   help="host-memory checkpoints: each save is a snapshot into this node-local directory (default "
+                   f"{memory_tier.default_dir()}), replicated to peers' memory and persisted to --save in the "
+                   "background; a restart loads the newest snapshot complete in the live nodes' memory")
+    g.add_argument("--tenplex-persist-interval", type=int, default=1, metavar="N",
+                   help="with --tenplex-memory: persist every Nth snapshot to --save in the background (default 1)")
+    g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
+                   help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
+                   "included (default 2: losing one node loses no snapshot)")
+    g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
+                   help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
+    g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
+                   help="with --tenplex-memory: most memory a node's snapshots may use (default: what is free)")
+    g.add_argument("--tenplex-memory-fallback", action="store_true",
+                   help="with --tenplex-memory: a snapshot that does not fit is saved to --save instead of failing")
     g.add_argument(
         "--tenplex-vocab-padding",
         choices=["keep", "megatron"],
@@ -202,6 +224,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(str(e))
     if args.vocab_size is None:
         parser.error("--vocab-size is required with --mock-data")
+    if args.tenplex_memory is not None and not args.tenplex:
+        parser.error("--tenplex-memory needs --tenplex")
+    for flag in ("persist_interval", "replicas", "memory_keep"):
+        if getattr(args, f"tenplex_{flag}") < 1:
+            parser.error(f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}")
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
@@ -304,16 +331,18 @@ def run(args: argparse.Namespace) -> None:
         )
     layout = ParallelLayout(tp, pp, world // (tp * pp))
     spec = spec_from_args(args)
-    ckpt = find_checkpoint(args.load) if (args.load and args.tenplex) else None
-    mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None) else None
-    saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
+    tier = _open_memory(args)
+    from_memory = memory_load.choose(tier, args.load) if tier is not None else None
+    ckpt = find_checkpoint(args.load) if (args.load and args.tenplex and from_memory is None) else None
+    mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None and from_memory is None) else None
+    saved_padded = (from_memory.metadata if from_memory else read_metadata(ckpt) if ckpt else {}).get("padded_vocab_size")
     legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
     if legacy and not args.tenplex:
         raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
                          "--tenplex")
     if mck is not None and args.tenplex:
         saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, args.tenplex_trust_pickles)
-    from_hf = args.tenplex_init_from_hf if (ckpt is None and mck is None) else None
+    from_hf = args.tenplex_init_from_hf if (ckpt is None and mck is None and from_memory is None) else None
     if from_hf:  # the directory and its config against the flags, before anything is built
         try:
             check_hf_dir(from_hf, ModelFacts.from_model_json(spec.to_json()))
@@ -342,7 +371,20 @@ def run(args: argparse.Namespace) -> None:
         f"padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
-    if ckpt is not None or (mck is not None and args.tenplex):
+    if from_memory is not None:
+        assert tier is not None
+        mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, from_memory, verify=not args.tenplex_no_verify)
+        res = mres.result
+        if getattr(args, "tenplex_timeline", None) is not None:
+            args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
+        _print0(
+            f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
+            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
+            f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
+            f"{mres.bytes_from_durable} bytes read from durable storage"
+            f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+        )
+    elif ckpt is not None or (mck is not None and args.tenplex):
         if ckpt is not None:
             res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
         else:  # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
@@ -421,7 +463,7 @@ def run(args: argparse.Namespace) -> None:
                                       "layout": layout.to_json(), "time": time.time()}) + "\n")
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-            _save(job, args)
+            _save(job, args, tier)
         if stopper is not None and stopper.agreed():
             _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                     + ("" if args.save else " (no --save: nothing is saved)"))
@@ -429,13 +471,44 @@ def run(args: argparse.Namespace) -> None:
     if stopper is not None:
         stopper.__exit__()
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        _save(job, args)
+        _save(job, args, tier)
+    if tier is not None:
+        over = args.save and job.iteration >= args.train_iters  # training is over: its last state goes to --save
+        for path in memory_save.persist_last(tier) if over else memory_save.drain(tier):
+            _print0(f"> tenplex: persisted {path} (background)")
+        memory_save.close(tier)
     if metrics is not None:
         metrics.close()
     _print0("> tenplex-megatron: done")
 
 
-def _save(job: Any, args: argparse.Namespace) -> None:
+def _open_memory(args: argparse.Namespace) -> memory_save.MemoryTier | None:
+    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it)."""
+    if not (args.tenplex and args.tenplex_memory):
+        return None
+    job = os.path.abspath(args.save or args.load or args.tenplex_memory)
+    limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
+    return memory_save.open_tier(args.tenplex_memory, job, args.save, persist_interval=args.tenplex_persist_interval,
+                                 replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
+                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep)
+
+
+def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,
+          persist: bool | None = None) -> None:
+    if tier is not None:
+        snap = memory_save.snapshot(MegatronCoreAdapter(job), tier, persist)
+        if snap.fallback is not None:
+            _print0(f"> tenplex: snapshot did not fit in memory: saved iteration {job.iteration} to {snap.path} "
+                    f"in {snap.seconds:.2f} s")
+            return
+        _print0(f"> tenplex: snapshot of iteration {job.iteration} in host memory {snap.path} in {snap.seconds:.3f} s "
+                f"(rank 0: {snap.bytes_written / 1e6:.2f} MB written, {snap.bytes_replicated / 1e6:.2f} MB replicated"
+                f"{', persisting in the background' if snap.persisting else ''})")
+        for path in snap.persisted:
+            _print0(f"> tenplex: persisted {path} (background)")
+        for path in snap.removed:
+            _print0(f"> tenplex: removed {path}")
+        return
     if not args.tenplex and args.ckpt_format == "torch":
         t0 = time.perf_counter()
         path = legacy_ckpt.save_checkpoint(job, args.save)
