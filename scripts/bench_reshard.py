@@ -8,6 +8,11 @@ layout B that loads with every system. Systems:
             (``tenplex_noverify``: the same load without checksum verification);
   mcore     megatron-core dist_checkpointing, torch_dist + fully_reshardable, fully
             parallel save/load wrappers (training/mcore_dist_ckpt.py, as Megatron-LM);
+  mcoredp   megatron-core dist_checkpointing with Megatron-LM's default distributed-optimizer format,
+            dp_reshardable: megatron-core re-shards it only along DP (at a TP or PP change Megatron has
+            no route at all: its load is run only where TP and PP stay the same);
+  adopt     that dp_reshardable checkpoint adopted by tenplex at B, read in place
+            (integrations/megatron_core/native.py);
   central   the Tenplex paper's "Central" (scripts/bench/central.py): rank 0 gathers every tensor at A
             and writes one file; at B every rank reads that whole file and slices its part out of it.
 Repetitions run round-robin over the systems (the order rotates each repetition).
@@ -73,9 +78,10 @@ TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  #
     "tp2-tp1": ((2, 1, 1), (1, 1, 1)),
     "pp2-pp1": ((1, 2, 1), (1, 1, 1)),
 }
-SAVE_SYSTEMS = ("tenplex", "mcore", "central")
-LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "central")
-COLD_LOAD_SYSTEMS = ("tenplex_cold", "mcore_cold", "central_cold")  # the same loads after evicting the page cache
+SAVE_SYSTEMS = ("tenplex", "mcore", "mcoredp", "central")
+LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "mcoredp", "adopt", "central")
+COLD_LOAD_SYSTEMS = ("tenplex_cold", "mcore_cold", "adopt_cold", "central_cold")
+SOURCE_OF = {"adopt": "mcoredp"}  # a load system reading another system's checkpoint  # the same loads after evicting the page cache
 # each tenplex load's bandwidth over its physical limit: (load, RATIO metric, limit in the row, limit's name)
 BANDWIDTH_LIMITS = (("tenplex_cold", "load_bandwidth", "raw_read_GBps", "raw_read"),
                     ("tenplex", "load_bandwidth", "memory_copy_GBps", "memory_copy"),
@@ -96,9 +102,10 @@ def worker(a: argparse.Namespace) -> None:
     from bench.measure import gathered, rotated, timed
 
     from tenplex_megatron.execute.collective import all_gather_json
-    from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_job
+    from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job, save_job
     from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
     from tenplex_megatron.integrations.megatron_core.sharded import describe_job
+    from tenplex_megatron.storage.directory import find_megatron_checkpoint
     from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
     job = gpt_job.build(a.spec, a.layout, a.gbs, a.padded)
@@ -128,12 +135,18 @@ def worker(a: argparse.Namespace) -> None:
             if system == "mcore":
                 mcore_dist_ckpt.save_checkpoint(job, target, check=False)  # as stock megatron-core
                 return None, {}
+            if system == "mcoredp":
+                mcore_dist_ckpt.save_checkpoint(job, target, sharding_type="dp_reshardable")
+                return None, {}
             return central.save(job, target), {}
+        if system == "adopt":
+            res = adopt_megatron_checkpoint(job, find_megatron_checkpoint(source))
+            return res.bytes_read, {"needed": res.bytes_read}
         if system.startswith("tenplex"):
             res = load_job(job, source, verify=system == "tenplex")
             # read from storage: checked blocks + the rest; next to what the job needed
             return res.bytes_verified + res.bytes_unverified, {"needed": res.bytes_read, "verified": res.bytes_verified}
-        if system == "mcore":
+        if system in ("mcore", "mcoredp"):
             mcore_dist_ckpt.load_checkpoint(job, source)
             return None, {}
         return central.load(job, source), {}
@@ -151,7 +164,7 @@ def worker(a: argparse.Namespace) -> None:
                 del op
                 continue
             base = system.removesuffix("_cold")
-            source = os.path.join(a.dir, base.split("_")[0], f"rep{last}")
+            source = os.path.join(a.dir, SOURCE_OF.get(base, base.split("_")[0]), f"rep{last}")
             if a.phase == "load" and rep == last:
                 gpt_job.zero_state(job)
             if system != base:
@@ -210,6 +223,9 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
     phases = {}
     try:
         load_systems = (LOAD_SYSTEMS if a.cache != "cold" else ()) + (COLD_LOAD_SYSTEMS if a.cache != "warm" else ())
+        if src[:2] != dst[:2]:  # megatron-core cannot load dp_reshardable at another TP or PP: no route to time
+            load_systems = tuple(s for s in load_systems if s != "mcoredp")
+            row["mcoredp_load_route"] = "none: megatron-core re-shards dp_reshardable only along DP"
         for phase, layout, systems in (("save", src, SAVE_SYSTEMS), ("load", dst, load_systems)):
             systems = [s for s in systems if s.split("_")[0] in a.systems]
             result = os.path.join(scratch, f"{phase}.json")
@@ -293,6 +309,9 @@ def print_row(r: dict[str, Any]) -> None:
         if (frac := _save_peak_over_own(r, s)) is not None:
             print(f"  {s} save: peak memory (own shard + RSS growth) = {frac:.3f}x the rank's own shard "
                   f"(worst rank; own shards {'/'.join(f'{b / mb:.0f}' for b in r['own_bytes']['save'])} MB)")
+    if r.get("mcoredp_load_route"):
+        print(f"  mcoredp load: {r['mcoredp_load_route']} ((TP, PP) {tuple(r['from'][:2])} -> {tuple(r['to'][:2])}); "
+              "adopt: tenplex reads that checkpoint in place at the new layout")
     for s in ("tenplex", "tenplex_noverify"):
         x = r.get(f"{s}_load")
         if x and x.get("bytes_needed") and x["bytes"] is not None:
@@ -335,6 +354,10 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("load_anon_growth", "tenplex_load", f"{peer}_load", "anon_growth")
             add("disk_bytes", "tenplex_save", f"{peer}_save", "bytes")
         add("bytes_read", "tenplex_load", "central_load", "bytes")
+        for peer in ("mcore", "mcoredp"):  # adopting Megatron's dp_reshardable checkpoint vs Megatron's own loads
+            add("adopt_load_time", "adopt_load", f"{peer}_load", "seconds")
+            add("adopt_load_peak_rss", "adopt_load", f"{peer}_load", "rss_peak")
+        add("adopt_load_time_cold", "adopt_cold_load", "mcore_cold_load", "seconds")
         if (frac := _save_peak_over_own(r, "tenplex")) is not None:  # issue #4: at most 1.25
             lines.append(ratio_line(ratio_key("save_peak_mem", t, "tenplex", "own_shard"), frac))
         for s, metric in (("tenplex", "bytes_read"), ("tenplex_noverify", "bytes_read_noverify")):
@@ -377,7 +400,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "gpt3-125m"], help="names in tenplex_megatron/plan/sim/models.json")
     ap.add_argument("--transitions", nargs="+", default=["tp2-dp2", "dp2-tp2"], choices=sorted(TRANSITIONS))
-    ap.add_argument("--systems", nargs="+", default=["tenplex", "mcore", "central"], choices=["tenplex", "mcore", "central"])
+    systems = ["tenplex", "mcore", "mcoredp", "adopt", "central"]
+    ap.add_argument("--systems", nargs="+", default=systems, choices=systems)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128, help="sequence length cap (shorter than GPT-3's 2048 for CPU speed)")
     ap.add_argument("--quick", action="store_true",

@@ -44,9 +44,16 @@ from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
+from tenplex_megatron.storage import memory_tier
 from tenplex_megatron.storage.confine import confine_all
-from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.megatron_summary import summarize
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
@@ -75,7 +82,49 @@ def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
     return ckpt, meta, ptc
 
 
+def _megatron(path: str) -> str | None:
+    """Megatron's own checkpoint under ``path`` when there is no tenplex one."""
+    if find_checkpoint(path) is not None:
+        return None
+    try:
+        return find_megatron_checkpoint(path)
+    except (CheckpointFileError, OSError):
+        return None
+
+
+def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
+    if is_legacy_megatron_checkpoint(path):
+        raise CLIError(f"{path}: Megatron-LM's legacy --ckpt-format torch checkpoint: its files are pickles that "
+                       "`inspect` does not open; it is adopted (described and checked) at load with --tenplex")
+    try:
+        summary = summarize(path)
+    except CheckpointFileError as e:
+        raise CLIError(str(e)) from None
+    table = summary.pop("tensor_table")
+    if args.json:
+        if args.tensors:
+            summary["tensor_table"] = table
+        print(json.dumps(summary, indent=1))
+        return 0
+    lay = summary["layout"]
+    print(f"checkpoint   {path}  ({summary['format']}: Megatron's own, adopted at any layout with --tenplex)")
+    print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
+    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  (as the index shows it)  "
+          f"distributed optimizer: {summary['distributed_optimizer']}")
+    print(f"tensors      {summary['tensors']} ({summary['model_parameters']:,} model parameters), "
+          f"{summary['chunks']} stored chunks")
+    print(f"bytes        {_fmt_bytes(summary['bytes'])} in {len(summary['files'])} files")
+    if args.tensors:
+        width = max(len(k) for k in table)
+        print(f"\n{'tensor':<{width}}  {'shape':<18} {'dtype':<9} {'chunks':>6}")
+        for k, t in table.items():
+            print(f"{k:<{width}}  {str(t['shape']):<18} {t['dtype']:<9} {t['chunks']:>6}")
+    return 0
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    if (mck := _megatron(args.checkpoint)) is not None:
+        return _inspect_megatron(mck, args)
     ckpt, meta, ptc = _load(args.checkpoint)
     per_tensor: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for sc in ptc.chunks:
@@ -123,6 +172,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_model(args)
     if not args.checkpoint:
         raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
+    if (mck := _megatron(args.checkpoint)) is not None:
+        raise CLIError(f"{mck}: Megatron's own checkpoint: where its distributed-optimizer buckets' bytes go depends "
+                       "on the model's parameter order, which tenplex takes from the model at load (--tenplex); "
+                       "`plan --to` works on tenplex checkpoints (or `plan --model NAME --from LAYOUT`)")
     t_read = time.perf_counter()
     ckpt, meta, source = _load(args.checkpoint)
     read_seconds = time.perf_counter() - t_read
@@ -133,14 +186,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if meta.get("framework") == "deepspeed":
         raise CLIError(f"{ckpt}: a DeepSpeed checkpoint: its ZeRO partitions at a new DP size are computed by "
                        "DeepSpeed at load, so `plan --to` is not supported for it (`inspect` is)")
-    model = meta.get("model", {})
-    shape = ModelShape(
-        num_layers=int(model["num_layers"]),
-        hidden_size=int(model["hidden_size"]),
-        num_attention_heads=int(model["num_attention_heads"]),
-        vocab_size=int(model["vocab_size"]),
-        make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by", 128)),
-    )
+    shape = ModelShape.from_record(meta.get("model", {}))
     try:
         dst.check_fits(shape)
     except LayoutError as e:
@@ -191,7 +237,7 @@ def _plan_model(args: argparse.Namespace) -> int:
     try:
         dims = load_model(args.model)
         src, dst = ParallelLayout.parse(args.source), ParallelLayout.parse(args.to)
-        shape = ModelShape(dims.num_layers, dims.hidden_size, dims.num_attention_heads, dims.vocab_size, 128)
+        shape = dims.shape()
         src.check_fits(shape)
         dst.check_fits(shape)
     except (KeyError, LayoutError) as e:
@@ -405,6 +451,19 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clean_memory(args: argparse.Namespace) -> int:
+    """Remove the snapshots a finished job left in a memory directory (its node id stays)."""
+    if not os.path.isdir(args.directory):
+        raise CLIError(f"{args.directory}: no such directory")
+    if not os.path.isfile(os.path.join(args.directory, memory_tier.NODE_FILE)):
+        raise CLIError(f"{args.directory}: not a tenplex memory directory (no {memory_tier.NODE_FILE}); nothing removed")
+    removed = memory_tier.clean(args.directory)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"clean-memory: {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} removed from {args.directory}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tenplex_megatron", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -462,6 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
     e.add_argument("--force", action="store_true", help="write into a non-empty directory")
     e.set_defaults(fn=cmd_export_hf)
+    cm = sub.add_parser("clean-memory", help="remove the host-memory snapshots (--tenplex-memory) a finished job "
+                                             "left in a node's memory directory")
+    cm.add_argument("directory")
+    cm.set_defaults(fn=cmd_clean_memory)
     return p
 
 

@@ -115,3 +115,31 @@ def downgrade_to_format_1(ckpt_dir: str) -> None:
             del at["block_bytes"], at["block_crc32"]
 
     rewrite_metadata(ckpt_dir, to_v1)
+
+
+SCENARIO_RUN = os.path.join(ROOT, "tests", "multiproc", "scenario_run.py")
+
+
+def run_scenarios(nproc: int, tasks: list[dict], workdir: str, timeout: float | None = None) -> dict[str, Run]:
+    """Run ``pretrain_gpt.py`` jobs ``[{"name", "flags", "fault"?}, ...]`` in turn in one torchrun launch
+    (tests/multiproc/scenario_run.py) and return each job's ``Run`` as its own launch would have given it:
+    the exit status (the same on every rank, else 99) and rank 0's output ending in the error it raised.
+    A failed or hung launch raises AssertionError with its log."""
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "tasks.json")
+    with open(path, "w") as f:
+        json.dump(tasks, f)
+    r = torchrun(nproc, [path, workdir], timeout=timeout or 180 + 40 * len(tasks), script=SCENARIO_RUN)
+    if r.returncode != 0 or f"task {len(tasks)}/{len(tasks)}" not in r.log:
+        raise AssertionError(f"scenario launch of {len(tasks)} jobs in {workdir} failed:\n{r.log[-6000:]}")
+    out = {}
+    for t in tasks:
+        ranks = []
+        for rank in range(nproc):
+            with open(os.path.join(workdir, f"{t['name']}.rank{rank}.json")) as f:
+                ranks.append(json.load(f))
+        codes = {x["code"] for x in ranks}
+        log = ranks[0]["log"] if len(codes) == 1 else "\n".join(f"rank {i}: exit status {x['code']}\n{x['log']}"
+                                                                 for i, x in enumerate(ranks))
+        out[t["name"]] = Run(codes.pop() if len(codes) == 1 else 99, log)
+    return out

@@ -8,7 +8,8 @@ from typing import Any
 from tenplex_megatron._optional import MissingExtraError, require
 
 # one colour per system in every benchmark's plots (cold loads take their base system's)
-COLORS = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green"}
+COLORS = {"tenplex": "tab:blue", "tenplex_noverify": "lightskyblue", "mcore": "tab:orange", "central": "tab:green",
+          "mcoredp": "tab:red", "adopt": "tab:purple"}
 
 
 def pyplot() -> Any | None:

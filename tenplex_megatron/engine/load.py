@@ -105,6 +105,8 @@ def load_chunks(
     strict: bool = True,
     verify: bool = True,
     opener: Callable[[], Opened] | None = None,
+    host: str | None = None,
+    fetch: Callable[[Any, tuple, Any], None] | None = None,
 ) -> ChunksLoaded:
     """Collective: fill this rank's live chunks from the newest complete checkpoint under ``load_dir``.
 
@@ -112,21 +114,31 @@ def load_chunks(
     returns the chunks to fill; ``restore(metadata)`` restores the framework's
     non-tensor state after the copy. ``strict``: refuse a checkpoint with
     tensors that no rank of this job holds. ``opener``: read another
-    framework's checkpoint (default: a tenplex one).
+    framework's checkpoint (default: a tenplex one). ``host``: what ranks
+    sharing the stored bytes have in common (default: the host name; a node's
+    memory directory for host-memory snapshots). ``fetch(plan, sources,
+    files)``: a collective step between planning and opening the sources
+    (host-memory snapshots: receive what other nodes hold).
     """
     me = rank()
-    host = socket.gethostname()
+    host = host or socket.gethostname()
 
-    def plan() -> _Prepared:
+    def plan() -> tuple[Opened, list[LocalChunk], Any, Any]:
         with gc_paused():  # metadata JSON, PTC and plan objects: no full collections over the job's heap meanwhile
             opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify)
             chunks = describe(opened.metadata)
             tensors = tensor_table(chunks)
             full = plan_reshard(opened.ptc, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host},
                                 strict=False)
-            mine = full.ranks[me]
-            maybe_fail("load.read", me)
-            todo = prepare_sources(mine, full.sources, opened.files, check=False)  # open every file it will read
+            return opened, chunks, full.ranks[me], full.sources
+
+    opened, chunks, mine, sources = run_phase(f"load from {load_dir}: planning", plan)
+    if fetch is not None:
+        fetch(mine, sources, opened.files)
+
+    def open_sources() -> _Prepared:
+        maybe_fail("load.read", me)
+        todo = prepare_sources(mine, sources, opened.files, check=False)  # open every file it will read
         dst, back = [], []
         for lc in chunks:
             view = lc.flat_view()
@@ -135,9 +147,9 @@ def load_chunks(
                 back.append((lc.data, tmp))
                 view = tmp
             dst.append(view)
-        return _Prepared(opened, chunks, mine, full.sources, todo, dst, back)
+        return _Prepared(opened, chunks, mine, sources, todo, dst, back)
 
-    p = run_phase(f"load from {load_dir}: planning", plan)
+    p = run_phase(f"load from {load_dir}: opening sources", open_sources)
     path = p.opened.path
     tensors = sorted({lc.meta.key for lc in p.chunks})
     ranks = gather_phase(f"load from {path}: gathering what each rank reads",
@@ -171,12 +183,14 @@ def load_chunks(
 
 
 def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: bool = True, verify: bool = True,
-         opener: Callable[[], Opened] | None = None, source_format: str = "tenplex") -> LoadResult:
+         opener: Callable[[], Opened] | None = None, source_format: str = "tenplex", host: str | None = None,
+         fetch: Callable[[Any, tuple, Any], None] | None = None) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` into the adapter, re-sharded.
 
     ``verify``: check the CRC-32 of every stored block this rank reads from
     (only those blocks, not whole chunks). ``opener``: read a foreign format in
-    place. Then the RNG policy: exact on the same layout, re-seeded otherwise.
+    place. ``host``, ``fetch``: see :func:`load_chunks`. Then the RNG policy: exact on the same layout,
+    re-seeded otherwise.
     """
     t0 = time.perf_counter()
 
@@ -186,7 +200,7 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: 
             raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
         return adapter.describe_for_load(meta)
 
-    loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener)
+    loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener, host, fetch)
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(

@@ -39,7 +39,7 @@ class SaveResult:
     removed: tuple[str, ...] = ()  # older checkpoints deleted by retention, stale partial saves cleaned up
 
 
-def _writers(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+def writer_assignment(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
     holdings = []
     all_meta: dict[str, TensorMeta] = {}
     for r, items in enumerate(gathered):
@@ -50,6 +50,31 @@ def _writers(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, int], dict
             if prev != meta:
                 raise PTCError(f"tensor {meta.key!r}: ranks disagree on its metadata ({prev} vs {meta})")
     return holdings, assign_writers(holdings), all_meta
+
+
+def build_metadata(writers: dict[Chunk, int], infos: list[dict[str, Any]], all_meta: dict[str, TensorMeta],
+                   layout: dict[str, Any], iteration: int, metadata: Any) -> dict[str, Any]:
+    """metadata.json of a save: the PTC (each chunk at its writer's file, with its block CRCs) and the rest."""
+    stored = [
+        StoredChunk(
+            c,
+            Location(directory.rank_file_name(w), chunk_name(c), w, infos[w]["host"],
+                     block_crc32=tuple(infos[w]["block_crc32"][chunk_name(c)]),
+                     block_bytes=int(infos[w]["block_bytes"])),
+        )
+        for c, w in writers.items()
+    ]
+    ptc = PTC(tensors=all_meta, chunks=tuple(stored), layout=layout)
+    return {
+        "format": directory.FORMAT_NAME,
+        "format_version": directory.FORMAT_VERSION,
+        "iteration": iteration,
+        "layout": layout,
+        **metadata([i["info"] for i in infos]),
+        "files": {i["file"]: i["size"] for i in infos if i["file"]},
+        "saved_at": time.time(),
+        "ptc": ptc.to_json(),
+    }
 
 
 def save_chunks(
@@ -79,7 +104,7 @@ def save_chunks(
     removed: list[str] = []
 
     def prepare() -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
-        assigned = _writers(gathered)  # the same on every rank: a pure function of the gathered lists
+        assigned = writer_assignment(gathered)  # the same on every rank: a pure function of the gathered lists
         if me == 0:
             for stale in directory.partial_dirs(save_dir):  # left by a save that crashed
                 if directory.remove_partial(stale):
@@ -119,26 +144,7 @@ def save_chunks(
         if me != 0:
             return os.path.join(save_dir, directory.iter_dir_name(iteration))
         maybe_fail("save.metadata_callback", me, iteration)
-        stored = [
-            StoredChunk(
-                c,
-                Location(directory.rank_file_name(w), chunk_name(c), w, infos[w]["host"],
-                         block_crc32=tuple(infos[w]["block_crc32"][chunk_name(c)]),
-                         block_bytes=int(infos[w]["block_bytes"])),
-            )
-            for c, w in writers.items()
-        ]
-        ptc = PTC(tensors=all_meta, chunks=tuple(stored), layout=layout)
-        meta = {
-            "format": directory.FORMAT_NAME,
-            "format_version": directory.FORMAT_VERSION,
-            "iteration": iteration,
-            "layout": layout,
-            **metadata([i["info"] for i in infos]),
-            "files": {i["file"]: i["size"] for i in infos if i["file"]},
-            "saved_at": time.time(),
-            "ptc": ptc.to_json(),
-        }
+        meta = build_metadata(writers, infos, all_meta, layout, iteration, metadata)
         path = directory.commit(save_dir, iteration, meta, meta["files"],
                                 fault=lambda point: maybe_fail(point, me, iteration))
         if keep is not None:

@@ -60,6 +60,21 @@ def _all_gather_bytes(data: bytes) -> list[bytes]:
     return [b[: int(s)].cpu().numpy().tobytes() for b, s in zip(bufs, sizes)]
 
 
+def broadcast_json(obj: Any, src: int) -> Any:
+    """Rank ``src``'s ``obj`` (JSON-serialisable) on every rank (others pass anything, e.g. None)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    dev = _device()
+    data = json.dumps(obj).encode() if rank() == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    dist.broadcast(size, src)
+    buf = torch.zeros(int(size), dtype=torch.uint8, device=dev)
+    if rank() == src:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    dist.broadcast(buf, src)
+    return json.loads(buf.cpu().numpy().tobytes())
+
+
 def _describe(error: BaseException) -> str:
     text = f"{type(error).__name__}: {error}"
     return text if len(text) <= 2000 else text[:2000] + " [...]"

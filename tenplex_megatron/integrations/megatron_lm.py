@@ -8,14 +8,20 @@ Use (``patches/megatron-lm-core_v0.16.x.patch`` does this in ``pretrain_gpt.py``
 
 ``install`` wraps ``save_checkpoint``, ``load_checkpoint`` and
 ``build_pretraining_data_loader`` where ``megatron.training.training`` looks
-them up. With ``--tenplex`` a save goes through tenplex and a load re-shards
+them up, and ``validate_args`` where ``initialize_megatron`` calls it: with
+``--tenplex-layout auto|FILE.json`` TP, PP and the micro-batch size are chosen
+for ``WORLD_SIZE`` there (:func:`choose_layout_for_args`), after Megatron-LM
+parsed its flags and before it checks them or builds any process group;
+flags given on the command line still win. With ``--tenplex`` a save goes through tenplex and a load re-shards
 the newest tenplex checkpoint to the restarted job's layout; a ``--load``
-directory holding only a Megatron checkpoint is loaded by Megatron's own
-loader (adoption mid-run), and later saves are tenplex checkpoints. Without
-``--tenplex`` nothing changes. ``--tenplex-init-from-hf DIR`` starts a run
-whose ``--load`` directory holds no checkpoint yet from a Hugging Face
-transformers checkpoint (Megatron-LM calls ``load_checkpoint`` only when
-``--load`` is given: give it, empty on the first start). The padded vocabulary follows Megatron's rule
+directory holding only Megatron's own checkpoint (``torch_dist`` with any
+distributed-optimizer format, or legacy ``torch``) is adopted by tenplex at
+the new layout (``megatron_core/native.py``, ``legacy.py``), and later saves
+are tenplex checkpoints. Without ``--tenplex`` nothing changes.
+``--tenplex-init-from-hf DIR`` starts a run whose ``--load`` directory holds no
+checkpoint yet from a Hugging Face transformers checkpoint (Megatron-LM calls
+``load_checkpoint`` only when ``--load`` is given: give it, empty on the first
+start). The padded vocabulary follows Megatron's rule
 here (``--make-vocab-size-divisible-by x TP``): when it changes, real rows move
 exactly and new padding rows start at zero.
 """
@@ -23,16 +29,33 @@ exactly and new padding rows start at zero.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tenplex_megatron._optional import require
+from tenplex_megatron.engine import elastic
 from tenplex_megatron.integrations.hf.load import init_from_hf
-from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec, load_job, save_job
+from tenplex_megatron.integrations.megatron_core.adapter import (
+    LiveJob,
+    LiveSpec,
+    adopt_megatron_checkpoint,
+    load_job,
+    save_job,
+)
+from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
+from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
-from tenplex_megatron.plan.layout import ParallelLayout, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
+from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, restart_padded_vocab_size
+from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 
@@ -45,11 +68,86 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tenplex-init-from-hf", default=None, metavar="DIR",
                    help="when --load holds no checkpoint yet, start from this Hugging Face transformers checkpoint "
                    "(GPT-2 or Llama) at this run's layout; its config must match the model flags")
+    g.add_argument("--tenplex-trust-pickles", action="store_true",
+                   help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
     g.add_argument("--tenplex-vocab-padding", choices=["keep", "megatron"], default="keep",
                    help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact "
                    "loss continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding "
                    "rows are zero)")
+    g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
+                   help="choose TP, PP and the micro-batch size for the world size of every (re)start: auto "
+                   "(legal layouts that fit memory, ranked by a throughput model) or a user's table; "
+                   "--tensor/--pipeline-model-parallel-size and --micro-batch-size given on the command line win")
+    g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
+                   help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
     return parser
+
+
+_FIXING_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+                 "micro_batch_size": "--micro-batch-size"}
+# Megatron-LM features the layout choice does not model: refused with --tenplex-layout rather than ignored
+_UNMODELLED = (("context_parallel_size", 1, "--context-parallel-size"),
+               ("expert_model_parallel_size", 1, "--expert-model-parallel-size"),
+               ("virtual_pipeline_model_parallel_size", None, "--num-layers-per-virtual-pipeline-stage"))
+
+
+def _given(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int) -> LayoutRequest:
+    """Megatron-LM's parsed flags as a layout request; a degree given in ``argv`` is fixed (it wins).
+
+    The vocabulary, when the tokenizer sets it (``--vocab-size`` not given), is estimated as GPT-2's: it only
+    weighs in the memory and time estimates."""
+    for name, default, flag in _UNMODELLED:
+        if getattr(args, name, default) not in (default, None):
+            raise LayoutError(f"{flag} is not modelled by --tenplex-layout: give the layout explicitly")
+    if not getattr(args, "global_batch_size", None):
+        raise LayoutError("--global-batch-size is required: the layout choice keeps the global batch fixed")
+    dims = GPTDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size or 50257,
+                   seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, swiglu=bool(args.swiglu),
+                   tied=not args.untie_embeddings_and_output_weights, bf16=bool(args.bf16),
+                   num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None)
+    attr = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+            "micro_batch_size": "micro_batch_size"}
+    fixed = {k: int(getattr(args, attr[k])) for k, flag in _FIXING_FLAGS.items() if _given(argv, flag)}
+    return LayoutRequest(args.tenplex_layout, dims, world, local_world, int(args.global_batch_size),
+                         memory_gb=elastic.memory_gb(args.tenplex_memory_budget), tp=fixed.get("tp"),
+                         pp=fixed.get("pp"), micro_batch_size=fixed.get("micro_batch_size"),
+                         distributed_optimizer=bool(args.use_distributed_optimizer),
+                         make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by))
+
+
+def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chosen | None:
+    """With ``--tenplex-layout``: set ``args``' TP, PP and micro-batch size for torchrun's ``WORLD_SIZE``.
+
+    None without the flag. No legal layout: every refused candidate printed, exit 2, and under torchrun's
+    elastic agent the agent is stopped (``engine/elastic.refuse``)."""
+    if not getattr(args, "tenplex_layout", None):
+        return None
+    world, local_world = elastic.world()
+    if args.tenplex_layout == "measure":
+        elastic.refuse("pretrain_gpt.py", "measure", world, LayoutError(
+            "not supported under Megatron-LM (scripts/pretrain_gpt.py has it): give auto or a table"))
+    try:
+        chosen = choose(layout_request(args, sys.argv[1:] if argv is None else argv, world, local_world))
+    except (LayoutError, OSError, ValueError) as e:
+        elastic.refuse("pretrain_gpt.py", args.tenplex_layout, world, e)
+    args.tensor_model_parallel_size = chosen.layout.tp
+    args.pipeline_model_parallel_size = chosen.layout.pp
+    args.micro_batch_size = chosen.micro_batch_size
+    if getattr(args, "rank", 0) == 0:
+        print(f"> tenplex: --tenplex-layout {args.tenplex_layout}: {chosen.layout}, micro-batch "
+              f"{chosen.micro_batch_size} ({chosen.why})", flush=True)
+    return chosen
+
+
+def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
+    """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags)."""
+    choose_layout_for_args(args)
+    return _ORIGINALS["validate_args"](args, *a, **kw)
 
 
 def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -66,8 +164,8 @@ def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.
 _RECORDED_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
     "make_vocab_size_divisible_by", "swiglu", "untie_embeddings_and_output_weights", "bf16", "global_batch_size",
-    "micro_batch_size", "train_iters", "lr", "min_lr", "seed", "position_embedding_type", "normalization",
-    "add_bias_linear", "group_query_attention", "num_query_groups", "rotary_base", "rotary_percent", "norm_epsilon",
+    "micro_batch_size", "train_iters", "lr", "min_lr", "seed", "position_embedding_type", "rotary_base",
+    "rotary_percent", "normalization", "norm_epsilon", "add_bias_linear", "group_query_attention", "num_query_groups",
 )
 
 
@@ -120,18 +218,24 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
 
     args = get_args()
     load_dir = getattr(args, load_arg, None)
-    ckpt = find_checkpoint(load_dir) if (getattr(args, "tenplex", False) and load_dir) else None
-    if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and not (load_dir and find_megatron_checkpoint(load_dir)):
+    tenplex = getattr(args, "tenplex", False) and load_dir
+    ckpt = find_checkpoint(load_dir) if tenplex else None
+    mck = find_megatron_checkpoint(load_dir) if (tenplex and ckpt is None) else None
+    no_megatron = not (load_dir and find_megatron_checkpoint(load_dir))
+    if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and no_megatron:
         job = _job(ddp_model, optimizer, opt_param_scheduler)
         run = ModelFacts.from_model_json(job.spec.to_json())
         hf = init_from_hf(job, args.tenplex_init_from_hf, run)
         print_rank_0(f"> tenplex: initialised from Hugging Face checkpoint {args.tenplex_init_from_hf} at layout "
                      f"{job.layout}: {hf.tensors} tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0")
         return 0, 0.0
-    if ckpt is None:
+    if ckpt is None and mck is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    if ckpt is not None:
+        res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    else:  # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
+        res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
     args.consumed_train_samples = job.consumed_samples
     args.skipped_train_samples = 0
     flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
@@ -187,9 +291,14 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
             or not getattr(args, "load", None):
         return padded
     ckpt = find_checkpoint(args.load)
-    if ckpt is None:
+    mck = find_megatron_checkpoint(args.load) if ckpt is None else None
+    if ckpt is not None:
+        saved = read_metadata(ckpt).get("padded_vocab_size")
+    elif mck is not None:
+        read = legacy_padded_vocab if is_legacy_megatron_checkpoint(mck) else saved_padded_vocab
+        saved = read(mck, getattr(args, "tenplex_trust_pickles", False))
+    else:
         return padded
-    saved = read_metadata(ckpt).get("padded_vocab_size")
     kept = restart_padded_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by,
                                      args.tensor_model_parallel_size, saved)
     if kept != padded and getattr(args, "rank", 0) == 0:
@@ -199,14 +308,17 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
 
 
 def install() -> None:
-    """Wrap Megatron-LM's checkpoint, data-loader and vocabulary-padding functions (idempotent)."""
+    """Wrap Megatron-LM's checkpoint, data-loader, vocabulary-padding and argument-checking functions (idempotent)."""
     train_mod = require("megatron.training.training", "megatron-lm", needed_by=__name__,
                         note="megatron.training is Megatron-LM's, from a core_v0.16.x checkout on PYTHONPATH")
     import megatron.training.checkpointing as ckpt_mod
+    import megatron.training.initialize as init_mod
     import megatron.training.tokenizer.tokenizer as tok_mod
 
     if _ORIGINALS:
         return
+    _ORIGINALS["validate_args"] = init_mod.validate_args
+    init_mod.validate_args = _validate_args
     _ORIGINALS["_vocab_size_with_padding"] = tok_mod._vocab_size_with_padding
     tok_mod._vocab_size_with_padding = _vocab_size_with_padding
     _ORIGINALS["save_checkpoint"] = ckpt_mod.save_checkpoint

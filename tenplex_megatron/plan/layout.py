@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class LayoutError(ValueError):
@@ -18,6 +19,27 @@ class ModelShape:
     num_attention_heads: int
     vocab_size: int
     make_vocab_size_divisible_by: int = 128
+    num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+
+    @classmethod
+    def from_record(cls, model: dict[str, Any]) -> ModelShape:
+        """The shape in a checkpoint's ``model`` record (the trainer's or the Megatron-LM hook's: same names)."""
+        return cls(
+            num_layers=int(model["num_layers"]),
+            hidden_size=int(model["hidden_size"]),
+            num_attention_heads=int(model["num_attention_heads"]),
+            vocab_size=int(model["vocab_size"]),
+            make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by") or 128),
+            num_query_groups=record_query_groups(model),
+        )
+
+
+def record_query_groups(model: dict[str, Any]) -> int | None:
+    """Key/value head groups in a ``model`` record: ``num_query_groups`` with ``group_query_attention`` (Megatron-LM's
+    rule), else None (one per head; also for records written before these fields existed)."""
+    if model.get("group_query_attention") and model.get("num_query_groups") is not None:
+        return int(model["num_query_groups"])
+    return None
 
 
 @dataclass(frozen=True)
@@ -76,6 +98,11 @@ class ParallelLayout:
         if shape.num_attention_heads % self.tp:
             problems.append(
                 f"TP={self.tp} does not divide the number of attention heads ({shape.num_attention_heads})"
+            )
+        if shape.num_query_groups is not None and shape.num_query_groups % self.tp:
+            problems.append(
+                f"TP={self.tp} does not divide the number of query groups (--num-query-groups "
+                f"{shape.num_query_groups})"
             )
         if shape.hidden_size % self.tp:
             problems.append(f"TP={self.tp} does not divide the hidden size ({shape.hidden_size})")

@@ -35,6 +35,7 @@ FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+_LEGACY_RANK_RE = re.compile(r"mp_rank_\d{2}(_\d{3})?")
 PARTIAL_SUFFIX = ".tenplex-partial"
 OLD_SUFFIX = ".tenplex-old"
 _ITER_RE = re.compile(r"iter_([0-9]{7,})")  # always fullmatch: ``$`` would let a trailing newline through
@@ -76,14 +77,24 @@ def is_tenplex_checkpoint(path: str) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
 
+def is_legacy_megatron_checkpoint(path: str) -> bool:
+    """An iteration directory of Megatron-LM's legacy ``--ckpt-format torch`` (``mp_rank_*/model_optim_rng.pt``)."""
+    try:
+        return any(_LEGACY_RANK_RE.fullmatch(n) and os.path.isfile(os.path.join(path, n, "model_optim_rng.pt"))
+                   for n in os.listdir(path))
+    except OSError:
+        return False
+
+
 def find_megatron_checkpoint(load: str) -> str | None:
-    """A megatron-core dist_checkpointing checkpoint under ``load`` (tracker, then newest ``iter_*``), if any."""
+    """Megatron's own checkpoint under ``load`` (tracker, then newest ``iter_*``), if any: megatron-core's
+    dist_checkpointing (``metadata.json`` naming a sharded backend) or Megatron-LM's legacy format."""
     def is_mcore(path: str) -> bool:
         try:
             with open(os.path.join(path, METADATA_FILE)) as f:
                 return "sharded_backend" in json.load(f)
         except (OSError, ValueError, TypeError, RecursionError):
-            return False
+            return is_legacy_megatron_checkpoint(path)
 
     if is_mcore(load):
         return load

@@ -11,7 +11,10 @@ it to every rank). Points, in the order a save or load passes them:
 (metadata written, not renamed; rank 0 only), ``save.commit`` (just before the
 rename; rank 0 only), ``load.read`` (planned, files opened), ``load.verify``
 (before checksums), ``load.copy`` (before copying), ``load.restore`` (tensors
-copied, before the framework's non-tensor state).
+copied, before the framework's non-tensor state). Host-memory snapshots (``--tenplex-memory``):
+``memory.write`` (a rank's snapshot file half written in node memory), ``memory.replicate`` (replicas being
+received), ``memory.commit`` (before a node's snapshot is renamed into place), ``persist.copy`` (the background
+helper half way through copying a file to durable storage).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import signal
 
 POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
           "load.read", "load.verify", "load.copy", "load.restore")
+MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
 
 

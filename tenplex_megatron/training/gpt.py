@@ -36,6 +36,15 @@ class GPTSpec:
     make_vocab_size_divisible_by: int = 16
     swiglu: bool = False
     untie_embeddings_and_output_weights: bool = False
+    # Llama-style options, named as Megatron-LM's flags (an old checkpoint's record lacks them: GPT defaults)
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    add_bias_linear: bool = True
+    group_query_attention: bool = False
+    num_query_groups: int = 1
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     bf16: bool = False
@@ -50,6 +59,11 @@ class GPTSpec:
     adam_beta2: float = 0.95
     seed: int = 1234
 
+    @property
+    def query_groups(self) -> int | None:
+        """Key/value head groups with grouped-query attention; None: one per head (Megatron-LM's rule)."""
+        return self.num_query_groups if self.group_query_attention else None
+
     def shape(self) -> ModelShape:
         """The layout-independent shape used by the pure planner's validation."""
         return ModelShape(
@@ -58,6 +72,7 @@ class GPTSpec:
             num_attention_heads=self.num_attention_heads,
             vocab_size=self.vocab_size,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+            num_query_groups=self.query_groups,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -161,16 +176,23 @@ def build_job(
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
+        normalization=spec.normalization,
+        layernorm_epsilon=spec.norm_epsilon,
+        add_bias_linear=spec.add_bias_linear,
+        num_query_groups=spec.query_groups,
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
+        # the local (non-Transformer-Engine) spec; RMSNorm is torch.nn.RMSNorm there (WrappedTorchNorm)
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
         vocab_size=padded_vocab,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-        position_embedding_type="learned_absolute",
+        position_embedding_type=spec.position_embedding_type,
+        rotary_percent=spec.rotary_percent,
+        rotary_base=spec.rotary_base,
     )
     if on_gpu:
         model.cuda(torch.cuda.current_device())
@@ -251,15 +273,15 @@ def make_forward_step() -> Callable[..., Any]:
     return forward_step
 
 
-def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
-    """One optimizer step over one global batch; returns the global-batch mean LM loss."""
+def forward_backward(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """Forward and backward over one global batch (gradients reduced over DP), no optimizer step: the losses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for chunk in job.model:
         chunk.zero_grad_buffer()
     job.optimizer.zero_grad()
     fwd_bwd = get_forward_backward_func()
-    losses = fwd_bwd(
+    return fwd_bwd(
         forward_step_func=make_forward_step(),
         data_iterator=data_iterator,
         model=job.model,
@@ -268,6 +290,11 @@ def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) ->
         micro_batch_size=job.micro_batch_size,
         forward_only=False,
     )
+
+
+def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
+    """One optimizer step over one global batch; returns the global-batch mean LM loss."""
+    losses = forward_backward(job, data_iterator)
     update_successful, _grad_norm, _ = job.optimizer.step()
     if not update_successful:
         raise RuntimeError(f"optimizer step {job.iteration + 1} was skipped")

@@ -1,8 +1,11 @@
 """megatron-core's own dist_checkpointing for a GPTJob, the way Megatron-LM calls it: the peer we measure against.
 
 Save: the model's and the optimizer's sharded state dicts with the
-``fully_reshardable`` distributed-optimizer format (the only one that can be
-re-sharded along TP/PP; it gathers the optimizer buffers across DP at save),
+``fully_reshardable`` distributed-optimizer format (the only one megatron-core can
+re-shard along TP/PP; it gathers the optimizer buffers across DP at save) or, as
+Megatron-LM does by default, ``dp_reshardable`` (each DP rank's bucket shards as
+they are: megatron-core re-shards them only along DP; tenplex reads them at any
+layout, ``integrations/megatron_core/foreign.py``),
 ``torch_dist`` strategy wrapped in ``FullyParallelSaveStrategyWrapper``; iteration,
 consumed samples and the LR scheduler go in as plain values. Load at a new
 layout: read the content metadata, rebuild the sharded state dict with
@@ -34,6 +37,7 @@ from tenplex_megatron.storage.directory import TRACKER_FILE, find_megatron_check
 from tenplex_megatron.training.gpt import GPTJob
 
 SHARDING_TYPE = "fully_reshardable"
+SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 
 
 def _dp_group() -> Any:
@@ -43,9 +47,9 @@ def _dp_group() -> Any:
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def sharded_sd_metadata(saved: dict[str, Any] | None = None) -> dict[str, Any]:
+def sharded_sd_metadata(saved: dict[str, Any] | None = None, sharding_type: str = SHARDING_TYPE) -> dict[str, Any]:
     """Megatron-LM's sharded-state-dict metadata (the checkpoint's own, when loading) plus this job's DP group."""
-    md: dict[str, Any] = {"distrib_optim_sharding_type": SHARDING_TYPE, "singleton_local_shards": False,
+    md: dict[str, Any] = {"distrib_optim_sharding_type": sharding_type, "singleton_local_shards": False,
                           "chained_optim_avoid_prefix": True}
     md.update(saved or {})
     md["dp_cp_group"] = _dp_group()
@@ -112,19 +116,20 @@ def check_main_params(state: dict[str, Any]) -> None:
         )
 
 
-def save(job: GPTJob, ckpt_dir: str, check: bool = True) -> None:
+def save(job: GPTJob, ckpt_dir: str, check: bool = True, sharding_type: str = SHARDING_TYPE) -> None:
     """Collective: megatron-core dist_checkpointing save of model, optimizer, scheduler and position into ``ckpt_dir``.
 
-    ``check``: refuse to write when megatron-core's optimizer state is wrong (:func:`check_main_params`).
+    ``check``: refuse to write when megatron-core's optimizer state is wrong (:func:`check_main_params`;
+    only ``fully_reshardable`` has that defect). ``sharding_type``: the distributed optimizer's format.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 
 
-    md = sharded_sd_metadata()
+    md = sharded_sd_metadata(sharding_type=sharding_type)
     state = _state_dict(job, md, is_loading=False)
-    if check:
+    if check and sharding_type == "fully_reshardable":
         error: BaseException | None = None
         try:
             check_main_params(state)
@@ -134,6 +139,24 @@ def save(job: GPTJob, ckpt_dir: str, check: bool = True) -> None:
     strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
     os.makedirs(ckpt_dir, exist_ok=True)
     dist_checkpointing.save(state, ckpt_dir, strategy, content_metadata=content_metadata(md))
+
+
+def save_async(job: GPTJob, ckpt_dir: str, queue: Any) -> None:
+    """Collective: megatron-core's asynchronous save (``async_sharded_save``, as Megatron-LM's ``--async-save``):
+    returns once the state is staged and the write is scheduled on ``queue`` (an ``AsyncCallsQueue``); the
+    caller finalizes it (``queue.maybe_finalize_async_calls``). Used by the benchmark as the peer of tenplex's
+    memory snapshots."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    md = sharded_sd_metadata()
+    state = _state_dict(job, md, is_loading=False)
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
+    os.makedirs(ckpt_dir, exist_ok=True)
+    request = dist_checkpointing.save(state, ckpt_dir, strategy, async_sharded_save=True,
+                                      content_metadata=content_metadata(md))
+    queue.schedule_async_request(request)
 
 
 def _tolerate_missing_step() -> None:
@@ -193,12 +216,12 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
         job.consumed_samples = int(loaded["consumed_samples"])
 
 
-def save_checkpoint(job: GPTJob, save_dir: str, check: bool = True) -> str:
+def save_checkpoint(job: GPTJob, save_dir: str, check: bool = True, sharding_type: str = SHARDING_TYPE) -> str:
     """Collective: :func:`save` into ``save_dir/iter_NNNNNNN`` then (rank 0) update the tracker file, as
     Megatron-LM does; returns the iteration directory."""
 
     path = os.path.join(save_dir, iter_dir_name(job.iteration))
-    save(job, path, check=check)
+    save(job, path, check=check, sharding_type=sharding_type)
     torch.distributed.barrier()  # every rank's shards are written before the tracker names the iteration
     if torch.distributed.get_rank() == 0:
         tracker = os.path.join(save_dir, TRACKER_FILE)

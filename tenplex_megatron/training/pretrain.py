@@ -6,10 +6,10 @@ the same. Flags keep
 Megatron-LM's names and meanings; an unknown or unsupported flag is an error
 naming it. With ``--tenplex`` checkpoints are saved and loaded through
 tenplex, re-sharded to whatever layout the restarted job has; without it,
-through megatron-core's dist_checkpointing (torch_dist, fully_reshardable), as
-Megatron-LM does. A ``--load`` directory that holds only a megatron-core
-checkpoint is loaded by megatron-core's loader even with ``--tenplex``
-(adoption mid-run); later saves are then tenplex checkpoints.
+through megatron-core's dist_checkpointing (torch_dist, dp_reshardable by default), as
+Megatron-LM does. With ``--tenplex``, a ``--load`` directory that holds only a
+megatron-core checkpoint is adopted by tenplex at whatever layout the job has
+(``integrations/megatron_core/native.py``); later saves are tenplex checkpoints.
 """
 
 from __future__ import annotations
@@ -25,15 +25,29 @@ import psutil
 import torch
 from megatron.core import parallel_state
 
+from tenplex_megatron.engine import memory_load, memory_save
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
-from tenplex_megatron.integrations.megatron_core.adapter import load_job, save_job
+from tenplex_megatron.integrations.megatron_core.adapter import (
+    MegatronCoreAdapter,
+    adopt_megatron_checkpoint,
+    load_job,
+    save_job,
+)
+from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
+from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_metadata
+from tenplex_megatron.storage import memory_tier
+from tenplex_megatron.storage.directory import (
+    find_checkpoint,
+    find_megatron_checkpoint,
+    is_legacy_megatron_checkpoint,
+    read_metadata,
+)
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.training import gpt, layout_choice, mcore_dist_ckpt
+from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt, measure
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -76,6 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["learned_absolute", "rope"])
+    g.add_argument("--rotary-base", type=int, default=10000, help="RoPE base period (with rope)")
+    g.add_argument("--rotary-percent", type=float, default=1.0, help="share of each head's dimensions rotated (rope)")
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear",
+                   help="no biases in the linear layers (QKV, projection, MLP)")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1, help="key/value head groups (with --group-query-attention)")
     g.add_argument("--bf16", action="store_true")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
@@ -103,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="without --tenplex: megatron-core's dist_checkpointing (torch_dist) or Megatron-LM's legacy "
+                   "per-rank files (torch; read back with --tenplex)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
+                   "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
     g.add_argument("--log-interval", type=int, default=1)
     g = p.add_argument_group("tenplex")
     g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-sharding on restart)")
@@ -114,15 +143,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from a Hugging Face transformers checkpoint (GPT-2 or Llama) at this run's layout, "
                    "each rank reading only its slice; its config must match the model flags. A tenplex "
                    "checkpoint under --load (a restart) takes precedence")
-    g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
+    g.add_argument("--tenplex-trust-pickles", action="store_true",
+                   help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
+    g.add_argument("--tenplex-layout", default=None, metavar="auto|measure|FILE.json",
                    help="choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto "
-                   "(legal layouts that fit memory, ranked by a throughput model) or a user's table; explicit "
-                   "--tensor/--pipeline-model-parallel-size and --micro-batch-size still win")
+                   "(legal layouts that fit memory, ranked by a throughput model), measure (also time the best "
+                   "3 in this job the first time at a world size; the times are kept in the checkpoint "
+                   "directory) or a user's table; explicit --tensor/--pipeline-model-parallel-size and "
+                   "--micro-batch-size still win")
     g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
                    help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
     g.add_argument("--tenplex-no-save-on-signal", action="store_true",
                    help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
                    "this turns that off")
+    g.add_argument("--tenplex-memory", nargs="?", const=memory_tier.default_dir(), default=None, metavar="DIR",
+                   help="host-memory checkpoints: each save is a snapshot into this node-local directory (default "
+                   f"{memory_tier.default_dir()}), replicated to peers' memory and persisted to --save in the "
+                   "background; a restart loads the newest snapshot complete in the live nodes' memory")
+    g.add_argument("--tenplex-persist-interval", type=int, default=1, metavar="N",
+                   help="with --tenplex-memory: persist every Nth snapshot to --save in the background (default 1)")
+    g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
+                   help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
+                   "included (default 2: losing one node loses no snapshot)")
+    g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
+                   help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
+    g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
+                   help="with --tenplex-memory: most memory a node's snapshots may use (default: what is free)")
+    g.add_argument("--tenplex-memory-fallback", action="store_true",
+                   help="with --tenplex-memory: a snapshot that does not fit is saved to --save instead of failing")
     g.add_argument(
         "--tenplex-vocab-padding",
         choices=["keep", "megatron"],
@@ -144,6 +192,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"unknown or unsupported flag(s): {' '.join(unknown)}")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    check_model_flags(parser, args, argv)
     if args.data_path is not None and not args.data_path:
         parser.error("--data-path needs at least one dataset prefix")
     if bool(args.mock_data) == bool(args.data_path):
@@ -175,6 +224,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(str(e))
     if args.vocab_size is None:
         parser.error("--vocab-size is required with --mock-data")
+    if args.tenplex_memory is not None and not args.tenplex:
+        parser.error("--tenplex-memory needs --tenplex")
+    for flag in ("persist_interval", "replicas", "memory_keep"):
+        if getattr(args, f"tenplex_{flag}") < 1:
+            parser.error(f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}")
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
@@ -182,7 +236,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--micro-batch-size is required (or let --tenplex-layout choose it)")
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
+    if args.group_query_attention and args.num_query_groups % args.tensor_model_parallel_size:
+        parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
+                     f"--num-query-groups {args.num_query_groups} (TP splits the key/value head groups)")
     return args
+
+
+def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """The Llama-style flags' own rules (before any layout is chosen): errors name the flag."""
+    given = {flag.split("=", 1)[0] for flag in argv}
+    if args.group_query_attention:
+        if args.num_query_groups < 1:
+            parser.error(f"--num-query-groups {args.num_query_groups} must be >= 1")
+        if args.num_attention_heads % args.num_query_groups:
+            parser.error(f"--num-query-groups {args.num_query_groups} does not divide --num-attention-heads "
+                         f"{args.num_attention_heads} (each key/value group serves a whole number of heads)")
+    elif "--num-query-groups" in given:
+        parser.error("--num-query-groups needs --group-query-attention (without it every head is its own group)")
+    if args.position_embedding_type != "rope" and given & {"--rotary-base", "--rotary-percent"}:
+        parser.error(f"{' and '.join(sorted(given & {'--rotary-base', '--rotary-percent'}))} needs "
+                     "--position-embedding-type rope")
+    if not 0.0 < args.rotary_percent <= 1.0:
+        parser.error(f"--rotary-percent {args.rotary_percent} must be in (0, 1]")
+    if args.rotary_base < 1:
+        parser.error(f"--rotary-base {args.rotary_base} must be >= 1")
+    if not args.norm_epsilon > 0.0:
+        parser.error(f"--norm-epsilon {args.norm_epsilon} must be > 0")
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:
@@ -197,6 +276,14 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
         swiglu=args.swiglu,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        add_bias_linear=args.add_bias_linear,
+        group_query_attention=args.group_query_attention,
+        num_query_groups=args.num_query_groups,
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         bf16=args.bf16,
@@ -234,6 +321,8 @@ def run(args: argparse.Namespace) -> None:
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
     world = torch.distributed.get_world_size()
+    if args.tenplex_layout == "measure":  # time the best few candidates once per world size, then choose
+        measure.measure_and_choose(args, spec_from_args(args))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world % (tp * pp):
         raise SystemExit(
@@ -242,9 +331,18 @@ def run(args: argparse.Namespace) -> None:
         )
     layout = ParallelLayout(tp, pp, world // (tp * pp))
     spec = spec_from_args(args)
-    ckpt = find_checkpoint(args.load) if (args.load and args.tenplex) else None
-    saved_padded = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
-    from_hf = args.tenplex_init_from_hf if ckpt is None else None
+    tier = _open_memory(args)
+    from_memory = memory_load.choose(tier, args.load) if tier is not None else None
+    ckpt = find_checkpoint(args.load) if (args.load and args.tenplex and from_memory is None) else None
+    mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None and from_memory is None) else None
+    saved_padded = (from_memory.metadata if from_memory else read_metadata(ckpt) if ckpt else {}).get("padded_vocab_size")
+    legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
+    if legacy and not args.tenplex:
+        raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
+                         "--tenplex")
+    if mck is not None and args.tenplex:
+        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, args.tenplex_trust_pickles)
+    from_hf = args.tenplex_init_from_hf if (ckpt is None and mck is None and from_memory is None) else None
     if from_hf:  # the directory and its config against the flags, before anything is built
         try:
             check_hf_dir(from_hf, ModelFacts.from_model_json(spec.to_json()))
@@ -273,8 +371,24 @@ def run(args: argparse.Namespace) -> None:
         f"padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
-    if ckpt is not None:
-        res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    if from_memory is not None:
+        assert tier is not None
+        mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, from_memory, verify=not args.tenplex_no_verify)
+        res = mres.result
+        if getattr(args, "tenplex_timeline", None) is not None:
+            args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
+        _print0(
+            f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
+            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
+            f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
+            f"{mres.bytes_from_durable} bytes read from durable storage"
+            f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+        )
+    elif ckpt is not None or (mck is not None and args.tenplex):
+        if ckpt is not None:
+            res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+        else:  # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
+            res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
         if getattr(args, "tenplex_timeline", None) is not None:
             args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
         _print0(
@@ -282,6 +396,8 @@ def run(args: argparse.Namespace) -> None:
             f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, "
             f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
             f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+            + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
+               if res.source_format == "megatron" else "")
         )
         if args.tenplex_resave:
             save_job(job, args.tenplex_resave)
@@ -289,13 +405,12 @@ def run(args: argparse.Namespace) -> None:
         hf = init_from_hf(job, from_hf, ModelFacts.from_model_json(spec.to_json()))
         _print0(f"> tenplex: initialised from Hugging Face checkpoint {from_hf} at layout {layout}: {hf.tensors} "
                 f"tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0 in {hf.stats.seconds:.2f} s")
-    elif args.load and find_megatron_checkpoint(args.load):
-        mck = find_megatron_checkpoint(args.load)
+    elif mck is not None:
         t0 = time.perf_counter()
         mcore_dist_ckpt.load(job, mck)
         job.consumed_samples = job.iteration * job.global_batch_size
         _print0(f"> megatron-core dist_checkpointing: loaded iteration {job.iteration} from {mck} at layout {layout} "
-                f"in {time.perf_counter() - t0:.2f} s" + (" (adopted: later saves are tenplex checkpoints)" if args.tenplex else ""))
+                f"in {time.perf_counter() - t0:.2f} s")
     elif args.load:
         _print0(f"> no checkpoint under {args.load}; starting from scratch")
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -345,10 +460,10 @@ def run(args: argparse.Namespace) -> None:
                 for i in mb
             ]
             metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": lr, "samples": samples,
-                                      "layout": layout.to_json()}) + "\n")
+                                      "layout": layout.to_json(), "time": time.time()}) + "\n")
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-            _save(job, args)
+            _save(job, args, tier)
         if stopper is not None and stopper.agreed():
             _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                     + ("" if args.save else " (no --save: nothing is saved)"))
@@ -356,16 +471,54 @@ def run(args: argparse.Namespace) -> None:
     if stopper is not None:
         stopper.__exit__()
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        _save(job, args)
+        _save(job, args, tier)
+    if tier is not None:
+        over = args.save and job.iteration >= args.train_iters  # training is over: its last state goes to --save
+        for path in memory_save.persist_last(tier) if over else memory_save.drain(tier):
+            _print0(f"> tenplex: persisted {path} (background)")
+        memory_save.close(tier)
     if metrics is not None:
         metrics.close()
     _print0("> tenplex-megatron: done")
 
 
-def _save(job: Any, args: argparse.Namespace) -> None:
+def _open_memory(args: argparse.Namespace) -> memory_save.MemoryTier | None:
+    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it)."""
+    if not (args.tenplex and args.tenplex_memory):
+        return None
+    job = os.path.abspath(args.save or args.load or args.tenplex_memory)
+    limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
+    return memory_save.open_tier(args.tenplex_memory, job, args.save, persist_interval=args.tenplex_persist_interval,
+                                 replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
+                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep)
+
+
+def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,
+          persist: bool | None = None) -> None:
+    if tier is not None:
+        snap = memory_save.snapshot(MegatronCoreAdapter(job), tier, persist)
+        if snap.fallback is not None:
+            _print0(f"> tenplex: snapshot did not fit in memory: saved iteration {job.iteration} to {snap.path} "
+                    f"in {snap.seconds:.2f} s")
+            return
+        _print0(f"> tenplex: snapshot of iteration {job.iteration} in host memory {snap.path} in {snap.seconds:.3f} s "
+                f"(rank 0: {snap.bytes_written / 1e6:.2f} MB written, {snap.bytes_replicated / 1e6:.2f} MB replicated"
+                f"{', persisting in the background' if snap.persisting else ''})")
+        for path in snap.persisted:
+            _print0(f"> tenplex: persisted {path} (background)")
+        for path in snap.removed:
+            _print0(f"> tenplex: removed {path}")
+        return
+    if not args.tenplex and args.ckpt_format == "torch":
+        t0 = time.perf_counter()
+        path = legacy_ckpt.save_checkpoint(job, args.save)
+        _print0(f"> Megatron-LM legacy checkpoint (--ckpt-format torch): saved iteration {job.iteration} to {path} "
+                f"in {time.perf_counter() - t0:.2f} s")
+        return
     if not args.tenplex:
         t0 = time.perf_counter()
-        path = mcore_dist_ckpt.save_checkpoint(job, args.save)
+        sharding = "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+        path = mcore_dist_ckpt.save_checkpoint(job, args.save, sharding_type=sharding)
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return

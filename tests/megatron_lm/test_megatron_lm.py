@@ -9,8 +9,10 @@ its dataset helpers into ``megatron/core/datasets`` on first use, which needs
 
 Three launches of 2 processes: an uninterrupted TP=2 run of 8 iterations; a
 TP=2 run that saves a tenplex checkpoint at iteration 4 and exits; a TP=1 x DP=2
-run that loads it and trains iterations 5-8. The restarted losses must equal
-the uninterrupted run's, step by step.
+run that loads it and trains iterations 5-8 (with vocab 96 the hook's
+``--tenplex-layout FILE.json`` chooses that layout and micro-batch 1, over the
+command line's 2, before Megatron-LM checks its flags). The restarted losses
+must equal the uninterrupted run's, step by step.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _losses(log: str) -> dict[int, float]:
     return out
 
 
-def _run(script: str, tp: int, vocab: int, extra: list[str]) -> str:
+def _run(script: str, tp: int | None, vocab: int, extra: list[str]) -> str:
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -73,7 +75,9 @@ def _run(script: str, tp: int, vocab: int, extra: list[str]) -> str:
     # make both this interpreter's.
     path = os.pathsep.join([os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or "",
                             os.environ.get("PATH", "")])
-    env = dict(os.environ, PYTHONPATH=f"{MLM}:{ROOT}", PATH=path, OMP_NUM_THREADS="1",
+    extra_path = os.environ.get("PYTHONPATH")  # kept after ours (e.g. where triton and pybind11 are installed)
+    env = dict(os.environ, PYTHONPATH=f"{MLM}:{ROOT}" + (f":{extra_path}" if extra_path else ""), PATH=path,
+               OMP_NUM_THREADS="1",
                CUBLAS_WORKSPACE_CONFIG=":4096:8",
                NCCL_ALGO="Ring",  # --deterministic-mode requires it
                CUDA_DEVICE_MAX_CONNECTIONS="1")  # TP > 1 requires it before Blackwell
@@ -81,7 +85,8 @@ def _run(script: str, tp: int, vocab: int, extra: list[str]) -> str:
         env["TORCH_COMPILE_DISABLE"] = "1"  # jit_fuser is torch.compile: its C++ warm-up builds cost ~40 s a launch here
     backend = ["--distributed-backend", "gloo"] if cpu else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", RUNNER, script,
-           *FLAGS, *backend, "--vocab-size", str(vocab), "--tensor-model-parallel-size", str(tp), *extra]
+           *FLAGS, *backend, "--vocab-size", str(vocab),
+           *(["--tensor-model-parallel-size", str(tp)] if tp is not None else []), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     return p.stdout + p.stderr
@@ -117,7 +122,15 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, vocab:
     for it in range(1, 5):
         assert first[it] == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, first[it], ref[it])
 
-    log = _run(script, 1, vocab, ["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4"])  # TP2 -> TP1xDP2
+    # TP2 -> TP1xDP2: by the flag (vocab 95), or by the hook's --tenplex-layout with a user's table (vocab 96:
+    # micro-batch 1 there, the command line's 2 otherwise)
+    table = tmp_path / "layouts.json"
+    table.write_text(json.dumps({"version": 1, "layouts": {"2": {"tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1}}}))
+    by_table = vocab == 96
+    log = _run(script, None if by_table else 1, vocab, ["--load", str(ckpt), "--save", str(ckpt), "--save-interval",
+                                                        "4", *(["--tenplex-layout", str(table)] if by_table else [])])
+    if by_table:
+        assert f"> tenplex: --tenplex-layout {table}: tp=1,pp=1,dp=2, micro-batch 1 (from {table})" in log, log[-3000:]
     assert re.search(r"> tenplex: loaded iteration 4 from \S+: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2", log), \
         log[-3000:]
     if vocab == 96:

@@ -1,4 +1,9 @@
-"""Bad input gets a clear error naming the file, tensor or constraint, before anything is modified."""
+"""Bad input gets a clear error naming the file, tensor or constraint, before anything is modified.
+
+Every job runs in one of two 2-rank torchrun launches (tests/multiproc/scenario_run.py: jobs in turn in one
+process group, each job's exit status and output recorded as its own launch would have given them): the
+checkpoint and the jobs that need none, then the loads of damaged copies of it.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +13,15 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 
-from tests.harness import ROOT, TINY_GPT, layout_flags, torchrun
+from tests.harness import ROOT, TINY_GPT, Run, layout_flags, run_scenarios
 
 pytestmark = pytest.mark.dist
 
 MODEL = ["--vocab-size", "96", "--swiglu", "--use-distributed-optimizer", "--train-iters", "4"]
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    d = str(tmp_path_factory.mktemp("bad_input"))
-    r = torchrun(2, [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--save", f"{d}/ckpt", "--exit-interval", "2"])
-    assert r.returncode == 0, r.log[-3000:]
-    return os.path.join(d, "ckpt")
 
 
 def _digest(path: str) -> dict[str, str]:
@@ -35,8 +33,7 @@ def _digest(path: str) -> dict[str, str]:
     return out
 
 
-def _copy(ckpt: str, tmp_path) -> str:
-    dst = os.path.join(str(tmp_path), "ckpt")
+def _copy(ckpt: str, dst: str) -> str:
     shutil.copytree(ckpt, dst)
     return dst
 
@@ -46,50 +43,94 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tenplex_megatron", *args], capture_output=True, text=True, env=env)
 
 
-def test_checkpoint_of_another_model_names_tensor_and_shapes(ckpt: str, tmp_path) -> None:
+def _job(name: str, flags: list[str]) -> dict:
+    return {"name": name, "flags": flags}
+
+
+@dataclass(frozen=True)
+class Results:
+    root: str
+    ckpt: str
+    digest_before: dict[str, str]
+    runs: dict[str, Run]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """Two launches of 2 ranks: the checkpoint and the jobs that need none, then the jobs on damaged copies."""
+    root = str(tmp_path_factory.mktemp("bad_input"))
+    ckpt = os.path.join(root, "ckpt")
+    empty = os.path.join(root, "empty")
+    os.makedirs(os.path.join(empty, "iter_0000002"))  # nothing to read: the layout check must come first
+    small_batch = [*TINY_GPT, *MODEL]
+    small_batch[small_batch.index("--micro-batch-size") + 1] = "3"
+    odd_heads = [*TINY_GPT, *MODEL]  # 3 heads of 16: TP=2 divides the hidden size, not the heads
+    odd_heads[odd_heads.index("--hidden-size") + 1] = "48"
+    odd_heads[odd_heads.index("--num-attention-heads") + 1] = "3"
+    runs = run_scenarios(2, [
+        _job("ckpt", [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--save", ckpt, "--exit-interval", "2"]),
+        _job("global_batch", [*small_batch, *layout_flags(1, 1)]),
+        _job("layout", [*odd_heads, *layout_flags(2, 1), "--load", empty]),
+        _job("sequence_parallel", [*TINY_GPT, *MODEL, "--sequence-parallel"]),
+        _job("no_such_flag", [*TINY_GPT, *MODEL, "--no-such-flag"]),
+    ], os.path.join(root, "first"))
+    assert runs["ckpt"].returncode == 0, runs["ckpt"].log[-3000:]
     before = _digest(ckpt)
-    args = [*TINY_GPT, *MODEL, "--load", ckpt, "--save", str(tmp_path / "out")]
-    args[args.index("--hidden-size") + 1] = "32"
-    r = torchrun(1, args)
-    assert r.returncode != 0
-    assert "checkpoint shape (96, 64) does not match model shape (96, 32)" in r.log
-    assert "tensor 'embedding.word_embeddings.weight'" in r.log
-    assert _digest(ckpt) == before
-    assert not os.path.exists(tmp_path / "out")
-
-
-def test_missing_shard_file_is_named(ckpt: str, tmp_path) -> None:
-    bad = _copy(ckpt, tmp_path)
-    os.remove(os.path.join(bad, "iter_0000002", "rank_00001.safetensors"))
-    r = torchrun(1, [*TINY_GPT, *MODEL, "--load", bad])
-    assert r.returncode != 0
-    assert "iter_0000002/rank_00001.safetensors: file is missing" in r.log
-
-
-def test_truncated_shard_file_is_named(ckpt: str, tmp_path) -> None:
-    bad = _copy(ckpt, tmp_path)
-    path = os.path.join(bad, "iter_0000002", "rank_00000.safetensors")
+    other_model = [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--load", ckpt, "--save", os.path.join(root, "out")]
+    other_model[other_model.index("--hidden-size") + 1] = "32"
+    missing = _copy(ckpt, os.path.join(root, "missing"))
+    os.remove(os.path.join(missing, "iter_0000002", "rank_00001.safetensors"))
+    truncated = _copy(ckpt, os.path.join(root, "truncated"))
+    path = os.path.join(truncated, "iter_0000002", "rank_00000.safetensors")
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size - 1000)
-    r = torchrun(1, [*TINY_GPT, *MODEL, "--load", bad])
-    assert r.returncode != 0
-    assert "iter_0000002/rank_00000.safetensors" in r.log and "truncated" in r.log
-
-
-def test_metadata_naming_a_file_outside_fails_on_every_rank_before_reading(ckpt: str, tmp_path) -> None:
-    """Every rank confines every name at open time, whether it would read that file or not."""
-    bad = _copy(ckpt, tmp_path)
-    it = os.path.join(bad, "iter_0000002")
-    shutil.copy(os.path.join(it, "rank_00001.safetensors"), tmp_path / "outside.safetensors")  # valid, but outside
+    outside = _copy(ckpt, os.path.join(root, "outside", "ckpt"))
+    it = os.path.join(outside, "iter_0000002")
+    shutil.copy(os.path.join(it, "rank_00001.safetensors"), os.path.join(root, "outside", "outside.safetensors"))
     with open(os.path.join(it, "metadata.json")) as f:
         meta = json.load(f)
     for c in meta["ptc"]["chunks"]:
         if c["at"]["file"] == "rank_00001.safetensors":
-            c["at"]["file"] = "../../outside.safetensors"
+            c["at"]["file"] = "../../outside.safetensors"  # valid safetensors, but outside the checkpoint
     with open(os.path.join(it, "metadata.json"), "w") as f:
         json.dump(meta, f)
-    r = torchrun(2, [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--load", bad])
+    at_tp2 = [*TINY_GPT, *MODEL, *layout_flags(2, 1)]
+    runs.update(run_scenarios(2, [
+        _job("other_model", other_model),
+        _job("missing", [*at_tp2, "--load", missing]),
+        _job("truncated", [*at_tp2, "--load", truncated]),
+        _job("outside", [*at_tp2, "--load", outside]),
+    ], os.path.join(root, "second")))
+    return Results(root, ckpt, before, runs)
+
+
+def test_checkpoint_of_another_model_names_tensor_and_shapes(results: Results) -> None:
+    r = results.runs["other_model"]
+    assert r.returncode != 0
+    assert "checkpoint shape (96, 64) does not match model shape (96, 32)" in r.log
+    assert "tensor 'embedding.word_embeddings.weight'" in r.log
+    assert _digest(results.ckpt) == results.digest_before  # after every job of the second launch: none modified it
+    assert not os.path.exists(os.path.join(results.root, "out"))
+
+
+def test_missing_shard_file_is_named(results: Results) -> None:
+    r = results.runs["missing"]
+    assert r.returncode != 0
+    assert "iter_0000002/rank_00001.safetensors: file is missing" in r.log
+
+
+def test_truncated_shard_file_is_named(results: Results) -> None:
+    r = results.runs["truncated"]
+    assert r.returncode != 0
+    assert "iter_0000002/rank_00000.safetensors" in r.log and "truncated" in r.log
+
+
+def test_metadata_naming_a_file_outside_fails_on_every_rank_before_reading(results: Results) -> None:
+    """Every rank confines every name at open time, whether it would read that file or not."""
+    bad = os.path.join(results.root, "outside", "ckpt")
+    it = os.path.join(bad, "iter_0000002")
+    r = results.runs["outside"]
     assert r.returncode != 0
     assert "planning failed on 2 rank(s)" in r.log
     for rank in (0, 1):
@@ -99,16 +140,14 @@ def test_metadata_naming_a_file_outside_fails_on_every_rank_before_reading(ckpt:
     assert r.returncode == 1 and "'../../outside.safetensors', which has a '..' component" in r.stdout
 
 
-def test_layout_that_cannot_hold_the_model_fails_before_reading(ckpt: str, tmp_path) -> None:
-    bad = _copy(ckpt, tmp_path)
-    shutil.rmtree(os.path.join(bad, "iter_0000002"))  # nothing to read: the layout check must come first
-    os.makedirs(os.path.join(bad, "iter_0000002"))
-    r = torchrun(3, [*TINY_GPT, *MODEL, *layout_flags(3, 1), "--load", bad])
+def test_layout_that_cannot_hold_the_model_fails_before_reading(results: Results) -> None:
+    r = results.runs["layout"]
     assert r.returncode != 0
-    assert "TP=3 does not divide the number of attention heads (4)" in r.log
+    assert "TP=2 does not divide the number of attention heads (3)" in r.log
 
 
-def test_cli_inspect_and_plan(ckpt: str) -> None:
+def test_cli_inspect_and_plan(results: Results) -> None:
+    ckpt = results.ckpt
     r = _cli("inspect", ckpt, "--tensors")
     assert r.returncode == 0, r.stderr
     assert "iteration    2" in r.stdout and "tp=2 pp=1 dp=1" in r.stdout
@@ -129,8 +168,8 @@ def test_cli_inspect_and_plan(ckpt: str) -> None:
         ("tp=2,pp=x", "not an integer"),
     ],
 )
-def test_cli_plan_rejects_layouts(ckpt: str, layout: str, needle: str) -> None:
-    r = _cli("plan", ckpt, "--to", layout)
+def test_cli_plan_rejects_layouts(results: Results, layout: str, needle: str) -> None:
+    r = _cli("plan", results.ckpt, "--to", layout)
     assert r.returncode == 2
     assert needle in r.stderr
 
@@ -140,17 +179,15 @@ def test_cli_names_missing_checkpoint(tmp_path) -> None:
     assert r.returncode == 2 and "no complete tenplex checkpoint" in r.stderr
 
 
-def test_global_batch_that_dp_cannot_divide_names_valid_choices(tmp_path) -> None:
-    args = [*TINY_GPT, *MODEL]
-    args[args.index("--micro-batch-size") + 1] = "3"
-    r = torchrun(2, [*args, *layout_flags(1, 1)])
+def test_global_batch_that_dp_cannot_divide_names_valid_choices(results: Results) -> None:
+    r = results.runs["global_batch"]
     assert r.returncode != 0
     assert "--global-batch-size 8 is not divisible by --micro-batch-size x DP = 3 x 2" in r.log
     assert "valid micro-batch sizes are [1, 2, 4]" in r.log
 
 
-def test_unsupported_megatron_flag_is_refused(tmp_path) -> None:
-    r = torchrun(1, [*TINY_GPT, *MODEL, "--sequence-parallel"])
+def test_unsupported_megatron_flag_is_refused(results: Results) -> None:
+    r = results.runs["sequence_parallel"]
     assert r.returncode != 0 and "Megatron-LM flag --sequence-parallel is not supported" in r.log
-    r = torchrun(1, [*TINY_GPT, *MODEL, "--no-such-flag"])
+    r = results.runs["no_such_flag"]
     assert r.returncode != 0 and "unknown or unsupported flag(s): --no-such-flag" in r.log

@@ -27,11 +27,14 @@ def test_bench_reshard_tiny_runs_and_every_system_loads_correctly(tmp_path) -> N
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run = json.loads(out.read_text())["runs"][0]
-    for system in ("tenplex", "tenplex_noverify", "mcore", "central", "tenplex_cold", "mcore_cold", "central_cold"):
+    for system in ("tenplex", "tenplex_noverify", "mcore", "central", "tenplex_cold", "mcore_cold", "central_cold",
+                   "adopt", "adopt_cold"):  # adopt: Megatron's dp_reshardable checkpoint read by tenplex at TP1 x DP2
         assert run["check"][system]["ok"], (system, run["check"][system])
+    assert run["mcoredp_load_route"].startswith("none") and "mcoredp_load" not in run and run["mcoredp_save"]
     assert run["tenplex_load"]["bytes"] > 0 and run["raw_read_GBps"] > 0 and run["memory_copy_GBps"] > 0
     assert len(run["own_bytes"]["save"]) == 2 and all(b > 0 for b in run["own_bytes"]["save"])
     for line in ("RATIO load_time tiny:tp2-dp2 tenplex/mcore = ", "RATIO load_time tiny:tp2-dp2 tenplex/central = ",
                  "RATIO load_bandwidth tiny:tp2-dp2 tenplex/raw_read = ", "RATIO load_time_cold tiny:tp2-dp2 tenplex/mcore = ",
-                 "RATIO save_peak_mem tiny:tp2-dp2 tenplex/own_shard = ", "RATIO bytes_read tiny:tp2-dp2 tenplex/destination = "):
+                 "RATIO save_peak_mem tiny:tp2-dp2 tenplex/own_shard = ", "RATIO adopt_load_time tiny:tp2-dp2 tenplex/mcore = ",
+                 "RATIO adopt_load_peak_rss tiny:tp2-dp2 tenplex/mcore = ", "RATIO bytes_read tiny:tp2-dp2 tenplex/destination = "):
         assert line in p.stdout, p.stdout[-3000:]

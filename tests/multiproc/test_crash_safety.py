@@ -4,6 +4,12 @@ Faults are injected with TENPLEX_FAULT (tenplex_megatron/storage/faults.py) into
 real 2-process jobs: SIGKILL of a rank while writing tensors, while writing the
 metadata, just before the commit; ENOSPC on one rank; an error on one or every
 rank at load. Every run is under a timeout, so a hang fails the test.
+
+Five torchrun launches in all: each SIGKILL kills its own launch; every other job
+(the clean save, retention, ENOSPC; then the resumes after the kills, the load
+errors, the flipped byte) runs in one of two shared launches
+(tests/multiproc/scenario_run.py: one process group, jobs in turn, each job's
+exit status and output recorded as its own launch would have given them).
 """
 
 from __future__ import annotations
@@ -12,15 +18,18 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import pytest
 
 from tenplex_megatron.storage.directory import find_checkpoint, partial_dirs
-from tests.harness import TINY_GPT, layout_flags, torchrun
+from tests.harness import TINY_GPT, Run, layout_flags, run_scenarios, torchrun
 
 pytestmark = pytest.mark.dist
 
 MODEL = [*TINY_GPT, "--vocab-size", "96", "--use-distributed-optimizer", "--train-iters", "4", *layout_flags(1, 1)]
+KILL_POINTS = ["save.tensors@1#4", "save.metadata@0#4", "save.commit@0#4"]
+LOAD_FAULTS = [("load.read@1:error", [1]), ("load.read:error", [0, 1])]
 
 
 def run(args: list[str], fault: str | None = None, nproc: int = 2, timeout: float = 180):
@@ -37,6 +46,10 @@ def run(args: list[str], fault: str | None = None, nproc: int = 2, timeout: floa
                 os.environ[k] = v
 
 
+def job(name: str, args: list[str], fault: str | None = None) -> dict:
+    return {"name": name, "flags": [*MODEL, *args], "fault": fault}
+
+
 def shard_digests(ckpt_dir: str) -> dict[str, str]:
     out = {}
     for name in sorted(os.listdir(ckpt_dir)):
@@ -46,63 +59,8 @@ def shard_digests(ckpt_dir: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture(scope="module")
-def clean_iter2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Shard digests of iteration 2 from a run without faults (training is deterministic on the CPU)."""
-    d = tmp_path_factory.mktemp("clean")
-    r = run(["--save", f"{d}/ckpt", "--exit-interval", "2"])
-    assert r.returncode == 0, r.log[-3000:]
-    return shard_digests(f"{d}/ckpt/iter_0000002")
-
-
-@pytest.mark.parametrize("point", ["save.tensors@1#4", "save.metadata@0#4", "save.commit@0#4"])
-def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, clean_iter2, point: str) -> None:
-    save = str(tmp_path / "ckpt")
-    r = run(["--save", save, "--save-interval", "2"], fault=point)
-    assert r.returncode != 0 and "tenplex-megatron: done" not in r.log
-    assert find_checkpoint(save) == os.path.join(save, "iter_0000002")
-    assert not os.path.exists(os.path.join(save, "iter_0000004"))
-    assert partial_dirs(save) == [os.path.join(save, "iter_0000004.tenplex-partial")]
-    assert shard_digests(os.path.join(save, "iter_0000002")) == clean_iter2
-    # The previous checkpoint loads, training continues, and the next save cleans up the partial directory.
-    r = run(["--save", save, "--load", save])
-    assert r.returncode == 0, r.log[-3000:]
-    assert "loaded iteration 2" in r.log and "rng restored exactly" in r.log
-    assert f"removed {save}/iter_0000004.tenplex-partial" in r.log
-    assert partial_dirs(save) == [] and find_checkpoint(save) == os.path.join(save, "iter_0000004")
-
-
-def test_disk_full_on_one_rank_fails_cleanly_everywhere(tmp_path) -> None:
-    save = str(tmp_path / "ckpt")
-    r = run(["--save", save, "--save-interval", "2"], fault="save.tensors@1#4:enospc")
-    assert r.returncode != 0 and "TIMEOUT" not in r.log
-    assert f"save of iteration 4 to {save}: writing shards failed on 1 rank(s)" in r.log
-    assert "rank 1: OSError: [Errno 28] No space left on device" in r.log
-    assert find_checkpoint(save) == os.path.join(save, "iter_0000002")
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
-    d = tmp_path_factory.mktemp("saved")
-    r = run(["--save", f"{d}/ckpt", "--exit-interval", "2"])
-    assert r.returncode == 0, r.log[-3000:]
-    return f"{d}/ckpt"
-
-
-@pytest.mark.parametrize("fault,failing", [("load.read@1:error", [1]), ("load.read:error", [0, 1])])
-def test_load_errors_from_every_rank_reach_rank0(saved: str, fault: str, failing: list[int]) -> None:
-    r = run(["--load", saved], fault=fault)
-    assert r.returncode != 0 and "TIMEOUT" not in r.log
-    assert f"planning failed on {len(failing)} rank(s)" in r.log
-    rank0 = [line for line in r.log.splitlines() if line.startswith("[rank0]:")]
-    for rank in failing:
-        assert any(f"rank {rank}: RuntimeError: injected fault at load.read on rank {rank}" in line for line in rank0)
-
-
-def test_flipped_byte_is_caught_naming_file_and_tensor(saved: str, tmp_path) -> None:
-    bad = str(tmp_path / "ckpt")
-    shutil.copytree(saved, bad)
-    ckpt = os.path.join(bad, "iter_0000002")
+def flip_a_byte(ckpt: str) -> str:
+    """Flip one bit inside the data of a tensor stored in rank_00001.safetensors; return the tensor's name."""
     with open(os.path.join(ckpt, "metadata.json")) as f:
         chunk = next(c for c in json.load(f)["ptc"]["chunks"] if c["at"]["file"] == "rank_00001.safetensors")
     path = os.path.join(ckpt, "rank_00001.safetensors")
@@ -116,16 +74,109 @@ def test_flipped_byte_is_caught_naming_file_and_tensor(saved: str, tmp_path) -> 
     data[pos] ^= 0x40
     with open(path, "wb") as f:
         f.write(data)
-    r = run(["--load", bad])
+    return chunk["at"]["name"]
+
+
+@dataclass(frozen=True)
+class AfterKill:
+    """A SIGKILL launch and the state of its save directory right after it (before the resume touched it)."""
+
+    save: str
+    killed: Run
+    newest: str | None
+    has_iter4: bool
+    partials: list[str]
+    iter2_digests: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Results:
+    root: str
+    clean_iter2: dict[str, str]  # shard digests of iteration 2 from a run without faults (deterministic on the CPU)
+    saved: str
+    first: dict[str, Run]
+    kills: dict[str, AfterKill]
+    second: dict[str, Run]
+    flipped_name: str
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    root = str(tmp_path_factory.mktemp("crash"))
+    saved = f"{root}/saved/ckpt"
+    first = run_scenarios(2, [
+        job("clean", ["--save", saved, "--exit-interval", "2"]),
+        job("retention", ["--save", f"{root}/retention", "--save-interval", "1", "--tenplex-keep", "2"]),
+        job("disk_full", ["--save", f"{root}/disk_full", "--save-interval", "2"], "save.tensors@1#4:enospc"),
+    ], f"{root}/first")
+    assert first["clean"].returncode == 0, first["clean"].log[-3000:]
+    clean_iter2 = shard_digests(f"{saved}/iter_0000002")
+    kills = {}
+    for i, point in enumerate(KILL_POINTS):
+        save = f"{root}/kill{i}"
+        r = run(["--save", save, "--save-interval", "2"], fault=point)
+        kills[point] = AfterKill(save, r, find_checkpoint(save), os.path.exists(os.path.join(save, "iter_0000004")),
+                                 partial_dirs(save), shard_digests(os.path.join(save, "iter_0000002"))
+                                 if os.path.isdir(os.path.join(save, "iter_0000002")) else {})
+    bad = f"{root}/flipped"
+    shutil.copytree(saved, bad)
+    name = flip_a_byte(os.path.join(bad, "iter_0000002"))
+    second = run_scenarios(2, [
+        *[job(f"resume{i}", ["--save", kills[p].save, "--load", kills[p].save]) for i, p in enumerate(KILL_POINTS)],
+        *[job(f"load_fault{i}", ["--load", saved], fault) for i, (fault, _) in enumerate(LOAD_FAULTS)],
+        job("flipped", ["--load", bad]),
+        job("flipped_no_verify", ["--load", bad, "--tenplex-no-verify", "--exit-interval", "2"]),
+    ], f"{root}/second")
+    return Results(root, clean_iter2, saved, first, kills, second, name)
+
+
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_sigkill_during_save_keeps_previous_checkpoint(results: Results, point: str) -> None:
+    k = results.kills[point]
+    save = k.save
+    assert k.killed.returncode != 0 and "tenplex-megatron: done" not in k.killed.log
+    assert k.newest == os.path.join(save, "iter_0000002")
+    assert not k.has_iter4
+    assert k.partials == [os.path.join(save, "iter_0000004.tenplex-partial")]
+    assert k.iter2_digests == results.clean_iter2
+    # The previous checkpoint loads, training continues, and the next save cleans up the partial directory.
+    r = results.second[f"resume{KILL_POINTS.index(point)}"]
+    assert r.returncode == 0, r.log[-3000:]
+    assert "loaded iteration 2" in r.log and "rng restored exactly" in r.log
+    assert f"removed {save}/iter_0000004.tenplex-partial" in r.log
+    assert partial_dirs(save) == [] and find_checkpoint(save) == os.path.join(save, "iter_0000004")
+
+
+def test_disk_full_on_one_rank_fails_cleanly_everywhere(results: Results) -> None:
+    save = f"{results.root}/disk_full"
+    r = results.first["disk_full"]
     assert r.returncode != 0
-    assert "rank_00001.safetensors: tensor" in r.log and chunk["at"]["name"] in r.log and "fails its checksum" in r.log
-    r = run(["--load", bad, "--tenplex-no-verify", "--exit-interval", "2"])
+    assert f"save of iteration 4 to {save}: writing shards failed on 1 rank(s)" in r.log
+    assert "rank 1: OSError: [Errno 28] No space left on device" in r.log
+    assert find_checkpoint(save) == os.path.join(save, "iter_0000002")
+
+
+@pytest.mark.parametrize("case", range(len(LOAD_FAULTS)), ids=[f for f, _ in LOAD_FAULTS])
+def test_load_errors_from_every_rank_reach_rank0(results: Results, case: int) -> None:
+    failing = LOAD_FAULTS[case][1]
+    r = results.second[f"load_fault{case}"]  # every rank's status agrees; the log is rank 0's
+    assert r.returncode != 0
+    assert f"planning failed on {len(failing)} rank(s)" in r.log
+    for rank in failing:
+        assert f"rank {rank}: RuntimeError: injected fault at load.read on rank {rank}" in r.log
+
+
+def test_flipped_byte_is_caught_naming_file_and_tensor(results: Results) -> None:
+    r = results.second["flipped"]
+    assert r.returncode != 0
+    assert "rank_00001.safetensors: tensor" in r.log and results.flipped_name in r.log and "fails its checksum" in r.log
+    r = results.second["flipped_no_verify"]
     assert r.returncode == 0, r.log[-3000:]
 
 
-def test_retention_keeps_newest_n(tmp_path) -> None:
-    save = str(tmp_path / "ckpt")
-    r = run(["--save", save, "--save-interval", "1", "--tenplex-keep", "2"])
+def test_retention_keeps_newest_n(results: Results) -> None:
+    save = f"{results.root}/retention"
+    r = results.first["retention"]
     assert r.returncode == 0, r.log[-3000:]
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
     assert f"removed {save}/iter_0000002" in r.log

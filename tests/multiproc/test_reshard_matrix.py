@@ -4,10 +4,11 @@ Each case runs the real pre-training flow (``training.pretrain.run``, what
 scripts/pretrain_gpt.py runs) under torchrun (gloo, real megatron-core GPTModel,
 DDP and optimizer): a reference run of 8 steps at layout A saves at step 3; a
 second job at layout B loads that checkpoint, immediately saves what it loaded
-(``--tenplex-resave``), then trains steps 4..8. The ~45 jobs run in 7 torchrun
+(``--tenplex-resave``), then trains steps 4..8. The 51 jobs run in 7 torchrun
 launches (``matrix_run.py``: jobs of one world size share a process group, each
 with megatron-core's parallel state built afresh); every case keeps its own
-assertions.
+assertions. GPT-style models (learned positions, LayerNorm, biases) and a
+Llama-style one (RoPE, RMSNorm, no biases, grouped-query attention) share them.
 
 - Tensors: every tensor of the re-saved checkpoint (weights, Adam moments, fp32
   main weights where they exist) equals the original element for element at full
@@ -30,6 +31,7 @@ import torch
 
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import PTC
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tests.harness import ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, stored_chunks, torchrun
 
@@ -42,19 +44,29 @@ TRAIN_ITERS = 8
 SAVE_AT = 3
 
 
+#: A Llama-style model (with SwiGLU, untied output layer): 8 heads (the later flag overrides TINY_GPT's 4) in 4
+#: key/value groups, so TP2 < groups, TP4 = groups, and TP2 <-> TP4 re-splits the groups (2 per rank <-> 1).
+LLAMA_QUERY_GROUPS = 4
+LLAMA_FLAGS = ("--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", str(LLAMA_QUERY_GROUPS),
+               "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--disable-bias-linear")
+
+
 @dataclass(frozen=True)
 class Variant:
     distopt: bool = True
     vocab: int = 96  # 96 pads to 96 at TP1 and TP2: the padded vocab does not change
     untie: bool = False
     bf16: bool = False
+    llama: bool = False  # LLAMA_FLAGS: RoPE, RMSNorm, no biases, 8 heads in 4 key/value groups
 
     def tag(self) -> str:
         return f"{'dist' if self.distopt else 'plain'}_v{self.vocab}{'_untied' if self.untie else ''}" \
-               f"{'_bf16' if self.bf16 else ''}"
+               f"{'_bf16' if self.bf16 else ''}{'_llama' if self.llama else ''}"
 
     def flags(self) -> list[str]:
         f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS)]
+        if self.llama:
+            f.extend(LLAMA_FLAGS)
         if self.distopt:
             f.append("--use-distributed-optimizer")
         if self.untie:
@@ -225,6 +237,14 @@ TRANSITIONS = {
 
 V_DIST, V_PLAIN, V_UNTIE, V_100, V_BF16 = (Variant(), Variant(distopt=False), Variant(untie=True), Variant(vocab=100),
                                            Variant(bf16=True))
+V_LLAMA = Variant(vocab=128, untie=True, llama=True)  # 128: the padded vocabulary is 128 at TP 1, 2 and 4
+#: name -> (from, to, what it covers) for the Llama-style model (distributed optimizer)
+LLAMA_TRANSITIONS = {
+    "llama-TP2-TP4": ((2, 1, 1), (4, 1, 1), "TP < groups -> TP = groups: 2 groups per rank split to 1"),
+    "llama-TP4-TP2": ((4, 1, 1), (2, 1, 1), "TP = groups -> TP < groups: groups joined 2 per rank"),
+    "llama-TP2-PP2": ((2, 1, 1), (1, 2, 1), "a PP change (and TP2 -> TP1: all groups on one rank)"),
+    "llama-DP1-DP2": ((2, 1, 1), (2, 1, 2), "a DP change: the distributed optimizer's shards re-cut"),
+}
 MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
 SCENARIOS: dict[str, Scenario] = {
     **{f"{n}-{v.tag()}": Scenario((a, v), b, v) for n, (a, b) in TRANSITIONS.items() for v in (V_DIST, V_PLAIN)},
@@ -235,6 +255,7 @@ SCENARIOS: dict[str, Scenario] = {
     **{f"vocab-keep-{a}-{b}": Scenario((a, V_100), b, V_100) for a, b in (((2, 1, 1), (1, 1, 1)),
                                                                            ((1, 1, 1), (2, 1, 1)))},
     "bf16": Scenario(((2, 1, 1), V_BF16), (1, 1, 2), V_BF16),
+    **{n: Scenario((a, V_LLAMA), b, V_LLAMA) for n, (a, b, _) in LLAMA_TRANSITIONS.items()},
     "rt-there-(2, 2, 1)-(1, 1, 4)": Scenario(((2, 2, 1), V_DIST), (1, 1, 4), V_DIST, iters=SAVE_AT),
     "rt-back-(2, 2, 1)-(1, 1, 4)": Scenario("rt-there-(2, 2, 1)-(1, 1, 4)", (2, 2, 1), V_DIST, iters=SAVE_AT),
     "rt-there-(1, 1, 2)-(1, 1, 1)": Scenario(((1, 1, 2), V_PLAIN), (1, 1, 1), V_PLAIN, iters=SAVE_AT),
@@ -343,6 +364,33 @@ def test_round_trip_is_bit_exact(runs: Runs, a, b, distopt: bool) -> None:
     assert set(orig) == set(again)
     for k in orig:
         assert orig[k].dtype == again[k].dtype and torch.equal(orig[k], again[k]), k
+
+
+@pytest.mark.parametrize("name", list(LLAMA_TRANSITIONS))
+def test_llama_style_model(runs: Runs, name: str) -> None:
+    """RoPE + RMSNorm + SwiGLU + no biases + untied output + grouped-query attention: bit-exact re-save, exact
+    losses, the layout model's chunks, and a model record from which the catalogue rebuilds the tensor table."""
+    src, dst, _ = LLAMA_TRANSITIONS[name]
+    v = V_LLAMA
+    ref = runs.reference(src, v)
+    d = runs.resume(name)
+    full = read_full_tensors(_resaved(d))
+    heads, hidden = 8, 64
+    kv = hidden // heads
+    assert full["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, hidden + 2 * LLAMA_QUERY_GROUPS * kv,
+                                                                              hidden)
+    assert "output_layer.weight" in full
+    assert not [k for k in full if k.endswith("bias") or "position_embeddings" in k], sorted(full)
+    assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
+    assert_losses_continue(ref, d, LOSS_RTOL)
+    assert_layout_model_matches(_resaved(d), dst, True)
+    with open(os.path.join(_resaved(d), "metadata.json")) as f:
+        meta = json.load(f)
+    model = meta["model"]
+    assert (model["position_embedding_type"], model["normalization"], model["add_bias_linear"],
+            model["group_query_attention"], model["num_query_groups"], model["rotary_base"],
+            model["rotary_percent"]) == ("rope", "RMSNorm", False, True, LLAMA_QUERY_GROUPS, 10000, 1.0)
+    assert gpt_tensors(GPTDims.from_record(model), meta["padded_vocab_size"]) == PTC.from_json(meta["ptc"]).tensors
 
 
 def _rng(ckpt_dir: str) -> dict:

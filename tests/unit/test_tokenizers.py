@@ -306,6 +306,22 @@ def test_build_dataset_cli_progress_and_errors(tok300: TokenizerFiles, tmp_path,
     assert not [p for p in os.listdir(tmp_path) if p.startswith("bad")]
 
 
+def _read_all(master: int) -> str:
+    """Everything written to the pty (its slave end is closed): a pty delivers writes in pieces, one read may not
+    return them all."""
+    data = b""
+    while True:
+        try:
+            piece = os.read(master, 1 << 16)
+        except OSError:  # EIO: the slave end is closed and drained
+            break
+        if not piece:
+            break
+        data += piece
+    os.close(master)
+    return data.decode()
+
+
 def test_progress_bar_on_a_terminal() -> None:
     """On a terminal (a real pty), the bar is redrawn in place with documents and tokens per second."""
     master, slave = os.openpty()
@@ -317,8 +333,7 @@ def test_progress_bar_on_a_terminal() -> None:
         for _ in range(4):
             p.update(1, 250, 1000)
         p.close()
-    out = os.read(master, 1 << 16).decode()
-    os.close(master)
+    out = _read_all(master)
     assert out.count("\r") == 5 and out.endswith("\n")
     assert "| 100% 0.0/0.0 MB" in out and "4 docs" in out and "tokens/s" in out and "docs/s" in out
     assert "#" * 24 in out and "|" + "#" * 6 + "." * 18 + "|  25%" in out

@@ -15,7 +15,7 @@ from typing import Any
 from tenplex_megatron.engine.load import ChunksLoaded, load_chunks
 from tenplex_megatron.integrations.hf.source import open_hf
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
-from tenplex_megatron.integrations.megatron_core.sharded import describe_model
+from tenplex_megatron.integrations.megatron_core.sharded import model_chunks
 from tenplex_megatron.plan.hf_map import ModelFacts
 
 
@@ -26,5 +26,5 @@ def init_from_hf(job: Any, hf_dir: str, run: ModelFacts) -> ChunksLoaded:
         for opt in sub_optimizers(job.optimizer):
             opt.reload_model_params()  # main (fp32) weights from the loaded model weights, as megatron does
 
-    return load_chunks(hf_dir, None, lambda meta: describe_model(job), restore, strict=True, verify=False,
+    return load_chunks(hf_dir, None, lambda meta: model_chunks(job), restore, strict=True, verify=False,
                        opener=lambda: open_hf(hf_dir, run))

@@ -15,6 +15,7 @@ and step, LR schedule. Two ways in:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from megatron.core import parallel_state
@@ -22,6 +23,8 @@ from megatron.core import parallel_state
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.save import SaveResult, save
+from tenplex_megatron.integrations.megatron_core.legacy import open_legacy
+from tenplex_megatron.integrations.megatron_core.native import opener_for
 from tenplex_megatron.integrations.megatron_core.optimizer import (
     allocate_state,
     is_distributed_optimizer,
@@ -31,8 +34,10 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
 )
 from tenplex_megatron.integrations.megatron_core.sharded import describe_job, unwrap
 from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 
-__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "load_checkpoint", "load_job",
+__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
+           "load_checkpoint", "load_job",
            "save_checkpoint", "save_job"]
 
 
@@ -129,6 +134,15 @@ def load_job(job: Any, load_dir: str, iteration: int | None = None, strict: bool
     ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
     """
     return load(MegatronCoreAdapter(job), load_dir, iteration, strict, verify)
+
+
+def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) -> LoadResult:
+    """Collective: load Megatron's own checkpoint directory ``path`` (``torch_dist`` with any optimizer format, or
+    the legacy ``torch`` format; any saving layout) into ``job`` through tenplex's planner and executor, each rank
+    reading only its part. ``trust_pickles``: unpickle Megatron's files fully (default: plain classes only)."""
+    opener = (partial(open_legacy, path, job, trust_pickles) if is_legacy_megatron_checkpoint(path)
+              else opener_for(path, job, trust_pickles))
+    return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
 
 
 def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,

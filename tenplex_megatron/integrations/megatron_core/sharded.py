@@ -186,7 +186,7 @@ def _context(job: Any) -> _Ctx:
     return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, stages, tied)
 
 
-def describe_model(job: Any) -> list[LocalChunk]:
+def model_chunks(job: Any) -> list[LocalChunk]:
     """The model's chunks only, no optimizer state: what a weights-only load (a Hugging Face import) fills."""
     ctx = _context(job)
     return [c for sh in _entries(model_sharded_state_dict(job)) for c in _expand(sh, sh.data, sh.data, None, ctx)]
@@ -205,3 +205,31 @@ def describe_job(job: Any) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
         else:
             chunks.extend(_plain_optimizer_chunks(opt, model_sd, ctx))
     return tensor_table(chunks), chunks
+
+
+def describe_model(job: Any) -> tuple[dict[str, TensorMeta], tuple[str, ...], dict[str, str]]:
+    """The model's tensor metadata; one transformer layer's parameters' keys in ``module.parameters()`` order (the
+    order megatron-core's grad buffer lays them out, reversed); and each key's module parameter name (layers as
+    ``decoder.layers.{}.<name>``: the legacy format's state-dict names). No optimizer state is touched."""
+    ctx = _context(job)
+    model_sd = model_sharded_state_dict(job)
+    chunks: list[LocalChunk] = []
+    keys: dict[int, str] = {}
+    for sh in _entries(model_sd):
+        chunks.extend(_expand(sh, sh.data, sh.data, None, ctx))
+        keys.setdefault(id(sh.data), sh.key)
+    order: list[str] = []
+    names: dict[str, str] = {}
+    first_layer = None
+    for name, p in unwrap(job.model[0]).named_parameters():
+        if id(p) not in keys:
+            continue
+        parts = name.split(".")
+        if parts[:2] != ["decoder", "layers"]:
+            names.setdefault(keys[id(p)], name)
+            continue
+        first_layer = parts[2] if first_layer is None else first_layer
+        if parts[2] == first_layer:
+            order.append(keys[id(p)])
+            names[keys[id(p)]] = ".".join(["decoder", "layers", "{}", *parts[3:]])
+    return tensor_table(chunks), tuple(order), names

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
+from tenplex_megatron.plan.layout import ModelShape, record_query_groups
 from tenplex_megatron.plan.ptc import TensorMeta
 
 #: The catalogue ships inside the package (read with importlib.resources, so an installed wheel has it too).
@@ -58,6 +60,32 @@ class GPTDims:
         if self.num_query_groups is None:
             return 3 * self.hidden_size
         return self.hidden_size + 2 * self.query_groups * (self.hidden_size // self.num_attention_heads)
+
+    def shape(self, make_vocab_size_divisible_by: int = 128) -> ModelShape:
+        """The dimensions a parallel layout must divide (``ParallelLayout.check_fits``)."""
+        return ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads, self.vocab_size,
+                          make_vocab_size_divisible_by, self.num_query_groups)
+
+    @classmethod
+    def from_record(cls, model: dict[str, Any]) -> GPTDims:
+        """The dimensions in a checkpoint's ``model`` record (the reference trainer's or the Megatron-LM hook's,
+        both named after Megatron-LM's flags). A record written before the Llama-style fields existed is a GPT:
+        learned positions, LayerNorm, biases, one key/value group per head."""
+        return cls(
+            num_layers=int(model["num_layers"]),
+            hidden_size=int(model["hidden_size"]),
+            num_attention_heads=int(model["num_attention_heads"]),
+            vocab_size=int(model["vocab_size"]),
+            seq_length=int(model.get("seq_length") or 2048),
+            ffn_hidden_size=model.get("ffn_hidden_size"),
+            swiglu=bool(model.get("swiglu", False)),
+            tied=not model.get("untie_embeddings_and_output_weights", False),
+            bf16=bool(model.get("bf16", False)),
+            num_query_groups=record_query_groups(model),
+            add_bias_linear=bool(model.get("add_bias_linear", True)),
+            normalization=str(model.get("normalization") or "LayerNorm"),
+            position_embedding_type=str(model.get("position_embedding_type") or "learned_absolute"),
+        )
 
 
 def catalogue(path: str | None = None) -> dict[str, dict]:

@@ -1,0 +1,330 @@
+"""Host-memory checkpoint benchmark: tenplex's memory snapshots against its synchronous save and megatron-core.
+
+Two torchrun launches per model, each of 2 ranks; each rank is a node with a
+memory directory of its own (``--memdir``/mem_<rank>, /dev/shm by default):
+
+save phase, layout A (DP 2), after one training step, repetitions round-robin:
+  memcpy          a plain memory copy of the rank's shard (every chunk it holds) into fresh memory: the floor
+  snapshot        tenplex's memory snapshot (``--tenplex-memory``, K=2): the blocking part only (the stall)
+  tenplex_sync    tenplex's synchronous save to durable storage (``--workdir``)
+  mcore_async     megatron-core dist_checkpointing ``async_sharded_save`` (torch_dist, fully parallel): its
+                  stall (the call + scheduling) and its total (until the background write is finalized)
+then the training-step slowdown: ``--steps`` steps alone, then the same number right after a snapshot whose
+replication and persist run in the helper processes (and, for the peer, right after megatron-core's async
+save), the mean step time over the mean alone. Then the final state is saved by every system.
+The driver then deletes node 1's memory (the node is lost).
+
+load phase, layout B (TP 2), with node 1's memory gone, repetitions round-robin:
+  memory          restart from the newest snapshot complete in live memory (node 0: mmap; node 1's rank:
+                  received over gloo from node 0's)
+  durable         tenplex load of the durable checkpoint (page cache warm); ``durable_cold``: evicted first
+  mcore           megatron-core load (warm); ``mcore_cold``: evicted first
+Each load is checked (state zeroed before the last repetition; one more training step and a forward pass
+must reproduce the save phase's losses within 1e-4), and the bytes read from durable storage are counted.
+
+Prints a table and ``RATIO <metric> <model> tenplex/<peer> = X.XX`` lines (below 1: tenplex is better) and
+writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is scripts/bench/.
+
+    python scripts/bench_memory.py --quick                 # gpt3-125m, 2 repetitions
+    python scripts/bench_memory.py --models gpt3-125m gpt3-350m --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import launch, stats  # noqa: E402 (after the path set-up)
+from bench.report import machine, ratio_key, ratio_line  # noqa: E402
+
+from tenplex_megatron.plan.layout import padded_vocab_size  # noqa: E402
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model  # noqa: E402
+
+LAYOUT_A, LAYOUT_B = (1, 1, 2), (2, 1, 1)
+SAVE_SYSTEMS = ("memcpy", "snapshot", "tenplex_sync", "mcore_async")
+LOAD_SYSTEMS = ("memory", "durable", "durable_cold", "mcore", "mcore_cold")
+CHECK_RTOL = 1e-4
+
+
+def worker(a: argparse.Namespace) -> None:
+    """One rank of one phase (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from bench import gpt_job
+    from bench.disk import evict_page_cache
+    from bench.measure import gathered, rotated, timed
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from tenplex_megatron.engine import memory_load, memory_save
+    from tenplex_megatron.execute.collective import all_gather_json
+    from tenplex_megatron.integrations.megatron_core.adapter import MegatronCoreAdapter, load_job, save_job
+    from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
+    from tenplex_megatron.integrations.megatron_core.sharded import describe_job
+    from tenplex_megatron.training import gpt, mcore_dist_ckpt
+
+    job = gpt_job.build(a.spec, a.layout, a.gbs, a.padded)
+    rank = dist.get_rank()
+    durable, mcore_dir = os.path.join(a.dir, "durable"), os.path.join(a.dir, "mcore")
+    tier = memory_save.open_tier(os.path.join(a.memdir, f"mem_{rank}"), durable, durable, persist_interval=10**9,
+                                 replicas=2, keep=1)
+    out: dict[str, Any] = {"phase": a.phase, "reps": {}}
+    adapter = MegatronCoreAdapter(job)
+
+    def rec(system: str, record: dict[str, Any]) -> None:
+        out["reps"].setdefault(system, []).append(gathered(record))
+
+    if a.phase == "save":
+        gpt.train_step(job, gpt_job.data(job, 0))
+        _, own = describe_job(job)
+        out["own_bytes"] = all_gather_json(sum(lc.data.numel() * lc.data.element_size() for lc in own))
+        queue = AsyncCallsQueue()
+        for rep in range(a.reps):
+            for system in rotated(list(SAVE_SYSTEMS), rep):
+                if system == "memcpy":
+                    def copy() -> None:
+                        for lc in own:
+                            torch.empty_like(lc.data).copy_(lc.data)
+                    _, r = timed(copy)
+                elif system == "snapshot":
+                    res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
+                    r["stall"] = res.seconds
+                    memory_save.drain(tier)  # replicas in place before the next system runs
+                elif system == "tenplex_sync":
+                    _, r = timed(lambda rep=rep: save_job(job, os.path.join(durable + "_sync", f"rep{rep}")))
+                else:
+                    target = os.path.join(mcore_dir + "_async", f"rep{rep}")
+                    t0 = time.perf_counter()
+                    _, r = timed(lambda target=target: mcore_dist_ckpt.save_async(job, target, queue))
+                    queue.maybe_finalize_async_calls(blocking=True)
+                    dist.barrier()
+                    r["total"] = time.perf_counter() - t0
+                rec(system, r)
+        # the step slowdown while the background work runs (each step the same data: only the time matters)
+        start = job.consumed_samples
+
+        def steps() -> list[float]:
+            times = []
+            for _ in range(a.steps):
+                t0 = time.perf_counter()
+                gpt.train_step(job, gpt_job.data(job, start))
+                times.append(time.perf_counter() - t0)
+            return times
+
+        it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest iteration)
+        alone = steps()
+        job.iteration = it0
+        res = memory_save.snapshot(adapter, tier, persist=True)  # replication + persist in the helper processes
+        during = steps()
+        job.iteration = it0
+        busy = [tier.replicating is not None or tier.pending is not None]
+        memory_save.drain(tier)
+        mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
+        during_mcore = steps()
+        queue.maybe_finalize_async_calls(blocking=True)
+        out["steps"] = all_gather_json({"alone": alone, "during": during, "during_mcore": during_mcore,
+                                        "busy_after": busy[0], "snapshot_stall": res.seconds})
+        # the final state, saved by every system, and the losses the loads must reproduce
+        job.iteration = it0
+        memory_save.snapshot(adapter, tier, persist=False)
+        memory_save.drain(tier)
+        save_job(job, durable)
+        mcore_dist_ckpt.save_checkpoint(job, mcore_dir, check=False)
+        out["iteration"] = job.iteration
+        out["ref"] = gpt_job.step2_losses(job)
+    else:
+        allocate_state(job.optimizer)
+        last = a.reps - 1
+        for rep in range(a.reps):
+            for system in rotated(list(LOAD_SYSTEMS), rep):
+                if rep == last:
+                    gpt_job.zero_state(job)
+                base = system.removesuffix("_cold")
+                if system != base:
+                    evict_page_cache(durable if base == "durable" else mcore_dir)
+                if base == "memory":
+                    def call() -> dict[str, Any]:
+                        choice = memory_load.choose(tier, durable)
+                        if choice is None:
+                            raise RuntimeError("no complete snapshot in live memory")
+                        m = memory_load.load_snapshot(adapter, tier, choice)
+                        return {"from_durable": m.bytes_from_durable, "received": m.bytes_received}
+                elif base == "durable":
+                    def call() -> dict[str, Any]:
+                        res = load_job(job, durable)
+                        return {"from_durable": res.bytes_verified + res.bytes_unverified, "received": 0}
+                else:
+                    def call() -> dict[str, Any]:
+                        mcore_dist_ckpt.load_checkpoint(job, mcore_dir)
+                        return {"from_durable": None, "received": 0}
+                got, r = timed(call)
+                rec(system, {**r, **got})
+                if rep == last:
+                    out.setdefault("check", {})[system] = gpt_job.check(job)
+    memory_save.close(tier)
+    if rank == 0:
+        launch.write_json(a.result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _median_max(reps: list[list[dict[str, Any]]], key: str) -> float:
+    return statistics.median(max(r[key] for r in rep) for rep in reps)
+
+
+def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
+    d = load_model(model)
+    seq = min(a.seq, d.seq_length)
+    spec = {"num_layers": d.num_layers, "hidden_size": d.hidden_size, "num_attention_heads": d.num_attention_heads,
+            "ffn_hidden_size": d.ffn_hidden_size, "seq_length": seq, "max_position_embeddings": seq,
+            "vocab_size": d.vocab_size, "make_vocab_size_divisible_by": 128, "swiglu": d.swiglu,
+            "hidden_dropout": 0.0, "attention_dropout": 0.0}
+    padded = padded_vocab_size(d.vocab_size, 128, 2)
+    gbs = 4
+    scratch = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.workdir)
+    memdir = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.memdir)
+    common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
+              "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps)]
+    row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
+    try:
+        phases = {}
+        for phase, layout in (("save", LAYOUT_A), ("load", LAYOUT_B)):
+            result = os.path.join(scratch, f"{phase}.json")
+            launch.torchrun(2, __file__, ["--worker", *common, "--phase", phase, "--layout", *map(str, layout),
+                                          "--result", result], os.path.join(scratch, f"{phase}.log"), a.timeout)
+            phases[phase] = launch.read_json(result)
+            if phase == "save":  # node 1 is lost: its memory is gone (its id stays: a node with empty memory)
+                lost = os.path.join(memdir, "mem_1")
+                for name in os.listdir(lost):
+                    if name.startswith("iter_"):
+                        shutil.rmtree(os.path.join(lost, name))
+        save, load = phases["save"], phases["load"]
+        row["own_bytes"] = save["own_bytes"]
+        for s, reps in save["reps"].items():
+            row[s] = {"seconds": stats.summarize(reps).median, "seconds_all": stats.per_rep(reps, "seconds")}
+            if s == "mcore_async":
+                row[s]["total"] = _median_max(reps, "total")
+        for s, reps in load["reps"].items():
+            row[s] = {"seconds": stats.summarize(reps).median, "seconds_all": stats.per_rep(reps, "seconds"),
+                      "from_durable": stats.total(reps, "from_durable"), "received": stats.total(reps, "received")}
+        st = save["steps"]
+        alone = statistics.mean(x for r in st for x in r["alone"])
+        row["steps"] = {"alone": alone, "during": statistics.mean(x for r in st for x in r["during"]),
+                        "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"]),
+                        "busy_after": any(r["busy_after"] for r in st)}
+        ref = save["ref"]
+        row["check"] = {}
+        for s, got in load["check"].items():
+            worst = max(abs(got[k] - ref[k]) / abs(ref[k]) for k in ref)
+            row["check"][s] = {"max_rel_diff": worst, "ok": got["iteration"] == save["iteration"] and worst <= CHECK_RTOL}
+    finally:
+        if not a.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+            shutil.rmtree(memdir, ignore_errors=True)
+    return row
+
+
+def print_row(r: dict[str, Any]) -> None:
+    own = "/".join(f"{b / 1e6:.0f}" for b in r["own_bytes"])
+    print(f"\n{r['model']} (seq {r['seq_length']}): saved at (tp,pp,dp) {tuple(r['from'])}, node 1's memory lost, "
+          f"loaded at {tuple(r['to'])}; median of {r['reps']}; own shards {own} MB per rank")
+    for s in SAVE_SYSTEMS:
+        x = r[s]
+        extra = f"  (total until written: {x['total']:.3f} s)" if "total" in x else ""
+        print(f"  {'save ' + s:<22} blocking {x['seconds']:8.3f} s{extra}")
+    st = r["steps"]
+    print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
+          f"{', still running at the end' if st['busy_after'] else ''}) {st['during']:.3f} s; after megatron-core's "
+          f"async save {st['during_mcore']:.3f} s")
+    for s in LOAD_SYSTEMS:
+        x = r[s]
+        fd = "-" if x["from_durable"] is None else f"{x['from_durable'] / 1e6:.1f} MB"
+        c = r["check"].get(s, {})
+        print(f"  {'restart ' + s:<22} {x['seconds']:8.3f} s  read from durable storage {fd:>10}, received from "
+              f"peers {(x['received'] or 0) / 1e6:.1f} MB  {'ok' if c.get('ok') else 'MISMATCH'} "
+              f"(rel {c.get('max_rel_diff', float('nan')):.1e})")
+
+
+def ratio_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
+    for r in report["runs"]:
+        m = r["model"]
+
+        def add(metric: str, a: float, b: float, peer: str, m: str = m) -> None:
+            if b:
+                lines.append(ratio_line(ratio_key(metric, m, "tenplex", peer), a / b))
+
+        snap = r["snapshot"]["seconds"]
+        add("save_stall", snap, r["memcpy"]["seconds"], "memcpy")  # issue #13: at most 1.5
+        add("save_stall", snap, r["tenplex_sync"]["seconds"], "tenplex_sync")
+        add("save_stall", snap, r["mcore_async"]["seconds"], "mcore_async")
+        add("save_stall", snap, r["mcore_async"]["total"], "mcore_async_total")
+        add("step_slowdown", r["steps"]["during"], r["steps"]["alone"], "alone")  # issue #13: at most 1.05
+        add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
+        for peer in ("durable", "durable_cold", "mcore", "mcore_cold"):  # issue #13: memory 3x faster than durable
+            add("restart_time", r["memory"]["seconds"], r[peer]["seconds"], peer)
+        lines.append(f"BYTES from_durable_after_node_loss {m} memory = {r['memory']['from_durable']} "
+                     f"durable = {r['durable']['from_durable']}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["gpt3-125m", "gpt3-350m"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="training steps timed alone and during background work")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--quick", action="store_true", help="gpt3-125m, 2 repetitions, 3 steps")
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_memory.json"))
+    ap.add_argument("--workdir", default=None, help="durable storage (default: the system temp dir)")
+    ap.add_argument("--memdir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                    help="where the nodes' memory directories go (default /dev/shm)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--timeout", type=float, default=1800)
+    w = ap.add_argument_group("worker (internal)")
+    for flag in ("--worker",):
+        w.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
+    for flag in ("--phase", "--spec", "--dir", "--result"):
+        w.add_argument(flag, help=argparse.SUPPRESS)
+    for flag in ("--padded", "--gbs"):
+        w.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    w.add_argument("--layout", type=int, nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a)
+        return 0
+    if a.quick:
+        a.models, a.reps, a.steps = ["gpt3-125m"], 2, 3
+    for d in (a.workdir, a.memdir):
+        if d:
+            os.makedirs(d, exist_ok=True)
+    report: dict[str, Any] = {"machine": machine(), "command": sys.argv, "runs": []}
+    t0 = time.perf_counter()
+    for model in a.models:
+        row = run_one(model, a)
+        report["runs"].append(row)
+        print_row(row)
+    report["wall_seconds"] = time.perf_counter() - t0
+    print()
+    for line in ratio_lines(report):
+        print(line)
+    launch.write_json(a.out, report, indent=1)
+    print(f"json: {a.out}  (wall {report['wall_seconds']:.0f} s)")
+    bad = [f"{r['model']}:{s}" for r in report["runs"] for s, c in r["check"].items() if not c["ok"]]
+    if bad:
+        print(f"CHECK FAILED (state after load differs from the state saved): {', '.join(bad)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""What every trainer under torchrun's elastic agent needs around ``--tenplex-layout``: the world it was given,
+the device's memory, and a refusal that stops the agent instead of letting it restart a job no restart can fix.
+
+Used by the reference trainer (``training/layout_choice.py``) and the Megatron-LM hook, before any process group.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import NoReturn
+
+import torch
+
+
+def world() -> tuple[int, int]:
+    """(world size, processes per node) from torchrun's environment (TP stays within a node)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return size, int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
+
+
+def memory_gb(budget: float | None) -> float | None:
+    """Per-rank memory for the layout choice: the given budget, else the GPU's, else None (the CPU: no limit)."""
+    if budget is not None:
+        return float(budget)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30
+    return None
+
+
+def refuse(prog: str, spec: str, world_size: int, error: Exception) -> NoReturn:
+    """Print why no layout can run at ``world_size`` and exit 2; under torchrun's elastic agent with restarts
+    left, rank 0 also SIGTERMs its agent (which ends the job with a failure rather than restart it forever)."""
+    # the message first (every rank: whichever survives the agent's shutdown says it), then stop the agent
+    print(f"{prog}: error: --tenplex-layout {spec} at world size {world_size}: {error}", file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("RANK", "0")) == 0 \
+            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        os.kill(os.getppid(), signal.SIGTERM)
+    raise SystemExit(2)

@@ -1,0 +1,192 @@
+"""Collective restart from host-memory snapshots at any layout: own node by mmap, other nodes point-to-point.
+
+Every rank lists its node's snapshots; the lists are all-gathered and the
+newest snapshot complete on the live nodes (every rank file with a live copy)
+wins over an older durable checkpoint (``memory_tier.choose``, the same answer
+on every rank). The plan is the engine's; its source chunks on this node are
+read through a memory map, the rest is received over torch.distributed from
+ranks of the nodes that hold them (whole checksum blocks covering what each
+piece reads, once per receiving rank, senders balanced) and verified against
+the recorded block CRC-32s before anything is copied into the model.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tenplex_megatron.engine.adapter import Adapter
+from tenplex_megatron.engine.load import LoadResult, load
+from tenplex_megatron.engine.memory_save import MemoryTier
+from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.executor import SourceFiles
+from tenplex_megatron.execute.peer import cpu_group, exchange
+from tenplex_megatron.execute.verify import piece_runs, touched_blocks
+from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
+from tenplex_megatron.plan.ptc import PTC, StoredChunk, dtype_size
+from tenplex_megatron.storage import directory, memory_tier
+from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
+from tenplex_megatron.storage.source import Opened
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    """The snapshot a restart loads: its iteration, metadata, and which live nodes hold each rank file."""
+
+    iteration: int
+    metadata: dict[str, Any]
+    holders: dict[str, tuple[str, ...]]
+
+
+def durable_iteration(load_dir: str | None) -> int | None:
+    """The iteration of the newest complete durable checkpoint under ``load_dir`` (None if there is none): the
+    tracker file's when it names a complete one (nothing of the checkpoint itself is opened then)."""
+    if not load_dir:
+        return None
+    it = directory.tracker_iteration(load_dir)
+    if it is not None and os.path.isdir(os.path.join(load_dir, directory.iter_dir_name(it))):
+        return it
+    path = directory.find_checkpoint(load_dir)
+    return None if path is None else int(directory.read_metadata(path)["iteration"])
+
+
+def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
+    """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh)."""
+    def local() -> dict[str, Any]:
+        held = memory_tier.list_snapshots(tier.mem, tier.node) if tier.leader else []
+        return {"held": [s.to_json() for s in held], "durable": durable_iteration(load_dir) if rank() == 0 else None}
+
+    got = gather_phase(f"--tenplex-memory {tier.mem}: listing snapshots", local)
+    held = [memory_tier.Snapshot.from_json(s) for g in got for s in g["held"]]
+    picked = run_phase("choosing the snapshot to restart from",
+                       lambda: memory_tier.choose(held, tier.job, got[0]["durable"]))
+    if picked is None:
+        return None
+    src = min(tier.nodes[n][0] for n in {n for ns in picked.holders.values() for n in ns})
+
+    def read_meta() -> dict[str, Any] | None:
+        if rank() != src:
+            return None
+        path = memory_tier.snapshot_dir(tier.mem, picked.iteration)
+        memory_tier.log_open(os.path.join(path, directory.METADATA_FILE))
+        return directory.read_metadata(path)
+
+    meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
+    return MemoryChoice(picked.iteration, meta, picked.holders)
+
+
+class MemorySource(SourceFiles):
+    """A snapshot's chunks: the rank files this node holds, memory-mapped; the others, as received from peers."""
+
+    def __init__(self, tier: MemoryTier, choice: MemoryChoice, verify: bool):
+        meta = choice.metadata
+        ptc = PTC.from_json(meta["ptc"])
+        local = [f for f, nodes in choice.holders.items() if tier.node in nodes]
+        super().__init__(memory_tier.snapshot_dir(tier.mem, choice.iteration),
+                         {k: m.dtype for k, m in ptc.tensors.items()}, {f: meta["files"][f] for f in local}, verify,
+                         require_checksums=True, names=local)
+        self.ptc = ptc
+        self.local = set(local)
+        self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
+
+    def buffer(self, sc: StoredChunk) -> torch.Tensor:
+        key = (sc.location.file, sc.location.name)
+        if key not in self.received:
+            self.received[key] = torch.empty(sc.chunk.numel * dtype_size(self.dtypes[sc.chunk.key]), dtype=torch.uint8)
+        return self.received[key]
+
+    def flat(self, sc: StoredChunk) -> torch.Tensor:
+        if sc.location.file in self.local:
+            if sc.location.file not in self.readers:
+                memory_tier.log_open(os.path.join(self.ckpt_dir, sc.location.file))
+            return super().flat(sc)
+        return self.buffer(sc).view(TORCH_DTYPES[self.dtypes[sc.chunk.key]])
+
+    def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Any, todo: list, source: int = -1) -> None:
+        # received bytes are this rank's own: their blocks are not shared with other ranks of the node
+        super().queue(sc, flat, piece, todo, source if sc.location.file in self.local else -1)
+
+
+def _key(sc: StoredChunk) -> str:
+    return f"{sc.location.file}\t{sc.location.name}"
+
+
+def fetch_from_peers(tier: MemoryTier, choice: MemoryChoice) -> Any:
+    """The load's ``fetch`` step: receive the whole checksum blocks of remote chunks that this rank's pieces read."""
+    stats = {"sent": 0, "received": 0}
+
+    def fetch(plan: Any, sources: tuple[StoredChunk, ...], files: MemorySource) -> None:
+        def requests() -> list[list[Any]]:
+            wanted: dict[int, list[tuple[int, int]]] = {}
+            for p in plan.pieces:
+                sc = sources[p.source]
+                if sc.location.file in files.local:
+                    continue
+                size = sc.chunk.numel * dtype_size(files.dtypes[sc.chunk.key])
+                bb = sc.location.block_bytes or size
+                blocks = touched_blocks(*piece_runs(p), dtype_size(files.dtypes[sc.chunk.key]), bb)
+                wanted.setdefault(p.source, []).extend((b * bb, min((b + 1) * bb, size)) for b in blocks)
+            return [[_key(sources[s]), lo, hi] for s, rs in wanted.items() for lo, hi in merge_ranges(rs)]
+
+        asked = gather_phase("load from memory: gathering what each rank receives from peers", requests)
+        by_key = {_key(sc): sc for sc in sources}
+
+        def plan_transfers() -> list[Any]:
+            senders: dict[str, list[int]] = {}
+            for reqs in asked:
+                for key, _, _ in reqs:
+                    if key not in senders:
+                        file = key.split("\t", 1)[0]
+                        senders[key] = sorted(x for n in choice.holders.get(file, ()) for x in tier.nodes.get(n, []))
+            return schedule({r: [tuple(q) for q in reqs] for r, reqs in enumerate(asked) if reqs}, senders)
+
+        transfers = run_phase("load from memory: scheduling peer transfers", plan_transfers)
+        me = rank()
+        readers: dict[str, torch.Tensor] = {}
+
+        def open_sends() -> None:
+            for t in transfers:
+                if t.sender == me and t.key not in readers:
+                    sc = by_key.get(t.key)
+                    if sc is None:  # another rank's source: find its chunk in the full PTC
+                        file, name = t.key.split("\t", 1)
+                        sc = next(c for c in files.ptc.chunks if c.location.file == file and c.location.name == name)
+                    readers[t.key] = files.flat(sc).view(torch.uint8)
+            for t in transfers:
+                if t.receiver == me:
+                    files.buffer(by_key[t.key])
+
+        run_phase("load from memory: opening what this rank sends", open_sends)
+        sent, received = exchange(transfers, me, lambda k: readers[k], lambda k: files.buffer(by_key[k]), cpu_group())
+        stats["sent"] += sent
+        stats["received"] += received
+
+    fetch.stats = stats  # type: ignore[attr-defined]
+    return fetch
+
+
+@dataclass(frozen=True)
+class MemoryLoadResult:
+    """A load from host memory: the engine's result plus where the bytes came from on this rank."""
+
+    result: LoadResult
+    node: str
+    bytes_received: int  # from other nodes' memory over torch.distributed
+    bytes_sent: int
+    bytes_from_durable: int  # always 0: a snapshot is chosen only when complete in live nodes' memory
+
+
+def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: MemoryChoice, verify: bool = True) -> MemoryLoadResult:
+    """Collective: load the chosen snapshot into the adapter, re-sharded to its layout."""
+    label = f"memory:{tier.mem}/{directory.iter_dir_name(choice.iteration)}"
+
+    def opener() -> Opened:
+        src = MemorySource(tier, choice, verify)
+        return Opened(label, choice.metadata, src.ptc, src)
+
+    fetch = fetch_from_peers(tier, choice)
+    res = load(adapter, label, None, True, verify, opener, host=f"memory-node:{tier.node}", fetch=fetch)
+    return MemoryLoadResult(res, tier.node, fetch.stats["received"], fetch.stats["sent"], 0)

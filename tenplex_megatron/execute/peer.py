@@ -1,0 +1,43 @@
+"""Point-to-point transfer of byte ranges between ranks over torch.distributed (gloo, CPU tensors).
+
+Carries out a :mod:`tenplex_megatron.plan.peer_schedule` schedule: every rank
+posts its sends and receives at once (one tag per transfer, so any number of
+transfers between a pair match) and waits for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from tenplex_megatron.plan.peer_schedule import Transfer
+
+_GROUPS: dict[str, object] = {}
+
+
+def cpu_group() -> object:
+    """The job's gloo process group for host-memory traffic (created once, collectively, on first use)."""
+    if "gloo" not in _GROUPS:
+        _GROUPS["gloo"] = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _GROUPS["gloo"]
+
+
+def exchange(transfers: list[Transfer], me: int, source: Callable[[str], torch.Tensor],
+             target: Callable[[str], torch.Tensor], group: object) -> tuple[int, int]:
+    """Collective over the ranks named in ``transfers``: send what ``me`` sends (``source(key)``: a flat uint8
+    tensor of the item) and receive into ``target(key)``'s byte ranges; returns (bytes sent, bytes received)."""
+    ops = []
+    sent = received = 0
+    for tag, t in enumerate(transfers):
+        if t.sender == me:
+            ops.append(dist.P2POp(dist.isend, source(t.key)[t.lo : t.hi].contiguous(), t.receiver, group, tag))
+            sent += t.nbytes
+        elif t.receiver == me:
+            ops.append(dist.P2POp(dist.irecv, target(t.key)[t.lo : t.hi], t.sender, group, tag))
+            received += t.nbytes
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    return sent, received

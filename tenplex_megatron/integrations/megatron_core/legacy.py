@@ -1,0 +1,249 @@
+"""Read Megatron-LM's legacy ``--ckpt-format torch`` checkpoints at any layout, in place, as a PTC.
+
+``iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` holds one (TP, PP) rank's
+model state dict (layers numbered locally), the optimizer's param groups, the
+scheduler and ``args``; ``distrib_optim.pt`` holds the distributed
+optimizer's state gathered over DP: per grad buffer one flat ``param`` /
+``exp_avg`` / ``exp_avg_sq`` tensor, the buckets' unpadded contents end to end
+(``get_parameter_state_dp_zero``). Each parameter's place in it follows
+megatron-core 0.16.1's buffer layout at the saving (TP, PP)
+(``plan/megatron_buffer.py``), checked against the file (sizes, every element
+of the buffer). Files are memory-mapped and read with
+``torch.load(weights_only=True)`` allowing only :data:`native.SAFE_GLOBALS`.
+Only the distributed optimizer's state is read (a plain optimizer's
+per-parameter state in ``model_optim_rng.pt`` is refused, naming it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from tenplex_megatron.engine.optimizer_json import jsonable
+from tenplex_megatron.integrations.megatron_core.native import (
+    POST_KEYS,
+    PRE_KEYS,
+    MegatronCheckpointError,
+    _split,
+    _stage_params,
+    load_pickle,
+)
+from tenplex_megatron.integrations.megatron_core.sharded import describe_model
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.megatron_buffer import bucket_layout
+from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
+from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.source import Opened, UncheckedSource
+
+SUPPORTED_VERSIONS = (3.0,)  # Megatron-LM's checkpoint_version
+MODEL_FILE, OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def _layout(path: str) -> ParallelLayout:
+    ranks = [(int(m.group(1)), int(m.group(2) or 0)) for n in os.listdir(path) if (m := _RANK_DIR.fullmatch(n))]
+    tp = max(t for t, _ in ranks) + 1
+    pp = max(p for _, p in ranks) + 1
+    for t in range(tp):
+        for p in range(pp):
+            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            f = os.path.join(path, name, MODEL_FILE)
+            if not os.path.isfile(confine(path, os.path.join(name, MODEL_FILE), "the legacy layout")):
+                raise MegatronCheckpointError(f"{f}: missing (the checkpoint was written at TP{tp} PP{pp})")
+    return ParallelLayout(tp, pp, 1)
+
+
+class LegacySource(UncheckedSource):
+    """Flat ranges of the tensors in the legacy files, each file memory-mapped and unpickled once."""
+
+    def __init__(self, path: str, trust: bool):
+        self.path, self.trust = path, trust
+        self.readers: dict[str, Any] = {}
+
+    def load(self, name: str) -> Any:
+        got = self.readers.get(name)
+        if got is None:
+            f = confine(self.path, name, "the legacy layout")
+            if not os.path.isfile(f):
+                raise MegatronCheckpointError(f"{f}: missing (every model-parallel rank's file must be there)")
+            got = self.readers[name] = load_pickle(f, trust_pickles=self.trust, mmap=True)
+        return got
+
+    def tensor(self, name: str, entry: str) -> torch.Tensor:
+        sd = self.load(name)
+        if entry.startswith("model/"):
+            return sd["model"][entry[len("model/"):]]
+        state = entry.split("/")[1]
+        (per_dtype,) = sd[0].values()
+        return per_dtype[state]
+
+    def flat(self, sc: StoredChunk) -> torch.Tensor:
+        entry, start = sc.location.name.rsplit(":", 1)
+        return self.tensor(sc.location.file, entry).reshape(-1).narrow(0, int(start), sc.chunk.numel)
+
+    def close(self) -> None:
+        self.readers.clear()
+
+
+def _local_shape(boxes: list, axis: int | None, prepend: int) -> tuple[int, ...]:
+    shape = list(boxes[0][1])
+    if axis is not None and len(boxes) > 1:
+        shape[axis] = sum(s[axis] for _, s in boxes)
+    return tuple(shape[prepend:])
+
+
+def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
+    """Describe a legacy iteration directory for ``job`` (checked against it) and open it; the job is untouched."""
+    layout = _layout(path)
+    src = LegacySource(path, trust_pickles)
+    model, layer_keys, module_names = describe_model(job)
+    first = src.load(os.path.join(_rank_dir(0, 0, layout.pp), MODEL_FILE))
+    version = first.get("checkpoint_version")
+    if version not in SUPPORTED_VERSIONS:
+        raise MegatronCheckpointError(f"{os.path.join(path, _rank_dir(0, 0, layout.pp), MODEL_FILE)}: "
+                                      f"checkpoint_version {version} is not supported (tenplex reads "
+                                      f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
+    args = first.get("args")
+    layout = ParallelLayout(layout.tp, layout.pp, int(getattr(args, "data_parallel_size", 1) or 1))
+    emb = first["model"].get(PRE_KEYS[0])
+    metas = dict(model)
+    if emb is not None and PRE_KEYS[0] in metas:
+        rows = int(emb.shape[0]) * layout.tp
+        for k, t in model.items():
+            if t.vocab_rows is not None:
+                metas[k] = replace(t, global_shape=(rows, *t.global_shape[1:]))
+    wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in model.values()) else set())
+    tensors: dict[str, TensorMeta] = dict(metas)
+    chunks: list[StoredChunk] = []
+    saved = set(metas)
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            rdir = _rank_dir(t, p, layout.pp)
+            fname = os.path.join(rdir, MODEL_FILE)
+            sd = src.load(fname)
+            states = sd.get("model") or {}
+            params = _stage_params(metas, layer_keys, saved, layout, t, p)
+            count: dict[str, int] = {}
+            for bp, boxes, key in params:
+                if bp.name.endswith("#copy"):
+                    name = "output_layer.weight"
+                elif "#" in bp.name:
+                    count[key] = count.get(key, -1) + 1
+                    name = module_names[key].format(count[key])
+                else:
+                    name = module_names.get(key, key)
+                local = states.get(name)
+                meta = metas[key]
+                want = _local_shape(boxes, meta.tp_axis, 1 if meta.stage == "layers" else 0)
+                if local is None:
+                    raise MegatronCheckpointError(f"{os.path.join(path, fname)}: no tensor {name!r}: is it from a "
+                                                  "different model?")
+                if tuple(local.shape) != want:
+                    raise MegatronCheckpointError(
+                        f"{os.path.join(path, fname)}: tensor {name!r} has shape {list(local.shape)}, the model's at "
+                        f"{layout} would be {list(want)}: is it from a different model?")
+                if bp.name.endswith("#copy"):
+                    continue
+                for at, off, shape, _, _ in _split(0, bp.numel, boxes):
+                    chunks.append(StoredChunk(Chunk(key, tuple(off), tuple(shape)),
+                                              Location(fname, f"model/{name}:{at}", t + p * layout.tp)))
+            chunks.extend(_optimizer_chunks(path, src, rdir, sd, params, layout, t, p, wanted, tensors, metas))
+    unknown = sorted(k for k in (first.get("model") or {}) if not k.endswith("_extra_state")
+                     and not _LAYER.fullmatch(k) and k not in PRE_KEYS + POST_KEYS)
+    if unknown:
+        raise MegatronCheckpointError(f"{os.path.join(path, _rank_dir(0, 0, layout.pp), MODEL_FILE)}: tensor(s) "
+                                      f"{', '.join(unknown)} are not parameters of megatron-core's GPTModel")
+    ptc = PTC(tensors, tuple(chunks), layout.to_json())
+    try:
+        ptc.validate()
+    except PTCError as e:
+        raise MegatronCheckpointError(f"{path}: {e}") from None
+    opt = first.get("optimizer") or {}
+    inner = opt.get("optimizer", opt)
+    groups = inner.get("param_groups", [])
+    steps = {int(g["step"]) for g in groups if "step" in g}
+    iteration = int(first.get("iteration", 0))
+    consumed = getattr(args, "consumed_train_samples", None)
+    meta = {
+        "layout": ptc.layout,
+        "iteration": iteration,
+        "consumed_samples": int(consumed if consumed is not None else iteration * job.global_batch_size),
+        "optimizer": {"sub_optimizers": [{"param_groups": [_plain(g) for g in groups],
+                                          "step": max(steps) if steps else iteration}]},
+        "scheduler": first.get("opt_param_scheduler"),
+        "padded_vocab_size": int(metas[PRE_KEYS[0]].global_shape[0]) if PRE_KEYS[0] in metas else None,
+        "extra": {"num_floating_point_operations_so_far": float(first.get("num_floating_point_operations_so_far", 0.0) or 0.0)},
+        "source_format": "megatron legacy torch",
+    }
+    return Opened(path, meta, ptc, src)
+
+
+def _plain(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: jsonable(v) for k, v in group.items() if k != "params"}
+
+
+def _rank_dir(t: int, p: int, pp: int) -> str:
+    return f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+
+
+def _optimizer_chunks(path: str, src: LegacySource, rdir: str, sd: dict[str, Any], params: list, layout: ParallelLayout,
+                      t: int, p: int, wanted: set[str], tensors: dict[str, TensorMeta],
+                      metas: dict[str, TensorMeta]) -> list[StoredChunk]:
+    """The distributed optimizer's gathered buffer of one (TP, PP) rank as whole TP-local boxes."""
+    opt = sd.get("optimizer") or {}
+    fname = os.path.join(rdir, OPTIM_FILE)
+    if not os.path.isfile(os.path.join(path, fname)):
+        inner = opt.get("optimizer", opt) if isinstance(opt, dict) else {}
+        if inner.get("state"):
+            raise MegatronCheckpointError(
+                f"{os.path.join(path, rdir, MODEL_FILE)}: a plain (non-distributed) optimizer's per-parameter state; "
+                f"tenplex reads the distributed optimizer's {OPTIM_FILE} only")
+        raise MegatronCheckpointError(f"{os.path.join(path, fname)}: missing (no optimizer state for {rdir})")
+    state = src.load(fname)
+    if not isinstance(state, dict) or set(k for k in state if isinstance(k, int)) != {0}:
+        raise MegatronCheckpointError(f"{os.path.join(path, fname)}: not one grad buffer's state (mixed dtypes or "
+                                      "experts are not supported)")
+    (per_dtype,) = state[0].values()
+    names = {k for k in per_dtype if k != "numel_unpadded"}
+    if not names <= {"param", "exp_avg", "exp_avg_sq"}:
+        raise MegatronCheckpointError(f"{os.path.join(path, fname)}: optimizer state {sorted(names)} is not "
+                                      "supported (tenplex reads Adam's: param, exp_avg, exp_avg_sq)")
+    buckets = bucket_layout([bp for bp, _, _ in params], max(layout.dp, 1))
+    total = sum(b.numel_unpadded for b in buckets)
+    for n in sorted(names):
+        if per_dtype[n].numel() != total or int(per_dtype.get("numel_unpadded", total)) != total:
+            raise MegatronCheckpointError(
+                f"{os.path.join(path, fname)}: {n} has {per_dtype[n].numel()} elements, megatron-core 0.16.1's "
+                f"buffer layout of this model at TP{layout.tp} PP{layout.pp} has {total}: another model or layout?")
+    where = {bp.name: (boxes, key) for bp, boxes, key in params}
+    out = []
+    base = 0
+    for b in buckets:
+        for name, s, e in b.params:
+            if name.endswith("#copy"):
+                continue
+            boxes, key = where[name]
+            for n in sorted(names):
+                tname = "fp32_param" if n == "param" else n
+                if tname not in wanted:
+                    continue
+                okey = f"optimizer.state.{tname}.{key}"
+                tensors.setdefault(okey, replace(metas[key], key=okey, dtype="float32", param=key))
+                for at, off, shape, _, _ in _split(0, e - s, boxes):
+                    out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape)),
+                                           Location(fname, f"optim/{n}:{base + s + at}", t + p * layout.tp)))
+        base += b.numel_unpadded
+    return out
+
+
+def legacy_padded_vocab(path: str, trust_pickles: bool = False) -> int | None:
+    """The padded vocabulary of a legacy checkpoint: its first rank's word-embedding rows times the saving TP."""
+    layout = _layout(path)
+    first = LegacySource(path, trust_pickles).load(os.path.join(_rank_dir(0, 0, layout.pp), MODEL_FILE))
+    emb = (first.get("model") or {}).get(PRE_KEYS[0])
+    return None if emb is None else int(emb.shape[0]) * layout.tp

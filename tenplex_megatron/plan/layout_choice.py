@@ -1,0 +1,78 @@
+"""``--tenplex-layout auto | measure | FILE.json`` for any trainer: the request, the choice, what to time. Pure Python.
+
+A trainer (``training/layout_choice.py``, the Megatron-LM hook) turns its flags into a :class:`LayoutRequest`
+for the world size torchrun gave it; :func:`choose` answers with the layout and micro-batch size: a user's
+table row, or the top of the ranking (``plan/autolayout.py``) where measured iteration times (``measure``)
+rank ahead of modelled ones. Explicitly given TP, PP or micro-batch size fix that degree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from tenplex_megatron.plan.autolayout import DEFAULT_MICRO_BATCH_SIZES, LayoutCandidate, LayoutChoice, choose_layout
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.layout_files import load_layout_table
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+
+RANKED_SPECS = ("auto", "measure")
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What to choose for: ``spec`` (auto, measure or a table's path), the model, the world and what is fixed."""
+
+    spec: str
+    dims: GPTDims
+    world_size: int
+    gpus_per_node: int
+    global_batch_size: int
+    memory_gb: float | None = None
+    tp: int | None = None
+    pp: int | None = None
+    micro_batch_size: int | None = None
+    distributed_optimizer: bool = False
+    make_vocab_size_divisible_by: int = 128
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The layout and micro-batch size to run, and one line for the log saying why."""
+
+    layout: ParallelLayout
+    micro_batch_size: int
+    why: str
+
+
+def rank(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> LayoutChoice:
+    """The ranked candidates for ``req`` (``measured``: seconds per iteration by candidate key at this world size).
+
+    :class:`LayoutError` listing every refused candidate when none is usable."""
+    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp)) if v is not None}
+    mbs = (req.micro_batch_size,) if req.micro_batch_size is not None else DEFAULT_MICRO_BATCH_SIZES
+    return choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
+                         memory_gb=req.memory_gb, micro_batch_sizes=mbs, fixed=fixed or None, measured=measured,
+                         distributed_optimizer=req.distributed_optimizer,
+                         make_vocab_size_divisible_by=req.make_vocab_size_divisible_by)
+
+
+def to_measure(choice: LayoutChoice, measured: Mapping[str, float], top: int) -> tuple[LayoutCandidate, ...]:
+    """The best ``top`` usable candidates by the model that have no measured time yet (``measure`` times these)."""
+    modelled = sorted((c for c in choice.usable), key=lambda c: c.modelled.total if c.modelled else 0.0)
+    return tuple(c for c in modelled[:top] if c.key not in measured)
+
+
+def choose(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> Chosen:
+    """The layout for ``req``: its table's row, or the top of the ranking; :class:`LayoutError` if none."""
+    if req.spec not in RANKED_SPECS:
+        row = load_layout_table(req.spec, req.dims, gpus_per_node=req.gpus_per_node,
+                                global_batch_size=req.global_batch_size).row(req.world_size)
+        return Chosen(row.layout, row.micro_batch_size, f"from {req.spec}")
+    choice = rank(req, measured)
+    best = choice.best
+    how = f"measured {best.measured_seconds:.3g}" if best.measured_seconds is not None else \
+        f"modelled {best.seconds:.3g}"
+    return Chosen(best.layout, best.micro_batch_size,
+                  f"{req.spec}: best of {len(choice.usable)} usable of {len(choice.ranking)} candidates "
+                  f"({how} s/iteration)")

@@ -1,0 +1,113 @@
+"""What a Megatron ``torch_dist`` checkpoint holds, read without torch (for ``python -m tenplex_megatron inspect``).
+
+The index comes from ``distcp_index.py``; ``common.pt`` (a ``torch.save`` zip)
+is unpickled by a restricted unpickler that allows plain data, argparse's
+Namespace and torch dtypes only, and reads no tensor data. The saving layout:
+TP is the fewest pieces any split model tensor is cut into across its
+non-layer axes, PP the number of distributed-optimizer groups over TP, DP the
+ranks that wrote files over TP x PP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pickle
+import re
+import zipfile
+from typing import Any
+
+from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
+from tenplex_megatron.storage.files import CheckpointFileError
+
+_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+class _CommonUnpickler(pickle.Unpickler):
+    def __init__(self, f: Any, path: str):
+        super().__init__(f)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("argparse", "Namespace"):
+            return argparse.Namespace
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name in DTYPE_NAMES:
+            return name
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda *a: "<tensor>"
+        raise CheckpointFileError(f"{self.path}: names {module}.{name}, not a plain class (not read)")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None  # tensor storages: not read
+
+
+def read_common(path: str) -> dict[str, Any]:
+    """``common.pt``'s plain values (tensors as ``"<tensor>"``), without torch."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            with z.open(name) as f:
+                out = _CommonUnpickler(f, path).load()
+    except (OSError, zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError) as e:
+        raise CheckpointFileError(f"{path}: not a readable common.pt ({type(e).__name__}: {e})") from None
+    if not isinstance(out, dict):
+        raise CheckpointFileError(f"{path}: not a dict")
+    return out
+
+
+def saved_layout(index: DcpIndex) -> dict[str, int]:
+    """The saving (TP, PP, DP) as far as the index shows it (PP is 1 without a distributed optimizer's groups)."""
+    tp = 0
+    for key, t in index.tensors.items():
+        if key.startswith("optimizer."):
+            continue
+        first = 1 if key.startswith("decoder.layers.") else 0
+        for axis in range(first, len(t.size)):
+            n = len({offsets[axis] for offsets, _ in t.chunks})
+            if n > 1:
+                tp = n if tp == 0 else min(tp, n)
+    tp = tp or 1
+    groups = {int(m.group(1)) for k in index.tensors if (m := _BUCKET.fullmatch(k))}
+    pp = max(len(groups) // tp, 1) if groups else 1
+    ranks = {int(m.group(1)) for i in index.items.values() if (m := _RANK_FILE.fullmatch(i.relative_path))}
+    world = max(ranks) + 1 if ranks else 1
+    return {"tp": tp, "pp": pp, "dp": max(world // (tp * pp), 1)}
+
+
+def summarize(path: str) -> dict[str, Any]:
+    """Iteration, layout, optimizer format, tensors and bytes of the ``torch_dist`` checkpoint ``path``."""
+    index = read_dcp_metadata(path)
+    try:
+        common = read_common(os.path.join(path, "common.pt"))
+        problem = None
+    except CheckpointFileError as e:
+        common, problem = {}, str(e)
+    args = common.get("args")
+    opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
+    sharding = opt.get("param_state_sharding_type") or (
+        (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
+        if any(k.startswith("optimizer.distributed.") for k in index.tensors) else None)
+    model = {k: t for k, t in index.tensors.items() if not k.startswith("optimizer.")}
+    files = sorted({i.relative_path for i in index.items.values()})
+    return {
+        "path": path,
+        "format": f"megatron torch_dist ({sharding or 'no distributed optimizer'})",
+        "iteration": common.get("iteration"),
+        "consumed_samples": common.get("consumed_samples", getattr(args, "consumed_train_samples", None)),
+        "layout": saved_layout(index),
+        "distributed_optimizer": sharding is not None,
+        "padded_vocab_size": (model.get("embedding.word_embeddings.weight").size[0]
+                              if "embedding.word_embeddings.weight" in model else None),
+        "tensors": len(index.tensors),
+        "model_parameters": sum(math.prod(t.size) for t in model.values()),
+        "chunks": sum(len(t.chunks) for t in index.tensors.values()),
+        "bytes": sum(os.path.getsize(os.path.join(path, f)) for f in files if os.path.isfile(os.path.join(path, f))),
+        "files": {f: os.path.getsize(os.path.join(path, f)) for f in files if os.path.isfile(os.path.join(path, f))},
+        "tensor_table": {k: {"shape": list(t.size), "dtype": t.dtype, "chunks": len(t.chunks)}
+                         for k, t in index.tensors.items()},
+        "common_pt": problem or "read",
+    }

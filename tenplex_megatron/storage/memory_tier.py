@@ -1,0 +1,231 @@
+"""Node-local host-memory snapshots: the memory directory, its node id, listing, choice, retention and cleaning.
+
+A memory directory (``--tenplex-memory``, under /dev/shm by default) stands
+for one node: it holds ``tenplex-node.json`` (an id made once, so a node is
+known by its memory, not by torchrun's node rank) and snapshot directories in
+the format of a tenplex checkpoint (``iter_NNNNNNN/`` with ``metadata.json``
+and the rank files this node holds: its own ranks' and replicas of other
+nodes'), committed with ``directory.commit``. A snapshot is complete on a set
+of nodes when their files together cover the metadata's ``files``.
+Everything here is local file work or a pure function: the collectives are in
+``engine/memory_save.py`` and ``engine/memory_load.py``.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import os
+import uuid
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.files import CheckpointFileError
+
+NODE_FILE = "tenplex-node.json"
+NODE_FORMAT = "tenplex-memory-node"
+NODE_VERSION = 1
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
+
+
+def default_dir() -> str:
+    """The default memory directory: per user under /dev/shm (node-local shared memory)."""
+    return os.path.join("/dev/shm", f"tenplex-{getpass.getuser()}")
+
+
+def log_open(path: str) -> None:
+    """Record a path this process opens in a memory directory (only when ``TENPLEX_OPEN_LOG`` names a file)."""
+    log = os.environ.get(OPEN_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\t{os.path.abspath(path)}\n")
+
+
+def filesystem_type(path: str) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/self/mounts; "" where unknown)."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, kind = mnt, parts[2]
+    except OSError:
+        return ""
+    return kind
+
+
+def warn_if_not_memory(path: str) -> bool:
+    """Warn (naming it) when ``path`` is not on a memory-backed filesystem; returns whether it is."""
+    kind = filesystem_type(path)
+    if kind in MEMORY_FILESYSTEMS:
+        return True
+    warnings.warn(f"--tenplex-memory {path}: on a {kind or 'unknown'} filesystem, not memory-backed (tmpfs): "
+                  "snapshots there are disk writes, not memory copies", stacklevel=2)
+    return False
+
+
+def node_id(mem: str) -> str:
+    """This node's id, read from ``mem/tenplex-node.json`` or made there once (atomically: ranks may race)."""
+    os.makedirs(mem, exist_ok=True)
+    path = os.path.join(mem, NODE_FILE)
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"format": NODE_FORMAT, "version": NODE_VERSION, "node": uuid.uuid4().hex}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)  # fails if another rank of this node made it first: its id wins
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    log_open(path)
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointFileError(f"{path}: unreadable node id ({e}); remove it to make a new one") from None
+    if not isinstance(got, dict) or got.get("format") != NODE_FORMAT or not isinstance(got.get("node"), str):
+        raise CheckpointFileError(f"{path}: not a {NODE_FORMAT} file")
+    return got["node"]
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A committed snapshot as one node holds it: iteration, job, metadata digest, files expected and present."""
+
+    node: str
+    iteration: int
+    job: str
+    digest: str
+    expected: dict[str, int]  # every rank file of the snapshot (from its metadata) -> size
+    present: dict[str, int]  # the rank files this node holds -> size
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "iteration": self.iteration, "job": self.job, "digest": self.digest,
+                "expected": self.expected, "present": self.present}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> Snapshot:
+        return Snapshot(d["node"], int(d["iteration"]), d["job"], d["digest"], dict(d["expected"]),
+                        dict(d["present"]))
+
+
+def snapshot_dir(mem: str, iteration: int) -> str:
+    return os.path.join(mem, directory.iter_dir_name(iteration))
+
+
+def list_snapshots(mem: str, node: str) -> list[Snapshot]:
+    """The committed snapshots in this node's memory directory, oldest first."""
+    out = []
+    for it in directory.committed_iterations(mem):
+        path = snapshot_dir(mem, it)
+        meta_path = os.path.join(path, directory.METADATA_FILE)
+        log_open(meta_path)
+        with open(meta_path, "rb") as f:
+            raw = f.read()
+        meta = directory.read_metadata(path)
+        expected = {str(k): int(v) for k, v in meta.get("files", {}).items()}
+        present = {}
+        for name in expected:
+            p = os.path.join(path, name)
+            if os.path.isfile(p):
+                present[name] = os.path.getsize(p)
+        out.append(Snapshot(node, it, str(meta.get("memory_job", "")), hashlib.sha256(raw).hexdigest(), expected,
+                            present))
+    return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot a restart loads from memory: its iteration and, for each rank file, the live nodes holding it."""
+
+    iteration: int
+    holders: dict[str, tuple[str, ...]]
+    expected: dict[str, int]
+
+
+def choose(held: list[Snapshot], job: str, durable_iteration: int | None) -> Choice | None:
+    """The newest snapshot complete on the live nodes (every file with a live copy of the recorded size), if it is
+    at least as new as the durable checkpoint; None otherwise. Pure: the same answer on every rank.
+
+    A snapshot of another job is an error (never loaded); nodes whose metadata differ for one iteration make that
+    iteration incomplete.
+    """
+    for s in held:
+        if s.job != job:
+            raise CheckpointFileError(
+                f"the memory directory of node {s.node} holds iteration {s.iteration} of job {s.job!r}, not of this "
+                f"job ({job!r}): never loaded; remove it with `python -m tenplex_megatron clean-memory DIR`")
+    for it in sorted({s.iteration for s in held}, reverse=True):
+        if durable_iteration is not None and it < durable_iteration:
+            return None
+        mine = [s for s in held if s.iteration == it]
+        if len({s.digest for s in mine}) != 1:
+            continue
+        expected = mine[0].expected
+        holders: dict[str, list[str]] = {}
+        for s in sorted(mine, key=lambda s: s.node):
+            for name, size in s.present.items():
+                if expected.get(name) == size and s.node not in holders.setdefault(name, []):
+                    holders[name].append(s.node)
+        if expected and all(holders.get(name) for name in expected):
+            return Choice(it, {k: tuple(v) for k, v in holders.items() if k in expected}, expected)
+    return None
+
+
+def free_bytes(mem: str) -> int:
+    """Bytes free for an unprivileged writer in the filesystem holding ``mem``."""
+    st = os.statvfs(mem)
+    return st.f_bavail * st.f_frsize
+
+
+def used_bytes(mem: str, iterations: list[int]) -> int:
+    """Bytes held by the given snapshots of ``mem``."""
+    total = 0
+    for it in iterations:
+        path = snapshot_dir(mem, it)
+        if os.path.isdir(path):
+            total += sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    return total
+
+
+def retain(mem: str, keep: int, protect: tuple[int, ...] = ()) -> list[str]:
+    """Delete all but the newest ``keep`` committed snapshots (and those in ``protect``); returns what went."""
+    if keep < 1:
+        raise ValueError(f"--tenplex-memory-keep must be >= 1, got {keep}")
+    removed = []
+    for it in directory.committed_iterations(mem)[:-keep]:
+        if it in protect:
+            continue
+        path = snapshot_dir(mem, it)
+        if directory.remove_own(path, directory.is_tenplex_checkpoint):
+            removed.append(path)
+    return removed
+
+
+def clean(mem: str) -> list[str]:
+    """Remove every snapshot (committed or left half-written) of a finished job from a memory directory."""
+    removed = []
+    for path in directory.partial_dirs(mem):
+        if directory.remove_partial(path):
+            removed.append(path)
+    for it in directory.committed_iterations(mem):
+        path = snapshot_dir(mem, it)
+        if directory.remove_own(path, directory.is_tenplex_checkpoint):
+            removed.append(path)
+    tracker = os.path.join(mem, directory.TRACKER_FILE)
+    if os.path.isfile(tracker):
+        os.unlink(tracker)
+        removed.append(tracker)
+    return removed

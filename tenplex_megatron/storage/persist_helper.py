@@ -1,0 +1,201 @@
+"""The background helper of a node: a separate process that replicates and persists memory snapshots.
+
+One per node, started by the node's first rank (:class:`PersistHelper`), so
+training never waits on its work or its GIL. It reads one JSON request a line
+on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
+"ok": true}`` or ``{..., "error": "..."}``):
+
+- ``persist``: copy files (``copies``: [[src, dst], ...]) of a snapshot in this
+  node's memory to the durable checkpoint's staging directory, at low CPU
+  priority, each fsynced; the job commits it (``directory.commit``) once
+  every node's helper has answered.
+- ``replicate``: send this node's files of a snapshot to the helpers of the
+  nodes that keep replicas (``sends``: [[path, peer, tag]]) and receive theirs
+  (``recvs``: [[peer, size, path, tag]]) point to point over a gloo process
+  group of the helpers alone (set up through the job's TCP store); a received
+  file is written under a temporary name and renamed into the committed
+  snapshot directory, so a node never lists a partial replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import subprocess
+import sys
+from typing import Any
+
+from tenplex_megatron.storage.faults import maybe_fail
+from tenplex_megatron.storage.files import fsync_dir
+from tenplex_megatron.storage.memory_tier import log_open
+
+CHUNK = 64 << 20
+REPLICA_TMP = ".replica-tmp"
+
+
+def copy_file(src: str, dst: str, iteration: int) -> int:
+    """Copy ``src`` to ``dst`` (kernel-side where possible) and fsync it; returns the bytes copied."""
+    log_open(src)
+    size = os.path.getsize(src)
+    done = 0
+    with open(src, "rb") as fi, open(dst, "wb") as fo:
+        while done < size:
+            try:
+                n = os.copy_file_range(fi.fileno(), fo.fileno(), min(CHUNK, size - done))
+            except OSError:
+                n = os.sendfile(fo.fileno(), fi.fileno(), done, min(CHUNK, size - done))
+            if n <= 0:
+                raise OSError(f"{src}: short copy at byte {done} of {size}")
+            done += n
+            if done >= size // 2:
+                maybe_fail("persist.copy", int(os.environ.get("RANK", "0")), iteration)
+        fo.flush()
+        os.fsync(fo.fileno())
+    return done
+
+
+def persist(req: dict[str, Any]) -> int:
+    total = 0
+    for src, dst in req["copies"]:
+        total += copy_file(src, dst, int(req["iteration"]))
+    for d in {os.path.dirname(dst) for _, dst in req["copies"]}:
+        fsync_dir(d)
+    return total
+
+
+def replicate(req: dict[str, Any], group: Any) -> int:
+    """Send and receive a snapshot's replicas (all at once), then store what came in."""
+    import torch
+    import torch.distributed as dist
+
+    ops, received = [], []
+    for path, peer, tag in req["sends"]:
+        log_open(path)
+        t = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+        ops.append(dist.P2POp(dist.isend, t, int(peer), group, int(tag)))
+    for peer, size, path, tag in req["recvs"]:
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        received.append((path, buf))
+        ops.append(dist.P2POp(dist.irecv, buf, int(peer), group, int(tag)))
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+    total = 0
+    for path, buf in received:
+        tmp = path + REPLICA_TMP
+        log_open(tmp)
+        data = buf.numpy().data
+        with open(tmp, "wb") as f:
+            f.write(data[: len(data) // 2])
+            maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), int(req["iteration"]))
+            f.write(data[len(data) // 2 :])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+        total += buf.numel()
+    return total
+
+
+def _group(a: argparse.Namespace) -> Any:
+    """The helpers' own gloo group (None on a single node), rendezvous through the job's TCP store."""
+    if a.world <= 1:
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = a.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", store=dist.PrefixStore(a.prefix, store), rank=a.rank, world_size=a.world,
+                            timeout=timedelta(seconds=1800))
+    return dist.group.WORLD
+
+
+def serve(argv: list[str] | None = None) -> None:
+    """The helper's loop: one request a line until stdin closes."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--store", default="")
+    p.add_argument("--prefix", default="")
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--world", type=int, default=1)
+    a = p.parse_args(argv)
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    group = _group(a)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        op, it = req["op"], int(req["iteration"])
+        try:
+            total = persist(req) if op == "persist" else replicate(req, group)
+            reply: dict[str, Any] = {"op": op, "iteration": it, "ok": True, "bytes": total}
+        except Exception as e:  # noqa: BLE001 - reported to the job, which decides
+            reply = {"op": op, "iteration": it, "error": f"{type(e).__name__}: {e}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+class PersistHelper:
+    """The training side of a node's helper process: start it, send requests, poll answers without blocking.
+
+    ``group``: (store "host:port", prefix, this node's index, number of nodes) for replication, or None.
+    """
+
+    def __init__(self, group: tuple[str, str, int, int] | None = None) -> None:
+        args = [] if group is None else ["--store", group[0], "--prefix", group[1], "--rank", str(group[2]),
+                                         "--world", str(group[3])]
+        self.proc = subprocess.Popen([sys.executable, "-m", "tenplex_megatron.storage.persist_helper", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ))
+        self._buf = b""
+        self.answers: dict[tuple[str, int], dict[str, Any]] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def request(self, op: str, iteration: int, **fields: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, "iteration": iteration, **fields}) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def poll(self, op: str, iteration: int, timeout: float = 0.0) -> dict[str, Any] | None:
+        """The answer to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
+        helper died."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while (op, iteration) not in self.answers:
+            ready, _, _ = select.select([fd], [], [], timeout)
+            if not ready:
+                return None
+            data = os.read(fd, 1 << 16)
+            if not data:
+                code = self.proc.wait()
+                return {"op": op, "iteration": iteration,
+                        "error": f"the helper process exited with status {code}"}
+            self._buf += data
+            while b"\n" in self._buf:
+                line, self._buf = self._buf.split(b"\n", 1)
+                got = json.loads(line)
+                self.answers[(got["op"], int(got["iteration"]))] = got
+        return self.answers.pop((op, iteration))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,221 @@
+"""Engine-level runner for host-memory snapshots with tiny tensors: each rank is a node (``OUT/mem_<rank>``).
+
+``all OUT``: replication and a load at a new layout after one node lost its
+memory, a snapshot that does not fit (error, or the durable fallback), another
+job's snapshot, another model's, more replicas than nodes, retention, a killed
+persist helper. ``crash POINT OUT``: a durable and a memory snapshot of
+iteration 1, then a snapshot of iteration 2 whose rank 1 is SIGKILLed at
+``POINT``. ``check OUT...``: after crashes, what each directory loads, and
+that the next snapshot cleans up. Each rank writes what it saw to
+``OUT.rank<r>.json`` for the test to assert on.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import shutil
+import signal
+import sys
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tenplex_megatron.engine import memory_load, memory_save
+from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.engine.load import load
+from tenplex_megatron.execute.collective import RankFailure
+from tenplex_megatron.plan.ptc import Chunk, TensorMeta
+from tenplex_megatron.storage import directory
+
+ROWS, COLS = 8, 6
+
+
+def expected(value: float, cols: int = COLS) -> torch.Tensor:
+    return torch.full((ROWS, cols), value) + torch.arange(ROWS * cols, dtype=torch.float32).view(ROWS, cols)
+
+
+class Tiny:
+    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated."""
+
+    framework = "tiny"
+    seed = 7
+    rng_tracker = False
+
+    def __init__(self, value: float, axis: int = 0, cols: int = COLS):
+        self.rank, self.world, self.axis, self.cols, self.it = dist.get_rank(), dist.get_world_size(), axis, cols, 0
+        full = expected(value, cols)
+        n = (ROWS if axis == 0 else cols) // self.world
+        self.off = [0, 0]
+        self.off[axis] = self.rank * n
+        self.w = full.narrow(axis, self.rank * n, n).contiguous()
+        self.b = torch.full((cols,), value)
+
+    def layout(self) -> dict[str, Any]:
+        return {"axis": self.axis, "world": self.world}
+
+    def iteration(self) -> int:
+        return self.it
+
+    def describe(self) -> list[LocalChunk]:
+        return [LocalChunk(TensorMeta("w", (ROWS, self.cols), "float32"), Chunk("w", tuple(self.off), self.w.shape),
+                           self.w, True),
+                LocalChunk(TensorMeta("b", (self.cols,), "float32"), Chunk("b", (0,), (self.cols,)), self.b,
+                           self.rank == 0)]
+
+    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+        return self.describe()
+
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+    def restore(self, metadata: dict[str, Any]) -> None:
+        self.it = int(metadata["iteration"])
+
+    def after_load(self, metadata: dict[str, Any]) -> None:
+        return None
+
+    def matches(self, value: float) -> bool:
+        full = expected(value, self.cols)
+        return bool(torch.equal(self.w, full.narrow(self.axis, self.off[self.axis], self.w.shape[self.axis]))
+                    and torch.equal(self.b, torch.full((self.cols,), value)))
+
+
+def tier(out: str, **options: Any) -> memory_save.MemoryTier:
+    job = options.pop("job", os.path.join(out, "ckpt"))
+    return memory_save.open_tier(os.path.join(out, f"mem_{dist.get_rank()}"), job, os.path.join(out, "ckpt"),
+                                 **options)
+
+
+def snap(t: memory_save.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:
+    a = Tiny(value)
+    a.it = it
+    return memory_save.snapshot(a, t, persist)
+
+
+def error_of(fn: Any) -> str | None:
+    try:
+        fn()
+    except RankFailure as e:
+        return str(e)
+    return None
+
+
+def scenarios(out: str) -> dict[str, Any]:
+    me = dist.get_rank()
+    res: dict[str, Any] = {}
+    t = tier(out, persist_interval=1000)
+    s = snap(t, 1.0, 1)
+    memory_save.drain(t)  # the helper processes copy the replicas in the background
+    res["files"] = sorted(os.listdir(s.path))
+    res["replicated"] = s.bytes_replicated
+    dist.barrier()
+    if me == 0:  # node 1 loses its memory (its id stays: a node with empty memory)
+        shutil.rmtree(os.path.join(out, "mem_1", "iter_0000001"))
+    dist.barrier()
+    choice = memory_load.choose(t, None)
+    res["chosen"] = choice.iteration if choice else None
+    back = Tiny(0.0, axis=1)  # another layout: columns instead of rows
+    loaded = memory_load.load_snapshot(back, t, choice)
+    res["new_layout_equal"] = back.matches(1.0)
+    res["received"], res["from_durable"] = loaded.bytes_received, loaded.bytes_from_durable
+    res["verified"] = loaded.result.bytes_verified
+
+    small = tier(out, limit=1000)
+    before = directory.committed_iterations(small.mem)
+    res["overflow"] = error_of(lambda: snap(small, 2.0, 2))
+    res["overflow_untouched"] = (directory.committed_iterations(small.mem) == before
+                                 and not directory.partial_dirs(small.mem))
+    fb = tier(out, limit=1000, fallback=True)
+    r = snap(fb, 3.0, 3)
+    res["fallback"] = r.fallback is not None and os.path.isdir(os.path.join(out, "ckpt", "iter_0000003"))
+
+    other = tier(out, job="/some/other/job")
+    res["other_job"] = error_of(lambda: memory_load.choose(other, None))
+    wide = Tiny(0.0, cols=COLS + 2)
+    res["other_model"] = error_of(lambda: memory_load.load_snapshot(wide, t, choice))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        memory_save.close(tier(out, replicas=3))
+    res["replica_warning"] = [str(w.message) for w in caught if "replicas" in str(w.message)]
+
+    k = tier(out, keep=1, persist_interval=1000)
+    for it in (4, 5, 6):
+        snap(k, float(it), it)
+        res.setdefault("kept_while_replicating", []).append(directory.committed_iterations(k.mem))
+        memory_save.drain(k)
+    res["kept"] = directory.committed_iterations(k.mem)
+    memory_save.close(k)
+
+    rep = tier(out, persist_interval=1000)
+    os.environ["TENPLEX_FAULT"] = "memory.replicate@1"  # the helpers start now: node 1's dies storing a replica
+    snap(rep, 9.0, 9)
+    del os.environ["TENPLEX_FAULT"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        memory_save.drain(rep)
+    res["replicate_killed_warning"] = [str(w.message) for w in caught if "replication" in str(w.message)]
+    res["after_killed_replication"] = sorted(os.listdir(os.path.join(rep.mem, "iter_0000009")))
+    snap(rep, 10.0, 10)  # the restarted helpers replicate the next snapshot
+    memory_save.drain(rep)
+    res["after_restart"] = sorted(os.listdir(os.path.join(rep.mem, "iter_0000010")))
+    memory_save.close(rep)
+
+    p = tier(out, persist_interval=1)
+    os.environ["TENPLEX_FAULT"] = "persist.copy"  # the helper starts now and inherits it: killed half way
+    snap(p, 11.0, 11)
+    del os.environ["TENPLEX_FAULT"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res["persisted_killed"] = list(memory_save.drain(p))  # the helper's death is reported, nothing committed
+    res["persist_killed_warning"] = [str(w.message) for w in caught if "persist" in str(w.message)]
+    r = snap(p, 12.0, 12)  # persisted by a new helper; the killed persist's staging directory is removed
+    res["persist_cleaned"] = [x for x in r.removed if x.endswith(".tenplex-partial")]
+    res["persisted_after"] = list(memory_save.drain(p))
+    memory_save.close(p)
+    back = Tiny(0.0)
+    load(back, os.path.join(out, "ckpt"))
+    res["durable_after"] = [back.it, back.matches(12.0)]
+    for x in (t, small, fb, other):
+        memory_save.close(x)
+    return res
+
+
+def crash(point: str, out: str) -> None:
+    t = tier(out, persist_interval=1000)
+    snap(t, 1.0, 1, persist=True)
+    memory_save.drain(t)
+    os.environ["TENPLEX_FAULT"] = f"{point}@1"
+    snap(t, 2.0, 2)  # rank 1 is killed; rank 0 fails in the next collective
+
+
+def check(outs: list[str]) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for out in outs:
+        t = tier(out, persist_interval=1000)
+        choice = memory_load.choose(t, os.path.join(out, "ckpt"))
+        a = Tiny(0.0, axis=1)
+        memory_load.load_snapshot(a, t, choice)
+        d = Tiny(0.0)
+        load(d, os.path.join(out, "ckpt"))
+        s = snap(t, 3.0, 3)
+        res[out] = {"memory": [a.it, a.matches(float(a.it))], "durable": [d.it, d.matches(1.0)],
+                    "cleaned": [x for x in s.removed if x.endswith(".tenplex-partial")]}
+        memory_save.close(t)
+    return res
+
+
+if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks: kill -USR1 <pid>
+    dist.init_process_group("gloo")
+    cmd = sys.argv[1]
+    if cmd == "crash":
+        crash(sys.argv[2], sys.argv[3])
+    else:
+        got = scenarios(sys.argv[2]) if cmd == "all" else check(sys.argv[2:])
+        with open(f"{sys.argv[2]}.rank{dist.get_rank()}.json", "w") as f:
+            json.dump(got, f)
+    dist.destroy_process_group()

@@ -1,0 +1,47 @@
+"""The elastic benchmark's smoke test: ``bench_elastic.py --quick`` replays configs/traces/quick.json (2 nodes,
+one lost, back) with torchrun's agents for the three policies. Speed is not asserted (benchmarks measure,
+tests check): every policy reaches the target iteration, its losses (iterations redone after a failure
+included) equal an uninterrupted run's from the same starting layout, each allocation change that a restart
+followed has its breakdown, and the report prints the RATIO lines and draws the PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.dist
+
+
+def test_bench_elastic_quick_every_policy_reaches_the_target_on_the_same_loss_curve(tmp_path) -> None:
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_elastic.py"), "--quick", "--out",
+                        str(out), "--workdir", str(tmp_path / "work"), "--timeout", "600"],
+                       capture_output=True, text=True, timeout=2400,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    report = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in report["runs"]}
+    assert set(runs) == {"tenplex", "dp_only", "table"}
+    assert report["dp_only_mp"] == [1, 2]  # the table's layout at the start: PP=2 (one process per node)
+    for name, r in runs.items():
+        assert r["time_to_target"] > 0 and r["iterations"] == report["target"] == 300, name
+        assert {i for i, _ in r["losses"]} == set(range(1, 301)), name
+        assert r["loss_deviation"] <= 1e-5, (name, r["loss_deviation"])
+        assert [(c["before"], c["after"]) for c in r["changes"]][0] == (0, 2), name
+        assert len(r["changes"]) >= 2, name  # the node lost at 6 s came while the job ran
+        done = [c["breakdown"] for c in r["changes"][1:] if c["breakdown"]]
+        assert done, (name, r["changes"])
+        for b in done:
+            assert all(v >= -0.5 for v in b.values()) and b["total"] > 0, b  # clock granularity: 0.2 s polls
+    assert [c["after"] for c in runs["dp_only"]["changes"]][:2] == [2, 0]  # 1 GPU: no multiple of PP=2, waits
+    assert any(c["after"] == 1 for c in runs["table"]["changes"])
+    for peer in ("dp_only", "table"):
+        for metric in ("time_to_target", "samples_per_s"):
+            assert f"RATIO {metric} quick tenplex/{peer} = " in p.stdout, p.stdout[-3000:]
+    assert (tmp_path / "bench_elastic_quick.png").stat().st_size > 0

@@ -1,0 +1,152 @@
+"""Megatron's own checkpoints (written without --tenplex by megatron-core's save paths: torch_dist, and the legacy
+torch format from megatron-core's objects as Megatron-LM writes it, training/legacy_ckpt.py) adopted by tenplex at a new
+layout: the adopted state equals the state at save element for element, losses continue as the uninterrupted run's,
+and bad input fails on every rank, naming what is wrong, before the job's state is touched.
+
+One writer launch writes every checkpoint (and, at the same layout with --tenplex, the uninterrupted reference
+run with a tenplex checkpoint of the same state); one adopter launch adopts them all and tries the bad inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tenplex_megatron.storage.directory import find_checkpoint
+from tests.harness import ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, torchrun
+
+pytestmark = pytest.mark.dist
+
+RUNNER = os.path.join(ROOT, "tests", "multiproc", "megatron_adopt_run.py")
+MODEL = [a for a in TINY_GPT if a != "--tenplex"] + ["--vocab-size", "96", "--swiglu", "--train-iters", "6"]
+DIST = ["--use-distributed-optimizer"]
+# name: (training flags, saving layout, extra flags of the writer only, adopting layout)
+SCENARIOS = {
+    "tp2_dp_reshardable": (DIST, layout_flags(2, 1), [], layout_flags(1, 1)),  # TP2 -> TP1 x DP2
+    "dp2_dp_reshardable": (DIST, layout_flags(1, 1), [], layout_flags(2, 1)),  # TP1 x DP2 -> TP2 (DP2 -> DP1)
+    "pp2_dp_reshardable": (DIST, layout_flags(1, 2), [], layout_flags(1, 1)),  # PP2 -> PP1 x DP2 (tied embedding)
+    "dp2_fully_reshardable": (DIST, layout_flags(1, 1), ["--dist-ckpt-optim-fully-reshardable"], layout_flags(2, 1)),
+    "tp2_plain_optimizer": ([], layout_flags(2, 1), [], layout_flags(1, 1)),
+    "tp2_bf16_dp_reshardable": ([*DIST, "--bf16"], layout_flags(2, 1), [], layout_flags(1, 1)),
+    "tp2_legacy_torch": (DIST, layout_flags(2, 1), ["--ckpt-format", "torch"], layout_flags(1, 1)),
+    "pp2_bf16_legacy_torch": ([*DIST, "--bf16"], layout_flags(1, 2), ["--ckpt-format", "torch"], layout_flags(1, 1)),
+}
+
+
+def _run(tmp: str, name: str, tasks: list[dict]) -> str:
+    path = os.path.join(tmp, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(tasks, f)
+    r = torchrun(2, [path], timeout=900, script=RUNNER)
+    assert r.returncode == 0, r.log[-4000:]
+    return r.log
+
+
+def _rewrite_index(ckpt: str, old: str, new: str) -> None:
+    """Rename optimizer keys in a torch_dist index (the test crafts bad input from its own trusted file)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    path = os.path.join(ckpt, ".metadata")
+    with open(path, "rb") as f:
+        md = pickle.load(f)
+    md.state_dict_metadata = {k.replace(old, new): v for k, v in md.state_dict_metadata.items()}
+    md.storage_data = {MetadataIndex(k.fqn.replace(old, new), k.offset, k.index): v for k, v in md.storage_data.items()}
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
+class NotPlain:
+    """A class no Megatron checkpoint holds."""
+
+
+@pytest.fixture(scope="module")
+def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    tmp = str(tmp_path_factory.mktemp("megatron_adopt"))
+    writers = []
+    for name, (train, saving, writer_only, _) in SCENARIOS.items():
+        writers.append({"flags": [*MODEL, *train, *saving, *writer_only, "--save", f"{tmp}/{name}/mc",
+                                  "--exit-interval", "3"]})
+        writers.append({"flags": [*MODEL, *train, *saving, "--tenplex", "--save", f"{tmp}/{name}/ref",
+                                  "--save-interval", "3", "--tenplex-metrics", f"{tmp}/{name}/ref.jsonl"]})
+    _run(tmp, "writers", writers)
+    base = f"{tmp}/tp2_dp_reshardable/mc/iter_0000003"
+    bad = {}
+    for case in ("missing", "version", "optimizer", "pickle"):
+        bad[case] = shutil.copytree(base, f"{tmp}/bad_{case}")
+    os.remove(os.path.join(bad["missing"], "__1_0.distcp"))
+    with open(os.path.join(bad["version"], "metadata.json")) as f:
+        meta = json.load(f)
+    with open(os.path.join(bad["version"], "metadata.json"), "w") as f:
+        json.dump({**meta, "sharded_backend_version": 99}, f)
+    _rewrite_index(bad["optimizer"], ".exp_avg_sq", ".momentum_buffer")
+    common = torch.load(os.path.join(bad["pickle"], "common.pt"), weights_only=False)
+    torch.save({**common, "extra": NotPlain()}, os.path.join(bad["pickle"], "common.pt"))
+    adopters = []
+    for name, (train, _, _, adopting) in SCENARIOS.items():
+        adopters.append({"flags": [*MODEL, *train, *adopting, "--tenplex", "--load", f"{tmp}/{name}/mc/iter_0000003",
+                                   "--tenplex-resave", f"{tmp}/{name}/resaved", "--save", f"{tmp}/{name}/out",
+                                   "--tenplex-metrics", f"{tmp}/{name}/got.jsonl"]})
+    tp1 = [*MODEL, *DIST, *layout_flags(1, 1)]
+    adopters += [
+        {"flags": [*tp1, "--ffn-hidden-size", "128"], "load": base,
+         "error": "tensor 'decoder.layers.mlp.linear_fc1.bias' has shape [2, 512] in the checkpoint, [2, 256] in "
+                  "the model"},
+        {"flags": tp1, "load": bad["missing"], "error": "__1_0.distcp: missing"},
+        {"flags": tp1, "load": bad["version"],
+         "error": "sharded backend torch_dist version 99 is not supported (tenplex reads torch_dist version 1)"},
+        {"flags": tp1, "load": bad["optimizer"], "error": "optimizer state 'momentum_buffer' is not supported"},
+        {"flags": tp1, "load": bad["pickle"], "error": "test_megatron_adopt.NotPlain"},
+    ]
+    return tmp, _run(tmp, "adopters", adopters)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_adopted_state_equals_saved_and_losses_continue(adopted: tuple[str, str], name: str) -> None:
+    tmp, log = adopted
+    got = read_full_tensors(os.path.join(tmp, name, "resaved", "iter_0000003"))
+    ref = read_full_tensors(os.path.join(tmp, name, "ref", "iter_0000003"))
+    assert sorted(got) == sorted(ref)
+    assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in got)
+    if "bf16" in name:
+        assert any(k.startswith("optimizer.state.fp32_param.") for k in got)
+    for key in ref:
+        assert got[key].dtype == ref[key].dtype and torch.equal(got[key], ref[key]), key
+    assert find_checkpoint(os.path.join(tmp, name, "out")) == os.path.join(tmp, name, "out", "iter_0000006")
+    after = metrics(os.path.join(tmp, name, "got.jsonl"))
+    assert [m["iteration"] for m in after] == [4, 5, 6]
+    before = {m["iteration"]: m for m in metrics(os.path.join(tmp, name, "ref.jsonl"))}
+    for m in after:
+        assert m["samples"] == before[m["iteration"]]["samples"]
+        if "bf16" not in name:  # the oracle is fp32; bf16's state is compared above
+            assert m["loss"] == pytest.approx(before[m["iteration"]]["loss"], rel=1e-5)
+
+
+def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> None:
+    _, log = adopted
+    errors = [line for line in log.splitlines() if line.startswith("> adopt_run: error ")]
+    assert len(errors) == 5, log[-3000:]
+
+
+def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:
+    tmp, _ = adopted
+    code = "import sys; sys.modules['torch'] = None\nfrom tenplex_megatron.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name, layout in (("tp2_dp_reshardable", (2, 1, 1)), ("pp2_dp_reshardable", (1, 2, 1)),
+                         ("dp2_dp_reshardable", (1, 1, 2))):
+        p = subprocess.run([sys.executable, "-c", code, "inspect", f"{tmp}/{name}/mc", "--json"], capture_output=True,
+                           text=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        summary = json.loads(p.stdout)
+        assert summary["iteration"] == 3 and summary["consumed_samples"] == 24, summary
+        assert summary["layout"] == dict(zip(("tp", "pp", "dp"), layout)), summary
+        assert summary["format"] == "megatron torch_dist (dp_reshardable)" and summary["padded_vocab_size"] == 96
+    p = subprocess.run([sys.executable, "-c", code, "plan", f"{tmp}/tp2_dp_reshardable/mc", "--to", "tp=1,pp=1,dp=2"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and "Megatron's own checkpoint" in p.stderr, p.stderr[-2000:]

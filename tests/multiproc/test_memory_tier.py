@@ -1,0 +1,74 @@
+"""Host-memory snapshots at the engine level (tiny tensors, each of two ranks a node with its own memory).
+
+One launch runs the scenarios of ``memory_run.py all`` (a helper process
+SIGKILLed during the replication, another during the persist, among them); two
+launches SIGKILL rank 1 during the snapshot copy and the commit, and one more
+checks that each left the previous snapshot and the durable checkpoint
+loadable and that the next snapshot cleans up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.harness import ROOT, torchrun
+
+pytestmark = pytest.mark.dist
+RUNNER = os.path.join(ROOT, "tests", "multiproc", "memory_run.py")
+
+
+def _ranks(out: str) -> list[dict]:
+    return [json.load(open(f"{out}.rank{r}.json")) for r in range(2)]
+
+
+def test_memory_tier_scenarios(tmp_path) -> None:
+    out = str(tmp_path / "all")
+    r = torchrun(2, ["all", out], script=RUNNER, timeout=600)
+    assert r.returncode == 0, r.log[-4000:]
+    got = _ranks(out)
+    for me, g in enumerate(got):
+        # K=2 on two nodes: both nodes' memory holds both rank files
+        assert g["files"] == ["metadata.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+        assert g["replicated"] > 0
+        # node 1 lost its memory: snapshot 1 is complete on node 0 alone and loads at another layout
+        assert g["chosen"] == 1 and g["new_layout_equal"] and g["from_durable"] == 0
+        assert g["verified"] > 0
+        assert "does not fit" in g["overflow"] and "MemoryFullError" in g["overflow"] and g["overflow_untouched"]
+        assert g["fallback"]
+        assert "/some/other/job" in g["other_job"] and "never loaded" in g["other_job"]
+        assert "'w'" in g["other_model"]
+        assert g["kept"] == [6] and all(len(x) <= 2 for x in g["kept_while_replicating"])
+        assert g["after_restart"] == ["metadata.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+        assert g["durable_after"] == [12, True]
+        assert g["persisted_killed"] == []
+        assert g["persisted_after"] or me != 0
+    assert got[0]["received"] == 0 and got[1]["received"] > 0  # node 1's rank received its part from node 0
+    assert got[0]["replica_warning"] and "one copy per node" in got[0]["replica_warning"][0]
+    assert "exited" in got[0]["persist_killed_warning"][0] and got[0]["persist_cleaned"]
+    assert got[0]["replicate_killed_warning"]
+    # node 1's helper was killed writing node 0's file: node 1 never lists it (only its temporary name)
+    assert "rank_00000.safetensors" not in got[1]["after_killed_replication"]
+
+
+def test_sigkill_during_snapshot_keeps_previous_snapshot_and_durable(tmp_path) -> None:
+    outs = []
+    for point in ("memory.write", "memory.commit"):
+        out = str(tmp_path / point.replace(".", "_"))
+        r = torchrun(2, ["crash", point, out], script=RUNNER, timeout=120)
+        assert r.returncode != 0, r.log[-3000:]
+        assert os.path.isdir(os.path.join(out, "ckpt", "iter_0000001"))
+        outs.append(out)
+    r = torchrun(2, ["check", *outs], script=RUNNER, timeout=300)
+    assert r.returncode == 0, r.log[-4000:]
+    got = _ranks(outs[0])
+    for out in outs:
+        for g in got:
+            it, equal = g[out]["memory"]
+            assert equal and it in (1, 2), (out, g[out])  # 2 only where a node committed it before the kill
+            assert g[out]["durable"] == [1, True]
+        if "commit" not in out:
+            assert got[0][out]["memory"][0] == 1
+            assert got[0][out]["cleaned"] and got[1][out]["cleaned"], out  # the killed snapshot's staging

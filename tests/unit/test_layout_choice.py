@@ -1,0 +1,100 @@
+"""``--tenplex-layout`` for any trainer (plan/layout_choice.py) and in the Megatron-LM hook, without Megatron-LM:
+the request from Megatron-LM's parsed flags, flags on the command line fixing a degree, measured times
+winning over the model, the few candidates ``measure`` times, and the refusal of an impossible world size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tenplex_megatron.integrations.megatron_lm import choose_layout_for_args, layout_request
+from tenplex_megatron.plan.autolayout import candidate_key
+from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
+from tenplex_megatron.plan.layout_choice import LayoutRequest, choose, rank, to_measure
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+
+TINY = GPTDims(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, seq_length=32, bf16=False)
+
+
+def _megatron_args(**kw: object) -> argparse.Namespace:
+    """What Megatron-LM's parse_args leaves for the attributes the hook reads (its own defaults)."""
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=None,
+                group_query_attention=False, ffn_hidden_size=256, seq_length=32, vocab_size=96, swiglu=False,
+                untie_embeddings_and_output_weights=False, bf16=False, global_batch_size=8, micro_batch_size=None,
+                tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                expert_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                use_distributed_optimizer=True, make_vocab_size_divisible_by=16, tenplex_layout="auto",
+                tenplex_memory_budget=None, rank=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_megatron_lm_flags_become_the_same_request_and_choice_as_the_reference_trainer() -> None:
+    args = _megatron_args()
+    req = layout_request(args, [], 4, 4)
+    assert req.dims.num_layers == 2 and req.dims.num_attention_heads == 4 and req.global_batch_size == 8
+    assert req.tp is None and req.pp is None and req.micro_batch_size is None  # defaults do not fix anything
+    want = choose(LayoutRequest("auto", req.dims, 4, 4, 8, distributed_optimizer=True,
+                                make_vocab_size_divisible_by=16))
+    assert choose(req) == want and want.layout.world_size == 4
+
+
+def test_a_degree_given_on_the_command_line_wins(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    args = _megatron_args(tensor_model_parallel_size=2)
+    chosen = choose_layout_for_args(args, ["--tensor-model-parallel-size", "2", "--tenplex-layout", "auto"])
+    assert chosen is not None and chosen.layout.tp == 2 and args.tensor_model_parallel_size == 2
+    assert args.pipeline_model_parallel_size == chosen.layout.pp and args.micro_batch_size == chosen.micro_batch_size
+    args = _megatron_args(micro_batch_size=1)
+    assert choose_layout_for_args(args, ["--micro-batch-size=1"]).micro_batch_size == 1
+    assert choose_layout_for_args(_megatron_args(tenplex_layout=None), []) is None  # no flag: nothing changes
+
+
+def test_a_table_in_the_hook_gives_its_row(tmp_path, monkeypatch) -> None:
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"version": 1, "layouts": {"2": {"tp": 1, "pp": 2, "dp": 1, "micro_batch_size": 4}}}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = _megatron_args(tenplex_layout=str(table))
+    chosen = choose_layout_for_args(args, [])
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size) == (1, 2, 4)
+    assert chosen.why == f"from {table}"
+
+
+def test_no_legal_layout_in_the_hook_lists_every_refused_candidate(monkeypatch, capsys) -> None:
+    for var in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    args = _megatron_args()
+    with pytest.raises(SystemExit) as e:
+        choose_layout_for_args(args, [])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tenplex-layout auto at world size 3" in err and "TP=3 does not divide the attention heads (4)" in err
+    assert "tp=1,pp=1,dp=3" in err and "does not divide the global batch size 8" in err
+    assert args.tensor_model_parallel_size == 1  # nothing was changed
+
+
+@pytest.mark.parametrize("kw,flag", [({"context_parallel_size": 2}, "--context-parallel-size"),
+                                     ({"global_batch_size": None}, "--global-batch-size")])
+def test_what_the_choice_does_not_model_is_refused_naming_the_flag(kw: dict, flag: str) -> None:
+    with pytest.raises(LayoutError, match=flag):
+        layout_request(_megatron_args(**kw), [], 2, 2)
+
+
+def test_measured_times_win_over_the_model_and_only_unmeasured_top_candidates_are_timed() -> None:
+    req = LayoutRequest("measure", TINY, 2, 2, 8)
+    choice = rank(req)
+    top3 = to_measure(choice, {}, 3)
+    assert len(top3) == 3 and [c.key for c in top3] == [c.key for c in choice.usable[:3]]
+    slowest_modelled = top3[-1]
+    measured = {top3[0].key: 0.5, top3[1].key: 0.4, slowest_modelled.key: 0.1}
+    chosen = choose(req, measured)
+    assert candidate_key(chosen.layout, chosen.micro_batch_size) == slowest_modelled.key
+    assert "measured 0.1 s/iteration" in chosen.why
+    assert to_measure(rank(req, measured), measured, 3) == ()  # all measured: no trial on a second start
+    assert choose(LayoutRequest("auto", TINY, 2, 2, 8, tp=2)).layout == ParallelLayout(2, 1, 1)

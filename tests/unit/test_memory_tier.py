@@ -1,0 +1,92 @@
+"""Host-memory tier, the pure and local parts: the snapshot choice, the peer schedule, node ids, retention, cleaning."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tenplex_megatron.cli import main as cli_main
+from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
+from tenplex_megatron.storage import directory, memory_tier
+from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.memory_tier import Snapshot, choose
+
+FILES = {"rank_00000.safetensors": 100, "rank_00001.safetensors": 200}
+
+
+def snap(node: str, it: int, present: dict[str, int], job: str = "job", digest: str = "d") -> Snapshot:
+    return Snapshot(node, it, job, digest, FILES, present)
+
+
+def test_newest_complete_snapshot_wins_and_an_incomplete_one_never() -> None:
+    a0, a1 = {"rank_00000.safetensors": 100}, {"rank_00001.safetensors": 200}
+    held = [snap("A", 4, FILES), snap("A", 6, a0), snap("B", 6, a1), snap("A", 8, a0)]  # 8: node B lost
+    got = choose(held, "job", None)
+    assert got is not None and got.iteration == 6
+    assert got.holders == {"rank_00000.safetensors": ("A",), "rank_00001.safetensors": ("B",)}
+    assert choose(held, "job", 7) is None  # the durable checkpoint is newer
+    assert choose(held, "job", 6).iteration == 6  # a tie: memory, no read from durable storage
+    truncated = [snap("A", 6, a0), snap("B", 6, {"rank_00001.safetensors": 199})]  # a short replica: no copy
+    assert choose(truncated, "job", None) is None
+    differ = [snap("A", 6, a0), snap("B", 6, a1, digest="other")]  # nodes disagree on the metadata
+    assert choose(differ, "job", None) is None
+
+
+def test_another_jobs_snapshot_is_an_error_naming_it() -> None:
+    with pytest.raises(CheckpointFileError, match="job 'other'.*never loaded"):
+        choose([snap("A", 6, FILES, job="other")], "job", None)
+
+
+def test_schedule_balances_senders_and_sends_each_range_once_per_receiver() -> None:
+    reqs = {2: [("f\tw", 0, 100), ("g\tw", 0, 50)], 3: [("f\tw", 0, 100)]}
+    got = schedule(reqs, {"f\tw": [0, 1], "g\tw": [0, 1]})
+    assert [(t.receiver, t.key) for t in got] == [(2, "f\tw"), (2, "g\tw"), (3, "f\tw")]
+    assert {t.sender for t in got if t.key == "f\tw"} == {0, 1}  # the second copy comes from the idle sender
+    with pytest.raises(ValueError, match="no live rank holds it"):
+        schedule({1: [("h\tw", 0, 8)]}, {"h\tw": [1]})
+    assert merge_ranges([(8, 12), (0, 4), (4, 6), (20, 24)]) == [(0, 6), (8, 12), (20, 24)]
+
+
+def test_node_id_is_made_once_and_kept(tmp_path) -> None:
+    mem = str(tmp_path / "mem")
+    first = memory_tier.node_id(mem)
+    assert memory_tier.node_id(mem) == first and len(first) == 32
+    with open(os.path.join(mem, memory_tier.NODE_FILE), "w") as f:
+        json.dump({"format": "something else"}, f)
+    with pytest.raises(CheckpointFileError, match=memory_tier.NODE_FILE):
+        memory_tier.node_id(mem)
+
+
+def test_not_memory_backed_warns_naming_the_directory(tmp_path) -> None:
+    if memory_tier.filesystem_type(str(tmp_path)) in memory_tier.MEMORY_FILESYSTEMS:
+        pytest.skip("the temporary directory is on tmpfs here")
+    with pytest.warns(UserWarning, match=f"{tmp_path}.*not memory-backed"):
+        memory_tier.warn_if_not_memory(str(tmp_path))
+    if os.path.isdir("/dev/shm"):
+        assert memory_tier.filesystem_type("/dev/shm") in memory_tier.MEMORY_FILESYSTEMS
+
+
+def _fake_snapshot(mem: str, it: int) -> None:
+    path = directory.prepare_partial(mem, it)
+    with open(os.path.join(path, "rank_00000.safetensors"), "wb") as f:
+        f.write(b"x" * 10)
+    directory.commit(mem, it, {"format": directory.FORMAT_NAME, "format_version": 2, "iteration": it,
+                               "files": {"rank_00000.safetensors": 10}}, {"rank_00000.safetensors": 10})
+
+
+def test_retention_protects_the_snapshot_being_persisted_and_clean_memory_removes_all(tmp_path, capsys) -> None:
+    mem = str(tmp_path / "mem")
+    memory_tier.node_id(mem)
+    for it in (1, 2, 3):
+        _fake_snapshot(mem, it)
+    assert [os.path.basename(p) for p in memory_tier.retain(mem, 1, protect=(2,))] == ["iter_0000001"]
+    assert directory.committed_iterations(mem) == [2, 3]
+    assert [s.iteration for s in memory_tier.list_snapshots(mem, "n")] == [2, 3]
+    directory.prepare_partial(mem, 4)  # a snapshot killed half way
+    os.makedirs(tmp_path / "mem" / "mine")  # not ours: left alone
+    assert cli_main(["clean-memory", mem]) == 0
+    assert "4 entries removed" in capsys.readouterr().out.splitlines()[-1]  # staging, 2, 3, the tracker
+    assert sorted(os.listdir(mem)) == ["mine", memory_tier.NODE_FILE]
+    assert cli_main(["clean-memory", str(tmp_path)]) == 2  # not a memory directory: nothing removed
