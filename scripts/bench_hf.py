@@ -16,7 +16,9 @@ and written with ``save_pretrained``):
   job's ranks run at once). Building the megatron model is not included.
 
 Every measured step runs in a fresh process (peak RSS and anonymous memory
-sampled every 5 ms). Prints a table and RATIO lines (tenplex over plain: below
+sampled every 5 ms, above the process's baseline after its imports).
+transformers memory-maps safetensors, so the plain route's weights are
+file-backed pages: compare its RSS, not its anonymous memory. Prints a table and RATIO lines (tenplex over plain: below
 1, tenplex is better). ``--quick``: tiny shapes, every step in this process (what the smoke test
 runs: quick, its memory figures rough).
 """
@@ -290,6 +292,9 @@ def print_ratios(r: dict[str, Any]) -> None:
         anon = rec["anon_peak"] - rec.get("anon_before", 0)
         print(ratio_line(ratio_key("peak_anon", f"{what} {m}", "tenplex", "plain"),
                          anon / max(plain["anon_peak"] - plain["anon_before"], 1)))
+        rss = rec["rss_peak"] - rec.get("rss_before", 0)
+        print(ratio_line(ratio_key("peak_rss", f"{what} {m}", "tenplex", "plain"),
+                         rss / max(plain["rss_peak"] - plain["rss_before"], 1)))
     export_anon = r["export"]["anon_peak"] - r["export"]["anon_before"]
     print(ratio_line(ratio_key("peak_anon", f"export {m}", "tenplex", "largest_tensor"), export_anon / r["largest"]),
           flush=True)
