@@ -53,6 +53,11 @@ class ModelFacts:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    def to_model_json(self) -> dict[str, Any]:
+        """The form :meth:`from_model_json` reads (Megatron-LM's argument names)."""
+        d = {k: v for k, v in self.__dict__.items() if k != "tied"}
+        return {**d, "untie_embeddings_and_output_weights": not self.tied}
+
     @classmethod
     def from_model_json(cls, d: dict[str, Any]) -> ModelFacts:
         """From a checkpoint's ``metadata["model"]`` (the trainer's GPTSpec or the Megatron-LM hook's recorded args)."""

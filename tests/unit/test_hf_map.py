@@ -124,6 +124,7 @@ def test_from_model_json_reads_the_trainers_spec() -> None:
             "max_position_embeddings": 16, "vocab_size": 11, "swiglu": False,
             "untie_embeddings_and_output_weights": False}
     assert ModelFacts.from_model_json(spec) == GPT2_FACTS
+    assert ModelFacts.from_model_json(LLAMA_FACTS.to_model_json()) == LLAMA_FACTS
     with pytest.raises(HFMapError, match="hidden_size"):
         ModelFacts.from_model_json({"num_layers": 2})
 
