@@ -58,6 +58,10 @@ CHECK_RTOL = 1e-4
 
 def worker(a: argparse.Namespace) -> None:
     """One rank of one phase (see the module docstring)."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks: kill -USR1 <pid>
     import torch
     import torch.distributed as dist
     from bench import gpt_job
