@@ -28,9 +28,9 @@ from tenplex_megatron.integrations.megatron_core.native import (
     POST_KEYS,
     PRE_KEYS,
     MegatronCheckpointError,
-    _split,
-    _stage_params,
     load_pickle,
+    split_flat,
+    stage_params,
 )
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -130,7 +130,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
             fname = os.path.join(rdir, MODEL_FILE)
             sd = src.load(fname)
             states = sd.get("model") or {}
-            params = _stage_params(metas, layer_keys, saved, layout, t, p)
+            params = stage_params(metas, layer_keys, saved, layout, t, p)
             count: dict[str, int] = {}
             for bp, boxes, key in params:
                 if bp.name.endswith("#copy"):
@@ -152,7 +152,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
                         f"{layout} would be {list(want)}: is it from a different model?")
                 if bp.name.endswith("#copy"):
                     continue
-                for at, off, shape, _, _ in _split(0, bp.numel, boxes):
+                for at, off, shape, _, _ in split_flat(0, bp.numel, boxes):
                     chunks.append(StoredChunk(Chunk(key, tuple(off), tuple(shape)),
                                               Location(fname, f"model/{name}:{at}", t + p * layout.tp)))
             chunks.extend(_optimizer_chunks(path, src, rdir, sd, params, layout, t, p, wanted, tensors, metas))
@@ -237,7 +237,7 @@ def _optimizer_chunks(path: str, src: LegacySource, rdir: str, sd: dict[str, Any
                     continue
                 okey = f"optimizer.state.{tname}.{key}"
                 tensors.setdefault(okey, replace(metas[key], key=okey, dtype="float32", param=key))
-                for at, off, shape, _, _ in _split(0, e - s, boxes):
+                for at, off, shape, _, _ in split_flat(0, e - s, boxes):
                     out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape)),
                                            Location(fname, f"optim/{n}:{base + s + at}", t + p * layout.tp)))
         base += b.numel_unpadded
