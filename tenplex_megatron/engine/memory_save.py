@@ -406,13 +406,14 @@ def _start_persist(tier: MemoryTier, what: str) -> None:
     run_phase(f"{what}: starting the background persist", start)
 
 
-def replicate_last(tier: MemoryTier) -> None:
-    """Collective: make sure the last snapshot has all its replicas (the job stops: its restart relies on them)."""
-    drain(tier)
+def replicate_last(tier: MemoryTier) -> tuple[str, ...]:
+    """Collective: make sure the last snapshot has all its replicas (the job stops: its restart relies on them);
+    returns the durable checkpoints committed meanwhile."""
+    done = drain(tier)
     if tier.last is None or tier.replicated == tier.last[0] or len(tier.nodes) < 2 or tier.replicas < 2:
-        return
+        return done
     _replicate(tier, tier.last_files, tier.last[0], f"replicating iteration {tier.last[0]}")
-    drain(tier)
+    return done + drain(tier)
 
 
 def persist_last(tier: MemoryTier) -> tuple[str, ...]:
