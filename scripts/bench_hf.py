@@ -283,6 +283,18 @@ def bench_model(model: str, work: str, tp: int, pp: int, dtype: str) -> dict[str
             "import": imp, "largest": export["largest_tensor_bytes"]}
 
 
+def print_ratios(r: dict[str, Any]) -> None:
+    m, plain = r["model"], r["plain"]
+    for what, rec in (("export", r["export"]), ("import", r["import"])):
+        print(ratio_line(ratio_key("seconds", f"{what} {m}", "tenplex", "plain"), rec["seconds"] / plain["seconds"]))
+        anon = rec["anon_peak"] - rec.get("anon_before", 0)
+        print(ratio_line(ratio_key("peak_anon", f"{what} {m}", "tenplex", "plain"),
+                         anon / max(plain["anon_peak"] - plain["anon_before"], 1)))
+    export_anon = r["export"]["anon_peak"] - r["export"]["anon_before"]
+    print(ratio_line(ratio_key("peak_anon", f"export {m}", "tenplex", "largest_tensor"), export_anon / r["largest"]),
+          flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke test)")
@@ -308,18 +320,10 @@ def main() -> int:
             anon = rec["anon_peak"] - rec.get("anon_before", 0)
             rss = rec["rss_peak"] - rec.get("rss_before", 0)
             print(f"{model:<12} {r['params'] / 1e6:>7.0f}M {r['bytes'] / gb:>8.3f} {step:<16} {rec['seconds']:>8.2f} "
-                  f"{anon / gb:>8.3f} {rss / gb:>8.3f}")
+                  f"{anon / gb:>8.3f} {rss / gb:>8.3f}", flush=True)
         print(f"{'':<12} largest tensor {r['largest'] / gb:.3f} GB; * slowest / largest of {args.tp * args.pp} ranks, "
               f"each reading {r['import']['bytes_read'] / gb:.3f} GB at most")
-    for r in results:
-        m, plain = r["model"], r["plain"]
-        for what, rec in (("export", r["export"]), ("import", r["import"])):
-            print(ratio_line(ratio_key("seconds", f"{what} {m}", "tenplex", "plain"), rec["seconds"] / plain["seconds"]))
-            anon = rec["anon_peak"] - rec.get("anon_before", 0)
-            print(ratio_line(ratio_key("peak_anon", f"{what} {m}", "tenplex", "plain"),
-                             anon / max(plain["anon_peak"] - plain["anon_before"], 1)))
-        export_anon = r["export"]["anon_peak"] - r["export"]["anon_before"]
-        print(ratio_line(ratio_key("peak_anon", f"export {m}", "tenplex", "largest_tensor"), export_anon / r["largest"]))
+        print_ratios(r)  # per model, as soon as it is measured
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

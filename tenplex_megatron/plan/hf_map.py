@@ -193,7 +193,7 @@ FLAG_NAMES = {
     "max_position_embeddings": "--max-position-embeddings", "position_embedding_type": "--position-embedding-type",
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "tied": "--untie-embeddings-and-output-weights", "rotary_base": "--rotary-base",
-    "rotary_percent": "--rotary-percent",
+    "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon",
 }
 
 

@@ -1,9 +1,11 @@
 """Hugging Face out and in, at any layout, with transformers' own models as the oracle (one torchrun launch).
 
-The launch (``hf_run.py``, 4 ranks) saves random megatron-core models at
-TP2 x PP2 and at TP1 (x DP4, distributed optimizer, untied output layer) with
-their logits on fixed tokens, starts jobs at TP2 x PP2 from a transformers
-checkpoint (``--tenplex-init-from-hf``), and records a refused config. This
+The launch (``hf_run.py``, 4 ranks) saves random megatron-core models, GPT-2
+style and Llama style (rope, RMSNorm, SwiGLU, no biases, 8 query heads in 2
+groups), at TP2 x PP2 and at TP1 (x DP4 or x PP2, distributed optimizer or not,
+tied or untied output layer) with their logits on fixed tokens, starts jobs at
+TP2 x PP2 from transformers checkpoints (``--tenplex-init-from-hf``), and
+records a refused config. This
 process then exports with ``python -m tenplex_megatron export-hf`` (no
 torch.distributed) and compares, with transformers' own model classes:
 
@@ -56,30 +58,60 @@ def _gpt2_dir(path: str) -> str:
     return path
 
 
+def _llama_dir(path: str) -> str:
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+                                   intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=32,
+                                   rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    model = _perturbed(transformers.LlamaForCausalLM(cfg), 2)
+    model.save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
 def _flags(*extra: str) -> list[str]:
     return [*TINY_GPT, "--vocab-size", str(VOCAB), *extra]
+
+
+# Llama-style: rope, RMSNorm, SwiGLU, no biases, 8 query heads in 2 key/value groups (one group per rank at TP2)
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--swiglu",
+         "--disable-bias-linear", "--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+         "--ffn-hidden-size", "96", "--untie-embeddings-and-output-weights"]
 
 
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     d = str(tmp_path_factory.mktemp("hf"))
-    p = {k: os.path.join(d, k) for k in ("hf_gpt2", "ck_tp2pp2", "ck_tp1", "ck_rt", "lg_tp2pp2", "lg_tp1",
-                                         "loss.jsonl", "refused")}
+    names = ["hf_gpt2", "hf_llama", "refused"]
+    for arch in ("gpt2", "llama"):
+        names += [f"ck_{arch}_tp2pp2", f"ck_{arch}_tp1", f"lg_{arch}_tp2pp2", f"lg_{arch}_tp1", f"ck_{arch}_rt",
+                  f"loss_{arch}.jsonl"]
+    p = {k: os.path.join(d, k) for k in names}
     _gpt2_dir(p["hf_gpt2"])
+    _llama_dir(p["hf_llama"])
     tasks = [
-        {"kind": "logits", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4"), "save": p["ck_tp2pp2"],
-         "out": p["lg_tp2pp2"]},
+        {"kind": "logits", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4"), "save": p["ck_gpt2_tp2pp2"],
+         "out": p["lg_gpt2_tp2pp2"]},
         {"kind": "logits", "flags": _flags(*layout_flags(1, 1), "--train-iters", "4", "--use-distributed-optimizer",
                                            "--untie-embeddings-and-output-weights"),
-         "save": p["ck_tp1"], "out": p["lg_tp1"]},
-        # no vocabulary padding (megatron's softmax covers padding rows, transformers' has none): the losses compare
-        {"kind": "pretrain", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4", "--exit-interval", "1",
-                                             "--make-vocab-size-divisible-by", "1", "--tenplex-init-from-hf", p["hf_gpt2"],
-                                             "--tenplex-metrics", p["loss.jsonl"])},
-        # padded to 128 at TP2: the padding rows start at zero and are dropped again at export
-        {"kind": "pretrain", "flags": _flags(*layout_flags(2, 2), "--train-iters", "4", "--exit-interval", "0",
-                                             "--use-distributed-optimizer", "--tenplex-init-from-hf", p["hf_gpt2"],
-                                             "--save", p["ck_rt"])},
+         "save": p["ck_gpt2_tp1"], "out": p["lg_gpt2_tp1"]},
+        {"kind": "logits", "flags": _flags(*LLAMA, *layout_flags(2, 2), "--train-iters", "4",
+                                           "--use-distributed-optimizer"),
+         "save": p["ck_llama_tp2pp2"], "out": p["lg_llama_tp2pp2"]},
+        {"kind": "logits", "flags": _flags(*LLAMA, *layout_flags(1, 2), "--train-iters", "4"),
+         "save": p["ck_llama_tp1"], "out": p["lg_llama_tp1"]},
+    ]
+    for arch, extra in (("gpt2", []), ("llama", LLAMA)):
+        tasks += [
+            # no vocabulary padding (megatron's softmax covers padding rows, transformers' has none): losses compare
+            {"kind": "pretrain", "flags": _flags(*extra, *layout_flags(2, 2), "--train-iters", "4", "--exit-interval",
+                                                 "1", "--make-vocab-size-divisible-by", "1", "--tenplex-init-from-hf",
+                                                 p[f"hf_{arch}"], "--tenplex-metrics", p[f"loss_{arch}.jsonl"])},
+            # padded to 128 at TP2: the padding rows start at zero and are dropped again at export
+            {"kind": "pretrain", "flags": _flags(*extra, *layout_flags(2, 2), "--train-iters", "4", "--exit-interval",
+                                                 "0", "--use-distributed-optimizer", "--tenplex-init-from-hf",
+                                                 p[f"hf_{arch}"], "--save", p[f"ck_{arch}_rt"])},
+        ]
+    tasks += [
         {"kind": "refused", "flags": [*TINY_GPT, "--vocab-size", str(VOCAB), "--hidden-size", "32",
                                       *layout_flags(2, 2), "--train-iters", "4", "--tenplex-init-from-hf",
                                       p["hf_gpt2"]], "out": p["refused"]},
@@ -105,17 +137,20 @@ def _hf_logits(path: str, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens).logits
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("layout", ["tp2pp2", "tp1"])
-def test_export_logits_equal_megatron(hf_runs: dict[str, str], tmp_path, layout: str) -> None:
+def test_export_logits_equal_megatron(hf_runs: dict[str, str], tmp_path, arch: str, layout: str) -> None:
     out = str(tmp_path / "hf")
-    r = _export(hf_runs[f"ck_{layout}"], out, "--max-shard-size", "50KB")
+    r = _export(hf_runs[f"ck_{arch}_{layout}"], out, "--max-shard-size", "50KB")
     assert r.returncode == 0, r.stderr
     with open(os.path.join(out, "model.safetensors.index.json")) as f:
         files = set(json.load(f)["weight_map"].values())
     assert len(files) > 1  # sharded as asked
     cfg = transformers.AutoConfig.from_pretrained(out)
-    assert cfg.model_type == "gpt2" and cfg.tie_word_embeddings == (layout == "tp2pp2")
-    saved = load_file(hf_runs[f"lg_{layout}"])
+    assert cfg.model_type == arch and cfg.tie_word_embeddings == (arch == "gpt2" and layout == "tp2pp2")
+    if arch == "llama":
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (8, 2, 96)
+    saved = load_file(hf_runs[f"lg_{arch}_{layout}"])
     megatron = saved["logits"][..., :VOCAB]  # padded vocabulary columns dropped
     assert saved["logits"].shape[-1] > VOCAB  # the model had padding rows
     hf = _hf_logits(out, saved["tokens"])
@@ -128,26 +163,28 @@ def test_export_refuses_non_empty_dir(hf_runs: dict[str, str], tmp_path) -> None
     out = tmp_path / "busy"
     out.mkdir()
     (out / "notes.txt").write_text("keep")
-    r = _export(hf_runs["ck_tp1"], str(out))
+    r = _export(hf_runs["ck_gpt2_tp1"], str(out))
     assert r.returncode == 2 and "not empty" in r.stderr and "--force" in r.stderr
     assert sorted(os.listdir(out)) == ["notes.txt"]
-    r = _export(hf_runs["ck_tp1"], str(out), "--force", "--dtype", "bf16")
+    r = _export(hf_runs["ck_gpt2_tp1"], str(out), "--force", "--dtype", "bf16")
     assert r.returncode == 0, r.stderr
     with safe_open(str(out / "model-00001-of-00001.safetensors"), framework="pt") as f:
         assert f.get_tensor("transformer.wte.weight").dtype == torch.bfloat16
 
 
-def test_import_first_loss_equals_transformers(hf_runs: dict[str, str]) -> None:
-    loss = metrics(hf_runs["loss.jsonl"])[0]["loss"]
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_import_first_loss_equals_transformers(hf_runs: dict[str, str], arch: str) -> None:
+    loss = metrics(hf_runs[f"loss_{arch}.jsonl"])[0]["loss"]
     batch = batch_from_indices(list(range(GBS)), 32, VOCAB, 1234)
-    logits = _hf_logits(hf_runs["hf_gpt2"], batch["tokens"])
+    logits = _hf_logits(hf_runs[f"hf_{arch}"], batch["tokens"])
     ref = float(F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1)))
     assert abs(loss - ref) <= RTOL * abs(ref), (loss, ref)
 
 
-def test_round_trip_bit_identical(hf_runs: dict[str, str], tmp_path) -> None:
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_round_trip_bit_identical(hf_runs: dict[str, str], tmp_path, arch: str) -> None:
     out = str(tmp_path / "rt")
-    r = _export(hf_runs["ck_rt"], out)
+    r = _export(hf_runs[f"ck_{arch}_rt"], out)
     assert r.returncode == 0, r.stderr
 
     def tensors(path: str) -> dict[str, torch.Tensor]:
@@ -157,7 +194,7 @@ def test_round_trip_bit_identical(hf_runs: dict[str, str], tmp_path) -> None:
                 got.update(load_file(os.path.join(path, name)))
         return got
 
-    original, back = tensors(hf_runs["hf_gpt2"]), tensors(out)
+    original, back = tensors(hf_runs[f"hf_{arch}"]), tensors(out)
     assert sorted(original) == sorted(back)
     for name, t in original.items():
         assert back[name].dtype == t.dtype and torch.equal(back[name], t), name
