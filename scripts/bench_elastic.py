@@ -104,6 +104,10 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
            timeout: float, from_first_iteration: bool) -> dict[str, Any]:
     """Run one policy through the trace until the target iteration; what happened, for the report."""
     ckpt, log = os.path.join(work, f"{policy}.ckpt"), os.path.join(work, f"{policy}.metrics.jsonl")
+    shutil.rmtree(ckpt, ignore_errors=True)  # a reused --workdir: start afresh
+    for name in os.listdir(work):  # its agents' logs and its metrics
+        if name.startswith(f"{policy}.node") or name == f"{policy}.metrics.jsonl":
+            os.unlink(os.path.join(work, name))
     cluster = Cluster(policy, PRETRAIN, [*flags, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log],
                       max_nodes=max(e.nodes for e in trace.events), nproc=trace.gpus_per_node, log_dir=work)
     changes: list[Change] = []
@@ -124,7 +128,7 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
                 raise SystemExit(f"bench_elastic: {policy}: {'; '.join(cluster.failures)} (logs in {work})")
             if reached is None and os.path.exists(log):
                 with open(log) as f:
-                    tail = f.readlines()[-1:]
+                    tail = [x for x in f.readlines()[-2:] if x.endswith("\n")][-1:]  # whole lines only
                 if tail and json.loads(tail[0])["iteration"] >= target:
                     reached = json.loads(tail[0])["time"]
                 if tail and not clock:
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.workdir or tempfile.mkdtemp(prefix="bench_elastic_")
     os.makedirs(work, exist_ok=True)
     flags = [*model_flags(a.model), "--train-iters", str(a.train_iters), "--save-interval", str(a.save_interval)]
-    table = a.table or default_table(trace, a.model, os.path.join(work, "table.json"))
+    table = a.table or default_table(trace, a.model, os.path.join(work, "user_table.json"))
     gbs = MODELS[a.model][-1]
     start = load_layout_table(table, dims(a.model), gpus_per_node=trace.gpus_per_node,
                               global_batch_size=gbs).row(trace.events[0].gpus).layout

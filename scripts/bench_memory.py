@@ -25,7 +25,7 @@ must reproduce the save phase's losses within 1e-4), and the bytes read from dur
 Prints a table and ``RATIO <metric> <model> tenplex/<peer> = X.XX`` lines (below 1: tenplex is better) and
 writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is scripts/bench/.
 
-    python scripts/bench_memory.py --quick                 # gpt3-125m, 2 repetitions
+    python scripts/bench_memory.py --quick                 # the tiny model, 1 repetition: checks it end to end
     python scripts/bench_memory.py --models gpt3-125m gpt3-350m --reps 3
 """
 
@@ -58,6 +58,10 @@ CHECK_RTOL = 1e-4
 
 def worker(a: argparse.Namespace) -> None:
     """One rank of one phase (see the module docstring)."""
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks: kill -USR1 <pid>
     import torch
     import torch.distributed as dist
     from bench import gpt_job
@@ -283,7 +287,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="training steps timed alone and during background work")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--quick", action="store_true", help="gpt3-125m, 2 repetitions, 3 steps")
+    ap.add_argument("--quick", action="store_true", help="the tiny model, 1 repetition, 2 steps (a smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_memory.json"))
     ap.add_argument("--workdir", default=None, help="durable storage (default: the system temp dir)")
     ap.add_argument("--memdir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
@@ -303,7 +307,7 @@ def main() -> int:
         worker(a)
         return 0
     if a.quick:
-        a.models, a.reps, a.steps = ["gpt3-125m"], 2, 3
+        a.models, a.reps, a.steps = ["tiny"], 1, 2
     for d in (a.workdir, a.memdir):
         if d:
             os.makedirs(d, exist_ok=True)

@@ -20,6 +20,9 @@ from tenplex_megatron.storage.safetensors_io import SafetensorsReader, crc32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+# The PYTHONPATH of the processes the tests start: the checkout, and tests/site, whose sitecustomize defers
+# megatron-core's torch.compile decorations to their first call (~3 s CPU less per process importing megatron.core).
+CHILD_PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "site")])
 
 TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
@@ -37,7 +40,7 @@ class Run:
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 240, script: str = PRETRAIN) -> Run:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
            script, *args]
     try:
@@ -131,7 +134,15 @@ def run_scenarios(nproc: int, tasks: list[dict], workdir: str, timeout: float | 
         json.dump(tasks, f)
     r = torchrun(nproc, [path, workdir], timeout=timeout or 180 + 40 * len(tasks), script=SCENARIO_RUN)
     if r.returncode != 0 or f"task {len(tasks)}/{len(tasks)}" not in r.log:
-        raise AssertionError(f"scenario launch of {len(tasks)} jobs in {workdir} failed:\n{r.log[-6000:]}")
+        ended = []  # a job that failed on some ranks only leaves the others waiting: say which ended where, and how
+        for t in tasks:
+            for rank in range(nproc):
+                p = os.path.join(workdir, f"{t['name']}.rank{rank}.json")
+                if os.path.exists(p):
+                    with open(p) as f:
+                        ended.append(f"{t['name']} rank {rank}: {json.load(f)['error'] or 'ok'}")
+        raise AssertionError(f"scenario launch of {len(tasks)} jobs in {workdir} failed; jobs ended: {ended}\n"
+                             f"{r.log[-6000:]}")
     out = {}
     for t in tasks:
         ranks = []

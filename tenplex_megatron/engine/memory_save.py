@@ -65,6 +65,7 @@ class MemoryTier:
     replicating: int | None = None  # iteration whose replicas the helpers are copying
     replicated: int | None = None  # newest iteration with every replica in place (kept until a newer one is)
     last: tuple[int, dict[str, Any], list[str]] | None = None  # the last snapshot: iteration, metadata, own files
+    last_files: list[dict[str, Any]] = field(default_factory=list)  # every rank's file of it: name, size
 
     @property
     def leader(self) -> bool:
@@ -376,6 +377,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
     tier.snapshots += 1
     stall = time.perf_counter() - t0
     tier.last = (it, meta, [infos[r]["file"] for r in tier.nodes[tier.node] if infos[r]["file"]])
+    tier.last_files = [{"file": i["file"], "size": i["size"]} for i in infos]
     sent = _replicate(tier, infos, it, what)
     if persisting:
         _start_persist(tier, what)
@@ -402,6 +404,16 @@ def _start_persist(tier: MemoryTier, what: str) -> None:
             (os.path.join(src, f), os.path.join(directory.partial_dir(tier.save_dir, it), f)) for f in own])
 
     run_phase(f"{what}: starting the background persist", start)
+
+
+def replicate_last(tier: MemoryTier) -> tuple[str, ...]:
+    """Collective: make sure the last snapshot has all its replicas (the job stops: its restart relies on them);
+    returns the durable checkpoints committed meanwhile."""
+    done = drain(tier)
+    if tier.last is None or tier.replicated == tier.last[0] or len(tier.nodes) < 2 or tier.replicas < 2:
+        return done
+    _replicate(tier, tier.last_files, tier.last[0], f"replicating iteration {tier.last[0]}")
+    return done + drain(tier)
 
 
 def persist_last(tier: MemoryTier) -> tuple[str, ...]:

@@ -3,9 +3,8 @@
 The index comes from ``distcp_index.py``; ``common.pt`` (a ``torch.save`` zip)
 is unpickled by a restricted unpickler that allows plain data, argparse's
 Namespace and torch dtypes only, and reads no tensor data. The saving layout:
-TP is the fewest pieces any split model tensor is cut into across its
-non-layer axes, PP the number of distributed-optimizer groups over TP, DP the
-ranks that wrote files over TP x PP.
+TP from the word embedding's pieces, PP the number of distributed-optimizer
+groups over TP, DP the ranks that wrote files over TP x PP.
 """
 
 from __future__ import annotations
@@ -60,9 +59,13 @@ def read_common(path: str) -> dict[str, Any]:
 
 
 def saved_layout(index: DcpIndex) -> dict[str, int]:
-    """The saving (TP, PP, DP) as far as the index shows it (PP is 1 without a distributed optimizer's groups)."""
-    tp = 0
-    for key, t in index.tensors.items():
+    """The saving (TP, PP, DP) as far as the index shows it (PP is 1 without a distributed optimizer's groups).
+
+    TP: the word embedding's pieces along the vocabulary (megatron-core always splits it over TP); without one,
+    the fewest pieces any split model tensor is cut into (SwiGLU's fc1 has two parts per TP rank)."""
+    emb = index.tensors.get("embedding.word_embeddings.weight")
+    tp = len({offsets[0] for offsets, _ in emb.chunks}) if emb is not None else 0
+    for key, t in index.tensors.items() if not tp else ():
         if key.startswith("optimizer."):
             continue
         first = 1 if key.startswith("decoder.layers.") else 0

@@ -161,12 +161,14 @@ class PersistHelper:
 
     def request(self, op: str, iteration: int, **fields: Any) -> None:
         assert self.proc.stdin is not None
+        self.answers.pop((op, iteration), None)  # an earlier request of the same snapshot (saved again)
         self.proc.stdin.write((json.dumps({"op": op, "iteration": iteration, **fields}) + "\n").encode())
         self.proc.stdin.flush()
 
     def poll(self, op: str, iteration: int, timeout: float = 0.0) -> dict[str, Any] | None:
         """The answer to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
-        helper died."""
+        helper died. An answer stays until the next request of the same kind and iteration: the job polls every
+        node until all have answered, so a node that answered early answers the same again."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while (op, iteration) not in self.answers:
@@ -183,7 +185,7 @@ class PersistHelper:
                 line, self._buf = self._buf.split(b"\n", 1)
                 got = json.loads(line)
                 self.answers[(got["op"], int(got["iteration"]))] = got
-        return self.answers.pop((op, iteration))
+        return self.answers[(op, iteration)]
 
     def close(self) -> None:
         if self.proc.stdin is not None and not self.proc.stdin.closed:

@@ -473,8 +473,9 @@ def run(args: argparse.Namespace) -> None:
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
         _save(job, args, tier)
     if tier is not None:
+        done = memory_save.replicate_last(tier)  # the job stops: a restart finds its last snapshot on K nodes
         over = args.save and job.iteration >= args.train_iters  # training is over: its last state goes to --save
-        for path in memory_save.persist_last(tier) if over else memory_save.drain(tier):
+        for path in done + (memory_save.persist_last(tier) if over else memory_save.drain(tier)):
             _print0(f"> tenplex: persisted {path} (background)")
         memory_save.close(tier)
     if metrics is not None:

@@ -5,7 +5,7 @@ job's TENPLEX_FAULT, optional). Each job is parsed and run exactly as ``pretrain
 (``pretrain.parse_args`` then ``pretrain.run``, megatron-core's parallel state built afresh for every job) in the
 launch's one process group. Every rank writes ``OUT_DIR/NAME.rankR.json``: ``code`` (the exit status the script
 would have had: 0, argparse's 2, or 1), ``error`` (``"Type: message"`` as a traceback's last line reads, or null)
-and ``log`` (what the job printed, then that error line). A job must fail on every rank alike (flag and layout
+and ``log`` (what the job printed, then the traceback of an exception, then that error line). A job must fail on every rank alike (flag and layout
 checks do; collective phases raise on every rank through the phase runner), else the launch hangs and the
 caller's timeout fails the test. Saves ~10 s of process start-up per rank and job.
 """
@@ -18,6 +18,7 @@ import io
 import json
 import os
 import sys
+import traceback
 
 import torch
 
@@ -29,7 +30,7 @@ def _run_one(flags: list[str], fault: str | None) -> dict:
     if fault:
         os.environ["TENPLEX_FAULT"] = fault
     buf = io.StringIO()
-    code, error = 0, None
+    code, error, trace = 0, None, ""
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             pretrain.run(pretrain.parse_args(flags))
@@ -37,10 +38,10 @@ def _run_one(flags: list[str], fault: str | None) -> dict:
         code = e.code if isinstance(e.code, int) else 1
         error = None if isinstance(e.code, int) else f"SystemExit: {e.code}"
     except Exception as e:  # noqa: BLE001 - the job's failure is what the test checks
-        code, error = 1, f"{type(e).__name__}: {e}"
+        code, error, trace = 1, f"{type(e).__name__}: {e}", traceback.format_exc()
     finally:
         os.environ.pop("TENPLEX_FAULT", None)
-    log = buf.getvalue() + (f"{error}\n" if error else "")
+    log = buf.getvalue() + trace + (f"{error}\n" if error else "")
     return {"code": code, "error": error, "log": log}
 
 

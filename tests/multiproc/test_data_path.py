@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.harness import PRETRAIN, ROOT, TINY_GPT, layout_flags, metrics, torchrun
+from tests.harness import CHILD_PYTHONPATH, PRETRAIN, ROOT, TINY_GPT, layout_flags, metrics, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -24,7 +24,7 @@ BASE = [a for a in TINY_GPT if a != "--mock-data"] + [
 def data(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = str(tmp_path_factory.mktemp("data") / "corpus")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "build_dataset.py"), "--generate", "300",
-                        "--out", out], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+                        "--out", out], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH))
     assert p.returncode == 0, p.stderr
     return out
 
@@ -64,5 +64,5 @@ def test_bad_data_path_is_named(tmp_path) -> None:
     fake = str(tmp_path / "fake")
     # The check runs while parsing flags, before torch.distributed: the script alone shows it.
     p = subprocess.run([sys.executable, PRETRAIN, *BASE, "--data-path", fake, "--train-iters", "2"],
-                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH, OMP_NUM_THREADS="1"))
     assert p.returncode != 0 and f"--data-path {fake}: {fake}.idx is not a Megatron index file" in p.stderr

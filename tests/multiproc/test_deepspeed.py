@@ -27,7 +27,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from tests.harness import ROOT, Run, torchrun
+from tests.harness import CHILD_PYTHONPATH, ROOT, Run, torchrun
 
 pytestmark = pytest.mark.dist
 RUNNER = os.path.join(ROOT, "tests", "multiproc", "ds_run.py")
@@ -64,7 +64,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Launches:
 def _convert(step_dirs: list[str]) -> Run:
     """``ds_to_universal`` on each ``global_stepN`` directory, all in one Python process."""
     p = subprocess.run([sys.executable, CONVERT, *step_dirs], capture_output=True, text=True,
-                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT), timeout=300 * len(step_dirs))
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH), timeout=300 * len(step_dirs))
     return Run(p.returncode, p.stdout + p.stderr)
 
 

@@ -25,7 +25,7 @@ import time
 import psutil
 import pytest
 
-from tests.harness import PRETRAIN, ROOT, TINY_GPT, metrics, torchrun
+from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics, torchrun
 
 pytestmark = pytest.mark.dist
 ITERS, SAVE_EVERY = 300, 10  # long enough that the node is back before the survivor finishes alone
@@ -47,7 +47,7 @@ def _free_port() -> int:
 def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str) -> subprocess.Popen:
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared with the workers, torch 2.13's agents
     # hung re-forming the rendezvous when a node joined (each waiting for keys the other wrote elsewhere)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
@@ -141,7 +141,7 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
 def test_no_legal_layout_fails_once_with_every_reason(tmp_path) -> None:
     """3 processes, 4 heads, 2 layers, global batch 8: nothing is legal. Every candidate is listed with its reasons,
     no state is touched, and the elastic agent is stopped instead of restarting the job (max-restarts 3)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:1", "--nproc-per-node", "3",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "3",
            PRETRAIN, *FLAGS, "--save", str(tmp_path / "ckpt")]

@@ -81,6 +81,8 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     for case in ("missing", "version", "optimizer", "pickle"):
         bad[case] = shutil.copytree(base, f"{tmp}/bad_{case}")
     os.remove(os.path.join(bad["missing"], "__1_0.distcp"))
+    bad["legacy"] = shutil.copytree(f"{tmp}/tp2_legacy_torch/mc/iter_0000003", f"{tmp}/bad_legacy")
+    shutil.rmtree(os.path.join(bad["legacy"], "mp_rank_01"))
     with open(os.path.join(bad["version"], "metadata.json")) as f:
         meta = json.load(f)
     with open(os.path.join(bad["version"], "metadata.json"), "w") as f:
@@ -103,6 +105,8 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
          "error": "sharded backend torch_dist version 99 is not supported (tenplex reads torch_dist version 1)"},
         {"flags": tp1, "load": bad["optimizer"], "error": "optimizer state 'momentum_buffer' is not supported"},
         {"flags": tp1, "load": bad["pickle"], "error": "test_megatron_adopt.NotPlain"},
+        {"flags": tp1, "load": bad["legacy"],
+         "error": "mp_rank_01/model_optim_rng.pt: missing (the checkpoint was written at TP2 PP1)"},
     ]
     return tmp, _run(tmp, "adopters", adopters)
 
@@ -131,7 +135,7 @@ def test_adopted_state_equals_saved_and_losses_continue(adopted: tuple[str, str]
 def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> None:
     _, log = adopted
     errors = [line for line in log.splitlines() if line.startswith("> adopt_run: error ")]
-    assert len(errors) == 5, log[-3000:]
+    assert len(errors) == 6, log[-3000:]
 
 
 def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:

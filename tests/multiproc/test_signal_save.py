@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
-from tests.harness import PRETRAIN, ROOT, TINY_GPT, metrics
+from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics
 
 pytestmark = pytest.mark.dist
 
@@ -25,7 +25,7 @@ def _workers(pid: int) -> list[psutil.Process]:
 
 def test_sigterm_to_one_rank_saves_the_current_iteration_and_exits_0(tmp_path) -> None:
     save, log = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", PRETRAIN,
            *TINY_GPT, "--vocab-size", "96", "--train-iters", "100000", "--save", save, "--save-interval", "1000",
            "--tenplex-metrics", log]

@@ -12,6 +12,7 @@ from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
 from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.memory_tier import Snapshot, choose
+from tenplex_megatron.storage.persist_helper import PersistHelper
 
 FILES = {"rank_00000.safetensors": 100, "rank_00001.safetensors": 200}
 
@@ -90,3 +91,30 @@ def test_retention_protects_the_snapshot_being_persisted_and_clean_memory_remove
     assert "4 entries removed" in capsys.readouterr().out.splitlines()[-1]  # staging, 2, 3, the tracker
     assert sorted(os.listdir(mem)) == ["mine", memory_tier.NODE_FILE]
     assert cli_main(["clean-memory", str(tmp_path)]) == 2  # not a memory directory: nothing removed
+
+
+def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path) -> None:
+    src, dst = tmp_path / "a.bin", tmp_path / "out" / "a.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    os.makedirs(dst.parent)
+    helper = PersistHelper()
+    try:
+        assert helper.proc.pid != os.getpid()
+        helper.request("persist", 5, copies=[[str(src), str(dst)]])
+        got = None
+        for _ in range(120):
+            got = helper.poll("persist", 5, 0.5)
+            if got is not None:
+                break
+        assert got is not None and got["ok"] and got["bytes"] == 3 << 20
+        assert dst.read_bytes() == src.read_bytes()
+        assert helper.poll("persist", 5) == got  # every node is polled until all answered: the answer stays
+        helper.request("persist", 6, copies=[[str(tmp_path / "missing"), str(dst)]])
+        for _ in range(120):
+            got = helper.poll("persist", 6, 0.5)
+            if got is not None:
+                break
+        assert got is not None and "missing" in got["error"]
+    finally:
+        helper.close()
+    assert not helper.alive

@@ -76,7 +76,7 @@ def source_ptc(tensors: dict[str, TensorMeta], layout: ParallelLayout, distopt: 
 layouts = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2, 3]))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     layers=st.sampled_from([2, 4]),
     hidden=st.sampled_from([4, 8]),

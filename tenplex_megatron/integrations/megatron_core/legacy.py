@@ -28,9 +28,9 @@ from tenplex_megatron.integrations.megatron_core.native import (
     POST_KEYS,
     PRE_KEYS,
     MegatronCheckpointError,
-    _split,
-    _stage_params,
     load_pickle,
+    split_flat,
+    stage_params,
 )
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -45,13 +45,15 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 
 
-def _layout(path: str) -> ParallelLayout:
+def _layout(path: str, args: Any = None) -> ParallelLayout:
+    """The saving (TP, PP): ``args``' (Megatron-LM records them) or the rank directories', every rank's file
+    checked to be there."""
     ranks = [(int(m.group(1)), int(m.group(2) or 0)) for n in os.listdir(path) if (m := _RANK_DIR.fullmatch(n))]
-    tp = max(t for t, _ in ranks) + 1
-    pp = max(p for _, p in ranks) + 1
+    tp = int(getattr(args, "tensor_model_parallel_size", 0) or max(t for t, _ in ranks) + 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 0) or max(p for _, p in ranks) + 1)
     for t in range(tp):
         for p in range(pp):
-            name = f"mp_rank_{t:02d}" if pp == 1 else f"mp_rank_{t:02d}_{p:03d}"
+            name = _rank_dir(t, p, pp)
             f = os.path.join(path, name, MODEL_FILE)
             if not os.path.isfile(confine(path, os.path.join(name, MODEL_FILE), "the legacy layout")):
                 raise MegatronCheckpointError(f"{f}: missing (the checkpoint was written at TP{tp} PP{pp})")
@@ -109,6 +111,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
                                       f"checkpoint_version {version} is not supported (tenplex reads "
                                       f"{', '.join(map(str, SUPPORTED_VERSIONS))})")
     args = first.get("args")
+    layout = _layout(path, args)  # again with the sizes Megatron-LM recorded: a missing rank directory is named
     layout = ParallelLayout(layout.tp, layout.pp, int(getattr(args, "data_parallel_size", 1) or 1))
     emb = first["model"].get(PRE_KEYS[0])
     metas = dict(model)
@@ -127,7 +130,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
             fname = os.path.join(rdir, MODEL_FILE)
             sd = src.load(fname)
             states = sd.get("model") or {}
-            params = _stage_params(metas, layer_keys, saved, layout, t, p)
+            params = stage_params(metas, layer_keys, saved, layout, t, p)
             count: dict[str, int] = {}
             for bp, boxes, key in params:
                 if bp.name.endswith("#copy"):
@@ -149,7 +152,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
                         f"{layout} would be {list(want)}: is it from a different model?")
                 if bp.name.endswith("#copy"):
                     continue
-                for at, off, shape, _, _ in _split(0, bp.numel, boxes):
+                for at, off, shape, _, _ in split_flat(0, bp.numel, boxes):
                     chunks.append(StoredChunk(Chunk(key, tuple(off), tuple(shape)),
                                               Location(fname, f"model/{name}:{at}", t + p * layout.tp)))
             chunks.extend(_optimizer_chunks(path, src, rdir, sd, params, layout, t, p, wanted, tensors, metas))
@@ -234,7 +237,7 @@ def _optimizer_chunks(path: str, src: LegacySource, rdir: str, sd: dict[str, Any
                     continue
                 okey = f"optimizer.state.{tname}.{key}"
                 tensors.setdefault(okey, replace(metas[key], key=okey, dtype="float32", param=key))
-                for at, off, shape, _, _ in _split(0, e - s, boxes):
+                for at, off, shape, _, _ in split_flat(0, e - s, boxes):
                     out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape)),
                                            Location(fname, f"optim/{n}:{base + s + at}", t + p * layout.tp)))
         base += b.numel_unpadded

@@ -42,7 +42,7 @@ from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
-from tenplex_megatron.plan.sim.sharding import _local_params
+from tenplex_megatron.plan.sim.sharding import local_param_boxes
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.distcp import DistcpFiles
 from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor, read_dcp_metadata
@@ -92,15 +92,6 @@ def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = Fals
             "(trust_pickles=True) to unpickle it fully, only if you trust where it came from") from None
     except (RuntimeError, OSError, EOFError) as e:
         raise MegatronCheckpointError(f"{path}: not a readable Megatron checkpoint file ({e})") from None
-
-
-def is_torch_dist(path: str) -> bool:
-    """A directory megatron-core's dist_checkpointing wrote (its ``metadata.json`` names a sharded backend)."""
-    try:
-        with open(os.path.join(path, "metadata.json")) as f:
-            return "sharded_backend" in json.load(f)
-    except (OSError, ValueError, TypeError, RecursionError):
-        return False
 
 
 @dataclass(frozen=True)
@@ -214,7 +205,7 @@ def check_model(ck: TorchDistCheckpoint, live: dict[str, TensorMeta]) -> None:
                                           f"{list(t.global_shape)} in the model: is it from a different model?")
 
 
-def _stage_params(metas: dict[str, TensorMeta], layer_keys: tuple[str, ...], saved: set[str], layout: ParallelLayout,
+def stage_params(metas: dict[str, TensorMeta], layer_keys: tuple[str, ...], saved: set[str], layout: ParallelLayout,
                   tp_rank: int, pp_rank: int) -> list[tuple[BufferParam, list[tuple[tuple[int, ...], tuple[int, ...]]],
                                                               str]]:
     """One (TP, PP) rank's parameters at the saving layout in module order: (buffer entry, part boxes, key)."""
@@ -228,9 +219,9 @@ def _stage_params(metas: dict[str, TensorMeta], layer_keys: tuple[str, ...], sav
     if pp_rank == 0:
         for key in PRE_KEYS:
             if key in saved:
-                add(key, _local_params(metas[key], layout, tp_rank, pp_rank)[0],
+                add(key, local_param_boxes(metas[key], layout, tp_rank, pp_rank)[0],
                     tied_pp and key == PRE_KEYS[0], key)
-    layers = {k: _local_params(metas[k], layout, tp_rank, pp_rank) for k in layer_keys}
+    layers = {k: local_param_boxes(metas[k], layout, tp_rank, pp_rank) for k in layer_keys}
     per = next(iter(layers.values()), [])
     for i in range(len(per)):
         for key in layer_keys:
@@ -238,10 +229,10 @@ def _stage_params(metas: dict[str, TensorMeta], layer_keys: tuple[str, ...], sav
     if pp_rank == layout.pp - 1:
         for key in POST_KEYS:
             if key in saved:
-                add(key, _local_params(metas[key], layout, tp_rank, pp_rank)[0], False, key)
+                add(key, local_param_boxes(metas[key], layout, tp_rank, pp_rank)[0], False, key)
         if tied_pp:  # the last stage's copy of the word embedding: its own bucket, a replica of the first stage's
             key = PRE_KEYS[0]
-            add(key, _local_params(metas[key], ParallelLayout(layout.tp, 1, layout.dp), tp_rank, 0)[0], True,
+            add(key, local_param_boxes(metas[key], ParallelLayout(layout.tp, 1, layout.dp), tp_rank, 0)[0], True,
                 f"{key}#copy")
     unknown = sorted(k for k in saved if not k.startswith("decoder.layers.") and k not in PRE_KEYS + POST_KEYS)
     if unknown:
@@ -250,7 +241,7 @@ def _stage_params(metas: dict[str, TensorMeta], layer_keys: tuple[str, ...], sav
     return out
 
 
-def _split(lo: int, hi: int, boxes: list) -> list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]]:
+def split_flat(lo: int, hi: int, boxes: list) -> list[tuple[int, tuple[int, ...], tuple[int, ...], int, int]]:
     """Flat range ``[lo, hi)`` of a parameter made of ``boxes`` (in memory order): (part start, box..., lo, hi)."""
     out, at = [], 0
     for off, shape in boxes:
@@ -286,7 +277,7 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
     dtypes: dict[str, str] = {}
     for g, buckets in sorted(groups.items()):
         tp_rank, pp_rank = g % layout.tp, g // layout.tp
-        params = _stage_params(metas, layer_keys, saved, layout, tp_rank, pp_rank)
+        params = stage_params(metas, layer_keys, saved, layout, tp_rank, pp_rank)
         layout_buckets = bucket_layout([p for p, _, _ in params], layout.dp)
         where = {p.name: (boxes, key) for p, boxes, key in params}
         if sorted(buckets) != list(range(len(layout_buckets))):
@@ -316,7 +307,7 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
                     okey = f"optimizer.state.{name}.{pkey}"
                     dtypes[okey] = st.dtype
                     lo = piece.start - piece.param_start
-                    for at, off, shape, a, bb in _split(lo, piece.stop - piece.param_start, boxes):
+                    for at, off, shape, a, bb in split_flat(lo, piece.stop - piece.param_start, boxes):
                         out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape), (a, bb)),
                                                _loc(ck, info, piece.stop - piece.start, at + a - lo)))
     return out, dtypes

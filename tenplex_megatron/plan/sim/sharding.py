@@ -82,6 +82,13 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
     return [_tp_boxes(t, zeros, shape, layout.tp, tp_rank)]
 
 
+def local_param_boxes(t: TensorMeta, layout: ParallelLayout, tp_rank: int,
+                      pp_rank: int) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The parameters of tensor ``t`` that model-parallel rank (``tp_rank``, ``pp_rank``) holds at ``layout``:
+    one list of part boxes (offsets, shape) per parameter, parts in the parameter's memory order."""
+    return _local_params(t, layout, tp_rank, pp_rank)
+
+
 @dataclass(frozen=True)
 class Run:
     """Consecutive chunks of one rank with megatron's main-replica flag of each.
