@@ -7,12 +7,15 @@ its dataset helpers into ``megatron/core/datasets`` on first use, which needs
 ``pybind11``; importing it needs ``triton``). On a CPU-only machine the runner
 (``run_megatron_lm.py``) installs a CPU shim first and the job runs over gloo.
 
-Three launches of 2 processes: an uninterrupted TP=2 run of 8 iterations; a
-TP=2 run that saves a tenplex checkpoint at iteration 4 and exits; a TP=1 x DP=2
-run that loads it and trains iterations 5-8 (with vocab 96 the hook's
-``--tenplex-layout FILE.json`` chooses that layout and micro-batch 1, over the
-command line's 2, before Megatron-LM checks its flags). The restarted losses
-must equal the uninterrupted run's, step by step.
+Launches of 2 processes: an uninterrupted TP=2 run of 8 iterations per
+vocabulary (shared by the tests); a TP=2 run that saves a tenplex checkpoint at
+iteration 4 and exits; a TP=1 x DP=2 run that loads it and trains iterations 5-8
+(with vocab 96 the hook's ``--tenplex-layout FILE.json`` chooses that layout and
+micro-batch 1, over the command line's 2, before Megatron-LM checks its flags).
+And Megatron-LM's own checkpoint: a TP=2 run *without* ``--tenplex`` saving at
+iteration 4 in its own format (``torch_dist`` dp_reshardable, or ``torch``),
+adopted by a TP=1 x DP=2 run with ``--tenplex``. The restarted losses must equal
+the uninterrupted run's, step by step.
 """
 
 from __future__ import annotations
