@@ -7,12 +7,15 @@ its dataset helpers into ``megatron/core/datasets`` on first use, which needs
 ``pybind11``; importing it needs ``triton``). On a CPU-only machine the runner
 (``run_megatron_lm.py``) installs a CPU shim first and the job runs over gloo.
 
-Three launches of 2 processes: an uninterrupted TP=2 run of 8 iterations; a
-TP=2 run that saves a tenplex checkpoint at iteration 4 and exits; a TP=1 x DP=2
-run that loads it and trains iterations 5-8 (with vocab 96 the hook's
-``--tenplex-layout FILE.json`` chooses that layout and micro-batch 1, over the
-command line's 2, before Megatron-LM checks its flags). The restarted losses
-must equal the uninterrupted run's, step by step.
+Launches of 2 processes: an uninterrupted TP=2 run of 8 iterations per
+vocabulary (shared by the tests); a TP=2 run that saves a tenplex checkpoint at
+iteration 4 and exits; a TP=1 x DP=2 run that loads it and trains iterations 5-8
+(with vocab 96 the hook's ``--tenplex-layout FILE.json`` chooses that layout and
+micro-batch 1, over the command line's 2, before Megatron-LM checks its flags).
+And Megatron-LM's own checkpoint: a TP=2 run *without* ``--tenplex`` saving at
+iteration 4 in its own format (``torch_dist`` dp_reshardable, or ``torch``),
+adopted by a TP=1 x DP=2 run with ``--tenplex``. The restarted losses must equal
+the uninterrupted run's, step by step.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ FLAGS = [
     "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by", "16",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local", "--no-persist-layer-norm",
     "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
-    "--tenplex", "--deterministic-mode", "--no-gradient-accumulation-fusion",
+    "--deterministic-mode", "--no-gradient-accumulation-fusion",
 ]
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?lm loss: ([0-9.E+-]+)")
 
@@ -67,7 +70,7 @@ def _losses(log: str) -> dict[int, float]:
     return out
 
 
-def _run(script: str, tp: int | None, vocab: int, extra: list[str]) -> str:
+def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True) -> str:
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -85,11 +88,34 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str]) -> str:
         env["TORCH_COMPILE_DISABLE"] = "1"  # jit_fuser is torch.compile: its C++ warm-up builds cost ~40 s a launch here
     backend = ["--distributed-backend", "gloo"] if cpu else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", RUNNER, script,
-           *FLAGS, *backend, "--vocab-size", str(vocab),
+           *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", str(vocab),
            *(["--tensor-model-parallel-size", str(tp)] if tp is not None else []), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
     return p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The checkout's top-level scripts, copied and patched (the checkout itself is not modified)."""
+    work = tmp_path_factory.mktemp("mlm")
+    for name in os.listdir(MLM):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(MLM, name), work / name)
+    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
+    return str(work / "pretrain_gpt.py")
+
+
+_REFERENCE: dict[int, dict[int, float]] = {}
+
+
+def _reference(script: str, vocab: int) -> dict[int, float]:
+    """The uninterrupted TP=2 run's losses (one launch per vocabulary, shared by the tests of this module)."""
+    if vocab not in _REFERENCE:
+        log = _run(script, 2, vocab, [])
+        _REFERENCE[vocab] = _losses(log)
+        assert sorted(_REFERENCE[vocab]) == list(range(1, 9)), log[-3000:]
+    return _REFERENCE[vocab]
 
 
 # NullTokenizer adds an EOD token to --vocab-size. 95 -> 96 rows: no padding at TP 1 or 2. 96 -> 97 rows: padded
@@ -97,18 +123,8 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str]) -> str:
 # keeps the checkpoint's 128 (--tenplex-vocab-padding keep) for the restart to continue exactly.
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
 @pytest.mark.parametrize("vocab", [95, 96])
-def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, vocab: int) -> None:
-    work = tmp_path / "mlm"
-    work.mkdir()
-    for name in os.listdir(MLM):
-        if name.endswith(".py"):
-            shutil.copy(os.path.join(MLM, name), work / name)
-    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
-    script = str(work / "pretrain_gpt.py")
-
-    ref_log = _run(script, 2, vocab, [])
-    ref = _losses(ref_log)
-    assert sorted(ref) == list(range(1, 9)), ref_log[-3000:]
+def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script: str, vocab: int) -> None:
+    ref = _reference(script, vocab)
 
     ckpt = tmp_path / "ckpt"
     log = _run(script, 2, vocab, ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"])
@@ -147,3 +163,38 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, vocab:
     meta = json.loads((ckpt / "iter_0000008" / "metadata.json").read_text())
     assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2} and meta["iteration"] == 8
     assert meta["padded_vocab_size"] == (96 if vocab == 95 else 128)
+
+
+# Megatron-LM's own save (no --tenplex): torch_dist with the distributed optimizer (dp_reshardable, its default), or
+# the legacy torch format (one model_optim_rng.pt and one distrib_optim.pt per rank).
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: str, fmt: str) -> None:
+    ref = _reference(script, 95)
+    ckpt = tmp_path / "ckpt"
+    log = _run(script, 2, 95, ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4",
+                               "--ckpt-format", fmt], tenplex=False)
+    assert "> tenplex:" not in log, log[-3000:]
+    it4 = ckpt / "iter_0000004"
+    if fmt == "torch_dist":
+        assert list(it4.glob("*.distcp")) and (it4 / "common.pt").exists(), sorted(os.listdir(it4))
+        assert json.loads((it4 / "metadata.json").read_text())["sharded_backend"] == "torch_dist"  # Megatron's
+    else:
+        assert sorted(os.listdir(it4)) == ["mp_rank_00", "mp_rank_01"], sorted(os.listdir(it4))
+    first = _losses(log)
+    for it in range(1, 5):  # Megatron's own sampler at DP=1 reads the samples tenplex's does
+        assert first[it] == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, first[it], ref[it])
+
+    log = _run(script, 1, 95, ["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4"])
+    assert re.search(r"> tenplex: loaded iteration 4 from \S+iter_0000004: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2",
+                     log), log[-3000:]
+    lines = _log_lines(log)
+    assert [(it, consumed) for it, consumed, _ in lines] == [(5, 40), (6, 48), (7, 56), (8, 64)], lines
+    resumed = _losses(log)
+    table = "\n".join(f"{it}: uninterrupted {ref[it]:.6f} adopted {resumed[it]:.6f}" for it in sorted(resumed))
+    print(table)
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it], table)
+    meta = json.loads((ckpt / "iter_0000008" / "metadata.json").read_text())
+    assert meta["format"] == "tenplex-megatron" and meta["layout"] == {"tp": 1, "pp": 1, "dp": 2}
+    assert meta["iteration"] == 8 and meta["consumed_samples"] == 64

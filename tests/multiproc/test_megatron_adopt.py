@@ -37,6 +37,10 @@ SCENARIOS = {
     "tp2_bf16_dp_reshardable": ([*DIST, "--bf16"], layout_flags(2, 1), [], layout_flags(1, 1)),
     "tp2_legacy_torch": (DIST, layout_flags(2, 1), ["--ckpt-format", "torch"], layout_flags(1, 1)),
     "pp2_bf16_legacy_torch": ([*DIST, "--bf16"], layout_flags(1, 2), ["--ckpt-format", "torch"], layout_flags(1, 1)),
+    # no distributed optimizer: the plain optimizer's state in model_optim_rng.pt (fp32: Float32Optimizer; bf16:
+    # Float16Optimizer with its fp32 main params), PP2's last stage holding the tied output layer's copy
+    "tp2_plain_legacy_torch": ([], layout_flags(2, 1), ["--ckpt-format", "torch"], layout_flags(1, 1)),
+    "pp2_bf16_plain_legacy_torch": (["--bf16"], layout_flags(1, 2), ["--ckpt-format", "torch"], layout_flags(1, 1)),
 }
 
 

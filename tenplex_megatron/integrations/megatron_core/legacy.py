@@ -10,8 +10,14 @@ megatron-core 0.16.1's buffer layout at the saving (TP, PP)
 (``plan/megatron_buffer.py``), checked against the file (sizes, every element
 of the buffer). Files are memory-mapped and read with
 ``torch.load(weights_only=True)`` allowing only :data:`native.SAFE_GLOBALS`.
-Only the distributed optimizer's state is read (a plain optimizer's
-per-parameter state in ``model_optim_rng.pt`` is refused, naming it).
+Without the distributed optimizer the state is ``model_optim_rng.pt``'s
+``optimizer`` (megatron-core's plain, FP32 or Float16 optimizer's
+``state_dict()``): the inner torch optimizer's per-parameter Adam state,
+numbered through its param groups, and for bf16/fp16 the fp32 main params
+(``fp32_from_fp16_params``, per group). The numbering follows megatron-core
+0.16.1's ``_get_param_groups``: the rank's parameters in the model's order,
+weight-decayed ones (group ``wd_mult`` 1) before bias and 1-D ones
+(``wd_mult`` 0); every state's shape is checked against its parameter's.
 """
 
 from __future__ import annotations
@@ -80,6 +86,12 @@ class LegacySource(UncheckedSource):
         sd = self.load(name)
         if entry.startswith("model/"):
             return sd["model"][entry[len("model/"):]]
+        if entry.startswith("plain/"):  # plain/<param index>/<state>: the inner optimizer's per-parameter state
+            _, idx, state = entry.split("/")
+            return _inner(sd["optimizer"])["state"][int(idx)][state]
+        if entry.startswith("fp32/"):  # fp32/<group>/<i>: the Float16 optimizer's fp32 main param
+            _, g, i = entry.split("/")
+            return sd["optimizer"]["fp32_from_fp16_params"][int(g)][int(i)]
         state = entry.split("/")[1]
         (per_dtype,) = sd[0].values()
         return per_dtype[state]
@@ -132,6 +144,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
             states = sd.get("model") or {}
             params = stage_params(metas, layer_keys, saved, layout, t, p)
             count: dict[str, int] = {}
+            by_name: dict[str, tuple[list, str, bool]] = {}
             for bp, boxes, key in params:
                 if bp.name.endswith("#copy"):
                     name = "output_layer.weight"
@@ -150,12 +163,17 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
                     raise MegatronCheckpointError(
                         f"{os.path.join(path, fname)}: tensor {name!r} has shape {list(local.shape)}, the model's at "
                         f"{layout} would be {list(want)}: is it from a different model?")
+                by_name[name] = (boxes, key, bp.name.endswith("#copy"))
                 if bp.name.endswith("#copy"):
                     continue
                 for at, off, shape, _, _ in split_flat(0, bp.numel, boxes):
                     chunks.append(StoredChunk(Chunk(key, tuple(off), tuple(shape)),
                                               Location(fname, f"model/{name}:{at}", t + p * layout.tp)))
-            chunks.extend(_optimizer_chunks(path, src, rdir, sd, params, layout, t, p, wanted, tensors, metas))
+            if os.path.isfile(os.path.join(path, rdir, OPTIM_FILE)):
+                chunks.extend(_optimizer_chunks(path, src, rdir, sd, params, layout, t, p, wanted, tensors, metas))
+            else:
+                chunks.extend(_plain_optimizer_chunks(path, rdir, sd, by_name, t + p * layout.tp, wanted, tensors,
+                                                      metas))
     unknown = sorted(k for k in (first.get("model") or {}) if not k.endswith("_extra_state")
                      and not _LAYER.fullmatch(k) and k not in PRE_KEYS + POST_KEYS)
     if unknown:
@@ -198,15 +216,7 @@ def _optimizer_chunks(path: str, src: LegacySource, rdir: str, sd: dict[str, Any
                       t: int, p: int, wanted: set[str], tensors: dict[str, TensorMeta],
                       metas: dict[str, TensorMeta]) -> list[StoredChunk]:
     """The distributed optimizer's gathered buffer of one (TP, PP) rank as whole TP-local boxes."""
-    opt = sd.get("optimizer") or {}
     fname = os.path.join(rdir, OPTIM_FILE)
-    if not os.path.isfile(os.path.join(path, fname)):
-        inner = opt.get("optimizer", opt) if isinstance(opt, dict) else {}
-        if inner.get("state"):
-            raise MegatronCheckpointError(
-                f"{os.path.join(path, rdir, MODEL_FILE)}: a plain (non-distributed) optimizer's per-parameter state; "
-                f"tenplex reads the distributed optimizer's {OPTIM_FILE} only")
-        raise MegatronCheckpointError(f"{os.path.join(path, fname)}: missing (no optimizer state for {rdir})")
     state = src.load(fname)
     if not isinstance(state, dict) or set(k for k in state if isinstance(k, int)) != {0}:
         raise MegatronCheckpointError(f"{os.path.join(path, fname)}: not one grad buffer's state (mixed dtypes or "
@@ -241,6 +251,74 @@ def _optimizer_chunks(path: str, src: LegacySource, rdir: str, sd: dict[str, Any
                     out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape)),
                                            Location(fname, f"optim/{n}:{base + s + at}", t + p * layout.tp)))
         base += b.numel_unpadded
+    return out
+
+
+def _inner(opt: Any) -> dict[str, Any]:
+    """The torch optimizer's state dict inside megatron-core's plain (itself) or Float16 (``optimizer``) one."""
+    if not isinstance(opt, dict):
+        return {}
+    return opt if "param_groups" in opt else opt.get("optimizer") or {}
+
+
+_ADAM = {"exp_avg", "exp_avg_sq"}
+
+
+def _plain_optimizer_chunks(path: str, rdir: str, sd: dict[str, Any], by_name: dict[str, tuple[list, str, bool]],
+                            rank: int, wanted: set[str], tensors: dict[str, TensorMeta],
+                            metas: dict[str, TensorMeta]) -> list[StoredChunk]:
+    """A plain optimizer's per-parameter state in one (TP, PP) rank's ``model_optim_rng.pt``, whole TP-local boxes.
+
+    The state's parameter numbering is megatron-core's ``_get_param_groups``: in each param group (weight-decayed,
+    ``wd_mult`` 1, first; bias and 1-D parameters, ``wd_mult`` 0, after) the rank's parameters in model order."""
+    fname = os.path.join(rdir, MODEL_FILE)
+    where = os.path.join(path, fname)
+    opt = sd.get("optimizer")
+    inner = _inner(opt)
+    groups, state = inner.get("param_groups"), inner.get("state")
+    if not groups or not state:
+        raise MegatronCheckpointError(f"{os.path.join(path, rdir, OPTIM_FILE)}: missing, and {where} holds no plain "
+                                      "optimizer's per-parameter state (no optimizer state for this rank)")
+    model = sd.get("model") or {}
+    order = [n for n in model if not n.endswith("_extra_state")]
+    no_wd = [n for n in order if n.endswith(".bias") or model[n].dim() == 1]
+    by_mult = {1.0: [n for n in order if n not in no_wd], 0.0: no_wd}
+    mults = [float(g.get("wd_mult", 1.0)) for g in groups]
+    if len(set(mults)) != len(mults) or not set(mults) <= set(by_mult):
+        raise MegatronCheckpointError(f"{where}: optimizer param groups with wd_mult {mults}: tenplex reads "
+                                      "megatron-core's default groups (weight decay 1, bias and 1-D parameters 0)")
+    fp32 = opt.get("fp32_from_fp16_params") if inner is not opt else None
+    if "fp32_param" in wanted and fp32 is None:
+        raise MegatronCheckpointError(f"{where}: no fp32_from_fp16_params (the fp32 main params of a bf16/fp16 model)")
+    out = []
+    for gi, (g, mult) in enumerate(zip(groups, mults)):
+        names = by_mult[mult]
+        if len(names) != len(g["params"]):
+            raise MegatronCheckpointError(
+                f"{where}: optimizer param group {gi} (wd_mult {mult}) numbers {len(g['params'])} parameters, the "
+                f"rank's model has {len(names)} such: is it from a different model?")
+        for i, (idx, name) in enumerate(zip(g["params"], names)):
+            boxes, key, copy = by_name.get(name, (None, None, False))
+            if key is None:
+                raise MegatronCheckpointError(f"{where}: tensor {name!r} is not a parameter of the job's model")
+            st = state.get(idx) or {}
+            if set(st) - {"step"} != _ADAM:
+                raise MegatronCheckpointError(f"{where}: optimizer state {sorted(st)} of {name!r} is not supported "
+                                              "(tenplex reads Adam's: exp_avg, exp_avg_sq)")
+            found = {n: (st[n], f"plain/{idx}/{n}") for n in sorted(_ADAM)}
+            if "fp32_param" in wanted:
+                found["fp32_param"] = (fp32[gi][i], f"fp32/{gi}/{i}")
+            for n, (tensor, entry) in found.items():
+                if tuple(tensor.shape) != tuple(model[name].shape):
+                    raise MegatronCheckpointError(f"{where}: optimizer state {n} of {name!r} has shape "
+                                                  f"{list(tensor.shape)}, the parameter {list(model[name].shape)}")
+                if copy:  # the tied output layer's copy on the last stage: the word embedding's state is kept
+                    continue
+                okey = f"optimizer.state.{n}.{key}"
+                tensors.setdefault(okey, replace(metas[key], key=okey, dtype="float32", param=key))
+                for at, off, shape, _, _ in split_flat(0, tensor.numel(), boxes):
+                    out.append(StoredChunk(Chunk(okey, tuple(off), tuple(shape)), Location(fname, f"{entry}:{at}",
+                                                                                          rank)))
     return out
 
 
