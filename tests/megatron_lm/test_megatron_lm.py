@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -67,6 +68,17 @@ def _losses(log: str) -> dict[int, float]:
     return out
 
 
+def patched_script(tmp_path: pathlib.Path) -> str:
+    """A copy of the checkout's top-level scripts with our patch applied; returns its ``pretrain_gpt.py``."""
+    work = tmp_path / "mlm"
+    work.mkdir()
+    for name in os.listdir(MLM):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(MLM, name), work / name)
+    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
+    return str(work / "pretrain_gpt.py")
+
+
 def _run(script: str, tp: int | None, vocab: int, extra: list[str]) -> str:
     import torch
 
@@ -98,13 +110,7 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str]) -> str:
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
 @pytest.mark.parametrize("vocab", [95, 96])
 def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, vocab: int) -> None:
-    work = tmp_path / "mlm"
-    work.mkdir()
-    for name in os.listdir(MLM):
-        if name.endswith(".py"):
-            shutil.copy(os.path.join(MLM, name), work / name)
-    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
-    script = str(work / "pretrain_gpt.py")
+    script = patched_script(tmp_path)
 
     ref_log = _run(script, 2, vocab, [])
     ref = _losses(ref_log)
