@@ -7,8 +7,14 @@ checkout is not edited; instead, before ``pretrain_gpt.py`` runs, megatron-core'
 CPU shim (``tenplex_megatron.training.cpu_shim``) is installed plus the few
 things Megatron-LM's training loop itself needs (each listed in ``_install``).
 Pass ``--distributed-backend gloo`` (a Megatron-LM flag) for the CPU.
+
+With ``TENPLEX_TEST_SAMPLES=FILE`` every sample Megatron-LM's ``GPTDataset``
+hands out on global rank 0 is appended to FILE (JSON lines: ``idx``, ``tokens``,
+``labels``, ``loss_mask``), so a test can recompute a loss on the very batch
+(use ``--num-workers 0``: data-loader workers would write from other processes).
 """
 
+import json
 import os
 import runpy
 import sys
@@ -43,8 +49,26 @@ def _install() -> None:
     fused_kernels.load = lambda *a, **k: None
 
 
+def _record_samples(path: str) -> None:
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    getitem = GPTDataset.__getitem__
+
+    def recorded(self: GPTDataset, idx: int | None) -> dict:
+        sample = getitem(self, idx)
+        if os.environ.get("RANK", "0") == "0":
+            with open(path, "a") as f:
+                f.write(json.dumps({"idx": None if idx is None else int(idx), **{
+                    k: sample[k].tolist() for k in ("tokens", "labels", "loss_mask")}}) + "\n")
+        return sample
+
+    GPTDataset.__getitem__ = recorded
+
+
 if not torch.cuda.is_available():
     _install()
+if os.environ.get("TENPLEX_TEST_SAMPLES"):
+    _record_samples(os.environ["TENPLEX_TEST_SAMPLES"])
 
 script = sys.argv[1]
 sys.argv = sys.argv[1:]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import subprocess
@@ -70,6 +71,17 @@ def _losses(log: str) -> dict[int, float]:
     return out
 
 
+def patched_script(tmp_path: pathlib.Path) -> str:
+    """A copy of the checkout's top-level scripts with our patch applied; returns its ``pretrain_gpt.py``."""
+    work = tmp_path / "mlm"
+    work.mkdir()
+    for name in os.listdir(MLM):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(MLM, name), work / name)
+    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
+    return str(work / "pretrain_gpt.py")
+
+
 def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True) -> str:
     import torch
 
@@ -98,12 +110,7 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: boo
 @pytest.fixture(scope="module")
 def script(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The checkout's top-level scripts, copied and patched (the checkout itself is not modified)."""
-    work = tmp_path_factory.mktemp("mlm")
-    for name in os.listdir(MLM):
-        if name.endswith(".py"):
-            shutil.copy(os.path.join(MLM, name), work / name)
-    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
-    return str(work / "pretrain_gpt.py")
+    return patched_script(tmp_path_factory.mktemp("mlm-module"))
 
 
 _REFERENCE: dict[int, dict[int, float]] = {}
