@@ -161,7 +161,7 @@ def test_load_errors_from_every_rank_reach_rank0(results: Results, case: int) ->
     failing = LOAD_FAULTS[case][1]
     r = results.second[f"load_fault{case}"]  # every rank's status agrees; the log is rank 0's
     assert r.returncode != 0
-    assert f"planning failed on {len(failing)} rank(s)" in r.log
+    assert f"opening sources failed on {len(failing)} rank(s)" in r.log  # load.read: where sources are opened
     for rank in failing:
         assert f"rank {rank}: RuntimeError: injected fault at load.read on rank {rank}" in r.log
 
