@@ -21,12 +21,10 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
-from tenplex_megatron.engine.chunks import chunk_name, holdings_json
-from tenplex_megatron.engine.save import SaveResult, build_metadata, save, writer_assignment
+from tenplex_megatron.engine.chunks import holdings_json
+from tenplex_megatron.engine.save import SaveResult, build_metadata, rank_tensors, save, writer_assignment
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
 from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
@@ -332,10 +330,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
     staging = directory.partial_dir(tier.mem, it)
 
     def write() -> tuple[int, dict[str, tuple[int, ...]]]:
-        mine: dict[str, torch.Tensor] = {}
-        for lc in chunks:
-            if writers.get(lc.chunk) == me:
-                mine.setdefault(chunk_name(lc.chunk), lc.data.reshape(-1))
+        mine = rank_tensors(chunks, writers, me)
         if not mine:
             return 0, {}
         path = os.path.join(staging, directory.rank_file_name(me))

@@ -52,6 +52,15 @@ def writer_assignment(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, i
     return holdings, assign_writers(holdings), all_meta
 
 
+def rank_tensors(chunks: list[LocalChunk], writers: dict[Chunk, int], me: int) -> dict[str, torch.Tensor]:
+    """The flat tensors rank ``me`` writes to its shard file: each chunk the assignment gave it, once, by name."""
+    mine: dict[str, torch.Tensor] = {}
+    for lc in chunks:
+        if writers.get(lc.chunk) == me:
+            mine.setdefault(chunk_name(lc.chunk), lc.data.reshape(-1))
+    return mine
+
+
 def build_metadata(writers: dict[Chunk, int], infos: list[dict[str, Any]], all_meta: dict[str, TensorMeta],
                    layout: dict[str, Any], iteration: int, metadata: Any) -> dict[str, Any]:
     """metadata.json of a save: the PTC (each chunk at its writer's file, with its block CRCs) and the rest."""
@@ -118,10 +127,7 @@ def save_chunks(
     holdings, writers, all_meta = run_phase(f"{what}: preparing the directory", prepare)
 
     def write() -> tuple[int, dict[str, tuple[int, ...]]]:
-        mine: dict[str, torch.Tensor] = {}
-        for lc in chunks:
-            if writers.get(lc.chunk) == me:
-                mine.setdefault(chunk_name(lc.chunk), lc.data.reshape(-1))
+        mine = rank_tensors(chunks, writers, me)
         if not mine:
             return 0, {}
         return write_safetensors(

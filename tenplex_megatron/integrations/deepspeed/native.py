@@ -21,8 +21,6 @@ from __future__ import annotations
 import glob
 import math
 import os
-import pickle
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +33,7 @@ from tenplex_megatron.integrations.deepspeed.zero import (
 )
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
 from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 from tenplex_megatron.storage.source import Opened, UncheckedSource
 
@@ -87,19 +86,9 @@ def read_pickle(path: str, trust_pickles: bool = False) -> dict[str, Any]:
     """A DeepSpeed ``.pt`` file, memory-mapped; ``weights_only`` with DeepSpeed's plain classes allowed."""
     if not os.path.isfile(path):
         raise CheckpointFileError(f"{path}: missing (a DeepSpeed checkpoint needs one file per rank)")
-    try:
-        if trust_pickles:
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        with torch.serialization.safe_globals(_safe_globals()):
-            return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        why = f"it names {found.group(1)}, not a DeepSpeed checkpoint class" if found else type(e).__name__
-        raise CheckpointFileError(
-            f"{path}: cannot be read with torch.load(weights_only=True) ({why}); "
-            "pass trust_pickles=True to unpickle it fully, only if you trust where it came from") from None
-    except (RuntimeError, OSError, EOFError) as e:
-        raise CheckpointFileError(f"{path}: not a readable DeepSpeed checkpoint file ({e})") from None
+    policy = PicklePolicy(tuple(_safe_globals()), "DeepSpeed", "a DeepSpeed checkpoint class", "trust_pickles=True",
+                          CheckpointFileError)
+    return load_restricted(path, path, policy, trust_pickles, mmap=True)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import io
 import json
 import math
 import os
-import pickle
 import re
 from collections import defaultdict
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from tenplex_megatron.plan.sim.sharding import local_param_boxes
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.distcp import DistcpFiles
 from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor, read_dcp_metadata
+from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 from tenplex_megatron.storage.source import Opened, UncheckedSource
 
@@ -71,6 +71,8 @@ def safe_globals() -> list[Any]:
 
 
 SAFE_GLOBALS = safe_globals()
+_POLICY = PicklePolicy(tuple(SAFE_GLOBALS), "Megatron", "one of the plain classes allowed",
+                       "--tenplex-trust-pickles (trust_pickles=True)", MegatronCheckpointError)
 
 
 def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = False, mmap: bool = False) -> Any:
@@ -79,19 +81,7 @@ def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = Fals
     src: Any = io.BytesIO(data) if data is not None else path
     if data is None and not os.path.isfile(path):
         raise MegatronCheckpointError(f"{path}: missing")
-    try:
-        if trust_pickles:
-            return torch.load(src, map_location="cpu", weights_only=False, mmap=mmap)
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(src, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as e:
-        found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        why = f"it names {found.group(1)}, not one of the plain classes allowed" if found else type(e).__name__
-        raise MegatronCheckpointError(
-            f"{path}: cannot be read with torch.load(weights_only=True) ({why}); pass --tenplex-trust-pickles "
-            "(trust_pickles=True) to unpickle it fully, only if you trust where it came from") from None
-    except (RuntimeError, OSError, EOFError) as e:
-        raise MegatronCheckpointError(f"{path}: not a readable Megatron checkpoint file ({e})") from None
+    return load_restricted(src, path, _POLICY, trust_pickles, mmap)
 
 
 @dataclass(frozen=True)
