@@ -3,19 +3,20 @@
 Each piece is a strided sub-box of a source rectangle (a zero-copy view of a
 memory-mapped shard file) copied into a strided sub-box of a destination
 tensor, which lives wherever the model lives (the GPU in production), so the
-assembly happens on the device and only the needed pages are read. Checksums
-are checked only over the blocks the pieces read (``verify.py``).
+assembly happens on the device and only the needed pages are read: through
+staging buffers (``staged.py``, a GPU's default) or one copy per piece.
+Checksums are checked only over the blocks the pieces read (``verify.py``).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
+from tenplex_megatron.execute.staged import box_view, execute_staged
 from tenplex_megatron.execute.verify import Block, BlockVerifier, piece_runs
 from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
@@ -24,6 +25,7 @@ from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
 from tenplex_megatron.storage.source import Source
+from tenplex_megatron.storage.staging import staging_mode
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,6 @@ class ExecStats:
     seconds: float
     bytes_verified: int = 0
     bytes_unverified: int = 0
-
-
-def _view(flat: torch.Tensor, start: int, rect: tuple[int, ...], sel: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    t = flat[start : start + math.prod(rect)].view(rect)
-    return t[tuple(slice(o, o + s) for o, s in zip(sel, shape))]
 
 
 class SourceFiles:
@@ -174,7 +171,9 @@ def execute_plan(
 ) -> ExecStats:
     """Fill ``dst`` (one flat tensor per destination chunk, in plan order) from the sources, verifying what it reads.
 
-    Blocks already verified (by :func:`prepare_sources`) are not read again for their checksum.
+    Blocks already verified (by :func:`prepare_sources`) are not read again for their checksum. Pieces go
+    through staging buffers (``execute/staged.py``) or are copied one by one from the file's map
+    (``TENPLEX_STAGING``: ``storage/staging.py``).
     """
     t0 = time.perf_counter()
     read = filled = unverified = 0
@@ -188,21 +187,26 @@ def execute_plan(
             if src.device.type == "cpu":
                 ranges += _piece_ranges(p, src)
         willneed(ranges)
+    for p in plan.pieces:
+        if p.source not in flats:
+            flats[p.source] = files.flat(sources[p.source])
+    device = dst[plan.pieces[0].dst].device if plan.pieces else torch.device("cpu")
+    staged = staging_mode(device) == "copy" and all(f.device.type == "cpu" for f in flats.values())
     with torch.no_grad():
-        for p in plan.pieces:
-            src = flats.get(p.source)
-            if src is None:
-                src = flats[p.source] = files.flat(sources[p.source])
+        if staged:
+            read, unverified = execute_staged(plan, sources, files, dst, flats)
+        for p in () if staged else plan.pieces:
+            src = flats[p.source]
             covered = files.check(sources[p.source], src, p)
-            s = _view(src, p.src_start, p.src_rect, p.src_sel, p.shape)
-            d = _view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape)
+            s = box_view(src, p.src_start, p.src_rect, p.src_sel, p.shape)
+            d = box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape)
             d.copy_(s)
             nbytes = s.numel() * s.element_size()
             read += nbytes
             if not covered:
                 unverified += nbytes
         for f in plan.fills:
-            d = _view(dst[f.dst], f.dst_start, f.dst_rect, f.dst_sel, f.shape)
+            d = box_view(dst[f.dst], f.dst_start, f.dst_rect, f.dst_sel, f.shape)
             d.zero_()
             filled += d.numel() * d.element_size()
     return ExecStats(read, filled, len(files.readers), time.perf_counter() - t0, files.bytes_verified, unverified)

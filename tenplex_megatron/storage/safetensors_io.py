@@ -26,6 +26,7 @@ from tenplex_megatron.storage.safetensors_header import (  # noqa: F401 (re-expo
     TensorEntry,
     read_header,
 )
+from tenplex_megatron.storage.staged_write import write_tensors
 
 BLOCK_BYTES = 1 << 20  # checksum granularity: a load verifies only the blocks it reads
 
@@ -56,9 +57,9 @@ def write_safetensors(
     """Write ``tensors`` to ``path`` in safetensors format and fsync it; returns its size and each tensor's block CRCs.
 
     The CRCs are :func:`block_crc32` of each tensor's bytes in ``block_bytes``
-    blocks. Tensors are streamed from their own memory (a GPU tensor is copied
-    to the host one at a time): no serialised copy of the whole file is built,
-    so the writer's peak memory stays near the shard itself.
+    blocks. Tensors are streamed from their own memory, or through bounded
+    staging buffers (a GPU's, ``storage/staged_write.py``): no serialised copy
+    of the whole file is built, so the writer's peak memory stays near the shard itself.
     """
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
@@ -70,14 +71,10 @@ def write_safetensors(
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as the reference writer does
-    sums: dict[str, tuple[int, ...]] = {}
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, t in tensors.items():
-            host = t.detach().to("cpu").contiguous()
-            sums[name] = block_crc32(host, block_bytes)
-            f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+        sums = write_tensors(f, tensors, block_bytes)
         f.flush()
         if after_write is not None:
             after_write()
