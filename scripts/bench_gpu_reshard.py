@@ -1,0 +1,351 @@
+"""One rank's share of a GPT state re-sharded into device memory at a TP change: staged vs per-piece vs megatron-core.
+
+Issue #15 point 5. For each model (``plan/sim/models.json``) it writes, with
+the real writer, the source chunks that destination rank ``--rank`` of
+``--dst`` reads from a checkpoint at ``--src`` (bf16 weights, fp32 main
+weights, Adam moments; megatron-core's N-D optimizer layout), then loads that
+share into tensors on ``--device``, each system ``--reps`` times, from the page
+cache (warm) and after evicting the files from it (cold: from storage):
+  staged    tenplex through staging buffers (TENPLEX_STAGING=copy: pinned buffers, a side stream on a GPU);
+  direct    tenplex's per-piece copies from the file's map (TENPLEX_STAGING=direct, the path before staging);
+  mcore     megatron-core dist_checkpointing (torch_dist) saving the same source chunks, loading the same share;
+beside the limits, measured in the same run: a sequential read of the files
+from storage (readinto, page cache evicted) and pinned host-to-device
+bandwidth (on the CPU: a host memory copy). GB/s are destination bytes over
+the median time. Checksums are verified (as a load does by default).
+Prints a table and ``RATIO`` lines: ``load_bandwidth <model>:<transition>
+staged/limit`` (the issue's target: at least 0.8 of the lower of storage read
+and host-to-device) and ``load_time ... staged/<peer>`` (below 1: staged is faster).
+
+    python scripts/bench_gpu_reshard.py                                  # GPU: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
+    python scripts/bench_gpu_reshard.py --device cpu --models tiny --reps 1 --systems staged direct
+    python scripts/bench_gpu_reshard.py --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from scripts.bench.disk import evict_page_cache  # noqa: E402
+from scripts.bench.report import machine, ratio_line  # noqa: E402
+from tenplex_megatron.execute.executor import SourceFiles, execute_plan, prepare_sources  # noqa: E402
+from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size  # noqa: E402
+from tenplex_megatron.plan.planner import RankPlan, plan_reshard  # noqa: E402
+from tenplex_megatron.plan.ptc import PTC, Chunk, StoredChunk, TensorMeta  # noqa: E402
+from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors, load_model  # noqa: E402
+from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab, source_from_layout  # noqa: E402
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, write_safetensors  # noqa: E402
+
+MODELS = ["gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b"]
+SYSTEMS = ["staged", "direct", "mcore"]
+GB = 1e9
+
+
+def _layout(text: str) -> ParallelLayout:
+    tp, pp, dp = (int(x) for x in text.split(","))
+    return ParallelLayout(tp, pp, dp)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclasses.dataclass
+class Share:
+    """The source files written for one destination rank and that rank's plan."""
+
+    root: str
+    tensors: dict[str, TensorMeta]
+    source: PTC
+    plan: RankPlan
+    sources: tuple[StoredChunk, ...]
+    dst_bytes: int
+    file_bytes: int
+
+
+def write_share(root: str, model: str, src: ParallelLayout, dst: ParallelLayout, rank: int) -> Share:
+    """Write (random bytes, real writer, block CRCs) every source chunk the destination rank reads."""
+    dims = load_model(model)
+    saved = padded_vocab_size(dims.vocab_size, 128, src.tp)
+    tensors = gpt_tensors(dims, saved)
+    full = source_from_layout(tensors, src, False)
+    dst_tensors = resize_vocab(tensors, restart_padded_vocab_size(dims.vocab_size, 128, dst.tp, saved))
+    want = layout_chunks(dst_tensors, dst, False)[rank]
+    plan = plan_reshard(full, dst_tensors, {rank: want}, strict=False)
+    used = {plan.sources[p.source] for p in plan.ranks[rank].pieces}
+    by_file: dict[str, list[StoredChunk]] = defaultdict(list)
+    for sc in used:
+        by_file[sc.location.file].append(sc)
+    pattern = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8)
+    stored = []
+    for fname, scs in sorted(by_file.items()):
+        blobs = {}
+        for sc in scs:
+            t = torch.empty(sc.chunk.numel, dtype=TORCH_DTYPES[tensors[sc.chunk.key].dtype])
+            raw = t.view(torch.uint8)
+            for lo in range(0, raw.numel(), pattern.numel()):
+                n = min(pattern.numel(), raw.numel() - lo)
+                raw[lo : lo + n] = pattern[:n]
+            blobs[sc.location.name] = t
+        _, sums = write_safetensors(os.path.join(root, fname), blobs)
+        del blobs
+        for sc in scs:
+            loc = dataclasses.replace(sc.location, block_crc32=sums[sc.location.name], block_bytes=BLOCK_BYTES)
+            stored.append(StoredChunk(sc.chunk, loc))
+    written = {sc.chunk: sc for sc in stored}  # the rest of the checkpoint stays unwritten: the plan never reads it
+    source = PTC(tensors, tuple(written.get(sc.chunk, sc) for sc in full.chunks), full.layout)
+    plan = plan_reshard(source, dst_tensors, {rank: want}, strict=False)
+    rp = plan.ranks[rank]
+    if any(plan.sources[p.source].location.block_crc32 is None for p in rp.pieces):
+        raise RuntimeError("the plan reads a chunk that was not written")
+    dst_bytes = sum(c.numel * TORCH_DTYPES[dst_tensors[c.key].dtype].itemsize for c in rp.chunks)
+    files = sum(os.path.getsize(os.path.join(root, f)) for f in by_file)
+    return Share(root, dst_tensors, source, rp, plan.sources, dst_bytes, files)
+
+
+def tenplex_load(share: Share, device: torch.device, mode: str) -> Callable[[], None]:
+    def run() -> None:
+        os.environ["TENPLEX_STAGING"] = mode
+        out = [torch.empty(c.numel, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device)
+               for c in share.plan.chunks]
+        files = SourceFiles(share.root, {k: m.dtype for k, m in share.tensors.items()}, verify=True)
+        try:
+            prepare_sources(share.plan, share.sources, files)  # checksums first, as engine.load does
+            execute_plan(share.plan, share.sources, files, out)
+            _sync(device)
+        finally:
+            files.close()
+    return run
+
+
+def _rank_offsets(c: Chunk, meta: TensorMeta) -> list[tuple[int, int, int]] | None:
+    out = []
+    for axis, (o, n, g) in enumerate(zip(c.offsets, c.shape, meta.global_shape)):
+        if n != g:
+            if g % n or o % n:
+                return None
+            out.append((axis, o // n, g // n))
+    return out
+
+
+def _sharded(chunks: list[Chunk], tensors: dict[str, TensorMeta], make: Callable[[Chunk], torch.Tensor]) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    sd: dict[str, Any] = {}
+    for i, c in enumerate(chunks):
+        offs = _rank_offsets(c, tensors[c.key])
+        if c.flat is not None or offs is None:
+            raise ValueError(f"{c.key}: a chunk megatron-core cannot describe by rank offsets")
+        sd[f"{c.key}.{i}"] = ShardedTensor.from_rank_offsets(c.key, make(c), *offs, replica_id=0)
+    return sd
+
+
+def mcore_setup(share: Share, root: str, device: torch.device) -> Callable[[], None]:
+    """Save the share's source chunks with megatron-core dist_checkpointing; return the timed load of the share."""
+    from megatron.core import dist_checkpointing
+
+    files = SourceFiles(share.root, {k: m.dtype for k, m in share.tensors.items()}, verify=False)
+    written = {sc.chunk: sc for sc in share.source.chunks if sc.location.block_crc32 is not None}
+    sd = _sharded(list(written), share.tensors, lambda c: files.flat(written[c]).view(c.shape))
+    os.makedirs(root, exist_ok=True)
+    with _no_cuda_sync(device):
+        dist_checkpointing.save(sd, root, validate_access_integrity=False)
+    files.close()
+
+    def run() -> None:
+        want = _sharded(list(share.plan.chunks), share.tensors, lambda c: torch.empty(
+            c.shape, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device))
+        with _no_cuda_sync(device):
+            dist_checkpointing.load(want, root, validate_access_integrity=False)
+        _sync(device)
+    return run
+
+
+@contextlib.contextmanager
+def _no_cuda_sync(device: torch.device) -> Iterator[None]:
+    """On the CPU, megatron-core's save calls ``torch.cuda.synchronize()`` and ``current_device()``: redirected for
+    the call (nothing else is, unlike the trainer's ``cpu_shim``, whose torch-function mode would slow every other system)."""
+    if device.type == "cuda":
+        yield
+        return
+    real = torch.cuda.synchronize, torch.cuda.current_device
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize, torch.cuda.current_device = real  # type: ignore[assignment]
+
+
+def seq_read(root: str) -> tuple[float, int]:
+    """Seconds to read every file under ``root`` sequentially from storage (page cache evicted), and the bytes."""
+    total = evict_page_cache(root)
+    buf = bytearray(64 << 20)
+    t0 = time.perf_counter()
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    return time.perf_counter() - t0, total
+
+
+def h2d(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """GB/s of a pinned host buffer copied to the device (on the CPU: into another host buffer)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda").fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dev.copy_(host, non_blocking=True)
+    _sync(device)
+    return reps * nbytes / (time.perf_counter() - t0) / GB
+
+
+def timed(fn: Callable[[], None], reps: int, cold_dir: str | None) -> float:
+    """Median seconds of ``fn`` (warm: one untimed run first; cold: the page cache of ``cold_dir`` evicted each time)."""
+    times = []
+    if cold_dir is None:
+        fn()
+    for _ in range(reps):
+        if cold_dir is not None:
+            evict_page_cache(cold_dir)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    src, dst = _layout(args.src), _layout(args.dst)
+    with tempfile.TemporaryDirectory(dir=args.dir) as root:
+        t0 = time.perf_counter()
+        share = write_share(root, model, src, dst, args.rank)
+        row: dict[str, Any] = {"model": model, "transition": f"tp{src.tp}pp{src.pp}-tp{dst.tp}pp{dst.pp}",
+                               "dst_bytes": share.dst_bytes, "file_bytes": share.file_bytes,
+                               "write_s": time.perf_counter() - t0}
+        secs, nbytes = seq_read(root)
+        row["storage_read_gbps"] = nbytes / secs / GB
+        row["h2d_gbps"] = h2d(device, min(256 << 20, max(share.dst_bytes, 1 << 20)))
+        runs: dict[str, Callable[[], None]] = {}
+        for system in args.systems:
+            if system in ("staged", "direct"):
+                runs[system] = tenplex_load(share, device, "copy" if system == "staged" else "direct")
+        mdir = os.path.join(args.dir or tempfile.gettempdir(), f"mcore-{os.getpid()}")
+        try:
+            if "mcore" in args.systems:
+                try:
+                    runs["mcore"] = mcore_setup(share, mdir, device)
+                except Exception as e:  # report why, measure the rest
+                    row["mcore_error"] = f"{type(e).__name__}: {e}"
+                    traceback.print_exc()
+            for system, fn in runs.items():
+                for temp in ("warm", "cold"):
+                    cold = None if temp == "warm" else (mdir if system == "mcore" else root)
+                    try:
+                        s = timed(fn, args.reps, cold)
+                    except Exception as e:
+                        row[f"{system}_error"] = f"{type(e).__name__}: {e}"
+                        break
+                    row[f"{system}_{temp}_s"] = s
+                    row[f"{system}_{temp}_gbps"] = share.dst_bytes / s / GB
+        finally:
+            import shutil
+
+            shutil.rmtree(mdir, ignore_errors=True)
+    return row
+
+
+def report(rows: list[dict[str, Any]], device: str) -> None:
+    cols = ["model", "transition", "dst GB", "storage", "h2d"]
+    systems = [s for s in SYSTEMS if any(f"{s}_warm_gbps" in r for r in rows)]
+    cols += [f"{s} {t}" for s in systems for t in ("warm", "cold")]
+    print(f"device: {device}; GB/s of destination bytes (storage: sequential read from storage; h2d: pinned "
+          "host-to-device copy, on the CPU a memory copy)")
+    print(" | ".join(cols))
+    for r in rows:
+        vals = [r["model"], r["transition"], f"{r['dst_bytes'] / GB:.3f}", f"{r['storage_read_gbps']:.2f}",
+                f"{r['h2d_gbps']:.2f}"]
+        vals += [f"{r[f'{s}_{t}_gbps']:.2f}" if f"{s}_{t}_gbps" in r else "-" for s in systems for t in ("warm", "cold")]
+        print(" | ".join(vals))
+        for k in sorted(r):
+            if k.endswith("_error"):
+                print(f"  {k}: {r[k]}")
+    for r in rows:
+        target = f"{r['model']}:{r['transition']}"
+        for temp, limit in (("warm", r["h2d_gbps"]), ("cold", min(r["storage_read_gbps"], r["h2d_gbps"]))):
+            got = r.get(f"staged_{temp}_gbps")
+            if got is not None:
+                print(ratio_line(f"load_bandwidth_{temp} {target} staged/limit", got / limit))
+            for peer in ("direct", "mcore"):
+                if got is not None and f"{peer}_{temp}_s" in r:
+                    print(ratio_line(f"load_time_{temp} {target} staged/{peer}",
+                                     r[f"staged_{temp}_s"] / r[f"{peer}_{temp}_s"]))
+
+
+def _init_process_group(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--src", default="2,1,1", help="source layout tp,pp,dp (default 2,1,1)")
+    ap.add_argument("--dst", default="4,1,1", help="destination layout tp,pp,dp (default 4,1,1)")
+    ap.add_argument("--rank", type=int, default=0, help="the destination rank whose share is loaded")
+    ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="where to write the files (default: the temp directory)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if "mcore" in args.systems:
+        _init_process_group(device)
+    old = os.environ.get("TENPLEX_STAGING")
+    rows = []
+    try:
+        for model in args.models:
+            rows.append(bench_model(model, args, device))
+    finally:
+        if old is None:
+            os.environ.pop("TENPLEX_STAGING", None)
+        else:
+            os.environ["TENPLEX_STAGING"] = old
+    report(rows, name)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"machine": machine(), "device": name, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
