@@ -120,8 +120,8 @@ def write_share(root: str, model: str, src: ParallelLayout, dst: ParallelLayout,
     return Share(root, dst_tensors, source, rp, plan.sources, dst_bytes, files)
 
 
-def tenplex_load(share: Share, device: torch.device, mode: str) -> Callable[[], None]:
-    def run() -> None:
+def tenplex_load(share: Share, device: torch.device, mode: str) -> Callable[[], list[torch.Tensor]]:
+    def run() -> list[torch.Tensor]:
         os.environ["TENPLEX_STAGING"] = mode
         out = [torch.empty(c.numel, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device)
                for c in share.plan.chunks]
@@ -132,6 +132,7 @@ def tenplex_load(share: Share, device: torch.device, mode: str) -> Callable[[], 
             _sync(device)
         finally:
             files.close()
+        return out
     return run
 
 
@@ -157,7 +158,7 @@ def _sharded(chunks: list[Chunk], tensors: dict[str, TensorMeta], make: Callable
     return sd
 
 
-def mcore_setup(share: Share, root: str, device: torch.device) -> Callable[[], None]:
+def mcore_setup(share: Share, root: str, device: torch.device) -> Callable[[], list[torch.Tensor]]:
     """Save the share's source chunks with megatron-core dist_checkpointing; return the timed load of the share."""
     from megatron.core import dist_checkpointing
 
@@ -169,12 +170,14 @@ def mcore_setup(share: Share, root: str, device: torch.device) -> Callable[[], N
         dist_checkpointing.save(sd, root, validate_access_integrity=False)
     files.close()
 
-    def run() -> None:
-        want = _sharded(list(share.plan.chunks), share.tensors, lambda c: torch.empty(
+    def run() -> list[torch.Tensor]:
+        chunks = list(share.plan.chunks)
+        want = _sharded(chunks, share.tensors, lambda c: torch.empty(
             c.shape, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device))
         with _no_cuda_sync(device):
-            dist_checkpointing.load(want, root, validate_access_integrity=False)
+            got = dist_checkpointing.load(want, root, validate_access_integrity=False)
         _sync(device)
+        return [got[f"{c.key}.{i}"].reshape(-1) for i, c in enumerate(chunks)]
     return run
 
 
@@ -222,7 +225,7 @@ def h2d(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return reps * nbytes / (time.perf_counter() - t0) / GB
 
 
-def timed(fn: Callable[[], None], reps: int, cold_dir: str | None) -> float:
+def timed(fn: Callable[[], Any], reps: int, cold_dir: str | None) -> float:
     """Median seconds of ``fn`` (warm: one untimed run first; cold: the page cache of ``cold_dir`` evicted each time)."""
     times = []
     if cold_dir is None:
@@ -236,6 +239,24 @@ def timed(fn: Callable[[], None], reps: int, cold_dir: str | None) -> float:
     return statistics.median(times)
 
 
+def identical(runs: dict[str, Callable[[], list[torch.Tensor]]]) -> dict[str, bool]:
+    """Whether each system loaded the same bytes as the first one (one system's share in memory at a time)."""
+    names = list(runs)
+    if len(names) < 2:
+        return {}
+    ref = [t.cpu() for t in runs[names[0]]()]
+    out = {}
+    for name in names[1:]:
+        try:
+            got = runs[name]()
+        except Exception:
+            continue  # its error is already reported
+        out[f"{name}=={names[0]}"] = all(torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8))
+                                         for a, b in zip(ref, got))
+        del got
+    return out
+
+
 def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     src, dst = _layout(args.src), _layout(args.dst)
     with tempfile.TemporaryDirectory(dir=args.dir) as root:
@@ -247,7 +268,7 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
         secs, nbytes = seq_read(root)
         row["storage_read_gbps"] = nbytes / secs / GB
         row["h2d_gbps"] = h2d(device, min(256 << 20, max(share.dst_bytes, 1 << 20)))
-        runs: dict[str, Callable[[], None]] = {}
+        runs: dict[str, Callable[[], list[torch.Tensor]]] = {}
         for system in args.systems:
             if system in ("staged", "direct"):
                 runs[system] = tenplex_load(share, device, "copy" if system == "staged" else "direct")
@@ -269,6 +290,7 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
                         break
                     row[f"{system}_{temp}_s"] = s
                     row[f"{system}_{temp}_gbps"] = share.dst_bytes / s / GB
+            row["identical"] = identical(runs)
         finally:
             import shutil
 
@@ -291,6 +313,8 @@ def report(rows: list[dict[str, Any]], device: str) -> None:
         for k in sorted(r):
             if k.endswith("_error"):
                 print(f"  {k}: {r[k]}")
+        for k, same in r.get("identical", {}).items():
+            print(f"  check {r['model']}: {k}: {'identical bytes' if same else 'DIFFERENT BYTES'}")
     for r in rows:
         target = f"{r['model']}:{r['transition']}"
         for temp, limit in (("warm", r["h2d_gbps"]), ("cold", min(r["storage_read_gbps"], r["h2d_gbps"]))):

@@ -1,0 +1,35 @@
+"""Smoke test of ``scripts/bench_gpu_reshard.py`` on the CPU (one plain-python launch, tiny model): every system
+runs, loads the same bytes (staged, per-piece and megatron-core dist_checkpointing), and the RATIO lines print."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.dist
+
+
+def test_bench_gpu_reshard_cpu_tiny(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_reshard.py"), "--device", "cpu",
+                        "--models", "tiny", "--reps", "1", "--dir", str(tmp_path), "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert not [k for k in row if k.endswith("_error")], row
+    assert row["identical"] == {"direct==staged": True, "mcore==staged": True}
+    assert row["dst_bytes"] > 0 and row["file_bytes"] >= row["dst_bytes"] // 2
+    for system in ("staged", "direct", "mcore"):
+        for temp in ("warm", "cold"):
+            assert row[f"{system}_{temp}_gbps"] > 0
+    for temp in ("warm", "cold"):
+        assert f"RATIO load_bandwidth_{temp} tiny:tp2pp1-tp4pp1 staged/limit = " in p.stdout
+        for peer in ("direct", "mcore"):
+            assert f"RATIO load_time_{temp} tiny:tp2pp1-tp4pp1 staged/{peer} = " in p.stdout
