@@ -4,7 +4,7 @@ Issue #15 point 5. For each model (``plan/sim/models.json``) it writes, with
 the real writer, the source chunks that destination rank ``--rank`` of
 ``--dst`` reads from a checkpoint at ``--src`` (bf16 weights, fp32 main
 weights, Adam moments; megatron-core's N-D optimizer layout), then loads that
-share into tensors on ``--device``, each system ``--reps`` times, from the page
+share into tensors on ``--device``, each system ``--reps`` times (round-robin), from the page
 cache (warm) and after evicting the files from it (cold: from storage):
   staged    tenplex through staging buffers (TENPLEX_STAGING=copy: pinned buffers, a side stream on a GPU);
   direct    tenplex's per-piece copies from the file's map (TENPLEX_STAGING=direct, the path before staging);
@@ -225,18 +225,36 @@ def h2d(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return reps * nbytes / (time.perf_counter() - t0) / GB
 
 
-def timed(fn: Callable[[], Any], reps: int, cold_dir: str | None) -> float:
-    """Median seconds of ``fn`` (warm: one untimed run first; cold: the page cache of ``cold_dir`` evicted each time)."""
-    times = []
-    if cold_dir is None:
-        fn()
-    for _ in range(reps):
-        if cold_dir is not None:
-            evict_page_cache(cold_dir)
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def time_round_robin(runs: dict[str, Callable[[], Any]], reps: int, cold_dirs: dict[str, str | None],
+                     row: dict[str, Any]) -> dict[str, float]:
+    """Median seconds of each system, repetitions round-robin over the systems (the order rotating each time), so
+    a change of the machine's load hits all alike. ``cold_dirs[s]``: evicted from the page cache before each of
+    ``s``'s runs (None: warm, after one untimed run). A system that fails is reported in ``row`` and dropped."""
+    live = dict(runs)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+
+    def one(name: str, timed: bool) -> None:
+        try:
+            cold = cold_dirs[name]
+            if cold is not None:
+                evict_page_cache(cold)
+            t0 = time.perf_counter()
+            live[name]()
+            if timed:
+                times[name].append(time.perf_counter() - t0)
+        except Exception as e:
+            row[f"{name}_error"] = f"{type(e).__name__}: {e}"
+            live.pop(name)
+
+    for name in list(live):
+        if cold_dirs[name] is None:
+            one(name, False)
+    for rep in range(reps):
+        names = list(live)
+        for name in names[rep % max(1, len(names)):] + names[: rep % max(1, len(names))]:
+            if name in live:
+                one(name, True)
+    return {name: statistics.median(ts) for name, ts in times.items() if ts and name in live}
 
 
 def identical(runs: dict[str, Callable[[], list[torch.Tensor]]]) -> dict[str, bool]:
@@ -280,16 +298,12 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
                 except Exception as e:  # report why, measure the rest
                     row["mcore_error"] = f"{type(e).__name__}: {e}"
                     traceback.print_exc()
-            for system, fn in runs.items():
-                for temp in ("warm", "cold"):
-                    cold = None if temp == "warm" else (mdir if system == "mcore" else root)
-                    try:
-                        s = timed(fn, args.reps, cold)
-                    except Exception as e:
-                        row[f"{system}_error"] = f"{type(e).__name__}: {e}"
-                        break
-                    row[f"{system}_{temp}_s"] = s
-                    row[f"{system}_{temp}_gbps"] = share.dst_bytes / s / GB
+            for temp in ("warm", "cold"):
+                cold = {name: None if temp == "warm" else (mdir if name == "mcore" else root) for name in runs}
+                for system, secs in time_round_robin(runs, args.reps, cold, row).items():
+                    row[f"{system}_{temp}_s"] = secs
+                    row[f"{system}_{temp}_gbps"] = share.dst_bytes / secs / GB
+            runs = {name: fn for name, fn in runs.items() if f"{name}_error" not in row}
             row["identical"] = identical(runs)
         finally:
             import shutil
