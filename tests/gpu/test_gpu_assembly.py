@@ -44,7 +44,8 @@ def test_ring_is_pinned_and_uses_a_side_stream() -> None:
 
 @pytest.mark.parametrize("src,dst", TRANSITIONS)
 @pytest.mark.parametrize("total,count", [(64, 1), (192, 3), (4096, 2), (256 << 20, 3)])
-def test_staged_into_cuda_matches_per_piece_on_cpu(tmp_path, src, dst, total, count) -> None:
+def test_staged_into_cuda_matches_per_piece_on_cpu(tmp_path, monkeypatch, src, dst, total, count) -> None:
+    monkeypatch.setenv("TENPLEX_STAGING", "direct")  # the reference: execute_plan's per-piece copies on the CPU
     tensors = _tensors(3, 4)
     gen = torch.Generator().manual_seed(total + count)
     full = {k: torch.randn(t.global_shape, generator=gen).to(getattr(torch, t.dtype)) for k, t in tensors.items()}
@@ -53,11 +54,7 @@ def test_staged_into_cuda_matches_per_piece_on_cpu(tmp_path, src, dst, total, co
     for rp in plan.ranks.values():
         files = SourceFiles(str(tmp_path), {k: m.dtype for k, m in tensors.items()}, require_checksums=True)
         ref = [torch.zeros(c.numel, dtype=getattr(torch, tensors[c.key].dtype)) for c in rp.chunks]
-        os.environ["TENPLEX_STAGING"] = "direct"
-        try:
-            execute_plan(rp, plan.sources, files, ref)
-        finally:
-            del os.environ["TENPLEX_STAGING"]
+        execute_plan(rp, plan.sources, files, ref)
         got = [torch.zeros(c.numel, dtype=getattr(torch, tensors[c.key].dtype), device="cuda") for c in rp.chunks]
         read, unverified = execute_staged(rp, plan.sources, files, got, {}, total, count)
         files.close()
