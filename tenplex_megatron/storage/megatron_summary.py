@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
@@ -22,6 +23,42 @@ from tenplex_megatron.storage.files import CheckpointFileError
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+_STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
+                   "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+_NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.dtypes", "UInt32DType")}
+
+
+@dataclass(frozen=True)
+class TensorStub:
+    """A pickled tensor's shape and dtype, its data not read."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Dict(dict):
+    """An ``OrderedDict`` as a dict that takes the attributes pickled with it (a state dict's ``_metadata``)."""
+
+
+class _Opaque:
+    """A numpy value (an RNG state) in a Megatron pickle: accepted, not built."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _rebuild_tensor(storage: Any, offset: int, size: tuple[int, ...], *rest: Any) -> TensorStub:
+    return TensorStub(tuple(int(n) for n in size), storage if isinstance(storage, str) else "unknown")
 
 
 class _CommonUnpickler(pickle.Unpickler):
@@ -33,26 +70,39 @@ class _CommonUnpickler(pickle.Unpickler):
         if (module, name) == ("argparse", "Namespace"):
             return argparse.Namespace
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return _Dict
         if module == "torch" and name in DTYPE_NAMES:
             return name
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda *a: "<tensor>"
+            return _rebuild_tensor
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        if (module, name) in _NUMPY:
+            return _Opaque
+        if (module, name) == ("_codecs", "encode"):  # a numpy array's bytes under protocol 2
+            return _Opaque
         raise CheckpointFileError(f"{self.path}: names {module}.{name}, not a plain class (not read)")
 
     def persistent_load(self, pid: Any) -> Any:
-        return None  # tensor storages: not read
+        return pid[1] if isinstance(pid, tuple) and len(pid) > 1 and isinstance(pid[1], str) else None
 
 
-def read_common(path: str) -> dict[str, Any]:
-    """``common.pt``'s plain values (tensors as ``"<tensor>"``), without torch."""
+def read_torch_pickle(path: str) -> Any:
+    """A ``torch.save`` zip's plain values, tensors as :class:`TensorStub` (data not read), without torch."""
     try:
         with zipfile.ZipFile(path) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
             with z.open(name) as f:
-                out = _CommonUnpickler(f, path).load()
+                return _CommonUnpickler(f, path).load()
     except (OSError, zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError) as e:
-        raise CheckpointFileError(f"{path}: not a readable common.pt ({type(e).__name__}: {e})") from None
+        raise CheckpointFileError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from None
+
+
+def read_common(path: str) -> dict[str, Any]:
+    """``common.pt``'s plain values (tensors as :class:`TensorStub`), without torch."""
+    out = read_torch_pickle(path)
     if not isinstance(out, dict):
         raise CheckpointFileError(f"{path}: not a dict")
     return out

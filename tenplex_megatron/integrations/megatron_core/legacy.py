@@ -30,19 +30,13 @@ from typing import Any
 import torch
 
 from tenplex_megatron.engine.optimizer_json import jsonable
-from tenplex_megatron.integrations.megatron_core.native import (
-    POST_KEYS,
-    PRE_KEYS,
-    MegatronCheckpointError,
-    load_pickle,
-    split_flat,
-    stage_params,
-)
+from tenplex_megatron.integrations.megatron_core.native import load_pickle
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.megatron_ptc import POST_KEYS, PRE_KEYS, MegatronCheckpointError, split_flat, stage_params
 from tenplex_megatron.storage.source import Opened, UncheckedSource
 
 SUPPORTED_VERSIONS = (3.0,)  # Megatron-LM's checkpoint_version
