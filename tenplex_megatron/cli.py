@@ -53,7 +53,8 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.megatron_summary import summarize
+from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas, read_torch_dist
+from tenplex_megatron.storage.megatron_summary import read_common, summarize
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
@@ -172,12 +173,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_model(args)
     if not args.checkpoint:
         raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
-    if (mck := _megatron(args.checkpoint)) is not None:
-        raise CLIError(f"{mck}: Megatron's own checkpoint: where its distributed-optimizer buckets' bytes go depends "
-                       "on the model's parameter order, which tenplex takes from the model at load (--tenplex); "
-                       "`plan --to` works on tenplex checkpoints (or `plan --model NAME --from LAYOUT`)")
     t_read = time.perf_counter()
-    ckpt, meta, source = _load(args.checkpoint)
+    if (mck := _megatron(args.checkpoint)) is not None:
+        ckpt, meta, source, shape = _describe_megatron(mck)
+    else:
+        ckpt, meta, source = _load(args.checkpoint)
+        shape = ModelShape.from_record(meta.get("model", {})) if meta.get("framework") != "deepspeed" else None
     read_seconds = time.perf_counter() - t_read
     try:
         dst = ParallelLayout.parse(args.to)
@@ -186,17 +187,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if meta.get("framework") == "deepspeed":
         raise CLIError(f"{ckpt}: a DeepSpeed checkpoint: its ZeRO partitions at a new DP size are computed by "
                        "DeepSpeed at load, so `plan --to` is not supported for it (`inspect` is)")
-    shape = ModelShape.from_record(meta.get("model", {}))
     try:
-        dst.check_fits(shape)
+        if shape is not None:
+            dst.check_fits(shape)
     except LayoutError as e:
         raise CLIError(str(e)) from None
+    vocab, divisible_by = _vocab(shape, source)
     distopt = meta.get("use_distributed_optimizer", False) if args.distributed_optimizer is None else args.distributed_optimizer
     saved_vocab = meta.get("padded_vocab_size")
     if args.vocab_padding == "keep":
-        padded = restart_padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp, saved_vocab)
+        padded = restart_padded_vocab_size(vocab, divisible_by, dst.tp, saved_vocab)
     else:
-        padded = padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp)
+        padded = padded_vocab_size(vocab, divisible_by, dst.tp)
     t0 = time.perf_counter()
     try:
         tensors = resize_vocab(source.tensors, padded)
@@ -227,6 +229,40 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for r, b in report["bytes_per_rank"].items():
             print(f"  rank {r:>5}: {_fmt_bytes(b)}")
     return 0
+
+
+def _vocab(shape: ModelShape | None, source: PTC) -> tuple[int, int]:
+    """The real vocabulary and its padding rule: the model record's, or (a Megatron checkpoint without args) the word
+    embedding's rows as the checkpoint holds them, padded to a multiple of 128 (Megatron-LM's default)."""
+    if shape is not None:
+        return shape.vocab_size, shape.make_vocab_size_divisible_by
+    emb = source.tensors.get("embedding.word_embeddings.weight")
+    return (emb.vocab_rows or emb.global_shape[0]) if emb is not None else 0, 128
+
+
+def _describe_megatron(path: str) -> tuple[str, dict[str, Any], PTC, ModelShape | None]:
+    """Megatron's own checkpoint as ``plan`` sees it, without torch: its meta, its stored chunks as a PTC (the same
+    description adoption uses, ``storage/megatron_ptc.py``) and its shape when ``common.pt`` holds the args."""
+    if is_legacy_megatron_checkpoint(path):
+        raise CLIError(f"{path}: Megatron-LM's legacy --ckpt-format torch checkpoint: `plan --to` reads torch_dist "
+                       "ones (`inspect` reads this one; it is adopted at any layout with --tenplex)")
+    try:
+        ck = read_torch_dist(path, read_common)
+        metas, layer_keys = index_model_metas(ck)
+        wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in metas.values())
+                                              else set())
+        ptc = describe_torch_dist(ck, metas, layer_keys, wanted)
+    except CheckpointFileError as e:
+        raise CLIError(str(e)) from None
+    emb = ptc.tensors.get("embedding.word_embeddings.weight")
+    meta = {"layout": ptc.layout, "use_distributed_optimizer": ck.sharding_type is not None,
+            "padded_vocab_size": emb.global_shape[0] if emb is not None else None}
+    a = ck.common.get("args")
+    shape = None
+    if a is not None and all(hasattr(a, n) for n in ("num_layers", "hidden_size", "num_attention_heads")):
+        rows = emb.vocab_rows if emb is not None else 0
+        shape = ModelShape.from_record({**vars(a), "vocab_size": getattr(a, "vocab_size", None) or rows})
+    return path, meta, ptc, shape
 
 
 def _plan_model(args: argparse.Namespace) -> int:

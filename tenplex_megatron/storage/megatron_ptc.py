@@ -11,9 +11,12 @@ and plain-optimizer checkpoints hold model-space optimizer tensors, read as they
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -21,7 +24,8 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.sharding import local_param_boxes
-from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor
+from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
 
 SUPPORTED_BACKENDS = {("torch_dist", 1)}  # metadata.json's (sharded_backend, sharded_backend_version)
@@ -61,6 +65,38 @@ class TorchDistCheckpoint:
     def writer(self, info: Any) -> int:
         m = _RANK_FILE.fullmatch(info.relative_path)
         return int(m.group(1)) if m else 0
+
+
+def read_torch_dist(path: str, load_common: Callable[[str], Any], trust_pickles: bool = False) -> TorchDistCheckpoint:
+    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt`` (with ``load_common``: torch's
+    restricted ``torch.load`` at adoption, the torch-free reader in the cli), checking the format."""
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise MegatronCheckpointError(f"{os.path.join(path, 'metadata.json')}: unreadable ({e})") from None
+    found = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
+    if found not in SUPPORTED_BACKENDS:
+        supported = ", ".join(f"{b} version {v}" for b, v in sorted(SUPPORTED_BACKENDS))
+        raise MegatronCheckpointError(f"{os.path.join(path, 'metadata.json')}: sharded backend {found[0]} version "
+                                      f"{found[1]} is not supported (tenplex reads {supported})")
+    index = read_dcp_metadata(path, trust_pickles)
+    common = load_common(os.path.join(path, "common.pt"))
+    if not isinstance(common, dict):
+        raise MegatronCheckpointError(f"{os.path.join(path, 'common.pt')}: not a dict")
+    content = common.get("content_metadata") or {}
+    opt = common.get("optimizer") or {}
+    sharding = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
+    sharding = sharding or (content.get("distrib_optim_sharding_type") if any(
+        k.startswith("optimizer.distributed.") for k in index.tensors) else None)
+    if sharding is not None and sharding not in SUPPORTED_SHARDING:
+        raise MegatronCheckpointError(f"{path}: distributed-optimizer format {sharding!r} is not supported "
+                                      f"(tenplex reads {', '.join(SUPPORTED_SHARDING)})")
+    for name in sorted({s.relative_path for s in index.items.values()}):  # every rank's file, whoever reads it
+        if not os.path.isfile(confine(path, name, "the torch_dist index")):
+            raise MegatronCheckpointError(f"{os.path.join(path, name)}: missing (the index names it: every rank's "
+                                          "file must be there)")
+    return TorchDistCheckpoint(path, index, common, sharding)
 
 
 def _loc(ck: TorchDistCheckpoint, info: Any, numel: int, skip: int) -> Location:
@@ -251,3 +287,42 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
     return ptc
 
 
+
+
+_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
+            "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
+_REPLICATED = re.compile(r"(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(weight|bias)|"
+                         r"(self_attention\.linear_proj|mlp\.linear_fc2)\.bias")
+
+
+def index_model_metas(ck: TorchDistCheckpoint) -> tuple[dict[str, TensorMeta], tuple[str, ...]]:
+    """The model's tensors as the index shows them (megatron-core's GPTModel: how TP and PP split each, as
+    ``plan/sim/gpt_catalogue.gpt_tensors`` models them) and one layer's keys in module order (the index keeps the
+    sharded state dict's order, which is ``module.parameters()``'s): the live model's stand-in for ``plan``."""
+    saved = {k: t for k, t in ck.tensors().items() if not k.startswith("optimizer.")}
+    args = ck.common.get("args")
+    fc1, fc2 = saved.get("decoder.layers.mlp.linear_fc1.weight"), saved.get("decoder.layers.mlp.linear_fc2.weight")
+    parts = fc1.size[1] // fc2.size[2] if fc1 is not None and fc2 is not None else 1
+    tied = "output_layer.weight" not in saved
+    out: dict[str, TensorMeta] = {}
+    layer_keys = []
+    for key, t in saved.items():
+        size = tuple(t.size)
+        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            rows = int(getattr(args, "vocab_size", 0) or size[0])
+            first = key.startswith("embedding.")
+            out[key] = TensorMeta(key, size, t.dtype, rows, 0, 1, "first" if first else "last", first and tied)
+        elif key == "embedding.position_embeddings.weight":
+            out[key] = TensorMeta(key, size, t.dtype, stage="first")
+        elif key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+            out[key] = TensorMeta(key, size, t.dtype, stage="last")
+        elif key.startswith("decoder.layers.") and (key[15:] in _TP_AXES or _REPLICATED.fullmatch(key[15:])):
+            axis = _TP_AXES.get(key[15:])
+            out[key] = TensorMeta(key, size, t.dtype, tp_axis=axis,
+                                  tp_parts=parts if key[15:].startswith("mlp.linear_fc1.") else 1, stage="layers")
+            layer_keys.append(key)
+        else:
+            raise MegatronCheckpointError(f"{ck.path}: tensor {key!r}: not a parameter of megatron-core's GPTModel "
+                                          "that `plan` knows how TP and PP split (adopt it with --tenplex, which "
+                                          "takes the split from the model)")
+    return out, tuple(layer_keys)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import re
 from collections.abc import Callable
@@ -36,16 +35,14 @@ import torch
 from tenplex_megatron.engine.optimizer_json import jsonable
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.ptc import StoredChunk
-from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.distcp import DistcpFiles
 from tenplex_megatron.storage.distcp_index import read_dcp_metadata
 from tenplex_megatron.storage.megatron_ptc import (
     PRE_KEYS,
-    SUPPORTED_BACKENDS,
-    SUPPORTED_SHARDING,
     MegatronCheckpointError,
     TorchDistCheckpoint,
     describe_torch_dist,
+    read_torch_dist,
 )
 from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
 from tenplex_megatron.storage.source import Opened, UncheckedSource
@@ -73,34 +70,9 @@ def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = Fals
 
 
 def open_torch_dist(path: str, trust_pickles: bool = False) -> TorchDistCheckpoint:
-    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt``, checking the format."""
-    try:
-        with open(os.path.join(path, "metadata.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise MegatronCheckpointError(f"{os.path.join(path, 'metadata.json')}: unreadable ({e})") from None
-    found = (meta.get("sharded_backend"), meta.get("sharded_backend_version"))
-    if found not in SUPPORTED_BACKENDS:
-        supported = ", ".join(f"{b} version {v}" for b, v in sorted(SUPPORTED_BACKENDS))
-        raise MegatronCheckpointError(f"{os.path.join(path, 'metadata.json')}: sharded backend {found[0]} version "
-                                      f"{found[1]} is not supported (tenplex reads {supported})")
-    index = read_dcp_metadata(path, trust_pickles)
-    common = load_pickle(os.path.join(path, "common.pt"), trust_pickles=trust_pickles)
-    if not isinstance(common, dict):
-        raise MegatronCheckpointError(f"{os.path.join(path, 'common.pt')}: not a dict")
-    content = common.get("content_metadata") or {}
-    opt = common.get("optimizer") or {}
-    sharding = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
-    sharding = sharding or (content.get("distrib_optim_sharding_type") if any(
-        k.startswith("optimizer.distributed.") for k in index.tensors) else None)
-    if sharding is not None and sharding not in SUPPORTED_SHARDING:
-        raise MegatronCheckpointError(f"{path}: distributed-optimizer format {sharding!r} is not supported "
-                                      f"(tenplex reads {', '.join(SUPPORTED_SHARDING)})")
-    for name in sorted({s.relative_path for s in index.items.values()}):  # every rank's file, whoever reads it
-        if not os.path.isfile(confine(path, name, "the torch_dist index")):
-            raise MegatronCheckpointError(f"{os.path.join(path, name)}: missing (the index names it: every rank's "
-                                          "file must be there)")
-    return TorchDistCheckpoint(path, index, common, sharding)
+    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt`` (under the pickle policy),
+    checking the format."""
+    return read_torch_dist(path, lambda f: load_pickle(f, trust_pickles=trust_pickles), trust_pickles)
 
 
 class DistcpSource(UncheckedSource):
