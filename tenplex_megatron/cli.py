@@ -54,7 +54,7 @@ from tenplex_megatron.storage.directory import (
 )
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas, read_torch_dist
-from tenplex_megatron.storage.megatron_summary import read_common, summarize
+from tenplex_megatron.storage.megatron_summary import read_common, summarize, summarize_legacy
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
@@ -94,11 +94,8 @@ def _megatron(path: str) -> str | None:
 
 
 def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
-    if is_legacy_megatron_checkpoint(path):
-        raise CLIError(f"{path}: Megatron-LM's legacy --ckpt-format torch checkpoint: its files are pickles that "
-                       "`inspect` does not open; it is adopted (described and checked) at load with --tenplex")
     try:
-        summary = summarize(path)
+        summary = summarize_legacy(path) if is_legacy_megatron_checkpoint(path) else summarize(path)
     except CheckpointFileError as e:
         raise CLIError(str(e)) from None
     table = summary.pop("tensor_table")
@@ -110,7 +107,7 @@ def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
     lay = summary["layout"]
     print(f"checkpoint   {path}  ({summary['format']}: Megatron's own, adopted at any layout with --tenplex)")
     print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
-    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  (as the index shows it)  "
+    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  ({summary.get('layout_source', 'as the index shows it')})  "
           f"distributed optimizer: {summary['distributed_optimizer']}")
     print(f"tensors      {summary['tensors']} ({summary['model_parameters']:,} model parameters), "
           f"{summary['chunks']} stored chunks")

@@ -289,8 +289,9 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
 
 
 
-_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
-            "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
+# the axis TP splits a stacked layer tensor along (axis 0: the layers)
+LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
+                 "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
 _REPLICATED = re.compile(r"(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(weight|bias)|"
                          r"(self_attention\.linear_proj|mlp\.linear_fc2)\.bias")
 
@@ -316,8 +317,8 @@ def index_model_metas(ck: TorchDistCheckpoint) -> tuple[dict[str, TensorMeta], t
             out[key] = TensorMeta(key, size, t.dtype, stage="first")
         elif key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
             out[key] = TensorMeta(key, size, t.dtype, stage="last")
-        elif key.startswith("decoder.layers.") and (key[15:] in _TP_AXES or _REPLICATED.fullmatch(key[15:])):
-            axis = _TP_AXES.get(key[15:])
+        elif key.startswith("decoder.layers.") and (key[15:] in LAYER_TP_AXES or _REPLICATED.fullmatch(key[15:])):
+            axis = LAYER_TP_AXES.get(key[15:])
             out[key] = TensorMeta(key, size, t.dtype, tp_axis=axis,
                                   tp_parts=parts if key[15:].startswith("mlp.linear_fc1.") else 1, stage="layers")
             layer_keys.append(key)

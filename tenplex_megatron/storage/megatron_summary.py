@@ -1,4 +1,5 @@
-"""What a Megatron ``torch_dist`` checkpoint holds, read without torch (for ``python -m tenplex_megatron inspect``).
+"""What a Megatron ``torch_dist`` or legacy ``--ckpt-format torch`` checkpoint holds, read without torch (for
+``python -m tenplex_megatron inspect``).
 
 The index comes from ``distcp_index.py``; ``common.pt`` (a ``torch.save`` zip)
 is unpickled by a restricted unpickler that allows plain data, argparse's
@@ -20,6 +21,7 @@ from typing import Any
 
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.megatron_ptc import LAYER_TP_AXES
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
@@ -163,4 +165,87 @@ def summarize(path: str) -> dict[str, Any]:
         "tensor_table": {k: {"shape": list(t.size), "dtype": t.dtype, "chunks": len(t.chunks)}
                          for k, t in index.tensors.items()},
         "common_pt": problem or "read",
+    }
+
+
+_LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_LEGACY_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def _legacy_tp_axis(name: str) -> int | None:
+    """The axis TP splits a legacy (unstacked) tensor along, by megatron-core's GPTModel's names (None: replicated)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return 0
+    m = _LEGACY_LAYER.fullmatch(name)
+    axis = LAYER_TP_AXES.get(m.group(2)) if m else None
+    return None if axis is None else axis - 1
+
+
+def summarize_legacy(path: str) -> dict[str, Any]:
+    """Iteration, layout, optimizer, tensors and bytes of Megatron-LM's legacy ``--ckpt-format torch`` iteration
+    directory ``path``, read without torch (tensor data not read): TP and PP from the ``mp_rank_TT[_PPP]`` directories,
+    DP from the args when they record it; global shapes from the TP ranks' pieces."""
+    ranks = sorted((int(m.group(1)), int(m.group(2) or 0), n) for n in os.listdir(path)
+                   if (m := _LEGACY_RANK.fullmatch(n)))
+    tp = max(t for t, _, _ in ranks) + 1
+    pp = max(p for _, p, _ in ranks) + 1
+    dirs = {(t, p): n for t, p, n in ranks}
+    files: dict[str, int] = {}
+    table: dict[str, dict[str, Any]] = {}
+    first: dict[str, Any] = {}
+    layer_base = 0
+    optimizer = None
+    for p in range(pp):
+        stage_layers = 0
+        for t in range(tp):
+            rdir = dirs.get((t, p))
+            mfile = os.path.join(path, rdir or "", "model_optim_rng.pt")
+            if rdir is None or not os.path.isfile(mfile):
+                raise CheckpointFileError(f"{mfile if rdir else os.path.join(path, f'mp_rank_{t:02d}')}: missing (the "
+                                          f"checkpoint's rank directories show TP{tp} PP{pp})")
+            for name in sorted(os.listdir(os.path.join(path, rdir))):
+                f = os.path.join(rdir, name)
+                if os.path.isfile(os.path.join(path, f)):
+                    files[f] = os.path.getsize(os.path.join(path, f))
+            sd = read_torch_pickle(mfile)
+            if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
+                raise CheckpointFileError(f"{mfile}: no model state dict")
+            first = first or sd
+            has_dist = os.path.isfile(os.path.join(path, rdir, "distrib_optim.pt"))
+            optimizer = ("distributed (distrib_optim.pt)" if has_dist else
+                         "plain (in model_optim_rng.pt)" if sd.get("optimizer") else "none")
+            for name, v in sd["model"].items():
+                if not isinstance(v, TensorStub):
+                    continue
+                m = _LEGACY_LAYER.fullmatch(name)
+                key = name
+                if m:
+                    stage_layers = max(stage_layers, int(m.group(1)) + 1)
+                    key = f"decoder.layers.{layer_base + int(m.group(1))}.{m.group(2)}"
+                axis = _legacy_tp_axis(name)
+                entry = table.setdefault(key, {"shape": list(v.shape), "dtype": v.dtype, "chunks": 0})
+                if axis is not None and entry["chunks"]:
+                    entry["shape"][axis] += v.shape[axis]
+                entry["chunks"] += 1
+        layer_base += stage_layers
+    args = first.get("args")
+    emb = table.get("embedding.word_embeddings.weight")
+    return {
+        "path": path,
+        "format": f"megatron legacy torch (optimizer: {optimizer})",
+        "checkpoint_version": first.get("checkpoint_version"),
+        "iteration": first.get("iteration"),
+        "consumed_samples": getattr(args, "consumed_train_samples", None),
+        "layout": {"tp": tp, "pp": pp, "dp": getattr(args, "data_parallel_size", None)},
+        "layout_source": "TP, PP as the rank directories show them, DP as the args record it",
+        "distributed_optimizer": optimizer == "distributed (distrib_optim.pt)",
+        "padded_vocab_size": emb["shape"][0] if emb else None,
+        "num_layers": layer_base,
+        "hidden_size": emb["shape"][1] if emb else None,
+        "tensors": len(table),
+        "model_parameters": sum(math.prod(e["shape"]) for e in table.values()),
+        "chunks": sum(e["chunks"] for e in table.values()),
+        "bytes": sum(files.values()),
+        "files": files,
+        "tensor_table": table,
     }
