@@ -187,9 +187,12 @@ def summarize_legacy(path: str) -> dict[str, Any]:
     DP from the args when they record it; global shapes from the TP ranks' pieces."""
     ranks = sorted((int(m.group(1)), int(m.group(2) or 0), n) for n in os.listdir(path)
                    if (m := _LEGACY_RANK.fullmatch(n)))
-    tp = max(t for t, _, _ in ranks) + 1
-    pp = max(p for _, p, _ in ranks) + 1
+    if not ranks:
+        raise CheckpointFileError(f"{path}: no mp_rank_* directory")
     dirs = {(t, p): n for t, p, n in ranks}
+    args = read_torch_pickle(os.path.join(path, ranks[0][2], "model_optim_rng.pt")).get("args")
+    tp = int(getattr(args, "tensor_model_parallel_size", 0) or max(t for t, _, _ in ranks) + 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 0) or max(p for _, p, _ in ranks) + 1)
     files: dict[str, int] = {}
     table: dict[str, dict[str, Any]] = {}
     first: dict[str, Any] = {}
@@ -201,8 +204,9 @@ def summarize_legacy(path: str) -> dict[str, Any]:
             rdir = dirs.get((t, p))
             mfile = os.path.join(path, rdir or "", "model_optim_rng.pt")
             if rdir is None or not os.path.isfile(mfile):
-                raise CheckpointFileError(f"{mfile if rdir else os.path.join(path, f'mp_rank_{t:02d}')}: missing (the "
-                                          f"checkpoint's rank directories show TP{tp} PP{pp})")
+                want = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                raise CheckpointFileError(f"{mfile if rdir else os.path.join(path, want)}: missing (the checkpoint "
+                                          f"was written at TP{tp} PP{pp})")
             for name in sorted(os.listdir(os.path.join(path, rdir))):
                 f = os.path.join(rdir, name)
                 if os.path.isfile(os.path.join(path, f)):
@@ -228,7 +232,6 @@ def summarize_legacy(path: str) -> dict[str, Any]:
                     entry["shape"][axis] += v.shape[axis]
                 entry["chunks"] += 1
         layer_base += stage_layers
-    args = first.get("args")
     emb = table.get("embedding.word_embeddings.weight")
     return {
         "path": path,
