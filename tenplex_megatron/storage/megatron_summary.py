@@ -190,7 +190,9 @@ def _legacy_tp_axis(name: str) -> int | None:
 def summarize_legacy(path: str) -> dict[str, Any]:
     """Iteration, layout, optimizer, tensors and bytes of Megatron-LM's legacy ``--ckpt-format torch`` iteration
     directory ``path``, read without torch (tensor data not read): TP and PP from the ``mp_rank_TT[_PPP]`` directories,
-    DP from the args when they record it; global shapes from the TP ranks' pieces."""
+    DP from the args when they record it; global shapes from the TP ranks' pieces. Parameters are counted as stored:
+    at PP > 1 the last stage's ``output_layer.weight`` is counted, whether it is a tied model's copy of the word
+    embedding or an untied output layer (the files alone do not tell)."""
     ranks = sorted((int(m.group(1)), int(m.group(2) or 0), n) for n in os.listdir(path)
                    if (m := _LEGACY_RANK.fullmatch(n)))
     if not ranks:
