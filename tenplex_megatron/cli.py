@@ -45,7 +45,7 @@ from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 from tenplex_megatron.storage import memory_tier
-from tenplex_megatron.storage.confine import confine_all
+from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -53,8 +53,9 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.megatron_legacy import describe_legacy, legacy_model_metas
 from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas, read_torch_dist
-from tenplex_megatron.storage.megatron_summary import read_common, summarize, summarize_legacy
+from tenplex_megatron.storage.megatron_summary import read_common, read_torch_pickle, summarize, summarize_legacy
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
@@ -240,21 +241,29 @@ def _vocab(shape: ModelShape | None, source: PTC) -> tuple[int, int]:
 def _describe_megatron(path: str) -> tuple[str, dict[str, Any], PTC, ModelShape | None]:
     """Megatron's own checkpoint as ``plan`` sees it, without torch: its meta, its stored chunks as a PTC (the same
     description adoption uses, ``storage/megatron_ptc.py``) and its shape when ``common.pt`` holds the args."""
-    if is_legacy_megatron_checkpoint(path):
-        raise CLIError(f"{path}: Megatron-LM's legacy --ckpt-format torch checkpoint: `plan --to` reads torch_dist "
-                       "ones (`inspect` reads this one; it is adopted at any layout with --tenplex)")
     try:
-        ck = read_torch_dist(path, read_common)
-        metas, layer_keys = index_model_metas(ck)
-        wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in metas.values())
-                                              else set())
-        ptc = describe_torch_dist(ck, metas, layer_keys, wanted)
+        if is_legacy_megatron_checkpoint(path):
+            files: dict[str, Any] = {}
+
+            def load(name: str) -> Any:
+                if name not in files:
+                    files[name] = read_torch_pickle(confine(path, name, "the legacy layout"))
+                return files[name]
+
+            ptc, _, a = describe_legacy(path, load, *legacy_model_metas(path, load))
+            distopt = any(os.path.isfile(os.path.join(path, n, "distrib_optim.pt")) for n in os.listdir(path))
+        else:
+            ck = read_torch_dist(path, read_common)
+            metas, layer_keys = index_model_metas(ck)
+            wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in metas.values())
+                                                  else set())
+            ptc = describe_torch_dist(ck, metas, layer_keys, wanted)
+            distopt, a = ck.sharding_type is not None, ck.common.get("args")
     except CheckpointFileError as e:
         raise CLIError(str(e)) from None
     emb = ptc.tensors.get("embedding.word_embeddings.weight")
-    meta = {"layout": ptc.layout, "use_distributed_optimizer": ck.sharding_type is not None,
+    meta = {"layout": ptc.layout, "use_distributed_optimizer": distopt,
             "padded_vocab_size": emb.global_shape[0] if emb is not None else None}
-    a = ck.common.get("args")
     shape = None
     if a is not None and all(hasattr(a, n) for n in ("num_layers", "hidden_size", "num_attention_heads")):
         rows = emb.vocab_rows if emb is not None else 0

@@ -292,38 +292,46 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
 # the axis TP splits a stacked layer tensor along (axis 0: the layers)
 LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
                  "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
+# one transformer layer's parameters in megatron-core's ``module.parameters()`` order (the local spec's: the input
+# layernorm, the attention's output projection before its QKV, the pre-MLP layernorm, the MLP), by their sharded keys
+LAYER_ORDER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+               "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+               "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+               "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
+               "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 _REPLICATED = re.compile(r"(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(weight|bias)|"
                          r"(self_attention\.linear_proj|mlp\.linear_fc2)\.bias")
 
 
+def gpt_tensor_meta(path: str, key: str, size: tuple[int, ...], dtype: str, vocab_size: int | None, tied: bool,
+                    fc1_parts: int) -> TensorMeta:
+    """How TP and PP split the megatron-core GPTModel tensor ``key`` (global ``size``; layers stacked on axis 0), as
+    ``plan/sim/gpt_catalogue.gpt_tensors`` models it; another tensor fails naming it."""
+    if key in (PRE_KEYS[0], "output_layer.weight"):
+        first = key == PRE_KEYS[0]
+        return TensorMeta(key, size, dtype, vocab_size or size[0], 0, 1, "first" if first else "last", first and tied)
+    if key == PRE_KEYS[1]:
+        return TensorMeta(key, size, dtype, stage="first")
+    if key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
+        return TensorMeta(key, size, dtype, stage="last")
+    name = key[len("decoder.layers."):]
+    if key.startswith("decoder.layers.") and (name in LAYER_TP_AXES or _REPLICATED.fullmatch(name)):
+        return TensorMeta(key, size, dtype, tp_axis=LAYER_TP_AXES.get(name),
+                          tp_parts=fc1_parts if name.startswith("mlp.linear_fc1.") else 1, stage="layers")
+    raise MegatronCheckpointError(f"{path}: tensor {key!r}: not a parameter of megatron-core's GPTModel that `plan` "
+                                  "knows how TP and PP split (adopt it with --tenplex, which takes the split from the "
+                                  "model)")
+
+
 def index_model_metas(ck: TorchDistCheckpoint) -> tuple[dict[str, TensorMeta], tuple[str, ...]]:
-    """The model's tensors as the index shows them (megatron-core's GPTModel: how TP and PP split each, as
-    ``plan/sim/gpt_catalogue.gpt_tensors`` models them) and one layer's keys in module order (the index keeps the
-    sharded state dict's order, which is ``module.parameters()``'s): the live model's stand-in for ``plan``."""
+    """The model's tensors as the index shows them and one layer's keys in megatron-core's module order
+    (:data:`LAYER_ORDER`; the index's own order is the writers', not the model's, at DP > 1): the live model's
+    stand-in for ``plan``."""
     saved = {k: t for k, t in ck.tensors().items() if not k.startswith("optimizer.")}
     args = ck.common.get("args")
     fc1, fc2 = saved.get("decoder.layers.mlp.linear_fc1.weight"), saved.get("decoder.layers.mlp.linear_fc2.weight")
     parts = fc1.size[1] // fc2.size[2] if fc1 is not None and fc2 is not None else 1
     tied = "output_layer.weight" not in saved
-    out: dict[str, TensorMeta] = {}
-    layer_keys = []
-    for key, t in saved.items():
-        size = tuple(t.size)
-        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            rows = int(getattr(args, "vocab_size", 0) or size[0])
-            first = key.startswith("embedding.")
-            out[key] = TensorMeta(key, size, t.dtype, rows, 0, 1, "first" if first else "last", first and tied)
-        elif key == "embedding.position_embeddings.weight":
-            out[key] = TensorMeta(key, size, t.dtype, stage="first")
-        elif key in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias"):
-            out[key] = TensorMeta(key, size, t.dtype, stage="last")
-        elif key.startswith("decoder.layers.") and (key[15:] in LAYER_TP_AXES or _REPLICATED.fullmatch(key[15:])):
-            axis = LAYER_TP_AXES.get(key[15:])
-            out[key] = TensorMeta(key, size, t.dtype, tp_axis=axis,
-                                  tp_parts=parts if key[15:].startswith("mlp.linear_fc1.") else 1, stage="layers")
-            layer_keys.append(key)
-        else:
-            raise MegatronCheckpointError(f"{ck.path}: tensor {key!r}: not a parameter of megatron-core's GPTModel "
-                                          "that `plan` knows how TP and PP split (adopt it with --tenplex, which "
-                                          "takes the split from the model)")
-    return out, tuple(layer_keys)
+    vocab = int(getattr(args, "vocab_size", 0) or 0) or None
+    out = {k: gpt_tensor_meta(ck.path, k, tuple(t.size), t.dtype, vocab, tied, parts) for k, t in saved.items()}
+    return out, tuple(f"decoder.layers.{n}" for n in LAYER_ORDER if f"decoder.layers.{n}" in saved)
