@@ -5,6 +5,7 @@ and bad input fails on every rank, naming what is wrong, before the job's state 
 
 One writer launch writes every checkpoint (and, at the same layout with --tenplex, the uninterrupted reference
 run with a tenplex checkpoint of the same state); one adopter launch adopts them all and tries the bad inputs.
+``inspect`` and ``plan --to`` then run on the written checkpoints with torch blocked (no further launch).
 """
 
 from __future__ import annotations

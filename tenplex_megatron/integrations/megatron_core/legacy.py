@@ -18,6 +18,8 @@ numbered through its param groups, and for bf16/fp16 the fp32 main params
 0.16.1's ``_get_param_groups``: the rank's parameters in the model's order,
 weight-decayed ones (group ``wd_mult`` 1) before bias and 1-D ones
 (``wd_mult`` 0); every state's shape is checked against its parameter's.
+The description itself is torch-free (``storage/megatron_legacy.py``, shared
+with ``python -m tenplex_megatron plan``); this module reads the files with torch.
 """
 
 from __future__ import annotations

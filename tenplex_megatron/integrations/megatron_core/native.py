@@ -13,7 +13,8 @@ megatron-core 0.16.1's buffer layout at the saving layout
 model-space optimizer tensors and are read as they are. The planner and the
 executor then read only each new rank's part.
 
-One transformer layer's parameter order comes from the live model (megatron's
+The description itself is torch-free (``storage/megatron_ptc.py``, shared with
+``python -m tenplex_megatron plan``). At adoption one transformer layer's parameter order comes from the live model (megatron's
 ``module.parameters()``); the saving layout's TP comes from the model's
 chunks, PP from the number of DP groups, DP from the files. Pickles (``.metadata``,
 ``common.pt``, the optimizer's objects) are read with only plain classes
