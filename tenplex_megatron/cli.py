@@ -45,7 +45,7 @@ from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 from tenplex_megatron.storage import memory_tier
-from tenplex_megatron.storage.confine import confine_all
+from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -53,7 +53,9 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.megatron_summary import summarize
+from tenplex_megatron.storage.megatron_legacy import describe_legacy, legacy_model_metas
+from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas, read_torch_dist
+from tenplex_megatron.storage.megatron_summary import read_common, read_torch_pickle, summarize, summarize_legacy
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
@@ -93,11 +95,8 @@ def _megatron(path: str) -> str | None:
 
 
 def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
-    if is_legacy_megatron_checkpoint(path):
-        raise CLIError(f"{path}: Megatron-LM's legacy --ckpt-format torch checkpoint: its files are pickles that "
-                       "`inspect` does not open; it is adopted (described and checked) at load with --tenplex")
     try:
-        summary = summarize(path)
+        summary = summarize_legacy(path) if is_legacy_megatron_checkpoint(path) else summarize(path)
     except CheckpointFileError as e:
         raise CLIError(str(e)) from None
     table = summary.pop("tensor_table")
@@ -109,7 +108,7 @@ def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
     lay = summary["layout"]
     print(f"checkpoint   {path}  ({summary['format']}: Megatron's own, adopted at any layout with --tenplex)")
     print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
-    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  (as the index shows it)  "
+    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  ({summary.get('layout_source', 'as the index shows it')})  "
           f"distributed optimizer: {summary['distributed_optimizer']}")
     print(f"tensors      {summary['tensors']} ({summary['model_parameters']:,} model parameters), "
           f"{summary['chunks']} stored chunks")
@@ -172,12 +171,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return _plan_model(args)
     if not args.checkpoint:
         raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
-    if (mck := _megatron(args.checkpoint)) is not None:
-        raise CLIError(f"{mck}: Megatron's own checkpoint: where its distributed-optimizer buckets' bytes go depends "
-                       "on the model's parameter order, which tenplex takes from the model at load (--tenplex); "
-                       "`plan --to` works on tenplex checkpoints (or `plan --model NAME --from LAYOUT`)")
     t_read = time.perf_counter()
-    ckpt, meta, source = _load(args.checkpoint)
+    if (mck := _megatron(args.checkpoint)) is not None:
+        ckpt, meta, source, shape = _describe_megatron(mck)
+    else:
+        ckpt, meta, source = _load(args.checkpoint)
+        shape = ModelShape.from_record(meta.get("model", {})) if meta.get("framework") != "deepspeed" else None
     read_seconds = time.perf_counter() - t_read
     try:
         dst = ParallelLayout.parse(args.to)
@@ -186,17 +185,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if meta.get("framework") == "deepspeed":
         raise CLIError(f"{ckpt}: a DeepSpeed checkpoint: its ZeRO partitions at a new DP size are computed by "
                        "DeepSpeed at load, so `plan --to` is not supported for it (`inspect` is)")
-    shape = ModelShape.from_record(meta.get("model", {}))
     try:
-        dst.check_fits(shape)
+        if shape is not None:
+            dst.check_fits(shape)
     except LayoutError as e:
         raise CLIError(str(e)) from None
+    vocab, divisible_by = _vocab(shape, source)
     distopt = meta.get("use_distributed_optimizer", False) if args.distributed_optimizer is None else args.distributed_optimizer
     saved_vocab = meta.get("padded_vocab_size")
     if args.vocab_padding == "keep":
-        padded = restart_padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp, saved_vocab)
+        padded = restart_padded_vocab_size(vocab, divisible_by, dst.tp, saved_vocab)
     else:
-        padded = padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp)
+        padded = padded_vocab_size(vocab, divisible_by, dst.tp)
     t0 = time.perf_counter()
     try:
         tensors = resize_vocab(source.tensors, padded)
@@ -227,6 +227,48 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for r, b in report["bytes_per_rank"].items():
             print(f"  rank {r:>5}: {_fmt_bytes(b)}")
     return 0
+
+
+def _vocab(shape: ModelShape | None, source: PTC) -> tuple[int, int]:
+    """The real vocabulary and its padding rule: the model record's, or (a Megatron checkpoint without args) the word
+    embedding's rows as the checkpoint holds them, padded to a multiple of 128 (Megatron-LM's default)."""
+    if shape is not None:
+        return shape.vocab_size, shape.make_vocab_size_divisible_by
+    emb = source.tensors.get("embedding.word_embeddings.weight")
+    return (emb.vocab_rows or emb.global_shape[0]) if emb is not None else 0, 128
+
+
+def _describe_megatron(path: str) -> tuple[str, dict[str, Any], PTC, ModelShape | None]:
+    """Megatron's own checkpoint as ``plan`` sees it, without torch: its meta, its stored chunks as a PTC (the same
+    description adoption uses, ``storage/megatron_ptc.py``) and its shape when ``common.pt`` holds the args."""
+    try:
+        if is_legacy_megatron_checkpoint(path):
+            files: dict[str, Any] = {}
+
+            def load(name: str) -> Any:
+                if name not in files:
+                    files[name] = read_torch_pickle(confine(path, name, "the legacy layout"))
+                return files[name]
+
+            ptc, _, a = describe_legacy(path, load, *legacy_model_metas(path, load))
+            distopt = any(os.path.isfile(os.path.join(path, n, "distrib_optim.pt")) for n in os.listdir(path))
+        else:
+            ck = read_torch_dist(path, read_common)
+            metas, layer_keys = index_model_metas(ck)
+            wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in metas.values())
+                                                  else set())
+            ptc = describe_torch_dist(ck, metas, layer_keys, wanted)
+            distopt, a = ck.sharding_type is not None, ck.common.get("args")
+    except CheckpointFileError as e:
+        raise CLIError(str(e)) from None
+    emb = ptc.tensors.get("embedding.word_embeddings.weight")
+    meta = {"layout": ptc.layout, "use_distributed_optimizer": distopt,
+            "padded_vocab_size": emb.global_shape[0] if emb is not None else None}
+    shape = None
+    if a is not None and all(hasattr(a, n) for n in ("num_layers", "hidden_size", "num_attention_heads")):
+        rows = emb.vocab_rows if emb is not None else 0
+        shape = ModelShape.from_record({**vars(a), "vocab_size": getattr(a, "vocab_size", None) or rows})
+    return path, meta, ptc, shape
 
 
 def _plan_model(args: argparse.Namespace) -> int:

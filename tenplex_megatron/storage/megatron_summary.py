@@ -1,4 +1,5 @@
-"""What a Megatron ``torch_dist`` checkpoint holds, read without torch (for ``python -m tenplex_megatron inspect``).
+"""What a Megatron ``torch_dist`` or legacy ``--ckpt-format torch`` checkpoint holds, read without torch (for
+``python -m tenplex_megatron inspect``).
 
 The index comes from ``distcp_index.py``; ``common.pt`` (a ``torch.save`` zip)
 is unpickled by a restricted unpickler that allows plain data, argparse's
@@ -15,13 +16,51 @@ import os
 import pickle
 import re
 import zipfile
+from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.megatron_ptc import LAYER_TP_AXES
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+_STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
+                   "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
+                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
+_NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+          ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.dtypes", "UInt32DType")}
+
+
+@dataclass(frozen=True)
+class TensorStub:
+    """A pickled tensor's shape and dtype, its data not read."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Dict(dict):
+    """An ``OrderedDict`` as a dict that takes the attributes pickled with it (a state dict's ``_metadata``)."""
+
+
+class _Opaque:
+    """A numpy value (an RNG state) in a Megatron pickle: accepted, not built."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _rebuild_tensor(storage: Any, offset: int, size: tuple[int, ...], *rest: Any) -> TensorStub:
+    return TensorStub(tuple(int(n) for n in size), storage if isinstance(storage, str) else "unknown")
 
 
 class _CommonUnpickler(pickle.Unpickler):
@@ -33,26 +72,45 @@ class _CommonUnpickler(pickle.Unpickler):
         if (module, name) == ("argparse", "Namespace"):
             return argparse.Namespace
         if (module, name) == ("collections", "OrderedDict"):
-            return dict
+            return _Dict
         if module == "torch" and name in DTYPE_NAMES:
             return name
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda *a: "<tensor>"
+            return _rebuild_tensor
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):  # a tensor subclass: its tensor
+            return lambda func, new_type, args, state: func(*args)
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return lambda data, *rest: data
+        if (module, name) in (("torch", "Tensor"), ("torch.nn.parameter", "Parameter")):
+            return _Opaque
+        if (module, name) in _NUMPY:
+            return _Opaque
+        if (module, name) == ("_codecs", "encode"):  # a numpy array's bytes under protocol 2
+            return _Opaque
         raise CheckpointFileError(f"{self.path}: names {module}.{name}, not a plain class (not read)")
 
     def persistent_load(self, pid: Any) -> Any:
-        return None  # tensor storages: not read
+        return pid[1] if isinstance(pid, tuple) and len(pid) > 1 and isinstance(pid[1], str) else None
 
 
-def read_common(path: str) -> dict[str, Any]:
-    """``common.pt``'s plain values (tensors as ``"<tensor>"``), without torch."""
+def read_torch_pickle(path: str) -> Any:
+    """A ``torch.save`` zip's plain values, tensors as :class:`TensorStub` (data not read), without torch."""
     try:
         with zipfile.ZipFile(path) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
             with z.open(name) as f:
-                out = _CommonUnpickler(f, path).load()
+                return _CommonUnpickler(f, path).load()
     except (OSError, zipfile.BadZipFile, StopIteration, pickle.UnpicklingError, EOFError) as e:
-        raise CheckpointFileError(f"{path}: not a readable common.pt ({type(e).__name__}: {e})") from None
+        raise CheckpointFileError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from None
+
+
+def read_common(path: str) -> dict[str, Any]:
+    """``common.pt``'s plain values (tensors as :class:`TensorStub`), without torch."""
+    out = read_torch_pickle(path)
     if not isinstance(out, dict):
         raise CheckpointFileError(f"{path}: not a dict")
     return out
@@ -113,4 +171,92 @@ def summarize(path: str) -> dict[str, Any]:
         "tensor_table": {k: {"shape": list(t.size), "dtype": t.dtype, "chunks": len(t.chunks)}
                          for k, t in index.tensors.items()},
         "common_pt": problem or "read",
+    }
+
+
+_LEGACY_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_LEGACY_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+def _legacy_tp_axis(name: str) -> int | None:
+    """The axis TP splits a legacy (unstacked) tensor along, by megatron-core's GPTModel's names (None: replicated)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return 0
+    m = _LEGACY_LAYER.fullmatch(name)
+    axis = LAYER_TP_AXES.get(m.group(2)) if m else None
+    return None if axis is None else axis - 1
+
+
+def summarize_legacy(path: str) -> dict[str, Any]:
+    """Iteration, layout, optimizer, tensors and bytes of Megatron-LM's legacy ``--ckpt-format torch`` iteration
+    directory ``path``, read without torch (tensor data not read): TP and PP from the ``mp_rank_TT[_PPP]`` directories,
+    DP from the args when they record it; global shapes from the TP ranks' pieces. Parameters are counted as stored:
+    at PP > 1 the last stage's ``output_layer.weight`` is counted, whether it is a tied model's copy of the word
+    embedding or an untied output layer (the files alone do not tell)."""
+    ranks = sorted((int(m.group(1)), int(m.group(2) or 0), n) for n in os.listdir(path)
+                   if (m := _LEGACY_RANK.fullmatch(n)))
+    if not ranks:
+        raise CheckpointFileError(f"{path}: no mp_rank_* directory")
+    dirs = {(t, p): n for t, p, n in ranks}
+    args = read_torch_pickle(os.path.join(path, ranks[0][2], "model_optim_rng.pt")).get("args")
+    tp = int(getattr(args, "tensor_model_parallel_size", 0) or max(t for t, _, _ in ranks) + 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 0) or max(p for _, p, _ in ranks) + 1)
+    files: dict[str, int] = {}
+    table: dict[str, dict[str, Any]] = {}
+    first: dict[str, Any] = {}
+    layer_base = 0
+    optimizer = None
+    for p in range(pp):
+        stage_layers = 0
+        for t in range(tp):
+            rdir = dirs.get((t, p))
+            mfile = os.path.join(path, rdir or "", "model_optim_rng.pt")
+            if rdir is None or not os.path.isfile(mfile):
+                want = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                raise CheckpointFileError(f"{mfile if rdir else os.path.join(path, want)}: missing (the checkpoint "
+                                          f"was written at TP{tp} PP{pp})")
+            for name in sorted(os.listdir(os.path.join(path, rdir))):
+                f = os.path.join(rdir, name)
+                if os.path.isfile(os.path.join(path, f)):
+                    files[f] = os.path.getsize(os.path.join(path, f))
+            sd = read_torch_pickle(mfile)
+            if not isinstance(sd, dict) or not isinstance(sd.get("model"), dict):
+                raise CheckpointFileError(f"{mfile}: no model state dict")
+            first = first or sd
+            has_dist = os.path.isfile(os.path.join(path, rdir, "distrib_optim.pt"))
+            optimizer = ("distributed (distrib_optim.pt)" if has_dist else
+                         "plain (in model_optim_rng.pt)" if sd.get("optimizer") else "none")
+            for name, v in sd["model"].items():
+                if not isinstance(v, TensorStub):
+                    continue
+                m = _LEGACY_LAYER.fullmatch(name)
+                key = name
+                if m:
+                    stage_layers = max(stage_layers, int(m.group(1)) + 1)
+                    key = f"decoder.layers.{layer_base + int(m.group(1))}.{m.group(2)}"
+                axis = _legacy_tp_axis(name)
+                entry = table.setdefault(key, {"shape": list(v.shape), "dtype": v.dtype, "chunks": 0})
+                if axis is not None and entry["chunks"]:
+                    entry["shape"][axis] += v.shape[axis]
+                entry["chunks"] += 1
+        layer_base += stage_layers
+    emb = table.get("embedding.word_embeddings.weight")
+    return {
+        "path": path,
+        "format": f"megatron legacy torch (optimizer: {optimizer})",
+        "checkpoint_version": first.get("checkpoint_version"),
+        "iteration": first.get("iteration"),
+        "consumed_samples": getattr(args, "consumed_train_samples", None),
+        "layout": {"tp": tp, "pp": pp, "dp": getattr(args, "data_parallel_size", None)},
+        "layout_source": "TP, PP as the rank directories show them, DP as the args record it",
+        "distributed_optimizer": optimizer == "distributed (distrib_optim.pt)",
+        "padded_vocab_size": emb["shape"][0] if emb else None,
+        "num_layers": layer_base,
+        "hidden_size": emb["shape"][1] if emb else None,
+        "tensors": len(table),
+        "model_parameters": sum(math.prod(e["shape"]) for e in table.values()),
+        "chunks": sum(e["chunks"] for e in table.values()),
+        "bytes": sum(files.values()),
+        "files": files,
+        "tensor_table": table,
     }

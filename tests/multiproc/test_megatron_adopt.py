@@ -5,6 +5,7 @@ and bad input fails on every rank, naming what is wrong, before the job's state 
 
 One writer launch writes every checkpoint (and, at the same layout with --tenplex, the uninterrupted reference
 run with a tenplex checkpoint of the same state); one adopter launch adopts them all and tries the bad inputs.
+``inspect`` and ``plan --to`` then run on the written checkpoints with torch blocked (no further launch).
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     os.remove(os.path.join(bad["missing"], "__1_0.distcp"))
     bad["legacy"] = shutil.copytree(f"{tmp}/tp2_legacy_torch/mc/iter_0000003", f"{tmp}/bad_legacy")
     shutil.rmtree(os.path.join(bad["legacy"], "mp_rank_01"))
+    # the plain (non-distributed) optimizer's state in model_optim_rng.pt, as SGD with momentum would leave it
+    bad["plain"] = shutil.copytree(f"{tmp}/tp2_plain_legacy_torch/mc/iter_0000003", f"{tmp}/bad_plain")
+    rank0 = os.path.join(bad["plain"], "mp_rank_00", "model_optim_rng.pt")
+    sd = torch.load(rank0, weights_only=False)
+    for st in sd["optimizer"]["state"].values():
+        st["momentum_buffer"] = st.pop("exp_avg_sq")
+    torch.save(sd, rank0)
     with open(os.path.join(bad["version"], "metadata.json")) as f:
         meta = json.load(f)
     with open(os.path.join(bad["version"], "metadata.json"), "w") as f:
@@ -111,6 +119,8 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
         {"flags": tp1, "load": bad["pickle"], "error": "test_megatron_adopt.NotPlain"},
         {"flags": tp1, "load": bad["legacy"],
          "error": "mp_rank_01/model_optim_rng.pt: missing (the checkpoint was written at TP2 PP1)"},
+        {"flags": [*MODEL, *layout_flags(1, 1)], "load": bad["plain"],
+         "error": "mp_rank_00/model_optim_rng.pt: optimizer state ['exp_avg', 'momentum_buffer', 'step'] of"},
     ]
     return tmp, _run(tmp, "adopters", adopters)
 
@@ -139,7 +149,7 @@ def test_adopted_state_equals_saved_and_losses_continue(adopted: tuple[str, str]
 def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> None:
     _, log = adopted
     errors = [line for line in log.splitlines() if line.startswith("> adopt_run: error ")]
-    assert len(errors) == 6, log[-3000:]
+    assert len(errors) == 7, log[-3000:]
 
 
 def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:
@@ -155,6 +165,42 @@ def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, st
         assert summary["iteration"] == 3 and summary["consumed_samples"] == 24, summary
         assert summary["layout"] == dict(zip(("tp", "pp", "dp"), layout)), summary
         assert summary["format"] == "megatron torch_dist (dp_reshardable)" and summary["padded_vocab_size"] == 96
-    p = subprocess.run([sys.executable, "-c", code, "plan", f"{tmp}/tp2_dp_reshardable/mc", "--to", "tp=1,pp=1,dp=2"],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2 and "Megatron's own checkpoint" in p.stderr, p.stderr[-2000:]
+    ref = read_full_tensors(f"{tmp}/tp2_legacy_torch/ref/iter_0000003")
+    params = sum(t.numel() for k, t in ref.items() if not k.startswith("optimizer."))
+    tied_copy = ref["embedding.word_embeddings.weight"].numel()  # PP2: the last stage's copy, counted as stored
+    for name, layout, optimizer in (("tp2_legacy_torch", (2, 1), "distributed (distrib_optim.pt)"),
+                                    ("pp2_bf16_plain_legacy_torch", (1, 2), "plain (in model_optim_rng.pt)")):
+        summary = json.loads(_cli(code, env, "inspect", f"{tmp}/{name}/mc", "--json", "--tensors"))
+        assert summary["iteration"] == 3 and summary["consumed_samples"] == 24, summary
+        assert (summary["layout"]["tp"], summary["layout"]["pp"]) == layout, summary
+        assert summary["format"] == f"megatron legacy torch (optimizer: {optimizer})"
+        assert summary["model_parameters"] == params + (tied_copy if layout[1] > 1 else 0), summary
+        assert summary["padded_vocab_size"] == 96
+        assert summary["num_layers"] == 2 and "decoder.layers.1.mlp.linear_fc2.weight" in summary["tensor_table"]
+    p = subprocess.run([sys.executable, "-c", code, "inspect", f"{tmp}/bad_legacy"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert p.returncode == 2 and "mp_rank_01: missing" in p.stderr, p.stderr[-2000:]
+
+
+def _cli(code: str, env: dict[str, str], *argv: str) -> str:
+    p = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout
+
+
+def test_plan_on_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:
+    """``plan --to`` on Megatron's own checkpoints (torch_dist and legacy) plans the same destination, rank by rank, as on the
+    tenplex checkpoint of the same state at the same layout (written by the uninterrupted reference run)."""
+    tmp, _ = adopted
+    code = "import sys; sys.modules['torch'] = None\nfrom tenplex_megatron.cli import main\nsys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name, (_, _, _, adopting) in SCENARIOS.items():
+        tp, pp = (int(adopting[adopting.index(f) + 1]) for f in ("--tensor-model-parallel-size",
+                                                                   "--pipeline-model-parallel-size"))
+        to = f"tp={tp},pp={pp},dp={2 // (tp * pp)}"
+        got = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/mc", "--to", to, "--json"))
+        want = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/ref", "--to", to, "--json"))
+        assert got["from"] == want["from"] and got["to"] == want["to"], (got, want)
+        assert got["distributed_optimizer"] == want["distributed_optimizer"], name
+        assert got["padded_vocab_size"] == want["padded_vocab_size"] == 96, name
+        assert got["bytes_per_rank"] == want["bytes_per_rank"] and got["bytes_total"] > 0, (name, got, want)
