@@ -30,7 +30,8 @@ from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.persist_helper import PersistHelper
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, block_crc32
+from tenplex_megatron.storage.shm_write import write_mapped
 
 HEADER_MARGIN = 1 << 20  # per rank file: the safetensors header and alignment, over the tensors' bytes
 
@@ -148,6 +149,7 @@ class SnapshotResult:
     persisted: tuple[str, ...] = ()  # durable checkpoints committed during this call
     removed: tuple[str, ...] = ()
     fallback: SaveResult | None = None  # the durable save made instead, when the snapshot did not fit
+    phases: tuple[tuple[str, float], ...] = ()  # the stall's parts on this rank: (phase, seconds), in order
 
 
 def _poll(tier: MemoryTier, wait: float) -> dict[str, str] | None:
@@ -260,10 +262,16 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
     if persist and tier.pending is not None:
         drain(tier)  # a forced persist waits for the one under way
     t0 = time.perf_counter()
+    marks: list[tuple[str, float]] = []
+
+    def mark(name: str) -> None:
+        marks.append((name, time.perf_counter()))
+
     me = rank()
     it = adapter.iteration()
     what = f"memory snapshot of iteration {it} in {tier.mem}"
     chunks = run_phase(f"{what}: describing the job", adapter.describe)
+    mark("describe")
 
     def local() -> dict[str, Any]:
         committed = directory.committed_iterations(tier.mem) if tier.leader else []
@@ -271,8 +279,10 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
                 "used": memory_tier.used_bytes(tier.mem, committed), "persist": _poll(tier, 0.0)}
 
     gathered = gather_phase(f"{what}: gathering chunk lists", local)
+    mark("gather")
     holdings, writers, all_meta = writer_assignment([g["holdings"] for g in gathered])
     commit_durable = _resolve(tier, [g["persist"] for g in gathered], what)
+    mark("assign")
     node_of = tier.node_of()
     written: dict[int, int] = {}
     for h in holdings:
@@ -325,6 +335,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             directory.prepare_partial(tier.save_dir, it)
 
     run_phase(f"{what}: preparing", prepare)
+    mark("prepare")
     if commit_durable:
         tier.pending = tier.pending_meta = None
     staging = directory.partial_dir(tier.mem, it)
@@ -335,10 +346,11 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             return 0, {}
         path = os.path.join(staging, directory.rank_file_name(me))
         memory_tier.log_open(path)
-        return write_safetensors(path, mine, after_write=lambda: maybe_fail("memory.write", me, it),
-                                 block_bytes=BLOCK_BYTES)
+        size = write_mapped(path, mine, after_write=lambda: maybe_fail("memory.write", me, it))
+        return size, {name: block_crc32(t, BLOCK_BYTES) for name, t in mine.items()}
 
     size, sums = run_phase(f"{what}: copying into node memory", write)
+    mark("copy")
 
     def info() -> dict[str, Any]:
         return {"info": {"rng": rng.capture(tracker=adapter.rng_tracker)},
@@ -346,6 +358,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
                 "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
 
     infos = gather_phase(f"{what}: gathering file lists", info)
+    mark("infos")
 
     def build() -> dict[str, Any] | None:
         if me != 0:
@@ -358,6 +371,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
         return build_metadata(writers, infos, all_meta, adapter.layout(), it, metadata)
 
     meta = broadcast_json(run_phase(f"{what}: building metadata", build), 0)
+    mark("metadata")
 
     def commit() -> str:
         path = memory_tier.snapshot_dir(tier.mem, it)
@@ -369,14 +383,16 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
         return path
 
     path = run_phase(f"{what}: committing in memory", commit)
+    mark("commit")
     tier.snapshots += 1
     stall = time.perf_counter() - t0
+    phases = tuple((n, b - a) for (n, b), (_, a) in zip(marks, [("", t0), *marks[:-1]], strict=True))
     tier.last = (it, meta, [infos[r]["file"] for r in tier.nodes[tier.node] if infos[r]["file"]])
     tier.last_files = [{"file": i["file"], "size": i["size"]} for i in infos]
     sent = _replicate(tier, infos, it, what)
     if persisting:
         _start_persist(tier, what)
-    return SnapshotResult(path, it, stall, size, sent, persisting, tuple(persisted), tuple(removed))
+    return SnapshotResult(path, it, stall, size, sent, persisting, tuple(persisted), tuple(removed), phases=phases)
 
 
 def _start_persist(tier: MemoryTier, what: str) -> None:
