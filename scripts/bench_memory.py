@@ -132,15 +132,20 @@ def worker(a: argparse.Namespace) -> None:
         it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest iteration)
         alone = steps()
         job.iteration = it0
+        helper_cpu0 = _helper_cpu(tier)
+        t_bg = time.perf_counter()
         res = memory_save.snapshot(adapter, tier, persist=True)  # replication + persist in the helper processes
         during = steps()
         job.iteration = it0
         busy = [tier.replicating is not None or tier.pending is not None]
         memory_save.drain(tier)
+        background = time.perf_counter() - t_bg  # snapshot to replicas and durable copy done (>= the steps)
+        helper_cpu = _helper_cpu(tier) - helper_cpu0
         mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
         during_mcore = steps()
         queue.maybe_finalize_async_calls(blocking=True)
         out["steps"] = all_gather_json({"alone": alone, "during": during, "during_mcore": during_mcore,
+                                        "helper_cpu": helper_cpu, "background": background,
                                         "busy_after": busy[0], "snapshot_stall": res.seconds})
         # the final state, saved by every system, and the losses the loads must reproduce
         job.iteration = it0
@@ -195,6 +200,16 @@ def worker(a: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
+def _helper_cpu(tier: Any) -> float:
+    """CPU seconds (user + system) this rank's node helper process has used so far (0 on a rank without one)."""
+    import psutil
+
+    if tier.helper is None or not tier.helper.alive:
+        return 0.0
+    t = psutil.Process(tier.helper.proc.pid).cpu_times()
+    return float(t.user + t.system)
+
+
 def _median_max(reps: list[list[dict[str, Any]]], key: str) -> float:
     return statistics.median(max(r[key] for r in rep) for rep in reps)
 
@@ -243,7 +258,8 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
         alone = statistics.mean(x for r in st for x in r["alone"])
         row["steps"] = {"alone": alone, "during": statistics.mean(x for r in st for x in r["during"]),
                         "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"]),
-                        "busy_after": any(r["busy_after"] for r in st)}
+                        "busy_after": any(r["busy_after"] for r in st),
+                        "helper_cpu": sum(r["helper_cpu"] for r in st), "background": max(r["background"] for r in st)}
         ref = save["ref"]
         row["check"] = {}
         for s, got in load["check"].items():
@@ -268,6 +284,8 @@ def print_row(r: dict[str, Any]) -> None:
     print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
           f"{', still running at the end' if st['busy_after'] else ''}) {st['during']:.3f} s; after megatron-core's "
           f"async save {st['during_mcore']:.3f} s")
+    print(f"  background work of that snapshot (replicas + durable copy): {st['background']:.2f} s wall, "
+          f"{st['helper_cpu']:.2f} CPU-s in the helper processes (all nodes)")
     print(f"  restart = process start to model built {r['startup']:.3f} s (the same for every source) + load + "
           f"first step {r['first_step']:.3f} s; warm: the checkpoint's pages in the page cache; cold: evicted "
           "(POSIX_FADV_DONTNEED, then mincore: bytes still cached)")

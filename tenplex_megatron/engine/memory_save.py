@@ -30,8 +30,8 @@ from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.persist_helper import PersistHelper
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, block_crc32
-from tenplex_megatron.storage.shm_write import write_mapped
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES
+from tenplex_megatron.storage.shm_write import write_tensors
 
 HEADER_MARGIN = 1 << 20  # per rank file: the safetensors header and alignment, over the tensors' bytes
 
@@ -346,8 +346,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             return 0, {}
         path = os.path.join(staging, directory.rank_file_name(me))
         memory_tier.log_open(path)
-        size = write_mapped(path, mine, after_write=lambda: maybe_fail("memory.write", me, it))
-        return size, {name: block_crc32(t, BLOCK_BYTES) for name, t in mine.items()}
+        return write_tensors(path, mine, BLOCK_BYTES, after_write=lambda: maybe_fail("memory.write", me, it))
 
     size, sums = run_phase(f"{what}: copying into node memory", write)
     mark("copy")
