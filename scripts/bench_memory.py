@@ -247,6 +247,9 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
             row[s] = {"seconds": stats.summarize(reps).median, "seconds_all": stats.per_rep(reps, "seconds")}
             if s == "mcore_async":
                 row[s]["total"] = _median_max(reps, "total")
+            if s == "snapshot":  # the stall's parts: median over repetitions of the slowest rank's
+                row[s]["phases"] = {k: statistics.median(max(x["phases"][k] for x in rep) for rep in reps)
+                                    for k in reps[0][0]["phases"]}
         row["startup"], row["first_step"] = load["startup"], load["first_step"]
         for s, reps in load["reps"].items():
             cached = [x["cached_before"] for rep in reps for x in rep if x["cached_before"] is not None]
@@ -279,6 +282,8 @@ def print_row(r: dict[str, Any]) -> None:
     for s in SAVE_SYSTEMS:
         x = r[s]
         extra = f"  (total until written: {x['total']:.3f} s)" if "total" in x else ""
+        if "phases" in x:
+            extra = "  (" + ", ".join(f"{k} {v:.3f}" for k, v in x["phases"].items()) + ")"
         print(f"  {'save ' + s:<22} blocking {x['seconds']:8.3f} s{extra}")
     st = r["steps"]
     print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"

@@ -16,6 +16,7 @@ phase runner, so a failure on any rank is raised on all of them.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class MemoryTier:
     replicated: int | None = None  # newest iteration with every replica in place (kept until a newer one is)
     last: tuple[int, dict[str, Any], list[str]] | None = None  # the last snapshot: iteration, metadata, own files
     last_files: list[dict[str, Any]] = field(default_factory=list)  # every rank's file of it: name, size
+    disposing: set[str] = field(default_factory=set)  # retired snapshots this node's helper is deleting
 
     @property
     def leader(self) -> bool:
@@ -77,6 +79,15 @@ class MemoryTier:
     def order(self) -> list[str]:
         """Nodes in the order of their first rank (the ring replicas follow)."""
         return sorted(self.nodes, key=lambda n: self.nodes[n][0])
+
+    def dispose(self, path: str) -> None:
+        """Delete a retired snapshot (renamed ``.tenplex-old``) off the training path: by this node's helper
+        process when it runs (freeing a GB of tmpfs pages takes a while), else here."""
+        if self.helper is not None and self.helper.alive:
+            self.disposing.add(path)
+            self.helper.request("remove", 0, paths=[path])
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def targets(self, node: str) -> list[str]:
         """The nodes that hold replicas of ``node``'s files: the next ``replicas - 1`` in the ring."""
@@ -125,6 +136,7 @@ def _start_helpers(tier: MemoryTier) -> None:
         if tier.helper is not None:  # a restart after a helper failed: the others may wait on it in the group
             tier.helper.proc.kill()
             tier.helper.close()
+        tier.disposing.clear()  # what the old helper did not delete yet: the next snapshot does
         group = None
         if replicate:
             store = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
@@ -202,7 +214,7 @@ def _resolve(tier: MemoryTier, answers: list[dict[str, str] | None], what: str) 
 
     def local() -> bool:
         if done and tier.leader:  # the older snapshot the replicated one protected can go now
-            memory_tier.retain(tier.mem, tier.keep, _protected(tier))
+            memory_tier.retain(tier.mem, tier.keep, _protected(tier), tier.dispose)
         return restart or (tier.leader and tier.helper is not None and not tier.helper.alive)
 
     if any(gather_phase(f"{what}: checking the helper processes", local)):
@@ -324,6 +336,9 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             for stale in directory.partial_dirs(tier.mem):  # left by a snapshot that was killed
                 if directory.remove_partial(stale):
                     removed.append(stale)
+            for stale in memory_tier.retired(tier.mem):  # retired, but the helper deleting it died
+                if stale not in tier.disposing and directory.remove_own(stale, directory.is_tenplex_checkpoint):
+                    removed.append(stale)
             directory.prepare_partial(tier.mem, it)
         if me == 0 and commit_durable:
             persisted.append(_commit_durable(tier, removed))
@@ -377,8 +392,8 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
         if tier.leader:
             maybe_fail("memory.commit", me, it)
             here = {n: s for n, s in meta["files"].items() if os.path.isfile(os.path.join(staging, n))}
-            path = directory.commit(tier.mem, it, meta, here)
-            removed.extend(memory_tier.retain(tier.mem, tier.keep, (*_protected(tier), it)))
+            path = directory.commit(tier.mem, it, meta, here, dispose=tier.dispose)
+            removed.extend(memory_tier.retain(tier.mem, tier.keep, (*_protected(tier), it), tier.dispose))
         return path
 
     path = run_phase(f"{what}: committing in memory", commit)

@@ -16,6 +16,8 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
   file is written under a temporary name and renamed into the committed
   snapshot directory, so a node never lists a partial replica. Files are sent
   from and received into memory maps: no copy of them in this process.
+- ``remove``: delete retired snapshots (``paths``, already renamed out of the
+  listing), so freeing their memory does not stall training.
 
 It runs as a background citizen (:func:`background_priority`: nice 19, the
 idle I/O class, one torch thread) and blocks on its stdin between requests.
@@ -29,6 +31,7 @@ import json
 import mmap
 import os
 import select
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -89,6 +92,14 @@ def persist(req: dict[str, Any]) -> int:
     for d in {os.path.dirname(dst) for _, dst in req["copies"]}:
         fsync_dir(d)
     return total
+
+
+def remove(req: dict[str, Any]) -> int:
+    """Delete retired snapshot directories (``paths``), off the training path; returns how many went."""
+    for path in req["paths"]:
+        log_open(path)
+        shutil.rmtree(path, ignore_errors=True)
+    return len(req["paths"])
 
 
 def replicate(req: dict[str, Any], group: Any) -> int:
@@ -163,7 +174,7 @@ def serve(argv: list[str] | None = None) -> None:
         req = json.loads(line)
         op, it = req["op"], int(req["iteration"])
         try:
-            total = persist(req) if op == "persist" else replicate(req, group)
+            total = persist(req) if op == "persist" else remove(req) if op == "remove" else replicate(req, group)
             reply: dict[str, Any] = {"op": op, "iteration": it, "ok": True, "bytes": total}
         except Exception as e:  # noqa: BLE001 - reported to the job, which decides
             reply = {"op": op, "iteration": it, "error": f"{type(e).__name__}: {e}"}

@@ -44,6 +44,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     for s in ("memcpy", "snapshot", "tenplex_sync", "mcore_async"):
         assert run[s]["seconds"] > 0, s
     assert run["mcore_async"]["total"] >= run["mcore_async"]["seconds"]
+    assert "copy" in run["snapshot"]["phases"] and sum(run["snapshot"]["phases"].values()) > 0
     assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
     assert len(run["own_bytes"]) == 2 and all(b > 0 for b in run["own_bytes"])
     for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
