@@ -18,9 +18,13 @@ load phase, layout B (TP 2), with node 1's memory gone, repetitions round-robin:
   memory          restart from the newest snapshot complete in live memory (node 0: mmap; node 1's rank:
                   received over gloo from node 0's)
   durable         tenplex load of the durable checkpoint (page cache warm); ``durable_cold``: evicted first
+                  (POSIX_FADV_DONTNEED on every file; ``mincore`` then counts the bytes still cached)
   mcore           megatron-core load (warm); ``mcore_cold``: evicted first
 Each load is checked (state zeroed before the last repetition; one more training step and a forward pass
 must reproduce the save phase's losses within 1e-4), and the bytes read from durable storage are counted.
+Two restart figures per system: the load alone (plan, read, re-shard, restore: what the source changes) and
+the whole restart: the load phase's process start to model and optimizer built (torchrun, imports, process
+group: measured once, the same for every source) + that load + the first training step after it.
 
 Prints a table and ``RATIO <metric> <model> tenplex/<peer> = X.XX`` lines (below 1: tenplex is better) and
 writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is scripts/bench/.
@@ -65,7 +69,7 @@ def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from bench import gpt_job
-    from bench.disk import evict_page_cache
+    from bench.disk import evict_page_cache, resident_bytes
     from bench.measure import gathered, rotated, timed
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -102,6 +106,7 @@ def worker(a: argparse.Namespace) -> None:
                 elif system == "snapshot":
                     res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
                     r["stall"] = res.seconds
+                    r["phases"] = dict(res.phases)
                     memory_save.drain(tier)  # replicas in place before the next system runs
                 elif system == "tenplex_sync":
                     _, r = timed(lambda rep=rep: save_job(job, os.path.join(durable + "_sync", f"rep{rep}")))
@@ -127,15 +132,20 @@ def worker(a: argparse.Namespace) -> None:
         it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest iteration)
         alone = steps()
         job.iteration = it0
+        helper_cpu0 = _helper_cpu(tier)
+        t_bg = time.perf_counter()
         res = memory_save.snapshot(adapter, tier, persist=True)  # replication + persist in the helper processes
         during = steps()
         job.iteration = it0
         busy = [tier.replicating is not None or tier.pending is not None]
         memory_save.drain(tier)
+        background = time.perf_counter() - t_bg  # snapshot to replicas and durable copy done (>= the steps)
+        helper_cpu = _helper_cpu(tier) - helper_cpu0
         mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
         during_mcore = steps()
         queue.maybe_finalize_async_calls(blocking=True)
         out["steps"] = all_gather_json({"alone": alone, "during": during, "during_mcore": during_mcore,
+                                        "helper_cpu": helper_cpu, "background": background,
                                         "busy_after": busy[0], "snapshot_stall": res.seconds})
         # the final state, saved by every system, and the losses the loads must reproduce
         job.iteration = it0
@@ -147,14 +157,19 @@ def worker(a: argparse.Namespace) -> None:
         out["ref"] = gpt_job.step2_losses(job)
     else:
         allocate_state(job.optimizer)
+        dist.barrier()  # every rank is up: process start, imports, process group, model and optimizer built
+        out["startup"] = max(all_gather_json(time.time() - a.t_launch))
         last = a.reps - 1
         for rep in range(a.reps):
             for system in rotated(list(LOAD_SYSTEMS), rep):
                 if rep == last:
                     gpt_job.zero_state(job)
                 base = system.removesuffix("_cold")
-                if system != base:
-                    evict_page_cache(durable if base == "durable" else mcore_dir)
+                cached = None
+                if system != base:  # cold: the checkpoint's pages evicted, and checked gone (mincore)
+                    target = durable if base == "durable" else mcore_dir
+                    evict_page_cache(target)
+                    cached = resident_bytes(target)
                 if base == "memory":
                     def call() -> dict[str, Any]:
                         choice = memory_load.choose(tier, durable)
@@ -171,14 +186,28 @@ def worker(a: argparse.Namespace) -> None:
                         mcore_dist_ckpt.load_checkpoint(job, mcore_dir)
                         return {"from_durable": None, "received": 0}
                 got, r = timed(call)
-                rec(system, {**r, **got})
+                rec(system, {**r, **got, "cached_before": cached})
                 if rep == last:
                     out.setdefault("check", {})[system] = gpt_job.check(job)
+        # the first training step after a load: the state is in the process's own memory by then, whatever the
+        # source, so one step measured once stands for every system's
+        _, r = timed(lambda: gpt.train_step(job, gpt_job.data(job, job.consumed_samples)))
+        out["first_step"] = max(all_gather_json(r["seconds"]))
     memory_save.close(tier)
     if rank == 0:
         launch.write_json(a.result, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _helper_cpu(tier: Any) -> float:
+    """CPU seconds (user + system) this rank's node helper process has used so far (0 on a rank without one)."""
+    import psutil
+
+    if tier.helper is None or not tier.helper.alive:
+        return 0.0
+    t = psutil.Process(tier.helper.proc.pid).cpu_times()
+    return float(t.user + t.system)
 
 
 def _median_max(reps: list[list[dict[str, Any]]], key: str) -> float:
@@ -204,7 +233,8 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
         for phase, layout in (("save", LAYOUT_A), ("load", LAYOUT_B)):
             result = os.path.join(scratch, f"{phase}.json")
             launch.torchrun(2, __file__, ["--worker", *common, "--phase", phase, "--layout", *map(str, layout),
-                                          "--result", result], os.path.join(scratch, f"{phase}.log"), a.timeout)
+                                          "--result", result, "--t-launch", repr(time.time())],
+                            os.path.join(scratch, f"{phase}.log"), a.timeout)
             phases[phase] = launch.read_json(result)
             if phase == "save":  # node 1 is lost: its memory is gone (its id stays: a node with empty memory)
                 lost = os.path.join(memdir, "mem_1")
@@ -217,14 +247,22 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
             row[s] = {"seconds": stats.summarize(reps).median, "seconds_all": stats.per_rep(reps, "seconds")}
             if s == "mcore_async":
                 row[s]["total"] = _median_max(reps, "total")
+            if s == "snapshot":  # the stall's parts: median over repetitions of the slowest rank's
+                row[s]["phases"] = {k: statistics.median(max(x["phases"][k] for x in rep) for rep in reps)
+                                    for k in reps[0][0]["phases"]}
+        row["startup"], row["first_step"] = load["startup"], load["first_step"]
         for s, reps in load["reps"].items():
+            cached = [x["cached_before"] for rep in reps for x in rep if x["cached_before"] is not None]
             row[s] = {"seconds": stats.summarize(reps).median, "seconds_all": stats.per_rep(reps, "seconds"),
-                      "from_durable": stats.total(reps, "from_durable"), "received": stats.total(reps, "received")}
+                      "from_durable": stats.total(reps, "from_durable"), "received": stats.total(reps, "received"),
+                      "cached_before": max(cached) if cached else None}
+            row[s]["whole"] = row["startup"] + row[s]["seconds"] + row["first_step"]
         st = save["steps"]
         alone = statistics.mean(x for r in st for x in r["alone"])
         row["steps"] = {"alone": alone, "during": statistics.mean(x for r in st for x in r["during"]),
                         "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"]),
-                        "busy_after": any(r["busy_after"] for r in st)}
+                        "busy_after": any(r["busy_after"] for r in st),
+                        "helper_cpu": sum(r["helper_cpu"] for r in st), "background": max(r["background"] for r in st)}
         ref = save["ref"]
         row["check"] = {}
         for s, got in load["check"].items():
@@ -244,18 +282,26 @@ def print_row(r: dict[str, Any]) -> None:
     for s in SAVE_SYSTEMS:
         x = r[s]
         extra = f"  (total until written: {x['total']:.3f} s)" if "total" in x else ""
+        if "phases" in x:
+            extra = "  (" + ", ".join(f"{k} {v:.3f}" for k, v in x["phases"].items()) + ")"
         print(f"  {'save ' + s:<22} blocking {x['seconds']:8.3f} s{extra}")
     st = r["steps"]
     print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
           f"{', still running at the end' if st['busy_after'] else ''}) {st['during']:.3f} s; after megatron-core's "
           f"async save {st['during_mcore']:.3f} s")
+    print(f"  background work of that snapshot (replicas + durable copy): {st['background']:.2f} s wall, "
+          f"{st['helper_cpu']:.2f} CPU-s in the helper processes (all nodes)")
+    print(f"  restart = process start to model built {r['startup']:.3f} s (the same for every source) + load + "
+          f"first step {r['first_step']:.3f} s; warm: the checkpoint's pages in the page cache; cold: evicted "
+          "(POSIX_FADV_DONTNEED, then mincore: bytes still cached)")
     for s in LOAD_SYSTEMS:
         x = r[s]
         fd = "-" if x["from_durable"] is None else f"{x['from_durable'] / 1e6:.1f} MB"
         c = r["check"].get(s, {})
-        print(f"  {'restart ' + s:<22} {x['seconds']:8.3f} s  read from durable storage {fd:>10}, received from "
-              f"peers {(x['received'] or 0) / 1e6:.1f} MB  {'ok' if c.get('ok') else 'MISMATCH'} "
-              f"(rel {c.get('max_rel_diff', float('nan')):.1e})")
+        cache = "" if x["cached_before"] is None else f" (cached before: {x['cached_before'] / 1e6:.1f} MB)"
+        print(f"  {'restart ' + s:<22} load {x['seconds']:8.3f} s  whole {x['whole']:8.3f} s  read from durable "
+              f"storage {fd:>10}, received from peers {(x['received'] or 0) / 1e6:.1f} MB  "
+              f"{'ok' if c.get('ok') else 'MISMATCH'} (rel {c.get('max_rel_diff', float('nan')):.1e}){cache}")
 
 
 def ratio_lines(report: dict[str, Any]) -> list[str]:
@@ -275,7 +321,8 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
         add("step_slowdown", r["steps"]["during"], r["steps"]["alone"], "alone")  # issue #13: at most 1.05
         add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
         for peer in ("durable", "durable_cold", "mcore", "mcore_cold"):  # issue #13: memory 3x faster than durable
-            add("restart_time", r["memory"]["seconds"], r[peer]["seconds"], peer)
+            add("restart_load", r["memory"]["seconds"], r[peer]["seconds"], peer)
+            add("restart_whole", r["memory"]["whole"], r[peer]["whole"], peer)
         lines.append(f"BYTES from_durable_after_node_loss {m} memory = {r['memory']['from_durable']} "
                      f"durable = {r['durable']['from_durable']}")
     return lines
@@ -301,6 +348,7 @@ def main() -> int:
         w.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--padded", "--gbs"):
         w.add_argument(flag, type=int, help=argparse.SUPPRESS)
+    w.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
     w.add_argument("--layout", type=int, nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:

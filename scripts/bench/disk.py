@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 
 
@@ -40,6 +42,38 @@ def evict_page_cache(path: str) -> int:
                 os.fsync(fd)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 total += os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    return total
+
+
+def resident_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` whose pages are in the page cache (``mincore`` over a read-only map that
+    touches nothing): shows that an eviction worked, so a "cold" read really comes from storage."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    total = 0
+    for base, _, names in os.walk(path):
+        for n in names:
+            fd = os.open(os.path.join(base, n), os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
+                if not size:
+                    continue
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                if addr in (None, ctypes.c_void_p(-1).value):
+                    raise OSError(ctypes.get_errno(), f"mmap {n}")
+                try:
+                    vec = ctypes.create_string_buffer((size + page - 1) // page)
+                    if libc.mincore(addr, size, vec) != 0:
+                        raise OSError(ctypes.get_errno(), f"mincore {n}")
+                    total += min(size, sum(b & 1 for b in vec.raw) * page)
+                finally:
+                    libc.munmap(addr, size)
             finally:
                 os.close(fd)
     return total

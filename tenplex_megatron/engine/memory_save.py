@@ -16,6 +16,7 @@ phase runner, so a failure on any rank is raised on all of them.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,7 +31,8 @@ from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.persist_helper import PersistHelper
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES
+from tenplex_megatron.storage.shm_write import write_tensors
 
 HEADER_MARGIN = 1 << 20  # per rank file: the safetensors header and alignment, over the tensors' bytes
 
@@ -64,6 +66,7 @@ class MemoryTier:
     replicated: int | None = None  # newest iteration with every replica in place (kept until a newer one is)
     last: tuple[int, dict[str, Any], list[str]] | None = None  # the last snapshot: iteration, metadata, own files
     last_files: list[dict[str, Any]] = field(default_factory=list)  # every rank's file of it: name, size
+    disposing: set[str] = field(default_factory=set)  # retired snapshots this node's helper is deleting
 
     @property
     def leader(self) -> bool:
@@ -76,6 +79,15 @@ class MemoryTier:
     def order(self) -> list[str]:
         """Nodes in the order of their first rank (the ring replicas follow)."""
         return sorted(self.nodes, key=lambda n: self.nodes[n][0])
+
+    def dispose(self, path: str) -> None:
+        """Delete a retired snapshot (renamed ``.tenplex-old``) off the training path: by this node's helper
+        process when it runs (freeing a GB of tmpfs pages takes a while), else here."""
+        if self.helper is not None and self.helper.alive:
+            self.disposing.add(path)
+            self.helper.request("remove", 0, paths=[path])
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
     def targets(self, node: str) -> list[str]:
         """The nodes that hold replicas of ``node``'s files: the next ``replicas - 1`` in the ring."""
@@ -124,6 +136,7 @@ def _start_helpers(tier: MemoryTier) -> None:
         if tier.helper is not None:  # a restart after a helper failed: the others may wait on it in the group
             tier.helper.proc.kill()
             tier.helper.close()
+        tier.disposing.clear()  # what the old helper did not delete yet: the next snapshot does
         group = None
         if replicate:
             store = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
@@ -148,6 +161,7 @@ class SnapshotResult:
     persisted: tuple[str, ...] = ()  # durable checkpoints committed during this call
     removed: tuple[str, ...] = ()
     fallback: SaveResult | None = None  # the durable save made instead, when the snapshot did not fit
+    phases: tuple[tuple[str, float], ...] = ()  # the stall's parts on this rank: (phase, seconds), in order
 
 
 def _poll(tier: MemoryTier, wait: float) -> dict[str, str] | None:
@@ -200,7 +214,7 @@ def _resolve(tier: MemoryTier, answers: list[dict[str, str] | None], what: str) 
 
     def local() -> bool:
         if done and tier.leader:  # the older snapshot the replicated one protected can go now
-            memory_tier.retain(tier.mem, tier.keep, _protected(tier))
+            memory_tier.retain(tier.mem, tier.keep, _protected(tier), tier.dispose)
         return restart or (tier.leader and tier.helper is not None and not tier.helper.alive)
 
     if any(gather_phase(f"{what}: checking the helper processes", local)):
@@ -260,10 +274,16 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
     if persist and tier.pending is not None:
         drain(tier)  # a forced persist waits for the one under way
     t0 = time.perf_counter()
+    marks: list[tuple[str, float]] = []
+
+    def mark(name: str) -> None:
+        marks.append((name, time.perf_counter()))
+
     me = rank()
     it = adapter.iteration()
     what = f"memory snapshot of iteration {it} in {tier.mem}"
     chunks = run_phase(f"{what}: describing the job", adapter.describe)
+    mark("describe")
 
     def local() -> dict[str, Any]:
         committed = directory.committed_iterations(tier.mem) if tier.leader else []
@@ -271,8 +291,10 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
                 "used": memory_tier.used_bytes(tier.mem, committed), "persist": _poll(tier, 0.0)}
 
     gathered = gather_phase(f"{what}: gathering chunk lists", local)
+    mark("gather")
     holdings, writers, all_meta = writer_assignment([g["holdings"] for g in gathered])
     commit_durable = _resolve(tier, [g["persist"] for g in gathered], what)
+    mark("assign")
     node_of = tier.node_of()
     written: dict[int, int] = {}
     for h in holdings:
@@ -314,6 +336,9 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             for stale in directory.partial_dirs(tier.mem):  # left by a snapshot that was killed
                 if directory.remove_partial(stale):
                     removed.append(stale)
+            for stale in memory_tier.retired(tier.mem):  # retired, but the helper deleting it died
+                if stale not in tier.disposing and directory.remove_own(stale, directory.is_tenplex_checkpoint):
+                    removed.append(stale)
             directory.prepare_partial(tier.mem, it)
         if me == 0 and commit_durable:
             persisted.append(_commit_durable(tier, removed))
@@ -325,6 +350,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             directory.prepare_partial(tier.save_dir, it)
 
     run_phase(f"{what}: preparing", prepare)
+    mark("prepare")
     if commit_durable:
         tier.pending = tier.pending_meta = None
     staging = directory.partial_dir(tier.mem, it)
@@ -335,10 +361,10 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             return 0, {}
         path = os.path.join(staging, directory.rank_file_name(me))
         memory_tier.log_open(path)
-        return write_safetensors(path, mine, after_write=lambda: maybe_fail("memory.write", me, it),
-                                 block_bytes=BLOCK_BYTES)
+        return write_tensors(path, mine, BLOCK_BYTES, after_write=lambda: maybe_fail("memory.write", me, it))
 
     size, sums = run_phase(f"{what}: copying into node memory", write)
+    mark("copy")
 
     def info() -> dict[str, Any]:
         return {"info": {"rng": rng.capture(tracker=adapter.rng_tracker)},
@@ -346,6 +372,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
                 "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
 
     infos = gather_phase(f"{what}: gathering file lists", info)
+    mark("infos")
 
     def build() -> dict[str, Any] | None:
         if me != 0:
@@ -358,25 +385,28 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
         return build_metadata(writers, infos, all_meta, adapter.layout(), it, metadata)
 
     meta = broadcast_json(run_phase(f"{what}: building metadata", build), 0)
+    mark("metadata")
 
     def commit() -> str:
         path = memory_tier.snapshot_dir(tier.mem, it)
         if tier.leader:
             maybe_fail("memory.commit", me, it)
             here = {n: s for n, s in meta["files"].items() if os.path.isfile(os.path.join(staging, n))}
-            path = directory.commit(tier.mem, it, meta, here)
-            removed.extend(memory_tier.retain(tier.mem, tier.keep, (*_protected(tier), it)))
+            path = directory.commit(tier.mem, it, meta, here, dispose=tier.dispose)
+            removed.extend(memory_tier.retain(tier.mem, tier.keep, (*_protected(tier), it), tier.dispose))
         return path
 
     path = run_phase(f"{what}: committing in memory", commit)
+    mark("commit")
     tier.snapshots += 1
     stall = time.perf_counter() - t0
+    phases = tuple((n, b - a) for (n, b), (_, a) in zip(marks, [("", t0), *marks[:-1]], strict=True))
     tier.last = (it, meta, [infos[r]["file"] for r in tier.nodes[tier.node] if infos[r]["file"]])
     tier.last_files = [{"file": i["file"], "size": i["size"]} for i in infos]
     sent = _replicate(tier, infos, it, what)
     if persisting:
         _start_persist(tier, what)
-    return SnapshotResult(path, it, stall, size, sent, persisting, tuple(persisted), tuple(removed))
+    return SnapshotResult(path, it, stall, size, sent, persisting, tuple(persisted), tuple(removed), phases=phases)
 
 
 def _start_persist(tier: MemoryTier, what: str) -> None:

@@ -249,9 +249,13 @@ def prepare_partial(save: str, iteration: int) -> str:
 
 def commit(
     save: str, iteration: int, metadata: dict[str, Any], expected_files: dict[str, int],
-    fault: Callable[[str], None] | None = None,
+    fault: Callable[[str], None] | None = None, dispose: Callable[[str], None] = shutil.rmtree,
 ) -> str:
-    """Check every rank's file, write the metadata, rename into place, update the tracker (rank 0)."""
+    """Check every rank's file, write the metadata, rename into place, update the tracker (rank 0).
+
+    ``dispose``: what happens to a committed checkpoint of the same iteration once the new one replaced it (renamed
+    ``iter_NNNNNNN.tenplex-old`` by then): deleted at once unless the caller defers it.
+    """
     fault = fault or (lambda point: None)
     staging = partial_dir(save, iteration)
     final = os.path.join(save, iter_dir_name(iteration))
@@ -281,7 +285,7 @@ def commit(
             raise CheckpointFileError(f"{old}: exists and is not a tenplex checkpoint; refusing to delete it")
         os.replace(final, old)
         os.replace(staging, final)
-        shutil.rmtree(old)
+        dispose(old)
     else:
         os.replace(staging, final)
     fsync_dir(save)

@@ -19,6 +19,7 @@ import json
 import os
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,8 +201,13 @@ def used_bytes(mem: str, iterations: list[int]) -> int:
     return total
 
 
-def retain(mem: str, keep: int, protect: tuple[int, ...] = ()) -> list[str]:
-    """Delete all but the newest ``keep`` committed snapshots (and those in ``protect``); returns what went."""
+def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
+           dispose: Callable[[str], None] | None = None) -> list[str]:
+    """Retire all but the newest ``keep`` committed snapshots (and those in ``protect``); returns what went.
+
+    ``dispose``: each retired snapshot is renamed ``iter_NNNNNNN.tenplex-old`` (no longer listed) and handed to it,
+    to be deleted off the training path (freeing a GB of tmpfs pages takes a while); None: deleted here.
+    """
     if keep < 1:
         raise ValueError(f"--tenplex-memory-keep must be >= 1, got {keep}")
     removed = []
@@ -209,9 +215,25 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = ()) -> list[str]:
         if it in protect:
             continue
         path = snapshot_dir(mem, it)
-        if directory.remove_own(path, directory.is_tenplex_checkpoint):
-            removed.append(path)
+        if dispose is None:
+            if directory.remove_own(path, directory.is_tenplex_checkpoint):
+                removed.append(path)
+            continue
+        old = path + directory.OLD_SUFFIX
+        if os.path.lexists(old) and not directory.remove_own(old, directory.is_tenplex_checkpoint):
+            continue  # not ours: left alone (and this snapshot with it)
+        os.replace(path, old)
+        dispose(old)
+        removed.append(path)
     return removed
+
+
+def retired(mem: str) -> list[str]:
+    """Snapshots retired or replaced but not yet deleted (``iter_NNNNNNN.tenplex-old``: their deleter died)."""
+    if not os.path.isdir(mem):
+        return []
+    return sorted(os.path.join(mem, n) for n in os.listdir(mem)
+                  if n.endswith(directory.OLD_SUFFIX) and n.startswith("iter_"))
 
 
 def clean(mem: str) -> list[str]:
@@ -219,6 +241,9 @@ def clean(mem: str) -> list[str]:
     removed = []
     for path in directory.partial_dirs(mem):
         if directory.remove_partial(path):
+            removed.append(path)
+    for path in retired(mem):
+        if directory.remove_own(path, directory.is_tenplex_checkpoint):
             removed.append(path)
     for it in directory.committed_iterations(mem):
         path = snapshot_dir(mem, it)

@@ -6,23 +6,32 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
 "ok": true}`` or ``{..., "error": "..."}``):
 
 - ``persist``: copy files (``copies``: [[src, dst], ...]) of a snapshot in this
-  node's memory to the durable checkpoint's staging directory, at low CPU
-  priority, each fsynced; the job commits it (``directory.commit``) once
+  node's memory to the durable checkpoint's staging directory (kernel-side:
+  ``copy_file_range``), each fsynced; the job commits it (``directory.commit``) once
   every node's helper has answered.
 - ``replicate``: send this node's files of a snapshot to the helpers of the
   nodes that keep replicas (``sends``: [[path, peer, tag]]) and receive theirs
   (``recvs``: [[peer, size, path, tag]]) point to point over a gloo process
   group of the helpers alone (set up through the job's TCP store); a received
   file is written under a temporary name and renamed into the committed
-  snapshot directory, so a node never lists a partial replica.
+  snapshot directory, so a node never lists a partial replica. Files are sent
+  from and received into memory maps: no copy of them in this process.
+- ``remove``: delete retired snapshots (``paths``, already renamed out of the
+  listing), so freeing their memory does not stall training.
+
+It runs as a background citizen (:func:`background_priority`: nice 19, the
+idle I/O class, one torch thread) and blocks on its stdin between requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import select
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -33,6 +42,26 @@ from tenplex_megatron.storage.memory_tier import log_open
 
 CHUNK = 64 << 20
 REPLICA_TMP = ".replica-tmp"
+IOPRIO_CLASS_IDLE = 3  # linux/ioprio.h: I/O only when no other process wants the disk
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
+
+
+def background_priority() -> list[str]:
+    """Make this process a background citizen: lowest CPU priority (nice 19), idle I/O class, one torch thread;
+    returns what could not be set (reported, never fatal)."""
+    missed = []
+    try:
+        os.nice(19 - os.nice(0))
+    except OSError as e:
+        missed.append(f"nice: {e}")
+    nr = _IOPRIO_SET.get(os.uname().machine)
+    try:
+        if nr is None or ctypes.CDLL(None, use_errno=True).syscall(nr, 1, 0, IOPRIO_CLASS_IDLE << 13) != 0:
+            missed.append("ioprio_set: idle class not set")
+    except (OSError, AttributeError) as e:
+        missed.append(f"ioprio_set: {e}")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    return missed
 
 
 def copy_file(src: str, dst: str, iteration: int) -> int:
@@ -65,33 +94,48 @@ def persist(req: dict[str, Any]) -> int:
     return total
 
 
+def remove(req: dict[str, Any]) -> int:
+    """Delete retired snapshot directories (``paths``), off the training path; returns how many went."""
+    for path in req["paths"]:
+        log_open(path)
+        shutil.rmtree(path, ignore_errors=True)
+    return len(req["paths"])
+
+
 def replicate(req: dict[str, Any], group: Any) -> int:
     """Send and receive a snapshot's replicas (all at once), then store what came in."""
     import torch
     import torch.distributed as dist
 
-    ops, received = [], []
-    for path, peer, tag in req["sends"]:
+    torch.set_num_threads(1)
+    ops: list[Any] = []
+    received: list[Any] = []
+    maps: list[mmap.mmap] = []  # kept open until the sends are done
+    for path, peer, tag in req["sends"]:  # sent from a read-only map of the file: no copy in this process
         log_open(path)
-        t = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        maps.append(mm)
+        t = torch.frombuffer(memoryview(mm), dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
         ops.append(dist.P2POp(dist.isend, t, int(peer), group, int(tag)))
-    for peer, size, path, tag in req["recvs"]:
-        buf = torch.empty(int(size), dtype=torch.uint8)
-        received.append((path, buf))
+    for peer, size, path, tag in req["recvs"]:  # received straight into the replica's file, mapped
+        tmp = path + REPLICA_TMP
+        log_open(tmp)
+        with open(tmp, "wb+") as f:
+            f.truncate(int(size))
+            mm = mmap.mmap(f.fileno(), int(size)) if int(size) else None
+        buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
+        received.append((path, tmp, mm, buf))
         ops.append(dist.P2POp(dist.irecv, buf, int(peer), group, int(tag)))
     if ops:
         for w in dist.batch_isend_irecv(ops):
             w.wait()
     total = 0
-    for path, buf in received:
-        tmp = path + REPLICA_TMP
-        log_open(tmp)
-        data = buf.numpy().data
-        with open(tmp, "wb") as f:
-            f.write(data[: len(data) // 2])
-            maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), int(req["iteration"]))
-            f.write(data[len(data) // 2 :])
-            f.flush()
+    for path, tmp, mm, buf in received:
+        maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), int(req["iteration"]))
+        if mm is not None:
+            mm.flush()
+        with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
@@ -122,10 +166,7 @@ def serve(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     a = p.parse_args(argv)
-    try:
-        os.nice(10)
-    except OSError:
-        pass
+    background_priority()
     group = _group(a)
     for line in sys.stdin:
         if not line.strip():
@@ -133,7 +174,7 @@ def serve(argv: list[str] | None = None) -> None:
         req = json.loads(line)
         op, it = req["op"], int(req["iteration"])
         try:
-            total = persist(req) if op == "persist" else replicate(req, group)
+            total = persist(req) if op == "persist" else remove(req) if op == "remove" else replicate(req, group)
             reply: dict[str, Any] = {"op": op, "iteration": it, "ok": True, "bytes": total}
         except Exception as e:  # noqa: BLE001 - reported to the job, which decides
             reply = {"op": op, "iteration": it, "error": f"{type(e).__name__}: {e}"}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
+import torch
 
 from tenplex_megatron.cli import main as cli_main
 from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
@@ -13,6 +15,8 @@ from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.memory_tier import Snapshot, choose
 from tenplex_megatron.storage.persist_helper import PersistHelper
+from tenplex_megatron.storage.safetensors_io import write_safetensors
+from tenplex_megatron.storage.shm_write import write_tensors
 
 FILES = {"rank_00000.safetensors": 100, "rank_00001.safetensors": 200}
 
@@ -69,12 +73,12 @@ def test_not_memory_backed_warns_naming_the_directory(tmp_path) -> None:
         assert memory_tier.filesystem_type("/dev/shm") in memory_tier.MEMORY_FILESYSTEMS
 
 
-def _fake_snapshot(mem: str, it: int) -> None:
+def _fake_snapshot(mem: str, it: int, **commit: Any) -> None:
     path = directory.prepare_partial(mem, it)
     with open(os.path.join(path, "rank_00000.safetensors"), "wb") as f:
         f.write(b"x" * 10)
     directory.commit(mem, it, {"format": directory.FORMAT_NAME, "format_version": 2, "iteration": it,
-                               "files": {"rank_00000.safetensors": 10}}, {"rank_00000.safetensors": 10})
+                               "files": {"rank_00000.safetensors": 10}}, {"rank_00000.safetensors": 10}, **commit)
 
 
 def test_retention_protects_the_snapshot_being_persisted_and_clean_memory_removes_all(tmp_path, capsys) -> None:
@@ -118,3 +122,40 @@ def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path)
     finally:
         helper.close()
     assert not helper.alive
+
+
+def test_retired_snapshots_leave_the_listing_at_once_and_are_deleted_by_the_helper(tmp_path) -> None:
+    mem = str(tmp_path / "mem")
+    memory_tier.node_id(mem)
+    for it in (1, 2):
+        _fake_snapshot(mem, it)
+    handed: list[str] = []
+    assert [os.path.basename(p) for p in memory_tier.retain(mem, 1, dispose=handed.append)] == ["iter_0000001"]
+    assert directory.committed_iterations(mem) == [2] and handed == memory_tier.retired(mem)
+    assert [os.path.basename(p) for p in handed] == ["iter_0000001" + directory.OLD_SUFFIX]
+    _fake_snapshot(mem, 2, dispose=handed.append)  # the same iteration again: the replaced one is handed over too
+    assert len(memory_tier.retired(mem)) == 2
+    helper = PersistHelper()
+    try:
+        helper.request("remove", 0, paths=memory_tier.retired(mem))
+        got = None
+        for _ in range(120):
+            got = helper.poll("remove", 0, 0.5)
+            if got is not None:
+                break
+        assert got is not None and got["ok"] and got["bytes"] == 2
+    finally:
+        helper.close()
+    assert memory_tier.retired(mem) == [] and directory.committed_iterations(mem) == [2]
+    _fake_snapshot(mem, 3)
+    memory_tier.retain(mem, 1, dispose=lambda path: None)  # its deleter died: clean-memory removes it
+    assert cli_main(["clean-memory", mem]) == 0 and memory_tier.retired(mem) == []
+
+
+def test_snapshot_file_is_the_safetensors_file_a_durable_save_writes_with_the_same_checksums(tmp_path) -> None:
+    tensors = {"a": torch.randn(3, 1000), "b": torch.arange(7, dtype=torch.int64), "c": torch.empty(0),
+               "d": torch.randn(300_001).to(torch.bfloat16)}
+    size, sums = write_tensors(str(tmp_path / "m.safetensors"), tensors, 4096)
+    ref_size, ref_sums = write_safetensors(str(tmp_path / "d.safetensors"), tensors, block_bytes=4096)
+    assert (size, sums) == (ref_size, ref_sums)
+    assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "d.safetensors").read_bytes()

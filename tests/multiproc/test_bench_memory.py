@@ -1,0 +1,53 @@
+"""The host-memory benchmark runs end to end at its smallest size (``--quick``): its report is whole and its checks hold.
+
+Speed is not asserted here (benchmarks measure, tests check); this keeps
+``scripts/bench_memory.py`` working: every load reproduces the saved losses,
+the restart from memory after a node's loss reads nothing from durable storage,
+and a "cold" restart really found the checkpoint's pages evicted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.harness import ROOT
+
+pytestmark = pytest.mark.dist
+
+
+def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    mem = tmp_path / "mem"
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "bench_memory.py"), "--quick", "--out", str(out),
+         "--workdir", str(tmp_path), "--memdir", "/dev/shm" if os.path.isdir("/dev/shm") else str(mem)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    run = json.loads(out.read_text())["runs"][0]
+    loads = ("memory", "durable", "durable_cold", "mcore", "mcore_cold")
+    for system in loads:
+        assert run["check"][system]["ok"], (system, run["check"][system])
+        x = run[system]
+        assert x["seconds"] > 0 and x["whole"] == pytest.approx(run["startup"] + x["seconds"] + run["first_step"])
+    assert run["startup"] > 0 and run["first_step"] > 0
+    # node 1's memory is gone: its rank received its part from node 0; nothing came from durable storage
+    assert run["memory"]["from_durable"] == 0 and run["memory"]["received"] > 0
+    assert run["durable"]["from_durable"] > 0 and run["durable_cold"]["from_durable"] > 0
+    assert run["durable_cold"]["cached_before"] == 0 and run["mcore_cold"]["cached_before"] == 0
+    assert run["durable"]["cached_before"] is None
+    for s in ("memcpy", "snapshot", "tenplex_sync", "mcore_async"):
+        assert run[s]["seconds"] > 0, s
+    assert run["mcore_async"]["total"] >= run["mcore_async"]["seconds"]
+    assert "copy" in run["snapshot"]["phases"] and sum(run["snapshot"]["phases"].values()) > 0
+    assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
+    assert len(run["own_bytes"]) == 2 and all(b > 0 for b in run["own_bytes"])
+    for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
+                 "RATIO restart_load tiny tenplex/durable_cold = ", "RATIO restart_whole tiny tenplex/durable_cold = ",
+                 "RATIO restart_whole tiny tenplex/mcore_cold = ", "BYTES from_durable_after_node_loss tiny memory = 0 "):
+        assert line in p.stdout, p.stdout[-3000:]
