@@ -22,16 +22,14 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
-# Both cores (pytest-xdist): the unit tests one by one; the multi-process tests a file at a time, longest first
-# (tests/conftest.py's scheduler). The checkout's modules are byte-compiled first: with PYTHONDONTWRITEBYTECODE set,
-# each of the suite's several hundred processes would otherwise compile them again from source (~0.35 s CPU each).
-MULTIPROC_XDIST := -n 2 --dist loadfile
-
+# One pytest session on both cores (pytest-xdist): a test file at a time per worker, the longest first, the unit
+# tests last, filling in (tests/conftest.py's scheduler). The checkout's modules are byte-compiled first: with
+# PYTHONDONTWRITEBYTECODE set, each of the suite's several hundred processes would otherwise compile them again
+# from source (~0.35 s CPU each).
 test: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron scripts tests examples
 	$(PY) -m compileall -q tenplex_megatron scripts tests examples
-	$(PY) -m pytest -q -n 2 tests/unit
-	$(PY) -m pytest -q --durations=15 $(MULTIPROC_XDIST) tests --ignore=tests/unit
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 test-fast: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron tests

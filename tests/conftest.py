@@ -4,7 +4,7 @@
 unit of work, so its module- and session-scoped fixtures (the shared torchrun launches) run once, on one worker;
 the files whose jobs are torchrun elastic agents meeting at a rendezvous or killed on a clock (RENDEZVOUS) are one
 unit together, so they never run beside each other; the longest unit left (tests/multiproc/durations.json) goes
-to the next free worker, so the two workers finish together. (pytest-xdist's own ``loadgroup`` does not group
+to the next free worker, and the unit test files come last, filling in, so that the two workers finish together. (pytest-xdist's own ``loadgroup`` does not group
 under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)
 
 ``TENPLEX_TEST_CPU=FILE`` appends one JSON line per test: its wall time and the CPU seconds (user + system) of the
@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DURATIONS = os.path.join(HERE, "multiproc", "durations.json")
 #: test files whose agents rendezvous or are killed on a clock: one unit of work, never run beside each other
 RENDEZVOUS = ("test_elastic.py", "test_bench_elastic.py", "test_memory_nodes.py", "test_signal_save.py")
-DEFAULT_SECONDS = 30.0  # a test file not in durations.json yet
+DEFAULT_SECONDS = 30.0  # a multi-process test file not in durations.json yet (a unit test file: 0, they fill in last)
 
 
 def unit_of(nodeid: str) -> str:
@@ -46,7 +46,8 @@ def unit_seconds(units: list[str]) -> dict[str, float]:
     out = {}
     for u in units:
         files = RENDEZVOUS if u == "rendezvous" else (os.path.basename(u),)
-        out[u] = sum(seconds.get(f, DEFAULT_SECONDS) for f in files)
+        default = 0.0 if u.startswith("tests/unit/") else DEFAULT_SECONDS
+        out[u] = sum(seconds.get(f, default) for f in files)
     return out
 
 
