@@ -37,12 +37,12 @@ def unit_of(nodeid: str) -> str:
 
 
 def unit_seconds(units: list[str]) -> dict[str, float]:
-    """Recorded wall seconds of each unit (its files' sum) on the idle 2-core machine, one worker each."""
+    """The recorded length of each unit: its files' CPU seconds (durations.json, from a TENPLEX_TEST_CPU record)."""
     with open(DURATIONS) as f:
         data = json.load(f)
     if data.get("version") != 1:
         raise ValueError(f"{DURATIONS}: version {data.get('version')!r} is not supported (1 is)")
-    seconds = {k: float(v) for k, v in data["seconds"].items()}
+    seconds = {k: float(v) for k, v in data["cpu_seconds"].items()}
     out = {}
     for u in units:
         files = RENDEZVOUS if u == "rendezvous" else (os.path.basename(u),)

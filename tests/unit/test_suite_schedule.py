@@ -11,7 +11,7 @@ from tests.conftest import DEFAULT_SECONDS, DURATIONS, HERE, RENDEZVOUS, unit_of
 
 def test_durations_and_rendezvous_name_existing_multiprocess_test_files() -> None:
     with open(DURATIONS) as f:
-        recorded = json.load(f)["seconds"]
+        recorded = json.load(f)["cpu_seconds"]
     for name in [*recorded, *RENDEZVOUS]:
         assert os.path.isfile(os.path.join(HERE, "multiproc", name)), f"{DURATIONS}: no tests/multiproc/{name}"
     assert all(v > 0 for v in recorded.values()), recorded
@@ -27,7 +27,7 @@ def test_rendezvous_files_are_one_unit_the_others_one_each() -> None:
 
 def test_longest_first_and_unit_tests_last() -> None:
     with open(DURATIONS) as f:
-        recorded = json.load(f)["seconds"]
+        recorded = json.load(f)["cpu_seconds"]
     seconds = unit_seconds(["rendezvous", "tests/multiproc/test_new_one.py", "tests/unit/test_planner.py"])
     assert seconds["rendezvous"] == sum(recorded.get(n, DEFAULT_SECONDS) for n in RENDEZVOUS)
     assert seconds["tests/multiproc/test_new_one.py"] == DEFAULT_SECONDS
