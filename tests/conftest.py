@@ -1,11 +1,12 @@
 """The multi-process tests on both cores, and an optional record of each test's CPU time.
 
-``pytest -n 2 --dist loadfile`` (the Makefile's ``make test``) gets the scheduler below: each test file is one
-unit of work, so its module- and session-scoped fixtures (the shared torchrun launches) run once, on one worker;
-the files whose jobs are torchrun elastic agents meeting at a rendezvous or killed on a clock (RENDEZVOUS) are one
-unit together, so they never run beside each other; the longest unit left (tests/multiproc/durations.json) goes
-to the next free worker, and the unit test files come last, filling in, so that the two workers finish together. (pytest-xdist's own ``loadgroup`` does not group
-under pytest 9: it renames ``item._nodeid``, which pytest 9 no longer reads.)
+``pytest -n 2 --dist loadfile`` (the Makefile's ``make test``) gets the scheduler below: each test file is one unit
+of work, so its module- and session-scoped fixtures (the shared torchrun launches) run once, on one worker; the
+files whose jobs are torchrun elastic agents meeting at a rendezvous or killed on a clock (RENDEZVOUS) are one unit
+together, so they never run beside each other; the longest unit left (tests/multiproc/durations.json) goes to the
+next free worker, so that the two workers finish together; in a session with the unit tests, their files come last,
+filling in. (pytest-xdist's own ``loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which
+pytest 9 no longer reads.)
 
 ``TENPLEX_TEST_CPU=FILE`` appends one JSON line per test: its wall time and the CPU seconds (user + system) of the
 processes it started and waited for (torchrun, its ranks, scripts), set-up and tear-down included.
