@@ -22,15 +22,14 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
-# Both cores (pytest-xdist): the unit tests one by one, then the multi-process tests a file at a time per worker,
-# the longest first (tests/conftest.py's scheduler). The checkout's modules are byte-compiled first: with
-# PYTHONDONTWRITEBYTECODE set, each of the suite's several hundred processes would otherwise compile them again
-# from source (~0.4 s CPU each). (One session for both needs unique test file names: test_memory_tier.py is in both.)
+# Both cores (pytest-xdist), one session: the multi-process tests a file at a time per worker, the longest first,
+# and the unit test files last, filling in behind them (tests/conftest.py's scheduler). The checkout's modules are
+# byte-compiled first: with PYTHONDONTWRITEBYTECODE set, each of the suite's several hundred processes would
+# otherwise compile them again from source (~0.4 s CPU each).
 test: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron scripts tests examples
 	$(PY) -m compileall -q tenplex_megatron scripts tests examples
-	$(PY) -m pytest -q -n 2 tests/unit
-	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests --ignore=tests/unit
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 test-fast: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron tests
