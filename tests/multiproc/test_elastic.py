@@ -28,7 +28,7 @@ import pytest
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics, torchrun
 
 pytestmark = pytest.mark.dist
-ITERS, SAVE_EVERY = 300, 10  # long enough that the node is back before the survivor finishes alone
+ITERS, SAVE_EVERY = 500, 10  # long enough that the node is back before the survivor finishes alone
 _MBS = TINY_GPT.index("--micro-batch-size")
 # --tenplex-layout auto chooses TP, PP, DP and the micro-batch size for each world size torchrun gives the job
 FLAGS = [*TINY_GPT[:_MBS], *TINY_GPT[_MBS + 2:], "--vocab-size", "96", "--train-iters", str(ITERS),
@@ -44,17 +44,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str) -> subprocess.Popen:
+def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str, held: bool = False) -> subprocess.Popen:
+    """A torchrun agent for node ``name``; ``held``: torch imported, waiting for a line on stdin before torchrun's
+    own ``main`` runs (the node comes back when released, not seconds later after its imports: on a busy machine
+    the survivor could otherwise finish alone first)."""
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared with the workers, torch 2.13's agents
     # hung re-forming the rendezvous when a node joined (each waiting for keys the other wrote elsewhere)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1",
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+    start = ["-c", "import sys, torch.distributed.run as r; sys.stdin.readline(); r.main()"] if held else [
+        "-m", "torch.distributed.run"]
+    cmd = [sys.executable, *start, "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
            "--rdzv-conf", RDZV_CONF, "--max-restarts", "5", "--monitor-interval", "0.5", PRETRAIN, *FLAGS,
            "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log]
     return subprocess.Popen(cmd, env=env, stdout=open(os.path.join(out_dir, f"{name}.log"), "a"),
-                            stderr=subprocess.STDOUT, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            stdin=subprocess.PIPE if held else subprocess.DEVNULL, text=True)
 
 
 def _lose_node(agent: subprocess.Popen) -> None:
@@ -102,9 +108,11 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
         lost_at = len(metrics(log))
         t_lost = time.time()
         _lose_node(b)
+        b = _agent("b", port, ckpt, log, str(tmp_path), held=True)
         _wait_for(log, lost_at + 3, dp=1)  # the survivor trains on alone
         t_back = time.time()
-        b = _agent("b", port, ckpt, log, str(tmp_path))  # the node is back
+        b.stdin.write("go\n")  # the node is back
+        b.stdin.close()
         assert a.wait(timeout=600) == 0 and b.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-4000:]
     finally:
         for p in (a, b):
