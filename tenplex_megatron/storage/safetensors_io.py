@@ -51,6 +51,19 @@ def block_crc32(data: torch.Tensor, block_bytes: int = BLOCK_BYTES) -> tuple[int
     return tuple(buffer_crc32(raw[i : i + block_bytes]) for i in range(0, len(raw), block_bytes))
 
 
+def header_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, int]:
+    """The safetensors header (length prefix included, data aligned to 8 bytes) and the data section's size."""
+    header: dict[str, object] = {}
+    offset = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": ST_CODES[torch_dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as the reference writer does
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
 def write_safetensors(
     path: str, tensors: dict[str, torch.Tensor], after_write=None, block_bytes: int = BLOCK_BYTES
 ) -> tuple[int, dict[str, tuple[int, ...]]]:
@@ -63,17 +76,9 @@ def write_safetensors(
     """
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
-    header: dict[str, object] = {}
-    offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": ST_CODES[torch_dtype_name(t.dtype)], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # align the data section to 8 bytes, as the reference writer does
+    head, _ = header_bytes(tensors)
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+        f.write(head)
         sums = write_tensors(f, tensors, block_bytes)
         f.flush()
         if after_write is not None:

@@ -8,29 +8,12 @@ the checksums the format requires computed by a second thread meanwhile.
 
 from __future__ import annotations
 
-import json
-import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from tenplex_megatron.storage.safetensors_header import ST_CODES
-from tenplex_megatron.storage.safetensors_io import block_crc32, torch_dtype_name
-
-
-def header_bytes(tensors: dict[str, torch.Tensor]) -> tuple[bytes, int]:
-    """The safetensors header (length prefix included, data aligned to 8 bytes) and the data section's size."""
-    header: dict[str, object] = {}
-    offset = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": ST_CODES[torch_dtype_name(t.dtype)], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw, offset
+from tenplex_megatron.storage.safetensors_io import block_crc32, header_bytes
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
