@@ -21,9 +21,9 @@ from typing import Any
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
+from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.megatron_ptc import (
-    LAYER_TP_AXES,
     POST_KEYS,
     PRE_KEYS,
     MegatronCheckpointError,

@@ -23,6 +23,7 @@ from typing import Any
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
+from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.plan.sim.sharding import local_param_boxes
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor, read_dcp_metadata
@@ -290,8 +291,6 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
 
 
 # the axis TP splits a stacked layer tensor along (axis 0: the layers)
-LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
-                 "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
 # one transformer layer's parameters in megatron-core's ``module.parameters()`` order (the local spec's: the input
 # layernorm, the attention's output projection before its QKV, the pre-MLP layernorm, the MLP), by their sharded keys
 LAYER_ORDER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
@@ -306,7 +305,7 @@ _REPLICATED = re.compile(r"(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_n
 def gpt_tensor_meta(path: str, key: str, size: tuple[int, ...], dtype: str, vocab_size: int | None, tied: bool,
                     fc1_parts: int) -> TensorMeta:
     """How TP and PP split the megatron-core GPTModel tensor ``key`` (global ``size``; layers stacked on axis 0), as
-    ``plan/sim/gpt_catalogue.gpt_tensors`` models it; another tensor fails naming it."""
+    ``plan/sim/gpt_catalogue.gpt_tensors`` models it (its :data:`LAYER_TP_AXES`); another tensor fails naming it."""
     if key in (PRE_KEYS[0], "output_layer.weight"):
         first = key == PRE_KEYS[0]
         return TensorMeta(key, size, dtype, vocab_size or size[0], 0, 1, "first" if first else "last", first and tied)

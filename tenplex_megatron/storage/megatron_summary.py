@@ -19,9 +19,9 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.megatron_ptc import LAYER_TP_AXES
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")

@@ -107,6 +107,11 @@ def load_model(name: str, path: str | None = None) -> GPTDims:
     return GPTDims(**{k: v for k, v in models[name].items() if k in fields})
 
 
+# the TP-split axis of a transformer layer's parameters (stacked layers on axis 0); the others are replicated over TP
+LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
+                 "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
+
+
 def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[str, TensorMeta]:
     """Model tensors, then Adam moments (and fp32 main weights for bf16) of every parameter."""
     h, L, f = d.hidden_size, d.num_layers, d.ffn
@@ -114,8 +119,9 @@ def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[s
     parts = 2 if d.swiglu else 1
     dt = "bfloat16" if d.bf16 else "float32"
 
-    def layer(name: str, shape: tuple[int, ...], tp_axis: int | None = None, tp_parts: int = 1) -> TensorMeta:
-        return TensorMeta(f"decoder.layers.{name}", (L, *shape), dt, tp_axis=tp_axis, tp_parts=tp_parts, stage="layers")
+    def layer(name: str, shape: tuple[int, ...], tp_parts: int = 1) -> TensorMeta:
+        return TensorMeta(f"decoder.layers.{name}", (L, *shape), dt, tp_axis=LAYER_TP_AXES.get(name), tp_parts=tp_parts,
+                          stage="layers")
 
     params = [TensorMeta("embedding.word_embeddings.weight", (padded_vocab, h), dt, d.vocab_size, 0, 1, "first", d.tied)]
     if d.position_embedding_type == "learned_absolute":
@@ -125,15 +131,15 @@ def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[s
     layers = [
         (layer("self_attention.linear_qkv.layer_norm_weight", (h,)), True),
         (layer("self_attention.linear_qkv.layer_norm_bias", (h,)), norm_bias),
-        (layer("self_attention.linear_qkv.weight", (d.qkv_rows, h), 1), True),
-        (layer("self_attention.linear_qkv.bias", (d.qkv_rows,), 1), bias),
-        (layer("self_attention.linear_proj.weight", (h, h), 2), True),
+        (layer("self_attention.linear_qkv.weight", (d.qkv_rows, h)), True),
+        (layer("self_attention.linear_qkv.bias", (d.qkv_rows,)), bias),
+        (layer("self_attention.linear_proj.weight", (h, h)), True),
         (layer("self_attention.linear_proj.bias", (h,)), bias),
         (layer("mlp.linear_fc1.layer_norm_weight", (h,)), True),
         (layer("mlp.linear_fc1.layer_norm_bias", (h,)), norm_bias),
-        (layer("mlp.linear_fc1.weight", (f1, h), 1, parts), True),
-        (layer("mlp.linear_fc1.bias", (f1,), 1, parts), bias),
-        (layer("mlp.linear_fc2.weight", (h, f), 2), True),
+        (layer("mlp.linear_fc1.weight", (f1, h), parts), True),
+        (layer("mlp.linear_fc1.bias", (f1,), parts), bias),
+        (layer("mlp.linear_fc2.weight", (h, f)), True),
         (layer("mlp.linear_fc2.bias", (h,)), bias),
         (TensorMeta("decoder.final_layernorm.weight", (h,), dt, stage="last"), True),
         (TensorMeta("decoder.final_layernorm.bias", (h,), dt, stage="last"), norm_bias),
