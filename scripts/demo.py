@@ -32,10 +32,10 @@ MODEL = [
     "--lr-warmup-iters", "3", "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0",
     "--use-distributed-optimizer", "--mock-data", "--tenplex", "--log-interval", "1",
 ]
-PHASES = [  # (name, processes, tp, pp, run until iteration)
-    ("2 GPUs, TP=2", 2, 2, 1, 10),
-    ("1 GPU lost: TP=1", 1, 1, 1, 20),
-    ("GPU back: PP=2", 2, 1, 2, 30),
+PHASES = [  # (name, processes, tp, pp): each runs --steps-per-phase steps
+    ("2 GPUs, TP=2", 2, 2, 1),
+    ("1 GPU lost: TP=1", 1, 1, 1),
+    ("GPU back: PP=2", 2, 1, 2),
 ]
 
 
@@ -60,17 +60,21 @@ def losses(path: str) -> dict[int, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "demo"))
+    ap.add_argument("--steps-per-phase", type=int, default=10, help="training steps before each change (at least 4)")
     args = ap.parse_args()
+    if args.steps_per_phase < 4:
+        ap.error("--steps-per-phase must be at least 4 (the learning-rate warm-up is 3 steps)")
     out = args.out
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    total = PHASES[-1][4]
+    phases = [(*p, args.steps_per_phase * (i + 1)) for i, p in enumerate(PHASES)]  # ... and run until iteration
+    total = phases[-1][4]
     print(f"== reference: 2 processes at TP=2, {total} steps, never interrupted")
     _, secs = run(2, 2, 1, ["--train-iters", str(total), "--tenplex-metrics", f"{out}/reference.jsonl"])
     print(f"   done in {secs:.0f} s")
     ckpt = f"{out}/ckpt"
     reshards = []
-    for name, nproc, tp, pp, until in PHASES:
+    for name, nproc, tp, pp, until in phases:
         print(f"== elastic job: {name} ({nproc} process{'es' if nproc > 1 else ''}) until step {until}")
         log, secs = run(nproc, tp, pp, ["--train-iters", str(total), "--exit-interval", str(until), "--save", ckpt,
                                         "--load", ckpt, "--tenplex-metrics", f"{out}/elastic.jsonl"])
@@ -90,16 +94,16 @@ def main() -> int:
     print(f"   {'step':>4}  {'layout':<18} {'elastic':>12} {'reference':>12} {'|diff|':>9}")
     worst = 0.0
     for it in sorted(ref):
-        phase = next(p for p in PHASES if it <= p[4])
+        phase = next(p for p in phases if it <= p[4])
         d = abs(ela[it] - ref[it])
         worst = max(worst, d / abs(ref[it]))
         print(f"   {it:>4}  {phase[0]:<18} {ela[it]:>12.7f} {ref[it]:>12.7f} {d:>9.2e}")
     print(f"\n   largest relative difference: {worst:.2e} (fp32; only the reduction order changes with the layout)")
-    plot(ref, ela, f"{out}/../demo_loss.png")
+    plot(ref, ela, phases, f"{out}/../demo_loss.png")
     return 0 if worst < 1e-5 else 1
 
 
-def plot(ref: dict[int, float], ela: dict[int, float], path: str) -> None:
+def plot(ref: dict[int, float], ela: dict[int, float], phases: list[tuple], path: str) -> None:
     try:
         matplotlib = require("matplotlib", "bench", needed_by="the demo's plot")
     except MissingExtraError as e:
@@ -110,8 +114,8 @@ def plot(ref: dict[int, float], ela: dict[int, float], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     its = sorted(ref)
     ax.plot(its, [ref[i] for i in its], "k-", lw=3, alpha=0.35, label="uninterrupted, 2 procs TP=2")
-    for name, _, _, _, until in PHASES:
-        lo = max([p[4] for p in PHASES if p[4] < until], default=0)
+    for name, _, _, _, until in phases:
+        lo = max([p[4] for p in phases if p[4] < until], default=0)
         seg = [i for i in its if lo < i <= until]
         ax.plot(seg, [ela[i] for i in seg], "o-", ms=3, label=f"tenplex: {name}")
         if lo:
