@@ -260,7 +260,7 @@ def plot(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, float
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="configs/traces/NAME.json")
-    p.add_argument("--quick", action="store_true", help="tiny model, configs/traces/quick.json, 300 iterations")
+    p.add_argument("--quick", action="store_true", help="tiny model, configs/traces/quick.json, 200 iterations")
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--table", default=None, help="the table policy's --tenplex-layout FILE.json")
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.quick:
         a.trace = a.trace or os.path.join(ROOT, "configs", "traces", "quick.json")
-        a.train_iters = a.train_iters or 300
+        a.train_iters = a.train_iters or 200
         a.save_interval = 5
         a.clock = "first-iteration"
     if not a.trace or not a.train_iters:

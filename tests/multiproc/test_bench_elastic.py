@@ -30,11 +30,11 @@ def test_bench_elastic_quick_every_policy_reaches_the_target_on_the_same_loss_cu
     assert set(runs) == {"tenplex", "dp_only", "table"}
     assert report["dp_only_mp"] == [1, 2]  # the table's layout at the start: PP=2 (one process per node)
     for name, r in runs.items():
-        assert r["time_to_target"] > 0 and r["iterations"] == report["target"] == 300, name
-        assert {i for i, _ in r["losses"]} == set(range(1, 301)), name
+        assert r["time_to_target"] > 0 and r["iterations"] == report["target"] == 200, name
+        assert {i for i, _ in r["losses"]} == set(range(1, 201)), name
         assert r["loss_deviation"] <= 1e-5, (name, r["loss_deviation"])
         assert [(c["before"], c["after"]) for c in r["changes"]][0] == (0, 2), name
-        assert len(r["changes"]) >= 2, name  # the node lost at 6 s came while the job ran
+        assert len(r["changes"]) >= 2, name  # the node lost at 3 s came while the job ran
         done = [c["breakdown"] for c in r["changes"][1:] if c["breakdown"]]
         assert done, (name, r["changes"])
         for b in done:
