@@ -30,7 +30,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     run = json.loads(out.read_text())["runs"][0]
-    loads = ("memory", "durable", "durable_cold", "mcore", "mcore_cold")
+    loads = ("memory_live", "memory", "durable", "durable_cold", "mcore", "mcore_cold")
     for system in loads:
         assert run["check"][system]["ok"], (system, run["check"][system])
         x = run[system]
@@ -38,6 +38,8 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert run["startup"] > 0 and run["first_step"] > 0
     # node 1's memory is gone: its rank received its part from node 0; nothing came from durable storage
     assert run["memory"]["from_durable"] == 0 and run["memory"]["received"] > 0
+    # before: every node alive, each holding every rank file (K=2 on 2 nodes): all of it memory-mapped locally
+    assert run["memory_live"]["from_durable"] == 0 and run["memory_live"]["received"] == 0
     assert run["durable"]["from_durable"] > 0 and run["durable_cold"]["from_durable"] > 0
     assert run["durable_cold"]["cached_before"] == 0 and run["mcore_cold"]["cached_before"] == 0
     assert run["durable"]["cached_before"] is None
@@ -49,5 +51,6 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert len(run["own_bytes"]) == 2 and all(b > 0 for b in run["own_bytes"])
     for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
                  "RATIO restart_load tiny tenplex/durable_cold = ", "RATIO restart_whole tiny tenplex/durable_cold = ",
-                 "RATIO restart_whole tiny tenplex/mcore_cold = ", "BYTES from_durable_after_node_loss tiny memory = 0 "):
+                 "RATIO restart_whole tiny tenplex/mcore_cold = ",
+                 "RATIO restart_load_live tiny tenplex/durable_cold = ", "RATIO restart_whole_live tiny tenplex/mcore = ", "BYTES from_durable_after_node_loss tiny memory = 0 "):
         assert line in p.stdout, p.stdout[-3000:]
