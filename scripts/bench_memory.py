@@ -35,6 +35,7 @@ writes JSON (--out). The measuring (timed call between barriers, max over ranks,
 
     python scripts/bench_memory.py --quick                 # the tiny model, 1 repetition: checks it end to end
     python scripts/bench_memory.py --models gpt3-125m gpt3-350m --reps 3
+    python scripts/bench_memory.py --models gpt3-350m --reps 2 --restart-only   # fits a 23 GB machine
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ LAYOUT_A, LAYOUT_B = (1, 1, 2), (2, 1, 1)
 SAVE_SYSTEMS = ("memcpy", "snapshot", "tenplex_sync", "mcore_async")
 LOAD_SYSTEMS = ("memory_live", "memory", "durable", "durable_cold", "mcore", "mcore_cold")
 LIVE = ("memory_live",)  # measured before node 1 is lost
+RESTART_ONLY = ("memory_live", "durable", "durable_cold")  # --restart-only: what fits 350M on a 23 GB machine
 CHECK_RTOL = 1e-4
 
 
@@ -101,75 +103,80 @@ def worker(a: argparse.Namespace) -> None:
         _, own = describe_job(job)
         out["own_bytes"] = all_gather_json(sum(lc.data.numel() * lc.data.element_size() for lc in own))
         queue = AsyncCallsQueue()
-        for rep in range(a.reps):
-            for system in rotated(list(SAVE_SYSTEMS), rep):
-                if system == "memcpy":
-                    def copy() -> None:
-                        for lc in own:
-                            torch.empty_like(lc.data).copy_(lc.data)
-                    _, r = timed(copy)
-                elif system == "snapshot":
-                    res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
-                    r["stall"] = res.seconds
-                    r["phases"] = dict(res.phases)
-                    memory_save.drain(tier)  # replicas in place before the next system runs
-                elif system == "tenplex_sync":
-                    _, r = timed(lambda rep=rep: save_job(job, os.path.join(durable + "_sync", f"rep{rep}")))
-                else:
-                    target = os.path.join(mcore_dir + "_async", f"rep{rep}")
+        it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest one)
+        if not a.restart_only:  # the save rows and the step slowdown
+            for rep in range(a.reps):
+                for system in rotated(list(SAVE_SYSTEMS), rep):
+                    if system == "memcpy":
+                        def copy() -> None:
+                            for lc in own:
+                                torch.empty_like(lc.data).copy_(lc.data)
+                        _, r = timed(copy)
+                    elif system == "snapshot":
+                        res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
+                        r["stall"] = res.seconds
+                        r["phases"] = dict(res.phases)
+                        memory_save.drain(tier)  # replicas in place before the next system runs
+                    elif system == "tenplex_sync":
+                        _, r = timed(lambda rep=rep: save_job(job, os.path.join(durable + "_sync", f"rep{rep}")))
+                    else:
+                        target = os.path.join(mcore_dir + "_async", f"rep{rep}")
+                        t0 = time.perf_counter()
+                        _, r = timed(lambda target=target: mcore_dist_ckpt.save_async(job, target, queue))
+                        queue.maybe_finalize_async_calls(blocking=True)
+                        dist.barrier()
+                        r["total"] = time.perf_counter() - t0
+                    rec(system, r)
+            # the step slowdown while the background work runs (each step the same data: only the time matters)
+            start = job.consumed_samples
+
+            def steps() -> list[float]:
+                times = []
+                for _ in range(a.steps):
                     t0 = time.perf_counter()
-                    _, r = timed(lambda target=target: mcore_dist_ckpt.save_async(job, target, queue))
-                    queue.maybe_finalize_async_calls(blocking=True)
-                    dist.barrier()
-                    r["total"] = time.perf_counter() - t0
-                rec(system, r)
-        # the step slowdown while the background work runs (each step the same data: only the time matters)
-        start = job.consumed_samples
+                    gpt.train_step(job, gpt_job.data(job, start))
+                    times.append(time.perf_counter() - t0)
+                return times
 
-        def steps() -> list[float]:
-            times = []
-            for _ in range(a.steps):
-                t0 = time.perf_counter()
-                gpt.train_step(job, gpt_job.data(job, start))
-                times.append(time.perf_counter() - t0)
-            return times
-
-        it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest iteration)
-        alone = steps()
-        job.iteration = it0
-        helper_cpu0 = _helper_cpu(tier)
-        t_bg = time.perf_counter()
-        res = memory_save.snapshot(adapter, tier, persist=True)  # replication + persist in the helper processes
-        during = steps()
-        job.iteration = it0
-        busy = [tier.replicating is not None or tier.pending is not None]
-        memory_save.drain(tier)
-        background = time.perf_counter() - t_bg  # snapshot to replicas and durable copy done (>= the steps)
-        helper_cpu = _helper_cpu(tier) - helper_cpu0
-        mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
-        during_mcore = steps()
-        queue.maybe_finalize_async_calls(blocking=True)
-        out["steps"] = all_gather_json({"alone": alone, "during": during, "during_mcore": during_mcore,
-                                        "helper_cpu": helper_cpu, "background": background,
-                                        "busy_after": busy[0], "snapshot_stall": res.seconds})
+            alone = steps()
+            job.iteration = it0
+            helper_cpu0 = _helper_cpu(tier)
+            t_bg = time.perf_counter()
+            res = memory_save.snapshot(adapter, tier, persist=True)  # replication + persist in the helper processes
+            during = steps()
+            job.iteration = it0
+            busy = [tier.replicating is not None or tier.pending is not None]
+            memory_save.drain(tier)
+            background = time.perf_counter() - t_bg  # snapshot to replicas and durable copy done (>= the steps)
+            helper_cpu = _helper_cpu(tier) - helper_cpu0
+            mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
+            during_mcore = steps()
+            queue.maybe_finalize_async_calls(blocking=True)
+            out["steps"] = all_gather_json({"alone": alone, "during": during, "during_mcore": during_mcore,
+                                            "helper_cpu": helper_cpu, "background": background,
+                                            "busy_after": busy[0], "snapshot_stall": res.seconds})
         # the final state, saved by every system, and the losses the loads must reproduce
         job.iteration = it0
         memory_save.snapshot(adapter, tier, persist=False)
         memory_save.drain(tier)
         save_job(job, durable)
-        mcore_dist_ckpt.save_checkpoint(job, mcore_dir, check=False)
+        if not a.restart_only:
+            mcore_dist_ckpt.save_checkpoint(job, mcore_dir, check=False)
         out["iteration"] = job.iteration
         out["ref"] = gpt_job.step2_losses(job)
     else:
         allocate_state(job.optimizer)
         dist.barrier()  # every rank is up: process start, imports, process group, model and optimizer built
         out["startup"] = max(all_gather_json(time.time() - a.t_launch))
+        # the destination's pages touched once, untimed: the first load into fresh tensors pays their page faults
+        # (~0.3 s at 125M), whatever its source, and memory_live always goes first
+        gpt_job.zero_state(job)
         last = a.reps - 1
+        others = [x for x in LOAD_SYSTEMS if x not in LIVE and not (a.restart_only and x not in RESTART_ONLY)]
         order = [(rep, system) for rep in range(a.reps) for system in LIVE]  # every node alive
-        order += [(rep, system) for rep in range(a.reps)
-                  for system in rotated([x for x in LOAD_SYSTEMS if x not in LIVE], rep)]
+        order += [(rep, system) for rep in range(a.reps) for system in rotated(others, rep)]
         for i, (rep, system) in enumerate(order):
-            if i == a.reps * len(LIVE):  # node 1 is lost: its memory is gone (its id stays: a node with empty memory)
+            if i == a.reps * len(LIVE) and "memory" in others:  # node 1 is lost (its id stays: empty memory)
                 dist.barrier()
                 if rank == 1:
                     for name in os.listdir(tier.mem):
@@ -240,7 +247,8 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.workdir)
     memdir = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.memdir)
     common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
-              "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps)]
+              "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps),
+              *(["--restart-only"] if a.restart_only else [])]
     row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
     try:
         phases = {}
@@ -266,9 +274,9 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
                       "from_durable": stats.total(reps, "from_durable"), "received": stats.total(reps, "received"),
                       "cached_before": max(cached) if cached else None}
             row[s]["whole"] = row["startup"] + row[s]["seconds"] + row["first_step"]
-        st = save["steps"]
-        alone = statistics.mean(x for r in st for x in r["alone"])
-        row["steps"] = {"alone": alone, "during": statistics.mean(x for r in st for x in r["during"]),
+        st = save.get("steps")
+        alone = statistics.mean(x for r in st for x in r["alone"]) if st else 0.0
+        row["steps"] = None if not st else {"alone": alone, "during": statistics.mean(x for r in st for x in r["during"]),
                         "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"]),
                         "busy_after": any(r["busy_after"] for r in st),
                         "helper_cpu": sum(r["helper_cpu"] for r in st), "background": max(r["background"] for r in st)}
@@ -287,24 +295,26 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
 def print_row(r: dict[str, Any]) -> None:
     own = "/".join(f"{b / 1e6:.0f}" for b in r["own_bytes"])
     print(f"\n{r['model']} (seq {r['seq_length']}): saved at (tp,pp,dp) {tuple(r['from'])}, loaded at "
-          f"{tuple(r['to'])} with every node alive (memory_live), then after node 1's memory was lost; median of "
-          f"{r['reps']}; own shards {own} MB per rank")
-    for s in SAVE_SYSTEMS:
+          f"{tuple(r['to'])} with every node alive (memory_live)"
+          f"{', then after node 1 lost its memory' if 'memory' in r else ''}; median of {r['reps']}; own shards "
+          f"{own} MB per rank")
+    for s in (s for s in SAVE_SYSTEMS if s in r):
         x = r[s]
         extra = f"  (total until written: {x['total']:.3f} s)" if "total" in x else ""
         if "phases" in x:
             extra = "  (" + ", ".join(f"{k} {v:.3f}" for k, v in x["phases"].items()) + ")"
         print(f"  {'save ' + s:<22} blocking {x['seconds']:8.3f} s{extra}")
-    st = r["steps"]
-    print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
-          f"{', still running at the end' if st['busy_after'] else ''}) {st['during']:.3f} s; after megatron-core's "
-          f"async save {st['during_mcore']:.3f} s")
-    print(f"  background work of that snapshot (replicas + durable copy): {st['background']:.2f} s wall, "
-          f"{st['helper_cpu']:.2f} CPU-s in the helper processes (all nodes)")
+    st = r["steps"] or {}
+    if st:
+        print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
+              f"{', still running at the end' if st['busy_after'] else ''}) {st['during']:.3f} s; after "
+              f"megatron-core's async save {st['during_mcore']:.3f} s")
+        print(f"  background work of that snapshot (replicas + durable copy): {st['background']:.2f} s wall, "
+              f"{st['helper_cpu']:.2f} CPU-s in the helper processes (all nodes)")
     print(f"  restart = process start to model built {r['startup']:.3f} s (the same for every source) + load + "
           f"first step {r['first_step']:.3f} s; warm: the checkpoint's pages in the page cache; cold: evicted "
           "(POSIX_FADV_DONTNEED, then mincore: bytes still cached)")
-    for s in LOAD_SYSTEMS:
+    for s in (s for s in LOAD_SYSTEMS if s in r):
         x = r[s]
         fd = "-" if x["from_durable"] is None else f"{x['from_durable'] / 1e6:.1f} MB"
         c = r["check"].get(s, {})
@@ -323,20 +333,23 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             if b:
                 lines.append(ratio_line(ratio_key(metric, m, "tenplex", peer), a / b))
 
-        snap = r["snapshot"]["seconds"]
-        add("save_stall", snap, r["memcpy"]["seconds"], "memcpy")  # issue #13: at most 1.5
-        add("save_stall", snap, r["tenplex_sync"]["seconds"], "tenplex_sync")
-        add("save_stall", snap, r["mcore_async"]["seconds"], "mcore_async")
-        add("save_stall", snap, r["mcore_async"]["total"], "mcore_async_total")
-        add("step_slowdown", r["steps"]["during"], r["steps"]["alone"], "alone")  # issue #13: at most 1.05
-        add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
+        if "snapshot" in r:  # not with --restart-only
+            snap = r["snapshot"]["seconds"]
+            add("save_stall", snap, r["memcpy"]["seconds"], "memcpy")  # issue #13: at most 1.5
+            add("save_stall", snap, r["tenplex_sync"]["seconds"], "tenplex_sync")
+            add("save_stall", snap, r["mcore_async"]["seconds"], "mcore_async")
+            add("save_stall", snap, r["mcore_async"]["total"], "mcore_async_total")
+            add("step_slowdown", r["steps"]["during"], r["steps"]["alone"], "alone")  # issue #13: at most 1.05
+            add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
         # issue #13: memory 3x faster than durable; restart_*_live: every node alive, restart_*: node 1 lost
         for mine, suffix in (("memory_live", "_live"), ("memory", "")):
             for peer in ("durable", "durable_cold", "mcore", "mcore_cold"):
-                add(f"restart_load{suffix}", r[mine]["seconds"], r[peer]["seconds"], peer)
-                add(f"restart_whole{suffix}", r[mine]["whole"], r[peer]["whole"], peer)
-        lines.append(f"BYTES from_durable_after_node_loss {m} memory = {r['memory']['from_durable']} "
-                     f"durable = {r['durable']['from_durable']}")
+                if mine in r and peer in r:
+                    add(f"restart_load{suffix}", r[mine]["seconds"], r[peer]["seconds"], peer)
+                    add(f"restart_whole{suffix}", r[mine]["whole"], r[peer]["whole"], peer)
+        if "memory" in r:
+            lines.append(f"BYTES from_durable_after_node_loss {m} memory = {r['memory']['from_durable']} "
+                         f"durable = {r['durable']['from_durable']}")
     return lines
 
 
@@ -352,6 +365,10 @@ def main() -> int:
     ap.add_argument("--memdir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                     help="where the nodes' memory directories go (default /dev/shm)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--restart-only", action="store_true",
+                    help="only the restart rows with every node alive (memory_live, durable, durable_cold): one "
+                         "snapshot and one durable save, no save rows, no step slowdown, no node loss, no "
+                         "megatron-core (the peak memory of gpt3-350m on a 23 GB machine)")
     ap.add_argument("--timeout", type=float, default=1800)
     w = ap.add_argument_group("worker (internal)")
     for flag in ("--worker",):
