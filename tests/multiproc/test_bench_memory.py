@@ -52,6 +52,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
                  "RATIO restart_load tiny tenplex/durable_cold = ", "RATIO restart_whole tiny tenplex/durable_cold = ",
                  "RATIO restart_whole tiny tenplex/mcore_cold = ",
-                 "RATIO restart_load_live tiny tenplex/durable_cold = ", "RATIO restart_whole_live tiny tenplex/mcore = ", "BYTES from_durable_after_node_loss tiny memory = 0 "):
+                 "RATIO restart_load_live tiny tenplex/durable_cold = ", "RATIO restart_whole_live tiny tenplex/mcore = ",
+                 "BYTES from_durable_after_node_loss tiny memory = 0 "):
         assert line in p.stdout, p.stdout[-3000:]
 
