@@ -206,6 +206,8 @@ def worker(a: argparse.Namespace) -> None:
                 def call() -> dict[str, Any]:
                     mcore_dist_ckpt.load_checkpoint(job, mcore_dir)
                     return {"from_durable": None, "received": 0}
+            if a.profile == system and rep == 0:  # cProfile of the first repetition, one file per rank
+                call = _profiled(call, os.path.join(a.profile_dir, f"profile_{system}_rank{rank}.pstats"))
             got, r = timed(call)
             rec(system, {**r, **got, "cached_before": cached})
             if rep == last:
@@ -219,6 +221,21 @@ def worker(a: argparse.Namespace) -> None:
         launch.write_json(a.result, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _profiled(fn: Any, path: str) -> Any:
+    """``fn`` run under cProfile, its statistics written to ``path`` (``python -m pstats PATH`` reads them)."""
+    import cProfile
+
+    def call() -> Any:
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            return fn()
+        finally:
+            prof.disable()
+            prof.dump_stats(path)
+    return call
 
 
 def _helper_cpu(tier: Any) -> float:
@@ -248,7 +265,8 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
     memdir = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.memdir)
     common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
               "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps),
-              *(["--restart-only"] if a.restart_only else [])]
+              *(["--restart-only"] if a.restart_only else []),
+              *(["--profile", a.profile, "--profile-dir", os.path.dirname(os.path.abspath(a.out))] if a.profile else [])]
     row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
     try:
         phases = {}
@@ -370,10 +388,12 @@ def main() -> int:
                          "snapshot and one durable save, no save rows, no step slowdown, no node loss, no "
                          "megatron-core (the peak memory of gpt3-350m on a 23 GB machine)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--profile", choices=LOAD_SYSTEMS, default=None,
+                    help="cProfile that restart's first repetition: profile_<system>_rank<r>.pstats beside --out")
     w = ap.add_argument_group("worker (internal)")
     for flag in ("--worker",):
         w.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--phase", "--spec", "--dir", "--result"):
+    for flag in ("--phase", "--spec", "--dir", "--result", "--profile-dir"):
         w.add_argument(flag, help=argparse.SUPPRESS)
     for flag in ("--padded", "--gbs"):
         w.add_argument(flag, type=int, help=argparse.SUPPRESS)

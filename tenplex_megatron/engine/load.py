@@ -28,6 +28,7 @@ from tenplex_megatron.execute.executor import (
     SourceFiles,
     block_intervals,
     execute_plan,
+    plain_ops,
     prepare_sources,
     verify_blocks,
 )
@@ -138,7 +139,8 @@ def load_chunks(
 
     def open_sources() -> _Prepared:
         maybe_fail("load.read", me)
-        todo = prepare_sources(mine, sources, opened.files, check=False)  # open every file it will read
+        with plain_ops():
+            todo = prepare_sources(mine, sources, opened.files, check=False)  # open every file it will read
         dst, back = [], []
         for lc in chunks:
             view = lc.flat_view()
@@ -163,14 +165,16 @@ def load_chunks(
         maybe_fail("load.verify", me)
         # checksums of every block read, each checked by one rank of the host that reads it, before any copy
         needs = {r: [(s, lo, hi) for s, lo, hi in x["blocks"]] for r, x in enumerate(ranks)}
-        verify_blocks(p.opened.files, p.todo, share_blocks(needs, {r: x["host"] for r, x in enumerate(ranks)}, me))
+        share = share_blocks(needs, {r: x["host"] for r, x in enumerate(ranks)}, me)
+        with plain_ops():
+            verify_blocks(p.opened.files, p.todo, share)
 
     run_phase(f"load from {path}: verifying checksums", check_and_verify)
 
     def copy() -> ExecStats:
         maybe_fail("load.copy", me)
-        stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst)
-        with torch.no_grad():
+        with plain_ops(), torch.no_grad():
+            stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst)
             for data, tmp in p.back:
                 data.copy_(tmp.view(data.shape))
         p.opened.files.close()
@@ -200,7 +204,8 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: 
             raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
         return adapter.describe_for_load(meta)
 
-    loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener, host, fetch)
+    with gc_paused():  # no full collections over the job's heap while the load allocates views and plan objects
+        loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener, host, fetch)
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(

@@ -114,6 +114,12 @@ def _key(sc: StoredChunk) -> str:
     return f"{sc.location.file}\t{sc.location.name}"
 
 
+def held_everywhere(tier: MemoryTier, choice: MemoryChoice) -> bool:
+    """Whether every live node holds every rank file of the snapshot (the common case with every node alive and
+    K at least the node count): then no rank receives anything, known alike on every rank without a collective."""
+    return all(set(tier.nodes) <= set(nodes) for nodes in choice.holders.values())
+
+
 def fetch_from_peers(tier: MemoryTier, choice: MemoryChoice) -> Any:
     """The load's ``fetch`` step: receive the whole checksum blocks of remote chunks that this rank's pieces read."""
     stats = {"sent": 0, "received": 0}
@@ -187,6 +193,7 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: MemoryChoice, veri
         src = MemorySource(tier, choice, verify)
         return Opened(label, choice.metadata, src.ptc, src)
 
-    fetch = fetch_from_peers(tier, choice)
+    fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice)
     res = load(adapter, label, None, True, verify, opener, host=f"memory-node:{tier.node}", fetch=fetch)
-    return MemoryLoadResult(res, tier.node, fetch.stats["received"], fetch.stats["sent"], 0)
+    got = fetch.stats if fetch is not None else {"received": 0, "sent": 0}
+    return MemoryLoadResult(res, tier.node, got["received"], got["sent"], 0)

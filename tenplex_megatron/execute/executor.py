@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -118,6 +119,14 @@ class SourceFiles:
         for r in self.readers.values():
             r.close()
         self.readers.clear()
+
+
+def plain_ops() -> Any:
+    """A context in which the executor's own tensor ops (views, host-side copies and checksums of tensors it was
+    handed) skip torch-function dispatch: a ``TorchFunctionMode`` installed by the job (the CPU harness's device
+    redirect, a tracer) adds Python per op, ~20,000 ops in a 125M-parameter load, and has nothing to change
+    in them."""
+    return torch._C.DisableTorchFunction()
 
 
 def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, check: bool = True) -> list[Block]:
