@@ -5,13 +5,15 @@ memory directory of its own (``--memdir``/mem_<rank>, /dev/shm by default):
 
 save phase, layout A (DP 2), after one training step, repetitions round-robin:
   memcpy          a plain memory copy of the rank's shard (every chunk it holds) into fresh memory: the floor
-  snapshot        tenplex's memory snapshot (``--tenplex-memory``, K=2): the blocking part only (the stall)
+  snapshot        tenplex's memory snapshot (``--tenplex-memory``, K=2): the blocking part only (the stall), in
+                  the steady state (each snapshot writes over the pages of a retired one); the job's first
+                  two snapshots (fresh pages, the helper processes started) are measured before, apart
   tenplex_sync    tenplex's synchronous save to durable storage (``--workdir``)
   mcore_async     megatron-core dist_checkpointing ``async_sharded_save`` (torch_dist, fully parallel): its
                   stall (the call + scheduling) and its total (until the background write is finalized)
-then the training-step slowdown: ``--steps`` steps alone, then the same number right after a snapshot whose
-replication and persist run in the helper processes (and, for the peer, right after megatron-core's async
-save), the mean step time over the mean alone. Then the final state is saved by every system.
+then the training-step slowdown: ``--steps`` steps right after a snapshot whose replication and persist run in
+the helper processes (and, for the peer, right after megatron-core's async save), their mean step time over
+the mean of ``--steps`` steps alone before that snapshot and ``--steps`` after its background work finished. Then the final state is saved by every system.
 
 load phase, layout B (TP 2):
   memory_live     first, every repetition: restart with every node alive (the job restarts at a new layout,
@@ -105,6 +107,13 @@ def worker(a: argparse.Namespace) -> None:
         queue = AsyncCallsQueue()
         it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest one)
         if not a.restart_only:  # the save rows and the step slowdown
+            # a job's first two snapshots write fresh tmpfs pages (from the third on, each writes over the spare
+            # that the snapshot before the last left): measured apart, so the repetitions are the steady state
+            for _ in range(2):
+                res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
+                r["stall"] = res.seconds
+                memory_save.drain(tier)
+                rec("snapshot_first", r)
             for rep in range(a.reps):
                 for system in rotated(list(SAVE_SYSTEMS), rep):
                     if system == "memcpy":
@@ -113,7 +122,11 @@ def worker(a: argparse.Namespace) -> None:
                                 torch.empty_like(lc.data).copy_(lc.data)
                         _, r = timed(copy)
                     elif system == "snapshot":
-                        res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
+                        def snap() -> Any:
+                            return memory_save.snapshot(adapter, tier, persist=False)
+                        if a.profile == system and rep == a.reps - 1:
+                            snap = _profiled(snap, os.path.join(a.profile_dir, f"profile_{system}_rank{rank}.pstats"))
+                        res, r = timed(snap)
                         r["stall"] = res.seconds
                         r["phases"] = dict(res.phases)
                         memory_save.drain(tier)  # replicas in place before the next system runs
@@ -149,6 +162,9 @@ def worker(a: argparse.Namespace) -> None:
             memory_save.drain(tier)
             background = time.perf_counter() - t_bg  # snapshot to replicas and durable copy done (>= the steps)
             helper_cpu = _helper_cpu(tier) - helper_cpu0
+            job.iteration = it0
+            alone += steps()  # the baseline on both sides of the snapshot's window: drift does not count as slowdown
+            job.iteration = it0
             mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
             during_mcore = steps()
             queue.maybe_finalize_async_calls(blocking=True)
@@ -206,7 +222,7 @@ def worker(a: argparse.Namespace) -> None:
                 def call() -> dict[str, Any]:
                     mcore_dist_ckpt.load_checkpoint(job, mcore_dir)
                     return {"from_durable": None, "received": 0}
-            if a.profile == system and rep == 0:  # cProfile of the first repetition, one file per rank
+            if a.profile == system and rep == a.reps - 1:  # cProfile of the last repetition, one file per rank
                 call = _profiled(call, os.path.join(a.profile_dir, f"profile_{system}_rank{rank}.pstats"))
             got, r = timed(call)
             rec(system, {**r, **got, "cached_before": cached})
@@ -221,6 +237,13 @@ def worker(a: argparse.Namespace) -> None:
         launch.write_json(a.result, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _out_dir(out: str) -> str:
+    """The directory of ``--out``, made if missing (profiles are written there before the JSON)."""
+    d = os.path.dirname(os.path.abspath(out))
+    os.makedirs(d, exist_ok=True)
+    return d
 
 
 def _profiled(fn: Any, path: str) -> Any:
@@ -266,7 +289,7 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
     common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
               "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps),
               *(["--restart-only"] if a.restart_only else []),
-              *(["--profile", a.profile, "--profile-dir", os.path.dirname(os.path.abspath(a.out))] if a.profile else [])]
+              *(["--profile", a.profile, "--profile-dir", _out_dir(a.out)] if a.profile else [])]
     row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
     try:
         phases = {}
@@ -322,6 +345,9 @@ def print_row(r: dict[str, Any]) -> None:
         if "phases" in x:
             extra = "  (" + ", ".join(f"{k} {v:.3f}" for k, v in x["phases"].items()) + ")"
         print(f"  {'save ' + s:<22} blocking {x['seconds']:8.3f} s{extra}")
+    if "snapshot_first" in r:
+        first = ", ".join(f"{x:.3f}" for x in r["snapshot_first"]["seconds_all"])
+        print(f"  {'':<22} (a job's first two snapshots, fresh tmpfs pages and the helpers' start: {first} s)")
     st = r["steps"] or {}
     if st:
         print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
@@ -388,8 +414,8 @@ def main() -> int:
                          "snapshot and one durable save, no save rows, no step slowdown, no node loss, no "
                          "megatron-core (the peak memory of gpt3-350m on a 23 GB machine)")
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--profile", choices=LOAD_SYSTEMS, default=None,
-                    help="cProfile that restart's first repetition: profile_<system>_rank<r>.pstats beside --out")
+    ap.add_argument("--profile", choices=("snapshot", *LOAD_SYSTEMS), default=None,
+                    help="cProfile the last repetition of that save or restart: profile_<system>_rank<r>.pstats beside --out")
     w = ap.add_argument_group("worker (internal)")
     for flag in ("--worker",):
         w.add_argument(flag, action="store_true", help=argparse.SUPPRESS)

@@ -27,6 +27,7 @@ from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import holdings_json
 from tenplex_megatron.engine.save import SaveResult, build_metadata, rank_tensors, save, writer_assignment
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.executor import plain_ops
 from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
 from tenplex_megatron.storage.faults import maybe_fail
@@ -83,6 +84,8 @@ class MemoryTier:
     def dispose(self, path: str) -> None:
         """Delete a retired snapshot (renamed ``.tenplex-old``) off the training path: by this node's helper
         process when it runs (freeing a GB of tmpfs pages takes a while), else here."""
+        if self.leader:  # this node's own rank files become the spares its next snapshot writes over
+            memory_tier.keep_spares(path, self.mem, self.nodes[self.node])
         if self.helper is not None and self.helper.alive:
             self.disposing.add(path)
             self.helper.request("remove", 0, paths=[path])
@@ -287,7 +290,8 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
 
     def local() -> dict[str, Any]:
         committed = directory.committed_iterations(tier.mem) if tier.leader else []
-        return {"holdings": holdings_json(chunks), "free": memory_tier.free_bytes(tier.mem),
+        spares = memory_tier.spare_bytes(tier.mem, tier.nodes[tier.node]) if tier.leader else 0
+        return {"holdings": holdings_json(chunks), "free": memory_tier.free_bytes(tier.mem) + spares,
                 "used": memory_tier.used_bytes(tier.mem, committed), "persist": _poll(tier, 0.0)}
 
     gathered = gather_phase(f"{what}: gathering chunk lists", local)
@@ -339,6 +343,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             for stale in memory_tier.retired(tier.mem):  # retired, but the helper deleting it died
                 if stale not in tier.disposing and directory.remove_own(stale, directory.is_tenplex_checkpoint):
                     removed.append(stale)
+            removed.extend(memory_tier.drop_spares(tier.mem, tier.nodes[tier.node]))  # another job's or layout's
             directory.prepare_partial(tier.mem, it)
         if me == 0 and commit_durable:
             persisted.append(_commit_durable(tier, removed))
@@ -361,7 +366,13 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             return 0, {}
         path = os.path.join(staging, directory.rank_file_name(me))
         memory_tier.log_open(path)
-        return write_tensors(path, mine, BLOCK_BYTES, after_write=lambda: maybe_fail("memory.write", me, it))
+        spare = memory_tier.spare_path(tier.mem, me)
+        reuse = os.path.isfile(spare) and not os.path.islink(spare)
+        if reuse:
+            os.replace(spare, path)  # its pages are written over: no fresh tmpfs pages to allocate and zero
+        with plain_ops():
+            return write_tensors(path, mine, BLOCK_BYTES, after_write=lambda: maybe_fail("memory.write", me, it),
+                                 reuse=reuse)
 
     size, sums = run_phase(f"{what}: copying into node memory", write)
     mark("copy")

@@ -6,7 +6,9 @@ known by its memory, not by torchrun's node rank) and snapshot directories in
 the format of a tenplex checkpoint (``iter_NNNNNNN/`` with ``metadata.json``
 and the rank files this node holds: its own ranks' and replicas of other
 nodes'), committed with ``directory.commit``. A snapshot is complete on a set
-of nodes when their files together cover the metadata's ``files``.
+of nodes when their files together cover the metadata's ``files``. A retired
+snapshot leaves its own ranks' files in ``tenplex-spare/``: the next snapshot
+writes over their pages instead of allocating fresh ones.
 Everything here is local file work or a pure function: the collectives are in
 ``engine/memory_save.py`` and ``engine/memory_load.py``.
 """
@@ -17,6 +19,7 @@ import getpass
 import hashlib
 import json
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Callable
@@ -30,6 +33,8 @@ NODE_FILE = "tenplex-node.json"
 NODE_FORMAT = "tenplex-memory-node"
 NODE_VERSION = 1
 MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
+SPARE_DIR = "tenplex-spare"  # retired snapshots' own rank files, overwritten by the next snapshot
+_SPARE_RE = re.compile(r"rank_\d{5}\.safetensors")
 OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
 
 
@@ -228,6 +233,54 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
     return removed
 
 
+def spare_path(mem: str, rank: int) -> str:
+    """Where rank ``rank``'s spare file waits: a retired snapshot's rank file, whose pages its next snapshot
+    overwrites instead of allocating fresh ones (a copy into fresh tmpfs pages costs allocation and zeroing too)."""
+    return os.path.join(mem, SPARE_DIR, directory.rank_file_name(rank))
+
+
+def keep_spares(retired_path: str, mem: str, ranks: list[int]) -> int:
+    """Move the rank files of ``ranks`` out of a retired snapshot into the spare directory (where no spare of that
+    rank waits already); returns how many moved. The rest of the snapshot is deleted as before."""
+    moved = 0
+    for r in ranks:
+        src = os.path.join(retired_path, directory.rank_file_name(r))
+        dst = spare_path(mem, r)
+        if os.path.isfile(src) and not os.path.islink(src) and not os.path.lexists(dst):
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.replace(src, dst)
+            moved += 1
+    return moved
+
+
+def spare_bytes(mem: str, ranks: list[int]) -> int:
+    """Bytes held by the spare files of ``ranks`` (memory their next snapshot reuses: counted as free)."""
+    total = 0
+    for r in ranks:
+        path = spare_path(mem, r)
+        if os.path.isfile(path):
+            total += os.path.getsize(path)
+    return total
+
+
+def drop_spares(mem: str, ranks: list[int] | None = None) -> list[str]:
+    """Delete the spare files of ranks other than ``ranks`` (all of them for None): a new job or layout's ranks
+    do not reuse another's, and their memory goes back."""
+    d = os.path.join(mem, SPARE_DIR)
+    if not os.path.isdir(d) or os.path.islink(d):
+        return []
+    keep = {directory.rank_file_name(r) for r in ranks or ()}
+    removed = []
+    for name in sorted(os.listdir(d)):
+        path = os.path.join(d, name)
+        if name not in keep and _SPARE_RE.fullmatch(name) and os.path.isfile(path) and not os.path.islink(path):
+            os.unlink(path)
+            removed.append(path)
+    if ranks is None and not os.listdir(d):
+        os.rmdir(d)
+    return removed
+
+
 def retired(mem: str) -> list[str]:
     """Snapshots retired or replaced but not yet deleted (``iter_NNNNNNN.tenplex-old``: their deleter died)."""
     if not os.path.isdir(mem):
@@ -249,6 +302,7 @@ def clean(mem: str) -> list[str]:
         path = snapshot_dir(mem, it)
         if directory.remove_own(path, directory.is_tenplex_checkpoint):
             removed.append(path)
+    removed.extend(drop_spares(mem))
     tracker = os.path.join(mem, directory.TRACKER_FILE)
     if os.path.isfile(tracker):
         os.unlink(tracker)

@@ -6,7 +6,8 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
 "ok": true}`` or ``{..., "error": "..."}``):
 
 - ``persist``: copy files (``copies``: [[src, dst], ...]) of a snapshot in this
-  node's memory to the durable checkpoint's staging directory (kernel-side:
+  node's memory to the durable checkpoint's staging directory (``O_DIRECT``
+  from the file's map where the filesystem takes it, else kernel-side:
   ``copy_file_range``), each fsynced; the job commits it (``directory.commit``) once
   every node's helper has answered.
 - ``replicate``: send this node's files of a snapshot to the helpers of the
@@ -36,6 +37,7 @@ import subprocess
 import sys
 from typing import Any
 
+from tenplex_megatron.storage.direct_copy import copy_direct
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.files import fsync_dir
 from tenplex_megatron.storage.memory_tier import log_open
@@ -65,8 +67,18 @@ def background_priority() -> list[str]:
 
 
 def copy_file(src: str, dst: str, iteration: int) -> int:
-    """Copy ``src`` to ``dst`` (kernel-side where possible) and fsync it; returns the bytes copied."""
+    """Copy ``src`` to ``dst`` and fsync it; returns the bytes copied. ``O_DIRECT`` where the filesystem takes it
+    (``direct_copy``: the device reads the snapshot's map, no page cache filled; ``TENPLEX_PERSIST_DIRECT=0``
+    turns it off), else kernel-side (``copy_file_range``, ``sendfile``)."""
     log_open(src)
+
+    def halfway() -> None:
+        maybe_fail("persist.copy", int(os.environ.get("RANK", "0")), iteration)
+
+    if os.environ.get("TENPLEX_PERSIST_DIRECT", "1") != "0":
+        copied = copy_direct(src, dst, halfway)
+        if copied is not None:
+            return copied
     size = os.path.getsize(src)
     done = 0
     with open(src, "rb") as fi, open(dst, "wb") as fo:
@@ -79,7 +91,7 @@ def copy_file(src: str, dst: str, iteration: int) -> int:
                 raise OSError(f"{src}: short copy at byte {done} of {size}")
             done += n
             if done >= size // 2:
-                maybe_fail("persist.copy", int(os.environ.get("RANK", "0")), iteration)
+                halfway()
         fo.flush()
         os.fsync(fo.fileno())
     return done

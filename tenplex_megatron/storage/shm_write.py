@@ -2,8 +2,10 @@
 
 A memory snapshot's blocking part is :func:`write_tensors`: the safetensors
 header, then one ``write`` per tensor from its own memory into tmpfs (the
-kernel's single copy into fresh pages; no serialised buffer, no fsync), with
-the checksums the format requires computed by a second thread meanwhile.
+kernel's single copy; no serialised buffer, no fsync), with the checksums
+the format requires computed by a second thread meanwhile. Where a retired
+snapshot left its rank file as a spare, the copy goes into those pages: a copy
+into fresh tmpfs pages also pays their allocation and zeroing.
 """
 
 from __future__ import annotations
@@ -17,21 +19,26 @@ from tenplex_megatron.storage.safetensors_io import block_crc32, header_bytes
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
-                  after_write: Callable[[], None] | None = None) -> tuple[int, dict[str, tuple[int, ...]]]:
+                  after_write: Callable[[], None] | None = None,
+                  reuse: bool = False) -> tuple[int, dict[str, tuple[int, ...]]]:
     """Write ``tensors`` to ``path`` as a safetensors file, one ``write`` per tensor straight from its memory (no
     fsync: tmpfs), while a second thread computes each tensor's block CRC-32s (both release the GIL, so on a free
     core the checksums cost no extra time); returns the file's size and the CRCs.
 
-    ``after_write`` is called once every byte is in place (a fault point for tests).
+    ``reuse``: ``path`` is a spare file (a retired snapshot's): written over from its start and truncated to the
+    new size after, so the copy lands in pages that already exist. ``after_write`` is called once every byte is
+    in place (a fault point for tests).
     """
     head, data = header_bytes(tensors)
     sums: dict[str, Future[tuple[int, ...]]] = {}
-    with ThreadPoolExecutor(1, thread_name_prefix="tenplex-crc") as pool, open(path, "wb") as f:
+    with ThreadPoolExecutor(1, thread_name_prefix="tenplex-crc") as pool, open(path, "r+b" if reuse else "wb") as f:
         f.write(head)
         for name, t in tensors.items():
             host = t.detach().to("cpu").contiguous()
             sums[name] = pool.submit(block_crc32, host, block_bytes)
             f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
+        if reuse:
+            f.truncate(len(head) + data)
         f.flush()
         if after_write is not None:
             after_write()

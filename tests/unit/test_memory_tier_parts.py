@@ -159,3 +159,41 @@ def test_snapshot_file_is_the_safetensors_file_a_durable_save_writes_with_the_sa
     ref_size, ref_sums = write_safetensors(str(tmp_path / "d.safetensors"), tensors, block_bytes=4096)
     assert (size, sums) == (ref_size, ref_sums)
     assert (tmp_path / "m.safetensors").read_bytes() == (tmp_path / "d.safetensors").read_bytes()
+
+
+def test_a_spare_file_is_written_over_and_truncated_to_the_same_bytes_as_a_fresh_write(tmp_path) -> None:
+    """Reusing a retired snapshot's rank file (larger, other bytes) gives the file a fresh write gives."""
+    tensors = {"a": torch.randn(3, 1000), "d": torch.randn(30_001).to(torch.bfloat16)}
+    spare = tmp_path / "spare.safetensors"
+    spare.write_bytes(os.urandom(400_000))
+    inode = os.stat(spare).st_ino
+    size, sums = write_tensors(str(spare), tensors, 4096, reuse=True)
+    ref_size, ref_sums = write_tensors(str(tmp_path / "fresh.safetensors"), tensors, 4096)
+    assert (size, sums) == (ref_size, ref_sums) and os.path.getsize(spare) == size
+    assert spare.read_bytes() == (tmp_path / "fresh.safetensors").read_bytes()
+    assert os.stat(spare).st_ino == inode  # the same file: its pages written over, not replaced
+
+
+def test_retired_snapshots_leave_their_own_rank_files_as_spares_and_clean_memory_removes_them(tmp_path, capsys) -> None:
+    mem = str(tmp_path / "mem")
+    memory_tier.node_id(mem)
+    for it in (1, 2):
+        _fake_snapshot(mem, it)
+    retired: list[str] = []
+    memory_tier.retain(mem, 1, dispose=retired.append)
+    old = retired[0]
+    with open(os.path.join(old, "rank_00007.safetensors"), "wb") as f:  # a replica of another node's rank
+        f.write(b"r" * 5)
+    assert memory_tier.keep_spares(old, mem, [0, 1]) == 1  # rank 0's file; rank 1 had none here
+    assert sorted(os.listdir(old)) == sorted(["rank_00007.safetensors", directory.METADATA_FILE])  # left to delete
+    assert open(memory_tier.spare_path(mem, 0), "rb").read() == b"x" * 10
+    assert memory_tier.spare_bytes(mem, [0, 1]) == 10 and memory_tier.spare_bytes(mem, [1]) == 0
+    assert memory_tier.list_snapshots(mem, "n")[-1].iteration == 2  # spares are never listed as a snapshot
+    _fake_snapshot(mem, 3)
+    memory_tier.retain(mem, 1, dispose=retired.append)
+    assert memory_tier.keep_spares(retired[-1], mem, [0]) == 0  # rank 0's spare waits already: this one goes
+    assert memory_tier.drop_spares(mem, [0]) == []  # the node's own ranks' spares are kept
+    assert [os.path.basename(p) for p in memory_tier.drop_spares(mem, [3])] == ["rank_00000.safetensors"]
+    os.replace(os.path.join(retired[-1], "rank_00000.safetensors"), memory_tier.spare_path(mem, 0))
+    assert cli_main(["clean-memory", mem]) == 0
+    assert memory_tier.SPARE_DIR not in os.listdir(mem)
