@@ -11,9 +11,11 @@ save phase, layout A (DP 2), after one training step, repetitions round-robin:
   tenplex_sync    tenplex's synchronous save to durable storage (``--workdir``)
   mcore_async     megatron-core dist_checkpointing ``async_sharded_save`` (torch_dist, fully parallel): its
                   stall (the call + scheduling) and its total (until the background write is finalized)
-then the training-step slowdown: ``--steps`` steps right after a snapshot whose replication and persist run in
-the helper processes (and, for the peer, right after megatron-core's async save), their mean step time over
-the mean of ``--steps`` steps alone before that snapshot and ``--steps`` after its background work finished. Then the final state is saved by every system.
+then the training-step slowdown: the steps begun while a snapshot's replication and durable copy run in the
+helper processes (until they are done; with ``--replication-rate``, a second window with replication capped
+at that rate), and ``--steps`` steps right after megatron-core's async save, each mean step time over the mean
+of ``--steps`` steps alone before the windows and ``--steps`` after. Then the final state is saved by every
+system.
 
 load phase, layout B (TP 2):
   memory_live     first, every repetition: restart with every node alive (the job restarts at a new layout,
@@ -36,7 +38,7 @@ Prints a table and ``RATIO <metric> <model> tenplex/<peer> = X.XX`` lines (below
 writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is scripts/bench/.
 
     python scripts/bench_memory.py --quick                 # the tiny model, 1 repetition: checks it end to end
-    python scripts/bench_memory.py --models gpt3-125m gpt3-350m --reps 3
+    python scripts/bench_memory.py --models gpt3-125m --reps 3 --steps 3 --replication-rate 25
     python scripts/bench_memory.py --models gpt3-350m --reps 2 --restart-only   # fits a 23 GB machine
 """
 
@@ -143,34 +145,39 @@ def worker(a: argparse.Namespace) -> None:
             # the step slowdown while the background work runs (each step the same data: only the time matters)
             start = job.consumed_samples
 
-            def steps() -> list[float]:
+            def steps(n: int | None = None) -> list[float]:
                 times = []
-                for _ in range(a.steps):
+                for _ in range(a.steps if n is None else n):
                     t0 = time.perf_counter()
                     gpt.train_step(job, gpt_job.data(job, start))
                     times.append(time.perf_counter() - t0)
                 return times
 
+            def window(rate: float) -> dict[str, Any]:
+                """The steps begun while a snapshot's background work (replication at ``rate`` MB/s, 0: unlimited,
+                then the durable copy, in the helper processes) runs: until it is done, at most 8x --steps."""
+                tier.replication_rate = rate
+                job.iteration = it0
+                cpu0 = _helper_cpu(tier)
+                t_bg = time.perf_counter()
+                res = memory_save.snapshot(adapter, tier, persist=True)
+                times: list[float] = []
+                while len(times) < 8 * a.steps and memory_save.busy(tier):
+                    times += steps(1)
+                finished = not memory_save.busy(tier)
+                memory_save.drain(tier)
+                return {"during": times, "background": time.perf_counter() - t_bg, "finished": finished,
+                        "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds, "rate": rate}
+
             alone = steps()
+            windows = [window(0.0)] + ([window(a.replication_rate)] if a.replication_rate else [])
             job.iteration = it0
-            helper_cpu0 = _helper_cpu(tier)
-            t_bg = time.perf_counter()
-            res = memory_save.snapshot(adapter, tier, persist=True)  # replication + persist in the helper processes
-            during = steps()
-            job.iteration = it0
-            busy = [tier.replicating is not None or tier.pending is not None]
-            memory_save.drain(tier)
-            background = time.perf_counter() - t_bg  # snapshot to replicas and durable copy done (>= the steps)
-            helper_cpu = _helper_cpu(tier) - helper_cpu0
-            job.iteration = it0
-            alone += steps()  # the baseline on both sides of the snapshot's window: drift does not count as slowdown
+            alone += steps()  # the baseline on both sides of the windows: drift does not count as slowdown
             job.iteration = it0
             mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
             during_mcore = steps()
             queue.maybe_finalize_async_calls(blocking=True)
-            out["steps"] = all_gather_json({"alone": alone, "during": during, "during_mcore": during_mcore,
-                                            "helper_cpu": helper_cpu, "background": background,
-                                            "busy_after": busy[0], "snapshot_stall": res.seconds})
+            out["steps"] = all_gather_json({"alone": alone, "windows": windows, "during_mcore": during_mcore})
         # the final state, saved by every system, and the losses the loads must reproduce
         job.iteration = it0
         memory_save.snapshot(adapter, tier, persist=False)
@@ -287,7 +294,7 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.workdir)
     memdir = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.memdir)
     common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
-              "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps),
+              "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps), "--replication-rate", str(a.replication_rate),
               *(["--restart-only"] if a.restart_only else []),
               *(["--profile", a.profile, "--profile-dir", _out_dir(a.out)] if a.profile else [])]
     row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
@@ -316,11 +323,19 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
                       "cached_before": max(cached) if cached else None}
             row[s]["whole"] = row["startup"] + row[s]["seconds"] + row["first_step"]
         st = save.get("steps")
-        alone = statistics.mean(x for r in st for x in r["alone"]) if st else 0.0
-        row["steps"] = None if not st else {"alone": alone, "during": statistics.mean(x for r in st for x in r["during"]),
-                        "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"]),
-                        "busy_after": any(r["busy_after"] for r in st),
-                        "helper_cpu": sum(r["helper_cpu"] for r in st), "background": max(r["background"] for r in st)}
+        if st:
+            windows = []
+            for k in range(len(st[0]["windows"])):
+                w = [r["windows"][k] for r in st]
+                windows.append({"rate": w[0]["rate"], "during": statistics.mean(x for x in w for x in x["during"]),
+                                "steps": len(w[0]["during"]), "finished": all(x["finished"] for x in w),
+                                "background": max(x["background"] for x in w),
+                                "helper_cpu": sum(x["helper_cpu"] for x in w)})
+            row["steps"] = {"alone": statistics.mean(x for r in st for x in r["alone"]),
+                            "during": windows[0]["during"], "windows": windows,
+                            "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"])}
+        else:
+            row["steps"] = None
         ref = save["ref"]
         row["check"] = {}
         for s, got in load["check"].items():
@@ -350,11 +365,13 @@ def print_row(r: dict[str, Any]) -> None:
         print(f"  {'':<22} (a job's first two snapshots, fresh tmpfs pages and the helpers' start: {first} s)")
     st = r["steps"] or {}
     if st:
-        print(f"  step time alone {st['alone']:.3f} s; after a snapshot (replication + persist in helper processes"
-              f"{', still running at the end' if st['busy_after'] else ''}) {st['during']:.3f} s; after "
+        print(f"  step time alone {st['alone']:.3f} s (before and after the windows below); after "
               f"megatron-core's async save {st['during_mcore']:.3f} s")
-        print(f"  background work of that snapshot (replicas + durable copy): {st['background']:.2f} s wall, "
-              f"{st['helper_cpu']:.2f} CPU-s in the helper processes (all nodes)")
+        for w in st["windows"]:
+            rate = f"capped at {w['rate']:g} MB/s" if w["rate"] else "unlimited"
+            print(f"  step time while a snapshot's replication ({rate}) and durable copy run in the helper processes "
+                  f"{w['during']:.3f} s over {w['steps']} steps ({'finished within them' if w['finished'] else 'still running after them'}); "
+                  f"background work {w['background']:.2f} s wall, {w['helper_cpu']:.2f} CPU-s in the helpers (all nodes)")
     print(f"  restart = process start to model built {r['startup']:.3f} s (the same for every source) + load + "
           f"first step {r['first_step']:.3f} s; warm: the checkpoint's pages in the page cache; cold: evicted "
           "(POSIX_FADV_DONTNEED, then mincore: bytes still cached)")
@@ -384,6 +401,8 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("save_stall", snap, r["mcore_async"]["seconds"], "mcore_async")
             add("save_stall", snap, r["mcore_async"]["total"], "mcore_async_total")
             add("step_slowdown", r["steps"]["during"], r["steps"]["alone"], "alone")  # issue #13: at most 1.05
+            for w in r["steps"]["windows"][1:]:  # --replication-rate: the same, replication capped
+                add("step_slowdown_capped", w["during"], r["steps"]["alone"], "alone")
             add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
         # issue #13: memory 3x faster than durable; restart_*_live: every node alive, restart_*: node 1 lost
         for mine, suffix in (("memory_live", "_live"), ("memory", "")):
@@ -401,7 +420,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt3-125m", "gpt3-350m"])
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=4, help="training steps timed alone and during background work")
+    ap.add_argument("--steps", type=int, default=4, help="training steps timed alone (twice) and after megatron-core's "
+                    "async save; the snapshot windows run until their background work is done (at least 1, at most 8x)")
+    ap.add_argument("--replication-rate", type=float, default=0.0, metavar="MB/s",
+                    help="also measure the step slowdown with replication capped at this rate "
+                    "(--tenplex-replication-rate)")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="the tiny model, 1 repetition, 2 steps (a smoke run)")
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_memory.json"))

@@ -26,7 +26,7 @@ from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import holdings_json
 from tenplex_megatron.engine.save import SaveResult, build_metadata, rank_tensors, save, writer_assignment
-from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.collective import all_gather_json, broadcast_json, gather_phase, rank, run_phase
 from tenplex_megatron.execute.executor import plain_ops
 from tenplex_megatron.execute.peer import cpu_group
 from tenplex_megatron.storage import directory, memory_tier
@@ -55,6 +55,7 @@ class MemoryTier:
     limit: int | None = None  # bytes the snapshots of a node may use (None: whatever the filesystem has free)
     fallback: bool = False  # a snapshot that does not fit: a durable save instead of an error
     durable_keep: int | None = None
+    replication_rate: float = 0.0  # MB/s a node's helper sends replicas at (0: unlimited)
     node: str = ""
     nodes: dict[str, list[int]] = field(default_factory=dict)  # node id -> its ranks (ascending)
     snapshots: int = 0
@@ -246,6 +247,11 @@ def _commit_durable(tier: MemoryTier, removed: list[str]) -> str:
     if tier.durable_keep is not None:
         removed.extend(directory.apply_retention(tier.save_dir, tier.durable_keep))
     return path
+
+
+def busy(tier: MemoryTier) -> bool:
+    """Collective: whether any node's helper is still replicating or persisting (nothing is waited for)."""
+    return any(a is not None and "running" in a.values() for a in all_gather_json(_poll(tier, 0.0)))
 
 
 def drain(tier: MemoryTier) -> tuple[str, ...]:
@@ -508,7 +514,7 @@ def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str
     def start() -> None:
         if tier.leader:
             assert tier.helper is not None
-            tier.helper.request("replicate", it, sends=sends, recvs=recvs)
+            tier.helper.request("replicate", it, sends=sends, recvs=recvs, rate=tier.replication_rate * 1e6)
 
     run_phase(f"{what}: starting the replication", start)
     mine = infos[rank()]

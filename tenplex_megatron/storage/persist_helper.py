@@ -16,7 +16,9 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
   group of the helpers alone (set up through the job's TCP store); a received
   file is written under a temporary name and renamed into the committed
   snapshot directory, so a node never lists a partial replica. Files are sent
-  from and received into memory maps: no copy of them in this process.
+  from and received into memory maps: no copy of them in this process. With
+  ``rate`` (bytes/s, ``--tenplex-replication-rate``) the messages go in
+  rounds of 8 MB slices, paced so that the node sends no faster.
 - ``remove``: delete retired snapshots (``paths``, already renamed out of the
   listing), so freeing their memory does not stall training.
 
@@ -43,6 +45,7 @@ from tenplex_megatron.storage.files import fsync_dir
 from tenplex_megatron.storage.memory_tier import log_open
 
 CHUNK = 64 << 20
+SLICE = 8 << 20  # bytes of each message per round of a paced replication (``rate``)
 REPLICA_TMP = ".replica-tmp"
 IOPRIO_CLASS_IDLE = 3  # linux/ioprio.h: I/O only when no other process wants the disk
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
@@ -139,9 +142,13 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
         received.append((path, tmp, mm, buf))
         ops.append(dist.P2POp(dist.irecv, buf, int(peer), group, int(tag)))
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+    rate = float(req.get("rate") or 0)
+    if rate <= 0:
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+    else:
+        _paced(ops, rate)
     total = 0
     for path, tmp, mm, buf in received:
         maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), int(req["iteration"]))
@@ -153,6 +160,30 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         fsync_dir(os.path.dirname(path))
         total += buf.numel()
     return total
+
+
+def _paced(ops: list[Any], rate: float) -> None:
+    """Carry out the sends and receives ``ops`` in rounds of one ``SLICE`` of each message, sleeping between rounds
+    so that this node sends at most ``rate`` bytes per second. Every node cuts a message into the same slices (the
+    sizes are known on both sides), and a pair's messages of one tag arrive in order."""
+    import time
+
+    import torch.distributed as dist
+
+    rounds = max((-(-op.tensor.numel() // SLICE) for op in ops), default=0)
+    t0, sent = time.monotonic(), 0
+    for i in range(rounds):
+        now = []
+        for op in ops:
+            part = op.tensor[i * SLICE : (i + 1) * SLICE]
+            if part.numel():
+                now.append(dist.P2POp(op.op, part, op.peer, op.group, op.tag))
+                sent += part.numel() if op.op is dist.isend else 0
+        for w in dist.batch_isend_irecv(now):
+            w.wait()
+        ahead = sent / rate - (time.monotonic() - t0)
+        if ahead > 0:
+            time.sleep(ahead)
 
 
 def _group(a: argparse.Namespace) -> Any:

@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
                    help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
                    "included (default 2: losing one node loses no snapshot)")
+    g.add_argument("--tenplex-replication-rate", type=float, default=0.0, metavar="MB/s",
+                   help="with --tenplex-memory: most bytes per second a node's helper sends replicas at, so that "
+                   "replication leaves training its CPU and network (default 0: as fast as it can)")
     g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
                    help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
     g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
@@ -229,6 +232,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag in ("persist_interval", "replicas", "memory_keep"):
         if getattr(args, f"tenplex_{flag}") < 1:
             parser.error(f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}")
+    if args.tenplex_replication_rate < 0:
+        parser.error(f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {args.tenplex_replication_rate}")
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
@@ -491,7 +496,8 @@ def _open_memory(args: argparse.Namespace) -> memory_save.MemoryTier | None:
     limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
     return memory_save.open_tier(args.tenplex_memory, job, args.save, persist_interval=args.tenplex_persist_interval,
                                  replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
-                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep)
+                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
+                                 replication_rate=args.tenplex_replication_rate)
 
 
 def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,

@@ -25,6 +25,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     mem = tmp_path / "mem"
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "bench_memory.py"), "--quick", "--out", str(out),
+         "--replication-rate", "1",
          "--workdir", str(tmp_path), "--memdir", "/dev/shm" if os.path.isdir("/dev/shm") else str(mem)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
     )
@@ -48,8 +49,15 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert run["mcore_async"]["total"] >= run["mcore_async"]["seconds"]
     assert "copy" in run["snapshot"]["phases"] and sum(run["snapshot"]["phases"].values()) > 0
     assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
+    unlimited, capped = run["steps"]["windows"]  # --replication-rate 1: a second window, replication capped
+    assert unlimited["rate"] == 0 and capped["rate"] == 1 and capped["steps"] >= 1 and capped["background"] > 0
+    assert capped["steps"] <= 8 * 2  # --quick: 2 steps, a window of at most 8x
+    # each node sent its rank file no faster than 1 MB/s: that file holds at least half the rank's own shard (the
+    # writer assignment splits only what both ranks hold)
+    assert capped["background"] >= 0.5 * min(run["own_bytes"]) / 1e6
     assert len(run["own_bytes"]) == 2 and all(b > 0 for b in run["own_bytes"])
     for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
+                 "RATIO step_slowdown_capped tiny tenplex/alone = ",
                  "RATIO restart_load tiny tenplex/durable_cold = ", "RATIO restart_whole tiny tenplex/durable_cold = ",
                  "RATIO restart_whole tiny tenplex/mcore_cold = ",
                  "RATIO restart_load_live tiny tenplex/durable_cold = ", "RATIO restart_whole_live tiny tenplex/mcore = ",

@@ -197,3 +197,50 @@ def test_retired_snapshots_leave_their_own_rank_files_as_spares_and_clean_memory
     os.replace(os.path.join(retired[-1], "rank_00000.safetensors"), memory_tier.spare_path(mem, 0))
     assert cli_main(["clean-memory", mem]) == 0
     assert memory_tier.SPARE_DIR not in os.listdir(mem)
+
+
+def _answer(helper: PersistHelper, op: str, it: int) -> dict[str, Any]:
+    for _ in range(240):
+        got = helper.poll(op, it, 0.5)
+        if got is not None:
+            return got
+    raise AssertionError(f"no answer to {op} {it}")
+
+
+def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp_path) -> None:
+    """Two nodes' helpers in their own gloo group swap replicas (messages larger than one slice), once as fast as
+    they can and once capped at 40 MB/s: the capped one takes at least bytes / rate."""
+    import time
+
+    import torch.distributed as dist
+
+    from tenplex_megatron.storage.persist_helper import SLICE
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    sizes = (2 * SLICE + 12345, SLICE // 3)  # node 0's file: 3 rounds of slices; node 1's: one
+    nodes = [tmp_path / "a", tmp_path / "b"]
+    files = []
+    for i, (d, n) in enumerate(zip(nodes, sizes)):
+        os.makedirs(d)
+        path = d / directory.rank_file_name(i)
+        path.write_bytes(os.urandom(n))
+        files.append(path)
+    helpers = [PersistHelper((f"127.0.0.1:{store.port}", "t", i, 2)) for i in range(2)]
+    try:
+        for it, rate in ((1, 0.0), (2, 40e6)):
+            t0 = time.monotonic()
+            for i, h in enumerate(helpers):
+                other = 1 - i
+                h.request("replicate", it, rate=rate, sends=[[str(files[i]), other, i]],
+                          recvs=[[other, sizes[other], str(nodes[i] / f"r{it}_{other}"), other]])
+            got = [_answer(h, "replicate", it) for h in helpers]
+            elapsed = time.monotonic() - t0
+            assert all(g["ok"] for g in got), got
+            for i in range(2):
+                other = 1 - i
+                assert (nodes[i] / f"r{it}_{other}").read_bytes() == files[other].read_bytes()
+            if rate:
+                assert elapsed >= sizes[0] / rate, elapsed  # node 0 sent its file no faster than the cap
+    finally:
+        for h in helpers:
+            h.close()
