@@ -1,0 +1,28 @@
+"""The reference trainer's host-memory flags: parsed, and bad values refused naming the flag. In-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tenplex_megatron.training.pretrain import parse_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "2", "--mock-data",
+        "--vocab-size", "128"]
+MEMORY = ["--tenplex", "--save", "ckpt", "--tenplex-memory", "/dev/shm/job"]
+
+
+def test_replication_rate_is_parsed_and_unlimited_by_default() -> None:
+    assert parse_args([*BASE, *MEMORY]).tenplex_replication_rate == 0.0
+    assert parse_args([*BASE, *MEMORY, "--tenplex-replication-rate", "25"]).tenplex_replication_rate == 25.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tenplex-replication-rate", "-1"], "--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got -1.0"),
+    (["--tenplex-replicas", "0"], "--tenplex-replicas must be >= 1, got 0"),
+    (["--tenplex-persist-interval", "0"], "--tenplex-persist-interval must be >= 1, got 0"),
+])
+def test_bad_memory_flags_are_named(flags: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *MEMORY, *flags])
+    assert message in capsys.readouterr().err
