@@ -10,6 +10,7 @@ Checksums are checked only over the blocks the pieces read (``verify.py``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -123,9 +124,11 @@ class SourceFiles:
 
 def plain_ops() -> Any:
     """A context in which the executor's own tensor ops (views, host-side copies and checksums of tensors it was
-    handed) skip torch-function dispatch: a ``TorchFunctionMode`` installed by the job (the CPU harness's device
-    redirect, a tracer) adds Python per op, ~20,000 ops in a 125M-parameter load, and has nothing to change
-    in them."""
+    handed) skip torch-function dispatch where a ``TorchFunctionMode`` is installed (the CPU harness's device
+    redirect, a tracer): it adds Python per op, ~20,000 ops in a 125M-parameter load, and has nothing to change
+    in them. Without a mode nothing changes (tensor subclasses keep their ``__torch_function__``)."""
+    if torch._C._len_torch_function_stack() == 0:
+        return contextlib.nullcontext()
     return torch._C.DisableTorchFunction()
 
 
