@@ -3,7 +3,8 @@
 Every rank lists its node's snapshots; the lists are all-gathered and the
 newest snapshot complete on the live nodes (every rank file with a live copy)
 wins over an older durable checkpoint (``memory_tier.choose``, the same answer
-on every rank). The plan is the engine's; its source chunks on this node are
+on every rank); one the live nodes hold only in part is completed from the
+durable checkpoint of the same iteration (the rank files they lack). The plan is the engine's; its source chunks on this node are
 read through a memory map, the rest is received over torch.distributed from
 ranks of the nodes that hold them (whole checksum blocks covering what each
 piece reads, once per receiving rank, senders balanced) and verified against
@@ -28,17 +29,22 @@ from tenplex_megatron.execute.verify import piece_runs, touched_blocks
 from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
 from tenplex_megatron.plan.ptc import PTC, StoredChunk, dtype_size
 from tenplex_megatron.storage import directory, memory_tier
+from tenplex_megatron.storage.confine import confine_all
+from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
 from tenplex_megatron.storage.source import Opened
 
 
 @dataclass(frozen=True)
 class MemoryChoice:
-    """The snapshot a restart loads: its iteration, metadata, and which live nodes hold each rank file."""
+    """The snapshot a restart loads: its iteration, metadata, which live nodes hold each rank file, and the rank
+    files no live node holds, read from the durable checkpoint of the same iteration (``durable_dir``)."""
 
     iteration: int
     metadata: dict[str, Any]
     holders: dict[str, tuple[str, ...]]
+    durable: tuple[str, ...] = ()
+    durable_dir: str | None = None
 
 
 def durable_iteration(load_dir: str | None) -> int | None:
@@ -61,8 +67,26 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
 
     got = gather_phase(f"--tenplex-memory {tier.mem}: listing snapshots", local)
     held = [memory_tier.Snapshot.from_json(s) for g in got for s in g["held"]]
+    newest_durable = got[0]["durable"]
     picked = run_phase("choosing the snapshot to restart from",
-                       lambda: memory_tier.choose(held, tier.job, got[0]["durable"]))
+                       lambda: memory_tier.choose(held, tier.job, newest_durable))
+    if picked is None and load_dir and newest_durable is not None and any(s.iteration == newest_durable
+                                                                           for s in held):
+        # a snapshot of the durable checkpoint's iteration, not whole in live memory: the durable checkpoint's
+        # rank files complete it (read only now: a whole snapshot never touches the durable checkpoint)
+        def listing() -> dict[str, Any] | None:
+            if rank() != 0:
+                return None
+            try:
+                path = os.path.join(load_dir, directory.iter_dir_name(newest_durable))
+                return memory_tier.durable_listing(path).to_json()
+            except (OSError, ValueError, CheckpointFileError):  # unreadable: no mixing, the durable load decides
+                return None
+
+        found = memory_tier.DurableListing.from_json(
+            broadcast_json(run_phase("listing the durable checkpoint", listing), 0))
+        picked = run_phase("choosing the snapshot to restart from",
+                           lambda: memory_tier.choose(held, tier.job, newest_durable, found))
     if picked is None:
         return None
     src = min(tier.nodes[n][0] for n in {n for ns in picked.holders.values() for n in ns})
@@ -75,21 +99,31 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
         return directory.read_metadata(path)
 
     meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
-    return MemoryChoice(picked.iteration, meta, picked.holders)
+    durable_dir = os.path.join(load_dir, directory.iter_dir_name(picked.iteration)) if picked.durable else None
+    return MemoryChoice(picked.iteration, meta, picked.holders, picked.durable, durable_dir)
 
 
 class MemorySource(SourceFiles):
-    """A snapshot's chunks: the rank files this node holds, memory-mapped; the others, as received from peers."""
+    """A snapshot's chunks: the rank files this node holds, memory-mapped; the rank files no live node holds, from
+    the durable checkpoint of the same iteration; the others, as received from peers."""
 
     def __init__(self, tier: MemoryTier, choice: MemoryChoice, verify: bool):
         meta = choice.metadata
         ptc = PTC.from_json(meta["ptc"])
         local = [f for f, nodes in choice.holders.items() if tier.node in nodes]
+        durable = list(choice.durable)
         super().__init__(memory_tier.snapshot_dir(tier.mem, choice.iteration),
-                         {k: m.dtype for k, m in ptc.tensors.items()}, {f: meta["files"][f] for f in local}, verify,
-                         require_checksums=True, names=local)
+                         {k: m.dtype for k, m in ptc.tensors.items()},
+                         {f: meta["files"][f] for f in [*local, *durable]}, verify, require_checksums=True,
+                         names=local)
+        if durable:
+            assert choice.durable_dir is not None
+            self.elsewhere = confine_all(choice.durable_dir, durable)
+            self.paths.update(self.elsewhere)
         self.ptc = ptc
         self.local = set(local)
+        self.durable = set(durable)
+        self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
 
     def buffer(self, sc: StoredChunk) -> torch.Tensor:
@@ -103,11 +137,17 @@ class MemorySource(SourceFiles):
             if sc.location.file not in self.readers:
                 memory_tier.log_open(os.path.join(self.ckpt_dir, sc.location.file))
             return super().flat(sc)
+        if sc.location.file in self.durable:
+            return super().flat(sc)
         return self.buffer(sc).view(TORCH_DTYPES[self.dtypes[sc.chunk.key]])
 
     def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Any, todo: list, source: int = -1) -> None:
         # received bytes are this rank's own: their blocks are not shared with other ranks of the node
-        super().queue(sc, flat, piece, todo, source if sc.location.file in self.local else -1)
+        stored = sc.location.file in self.local or sc.location.file in self.durable
+        n = len(todo)
+        super().queue(sc, flat, piece, todo, source if stored else -1)
+        if sc.location.file in self.durable:
+            self.bytes_from_durable += sum(b.data.numel() for b in todo[n:])
 
 
 def _key(sc: StoredChunk) -> str:
@@ -129,7 +169,7 @@ def fetch_from_peers(tier: MemoryTier, choice: MemoryChoice) -> Any:
             wanted: dict[int, list[tuple[int, int]]] = {}
             for p in plan.pieces:
                 sc = sources[p.source]
-                if sc.location.file in files.local:
+                if sc.location.file in files.local or sc.location.file in files.durable:
                     continue
                 size = sc.chunk.numel * dtype_size(files.dtypes[sc.chunk.key])
                 bb = sc.location.block_bytes or size
@@ -182,18 +222,21 @@ class MemoryLoadResult:
     node: str
     bytes_received: int  # from other nodes' memory over torch.distributed
     bytes_sent: int
-    bytes_from_durable: int  # always 0: a snapshot is chosen only when complete in live nodes' memory
+    bytes_from_durable: int  # of the rank files no live node holds (none when the snapshot is whole in memory)
 
 
 def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: MemoryChoice, verify: bool = True) -> MemoryLoadResult:
     """Collective: load the chosen snapshot into the adapter, re-sharded to its layout."""
     label = f"memory:{tier.mem}/{directory.iter_dir_name(choice.iteration)}"
 
+    opened: list[MemorySource] = []
+
     def opener() -> Opened:
         src = MemorySource(tier, choice, verify)
+        opened.append(src)
         return Opened(label, choice.metadata, src.ptc, src)
 
     fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice)
     res = load(adapter, label, None, True, verify, opener, host=f"memory-node:{tier.node}", fetch=fetch)
     got = fetch.stats if fetch is not None else {"received": 0, "sent": 0}
-    return MemoryLoadResult(res, tier.node, got["received"], got["sent"], 0)
+    return MemoryLoadResult(res, tier.node, got["received"], got["sent"], opened[-1].bytes_from_durable)

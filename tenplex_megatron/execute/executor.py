@@ -11,6 +11,7 @@ Checksums are checked only over the blocks the pieces read (``verify.py``).
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -67,7 +68,9 @@ class SourceFiles:
         self.paths = confine_all(ckpt_dir, [*names, *self.sizes])
         self.verify = verify
         self.readers: dict[str, SafetensorsReader] = {}
-        self.verifier = BlockVerifier(ckpt_dir, require_checksums, threads)
+        self.elsewhere: dict[str, str] = {}  # files read from another directory (a subclass's): name -> path
+        self.verifier = BlockVerifier(ckpt_dir, require_checksums, threads,
+                                      path_of=lambda name: self.elsewhere.get(name) or os.path.join(ckpt_dir, name))
         self._covered: dict[tuple[str, str, Piece], bool] = {}  # pieces already checked: not recomputed when copying
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -93,8 +94,10 @@ class BlockVerifier:
     always records them); otherwise its bytes are copied unverified.
     """
 
-    def __init__(self, ckpt_dir: str, require: bool = False, threads: int | None = None):
+    def __init__(self, ckpt_dir: str, require: bool = False, threads: int | None = None,
+                 path_of: Callable[[str], str] | None = None):
         self.ckpt_dir = ckpt_dir
+        self.path_of = path_of or (lambda name: os.path.join(ckpt_dir, name))  # a file's path, for the errors
         self.require = require
         self.threads = threads or default_threads()
         self.verified: set[tuple[str, str, int]] = set()  # (file, tensor, block); block -1: the whole tensor
@@ -113,7 +116,7 @@ class BlockVerifier:
         ``source``: the stored chunk's index in the plan's sources, which names the block alike on every rank.
         """
         loc = sc.location
-        where = f"{os.path.join(self.ckpt_dir, loc.file)}: tensor {loc.name!r} (of {sc.chunk.key!r})"
+        where = f"{self.path_of(loc.file)}: tensor {loc.name!r} (of {sc.chunk.key!r})"
         raw = flat.view(torch.uint8)
         if loc.block_crc32 is not None and loc.block_bytes is not None:
             size = loc.block_bytes

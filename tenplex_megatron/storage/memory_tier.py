@@ -154,19 +154,54 @@ def list_snapshots(mem: str, node: str) -> list[Snapshot]:
 
 @dataclass(frozen=True)
 class Choice:
-    """The snapshot a restart loads from memory: its iteration and, for each rank file, the live nodes holding it."""
+    """The snapshot a restart loads from memory: its iteration, for each rank file the live nodes holding it, and
+    the rank files no live node holds, read from the durable checkpoint of the same iteration instead."""
 
     iteration: int
     holders: dict[str, tuple[str, ...]]
     expected: dict[str, int]
+    durable: tuple[str, ...] = ()
 
 
-def choose(held: list[Snapshot], job: str, durable_iteration: int | None) -> Choice | None:
+@dataclass(frozen=True)
+class DurableListing:
+    """The newest durable checkpoint as a restart sees it: iteration, metadata digest, rank files present -> size."""
+
+    iteration: int
+    digest: str
+    present: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"iteration": self.iteration, "digest": self.digest, "present": self.present}
+
+    @staticmethod
+    def from_json(d: dict[str, Any] | None) -> DurableListing | None:
+        return None if d is None else DurableListing(int(d["iteration"]), str(d["digest"]), dict(d["present"]))
+
+
+def durable_listing(path: str) -> DurableListing:
+    """A committed durable checkpoint directory's listing (its metadata's digest: a snapshot persisted there has the
+    same metadata bytes, so the same digest)."""
+    with open(os.path.join(path, directory.METADATA_FILE), "rb") as f:
+        raw = f.read()
+    meta = directory.read_metadata(path)
+    present = {}
+    for name in meta.get("files", {}):
+        p = os.path.join(path, str(name))
+        if os.path.isfile(p) and not os.path.islink(p):
+            present[str(name)] = os.path.getsize(p)
+    return DurableListing(int(meta["iteration"]), hashlib.sha256(raw).hexdigest(), present)
+
+
+def choose(held: list[Snapshot], job: str, durable_iteration: int | None,
+           durable: DurableListing | None = None) -> Choice | None:
     """The newest snapshot complete on the live nodes (every file with a live copy of the recorded size), if it is
     at least as new as the durable checkpoint; None otherwise. Pure: the same answer on every rank.
 
-    A snapshot of another job is an error (never loaded); nodes whose metadata differ for one iteration make that
-    iteration incomplete.
+    With ``durable`` (the newest durable checkpoint's listing), a snapshot of that same iteration and metadata that
+    the live nodes hold only in part is chosen too: the rank files they lack are read from the durable checkpoint
+    (the sources in order: the live nodes' memory, the durable checkpoint last). A snapshot of another job is an
+    error (never loaded); nodes whose metadata differ for one iteration make that iteration incomplete.
     """
     for s in held:
         if s.job != job:
@@ -185,8 +220,13 @@ def choose(held: list[Snapshot], job: str, durable_iteration: int | None) -> Cho
             for name, size in s.present.items():
                 if expected.get(name) == size and s.node not in holders.setdefault(name, []):
                     holders[name].append(s.node)
-        if expected and all(holders.get(name) for name in expected):
-            return Choice(it, {k: tuple(v) for k, v in holders.items() if k in expected}, expected)
+        live = {k: tuple(v) for k, v in holders.items() if k in expected and v}
+        missing = tuple(sorted(name for name in expected if name not in live))
+        if expected and not missing:
+            return Choice(it, live, expected)
+        if (live and durable is not None and durable.iteration == it and durable.digest == mine[0].digest
+                and all(durable.present.get(name) == expected[name] for name in missing)):
+            return Choice(it, live, expected, missing)
     return None
 
 

@@ -179,9 +179,30 @@ def scenarios(out: str) -> dict[str, Any]:
     back = Tiny(0.0)
     load(back, os.path.join(out, "ckpt"))
     res["durable_after"] = [back.it, back.matches(12.0)]
+
+    res["mixed"] = mixed(os.path.join(out, "mixed"))
     for x in (t, small, fb, other):
         memory_save.close(x)
     return res
+
+
+def mixed(out: str) -> dict[str, Any]:
+    """K=1 (no replicas), every snapshot persisted; node 1 loses its memory: snapshot 13 is incomplete in memory and
+    whole in the durable checkpoint of the same iteration, which completes it (node 1's rank file only)."""
+    me = dist.get_rank()
+    m = tier(out, replicas=1, persist_interval=1)
+    snap(m, 13.0, 13)
+    persisted = [os.path.basename(x) for x in memory_save.drain(m)]
+    dist.barrier()
+    if me == 0:
+        shutil.rmtree(os.path.join(out, "mem_1", "iter_0000013"))
+    dist.barrier()
+    c = memory_load.choose(m, os.path.join(out, "ckpt"))
+    back = Tiny(0.0, axis=1)
+    got = memory_load.load_snapshot(back, m, c)
+    memory_save.close(m)
+    return {"persisted": persisted, "chosen": c.iteration, "durable": list(c.durable), "equal": back.matches(13.0),
+            "from_durable": got.bytes_from_durable, "received": got.bytes_received}
 
 
 def crash(point: str, out: str) -> None:
@@ -215,7 +236,7 @@ if __name__ == "__main__":
     if cmd == "crash":
         crash(sys.argv[2], sys.argv[3])
     else:
-        got = scenarios(sys.argv[2]) if cmd == "all" else check(sys.argv[2:])
+        got = scenarios(sys.argv[2]) if cmd == "all" else mixed(sys.argv[2]) if cmd == "mixed" else check(sys.argv[2:])
         with open(f"{sys.argv[2]}.rank{dist.get_rank()}.json", "w") as f:
             json.dump(got, f)
     dist.destroy_process_group()

@@ -46,6 +46,13 @@ def test_memory_tier_scenarios(tmp_path) -> None:
         assert g["persisted_killed"] == []
         assert g["persisted_after"] or me != 0
     assert got[0]["received"] == 0 and got[1]["received"] > 0  # node 1's rank received its part from node 0
+    # mixed sources: node 0's file from its memory (node 1's rank receives its part), node 1's from durable storage
+    assert got[0]["mixed"]["persisted"] == ["iter_0000013"]  # committed by rank 0
+    for g in got:
+        m = g["mixed"]
+        assert m["chosen"] == 13 and m["durable"] == ["rank_00001.safetensors"] and m["equal"], m
+        assert m["from_durable"] > 0
+    assert got[0]["mixed"]["received"] == 0 and got[1]["mixed"]["received"] > 0
     assert got[0]["replica_warning"] and "one copy per node" in got[0]["replica_warning"][0]
     assert "exited" in got[0]["persist_killed_warning"][0] and got[0]["persist_cleaned"]
     assert got[0]["replicate_killed_warning"]

@@ -39,6 +39,22 @@ def test_newest_complete_snapshot_wins_and_an_incomplete_one_never() -> None:
     assert choose(differ, "job", None) is None
 
 
+def test_a_snapshot_incomplete_in_memory_is_completed_from_the_durable_checkpoint_of_its_iteration() -> None:
+    a0 = {"rank_00000.safetensors": 100}
+    held = [snap("A", 4, FILES), snap("A", 8, a0)]  # node B lost its memory, and with K=1 its file of 8
+    whole = memory_tier.DurableListing(8, "d", dict(FILES))
+    got = choose(held, "job", 8, whole)
+    assert got is not None and got.iteration == 8 and got.durable == ("rank_00001.safetensors",)
+    assert got.holders == {"rank_00000.safetensors": ("A",)}  # the memory first, the durable checkpoint last
+    assert choose(held, "job", 8) is None  # without the listing: the durable load (as before)
+    assert choose(held, "job", 8, memory_tier.DurableListing(8, "other", dict(FILES))) is None  # another snapshot
+    short = memory_tier.DurableListing(8, "d", {"rank_00000.safetensors": 100, "rank_00001.safetensors": 199})
+    assert choose(held, "job", 8, short) is None  # its copy of the missing file is not the recorded size
+    older = memory_tier.DurableListing(4, "d", dict(FILES))  # the durable checkpoint is of another iteration
+    assert choose(held, "job", 4, older).iteration == 4  # 8 cannot be completed: the older whole snapshot
+    assert choose([snap("A", 8, FILES)], "job", 8, whole).durable == ()  # whole in memory: nothing durable
+
+
 def test_another_jobs_snapshot_is_an_error_naming_it() -> None:
     with pytest.raises(CheckpointFileError, match="job 'other'.*never loaded"):
         choose([snap("A", 6, FILES, job="other")], "job", None)
