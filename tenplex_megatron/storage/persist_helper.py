@@ -281,6 +281,9 @@ class PersistHelper:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()  # its answers pipe: unclosed, it is a ResourceWarning at exit
 
 
 if __name__ == "__main__":
