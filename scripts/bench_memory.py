@@ -171,6 +171,7 @@ def worker(a: argparse.Namespace) -> None:
 
             alone = steps()
             windows = [window(0.0)] + ([window(a.replication_rate)] if a.replication_rate else [])
+            tier.replication_rate = 0.0  # the final snapshot below: replicated as fast as it can
             job.iteration = it0
             alone += steps()  # the baseline on both sides of the windows: drift does not count as slowdown
             job.iteration = it0
@@ -327,7 +328,7 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
             windows = []
             for k in range(len(st[0]["windows"])):
                 w = [r["windows"][k] for r in st]
-                windows.append({"rate": w[0]["rate"], "during": statistics.mean(x for x in w for x in x["during"]),
+                windows.append({"rate": w[0]["rate"], "during": statistics.mean(t for x in w for t in x["during"]),
                                 "steps": len(w[0]["during"]), "finished": all(x["finished"] for x in w),
                                 "background": max(x["background"] for x in w),
                                 "helper_cpu": sum(x["helper_cpu"] for x in w)})
