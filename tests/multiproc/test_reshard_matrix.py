@@ -135,7 +135,7 @@ class Runs:
             tasks = []
             for lay, var in sorted((r for r in self._refs() if _world(r[0]) == world), key=lambda r: (r[0], r[1].tag())):
                 d = self.ref_dir(lay, var)
-                os.makedirs(d)
+                os.makedirs(d, exist_ok=True)  # a failed launch made it: the retry reports that launch's error
                 tasks.append([*TINY_GPT, *var.flags(), *layout_flags(*lay[:2]), "--save", f"{d}/ckpt",
                               "--save-interval", str(SAVE_AT), "--tenplex-metrics", f"{d}/metrics.jsonl"])
             self._launch(key, world, tasks)
@@ -175,7 +175,7 @@ class Runs:
             for n in order:
                 s = self.scenarios[n]
                 d = os.path.join(self.root, n)
-                os.makedirs(d)
+                os.makedirs(d, exist_ok=True)  # a failed launch made it: the retry reports that launch's error
                 tasks.append([*TINY_GPT, *s.variant.flags(), *layout_flags(*s.dst[:2]), "--load", self.source(s),
                               "--tenplex-resave", f"{d}/resave", "--tenplex-metrics", f"{d}/metrics.jsonl",
                               "--exit-interval", str(s.iters), *s.extra])
