@@ -70,16 +70,16 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
     newest_durable = got[0]["durable"]
     picked = run_phase("choosing the snapshot to restart from",
                        lambda: memory_tier.choose(held, tier.job, newest_durable))
-    if picked is None and load_dir and newest_durable is not None and any(s.iteration == newest_durable
-                                                                           for s in held):
+    durable_dir = None if not load_dir or newest_durable is None else os.path.join(
+        load_dir, directory.iter_dir_name(newest_durable))
+    if picked is None and durable_dir is not None and any(s.iteration == newest_durable for s in held):
         # a snapshot of the durable checkpoint's iteration, not whole in live memory: the durable checkpoint's
         # rank files complete it (read only now: a whole snapshot never touches the durable checkpoint)
         def listing() -> dict[str, Any] | None:
             if rank() != 0:
                 return None
             try:
-                path = os.path.join(load_dir, directory.iter_dir_name(newest_durable))
-                return memory_tier.durable_listing(path).to_json()
+                return memory_tier.durable_listing(durable_dir).to_json()
             except (OSError, ValueError, CheckpointFileError):  # unreadable: no mixing, the durable load decides
                 return None
 
@@ -99,8 +99,8 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
         return directory.read_metadata(path)
 
     meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
-    durable_dir = os.path.join(load_dir, directory.iter_dir_name(picked.iteration)) if picked.durable else None
-    return MemoryChoice(picked.iteration, meta, picked.holders, picked.durable, durable_dir)
+    return MemoryChoice(picked.iteration, meta, picked.holders, picked.durable,
+                        durable_dir if picked.durable else None)  # picked.durable: of the durable iteration
 
 
 class MemorySource(SourceFiles):
@@ -132,20 +132,22 @@ class MemorySource(SourceFiles):
             self.received[key] = torch.empty(sc.chunk.numel * dtype_size(self.dtypes[sc.chunk.key]), dtype=torch.uint8)
         return self.received[key]
 
+    def stored(self, file: str) -> bool:
+        """Whether this rank reads ``file`` from storage itself (its node's memory, or the durable checkpoint)
+        rather than receiving it from a peer."""
+        return file in self.local or file in self.durable
+
     def flat(self, sc: StoredChunk) -> torch.Tensor:
-        if sc.location.file in self.local:
-            if sc.location.file not in self.readers:
-                memory_tier.log_open(os.path.join(self.ckpt_dir, sc.location.file))
-            return super().flat(sc)
-        if sc.location.file in self.durable:
-            return super().flat(sc)
-        return self.buffer(sc).view(TORCH_DTYPES[self.dtypes[sc.chunk.key]])
+        if not self.stored(sc.location.file):
+            return self.buffer(sc).view(TORCH_DTYPES[self.dtypes[sc.chunk.key]])
+        if sc.location.file in self.local and sc.location.file not in self.readers:
+            memory_tier.log_open(os.path.join(self.ckpt_dir, sc.location.file))
+        return super().flat(sc)
 
     def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Any, todo: list, source: int = -1) -> None:
         # received bytes are this rank's own: their blocks are not shared with other ranks of the node
-        stored = sc.location.file in self.local or sc.location.file in self.durable
         n = len(todo)
-        super().queue(sc, flat, piece, todo, source if stored else -1)
+        super().queue(sc, flat, piece, todo, source if self.stored(sc.location.file) else -1)
         if sc.location.file in self.durable:
             self.bytes_from_durable += sum(b.data.numel() for b in todo[n:])
 
@@ -169,7 +171,7 @@ def fetch_from_peers(tier: MemoryTier, choice: MemoryChoice) -> Any:
             wanted: dict[int, list[tuple[int, int]]] = {}
             for p in plan.pieces:
                 sc = sources[p.source]
-                if sc.location.file in files.local or sc.location.file in files.durable:
+                if files.stored(sc.location.file):
                     continue
                 size = sc.chunk.numel * dtype_size(files.dtypes[sc.chunk.key])
                 bb = sc.location.block_bytes or size

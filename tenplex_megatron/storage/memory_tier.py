@@ -136,20 +136,23 @@ def list_snapshots(mem: str, node: str) -> list[Snapshot]:
     out = []
     for it in directory.committed_iterations(mem):
         path = snapshot_dir(mem, it)
-        meta_path = os.path.join(path, directory.METADATA_FILE)
-        log_open(meta_path)
-        with open(meta_path, "rb") as f:
-            raw = f.read()
-        meta = directory.read_metadata(path)
+        log_open(os.path.join(path, directory.METADATA_FILE))
+        digest, meta = _digest_and_metadata(path)
         expected = {str(k): int(v) for k, v in meta.get("files", {}).items()}
         present = {}
         for name in expected:
             p = os.path.join(path, name)
             if os.path.isfile(p):
                 present[name] = os.path.getsize(p)
-        out.append(Snapshot(node, it, str(meta.get("memory_job", "")), hashlib.sha256(raw).hexdigest(), expected,
-                            present))
+        out.append(Snapshot(node, it, str(meta.get("memory_job", "")), digest, expected, present))
     return out
+
+
+def _digest_and_metadata(path: str) -> tuple[str, dict[str, Any]]:
+    """A checkpoint directory's metadata: the SHA-256 of its bytes (which tells snapshots apart) and its content."""
+    with open(os.path.join(path, directory.METADATA_FILE), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return digest, directory.read_metadata(path)
 
 
 @dataclass(frozen=True)
@@ -182,15 +185,13 @@ class DurableListing:
 def durable_listing(path: str) -> DurableListing:
     """A committed durable checkpoint directory's listing (its metadata's digest: a snapshot persisted there has the
     same metadata bytes, so the same digest)."""
-    with open(os.path.join(path, directory.METADATA_FILE), "rb") as f:
-        raw = f.read()
-    meta = directory.read_metadata(path)
+    digest, meta = _digest_and_metadata(path)
     present = {}
     for name in meta.get("files", {}):
         p = os.path.join(path, str(name))
         if os.path.isfile(p) and not os.path.islink(p):
             present[str(name)] = os.path.getsize(p)
-    return DurableListing(int(meta["iteration"]), hashlib.sha256(raw).hexdigest(), present)
+    return DurableListing(int(meta["iteration"]), digest, present)
 
 
 def choose(held: list[Snapshot], job: str, durable_iteration: int | None,

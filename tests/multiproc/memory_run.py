@@ -236,7 +236,7 @@ if __name__ == "__main__":
     if cmd == "crash":
         crash(sys.argv[2], sys.argv[3])
     else:
-        got = scenarios(sys.argv[2]) if cmd == "all" else mixed(sys.argv[2]) if cmd == "mixed" else check(sys.argv[2:])
+        got = scenarios(sys.argv[2]) if cmd == "all" else check(sys.argv[2:])
         with open(f"{sys.argv[2]}.rank{dist.get_rank()}.json", "w") as f:
             json.dump(got, f)
     dist.destroy_process_group()
