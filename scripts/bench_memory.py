@@ -155,15 +155,15 @@ def worker(a: argparse.Namespace) -> None:
 
             def window(rate: float) -> dict[str, Any]:
                 """The steps begun while a snapshot's background work (replication at ``rate`` MB/s, 0: unlimited,
-                then the durable copy, in the helper processes) runs: until it is done, at most 8x --steps."""
+                then the durable copy, in the helper processes) runs: until it is done, at least 1, at most 8x --steps."""
                 tier.replication_rate = rate
                 job.iteration = it0
                 cpu0 = _helper_cpu(tier)
                 t_bg = time.perf_counter()
                 res = memory_save.snapshot(adapter, tier, persist=True)
                 times: list[float] = []
-                while len(times) < 8 * a.steps and memory_save.busy(tier):
-                    times += steps(1)
+                while not times or (len(times) < 8 * a.steps and memory_save.busy(tier)):
+                    times += steps(1)  # at least one step: a background done before the first still counts
                 finished = not memory_save.busy(tier)
                 memory_save.drain(tier)
                 return {"during": times, "background": time.perf_counter() - t_bg, "finished": finished,
