@@ -78,6 +78,11 @@ class MemoryTier:
     def node_of(self) -> dict[int, str]:
         return {r: n for n, rs in self.nodes.items() for r in rs}
 
+    def held_ranks(self) -> list[int]:
+        """The ranks whose files this node's snapshots hold: its own and those it keeps replicas of (their spare
+        files are written over by the next snapshot and the next replication)."""
+        return sorted(r for n, rs in self.nodes.items() for r in rs if n == self.node or self.node in self.targets(n))
+
     def order(self) -> list[str]:
         """Nodes in the order of their first rank (the ring replicas follow)."""
         return sorted(self.nodes, key=lambda n: self.nodes[n][0])
@@ -85,8 +90,8 @@ class MemoryTier:
     def dispose(self, path: str) -> None:
         """Delete a retired snapshot (renamed ``.tenplex-old``) off the training path: by this node's helper
         process when it runs (freeing a GB of tmpfs pages takes a while), else here."""
-        if self.leader:  # this node's own rank files become the spares its next snapshot writes over
-            memory_tier.keep_spares(path, self.mem, self.nodes[self.node])
+        if self.leader:  # its rank files (own and replicas) become the spares the next snapshot writes over
+            memory_tier.keep_spares(path, self.mem, self.held_ranks())
         if self.helper is not None and self.helper.alive:
             self.disposing.add(path)
             self.helper.request("remove", 0, paths=[path])
@@ -296,7 +301,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
 
     def local() -> dict[str, Any]:
         committed = directory.committed_iterations(tier.mem) if tier.leader else []
-        spares = memory_tier.spare_bytes(tier.mem, tier.nodes[tier.node]) if tier.leader else 0
+        spares = memory_tier.spare_bytes(tier.mem, tier.held_ranks()) if tier.leader else 0
         return {"holdings": holdings_json(chunks), "free": memory_tier.free_bytes(tier.mem) + spares,
                 "used": memory_tier.used_bytes(tier.mem, committed), "persist": _poll(tier, 0.0)}
 
@@ -349,7 +354,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
             for stale in memory_tier.retired(tier.mem):  # retired, but the helper deleting it died
                 if stale not in tier.disposing and directory.remove_own(stale, directory.is_tenplex_checkpoint):
                     removed.append(stale)
-            removed.extend(memory_tier.drop_spares(tier.mem, tier.nodes[tier.node]))  # another job's or layout's
+            removed.extend(memory_tier.drop_spares(tier.mem, tier.held_ranks()))  # another job's or layout's
             directory.prepare_partial(tier.mem, it)
         if me == 0 and commit_durable:
             persisted.append(_commit_durable(tier, removed))
@@ -509,7 +514,8 @@ def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str
             if src == tier.node:
                 sends.append([os.path.join(path, i["file"]), order.index(t), r])
             elif t == tier.node:
-                recvs.append([order.index(src), int(i["size"]), os.path.join(path, i["file"]), r])
+                recvs.append([order.index(src), int(i["size"]), os.path.join(path, i["file"]), r,
+                              memory_tier.spare_path(tier.mem, r)])
 
     def start() -> None:
         if tier.leader:

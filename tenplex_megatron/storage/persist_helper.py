@@ -12,9 +12,10 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
   every node's helper has answered.
 - ``replicate``: send this node's files of a snapshot to the helpers of the
   nodes that keep replicas (``sends``: [[path, peer, tag]]) and receive theirs
-  (``recvs``: [[peer, size, path, tag]]) point to point over a gloo process
+  (``recvs``: [[peer, size, path, tag, spare]]) point to point over a gloo process
   group of the helpers alone (set up through the job's TCP store); a received
-  file is written under a temporary name and renamed into the committed
+  file is written under a temporary name (over the pages of ``spare``, a retired
+  replica of the same rank file, where one waits) and renamed into the committed
   snapshot directory, so a node never lists a partial replica. Files are sent
   from and received into memory maps: no copy of them in this process. With
   ``rate`` (bytes/s, ``--tenplex-replication-rate``) the messages go in
@@ -133,10 +134,10 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         maps.append(mm)
         t = torch.frombuffer(memoryview(mm), dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
         ops.append(dist.P2POp(dist.isend, t, int(peer), group, int(tag)))
-    for peer, size, path, tag in req["recvs"]:  # received straight into the replica's file, mapped
+    for peer, size, path, tag, *spare in req["recvs"]:  # received straight into the replica's file, mapped
         tmp = path + REPLICA_TMP
         log_open(tmp)
-        with open(tmp, "wb+") as f:
+        with open(tmp, "rb+" if _take_spare(spare[0] if spare else None, tmp) else "wb+") as f:
             f.truncate(int(size))
             mm = mmap.mmap(f.fileno(), int(size)) if int(size) else None
         buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
@@ -160,6 +161,18 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         fsync_dir(os.path.dirname(path))
         total += buf.numel()
     return total
+
+
+def _take_spare(spare: str | None, tmp: str) -> bool:
+    """Move the spare file ``spare`` (a retired replica of the same rank file) to ``tmp``, whose pages the
+    replica is then received over (no fresh tmpfs pages to allocate and zero, none to free); False if none."""
+    if not spare or not os.path.isfile(spare) or os.path.islink(spare):
+        return False
+    try:
+        os.replace(spare, tmp)
+    except FileNotFoundError:  # taken meanwhile (clean-memory, a new layout's snapshot): a fresh file then
+        return False
+    return True
 
 
 def _paced(ops: list[Any], rate: float) -> None:

@@ -29,7 +29,7 @@ from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.execute.collective import RankFailure
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, memory_tier
 
 ROWS, COLS = 8, 6
 
@@ -147,6 +147,8 @@ def scenarios(out: str) -> dict[str, Any]:
         snap(k, float(it), it)
         res.setdefault("kept_while_replicating", []).append(directory.committed_iterations(k.mem))
         memory_save.drain(k)
+        replica = os.path.join(memory_tier.snapshot_dir(k.mem, it), directory.rank_file_name(1 - me))
+        res.setdefault("replica_inodes", []).append(os.stat(replica).st_ino)  # the other node's file, received
     res["kept"] = directory.committed_iterations(k.mem)
     memory_save.close(k)
 

@@ -50,7 +50,8 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert "copy" in run["snapshot"]["phases"] and sum(run["snapshot"]["phases"].values()) > 0
     assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
     unlimited, capped = run["steps"]["windows"]  # --replication-rate 1: a second window, replication capped
-    assert unlimited["rate"] == 0 and capped["rate"] == 1 and capped["steps"] >= 1 and capped["background"] > 0
+    assert unlimited["rate"] == 0 and capped["rate"] == 1 and capped["background"] > 0
+    assert unlimited["steps"] >= 1 and capped["steps"] >= 1  # a window takes a step even if its background is done
     assert capped["steps"] <= 8 * 2  # --quick: 2 steps, a window of at most 8x
     # each node sent its rank file no faster than 1 MB/s: that file holds at least half the rank's own shard (the
     # writer assignment splits only what both ranks hold)

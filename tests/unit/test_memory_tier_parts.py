@@ -243,12 +243,17 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
         files.append(path)
     helpers = [PersistHelper((f"127.0.0.1:{store.port}", "t", i, 2)) for i in range(2)]
     try:
+        spares = [nodes[i] / "spare" for i in range(2)]  # retired replicas: node 0's larger, node 1's smaller
+        for i, n in enumerate((sizes[1] + 5000, sizes[0] // 2)):
+            spares[i].write_bytes(os.urandom(n))
+        inodes = [os.stat(sp).st_ino for sp in spares]
         for it, rate in ((1, 0.0), (2, 40e6)):
             t0 = time.monotonic()
             for i, h in enumerate(helpers):
                 other = 1 - i
+                spare = [str(spares[i])] if it == 2 else []  # the second replication: over the spare's pages
                 h.request("replicate", it, rate=rate, sends=[[str(files[i]), other, i]],
-                          recvs=[[other, sizes[other], str(nodes[i] / f"r{it}_{other}"), other]])
+                          recvs=[[other, sizes[other], str(nodes[i] / f"r{it}_{other}"), other, *spare]])
             got = [_answer(h, "replicate", it) for h in helpers]
             elapsed = time.monotonic() - t0
             assert all(g["ok"] for g in got), got
@@ -257,6 +262,18 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
                 assert (nodes[i] / f"r{it}_{other}").read_bytes() == files[other].read_bytes()
             if rate:
                 assert elapsed >= sizes[0] / rate, elapsed  # node 0 sent its file no faster than the cap
+        for i in range(2):  # the spare became the replica (same inode), truncated to the replica's size
+            assert not spares[i].exists() and os.stat(nodes[i] / f"r2_{1 - i}").st_ino == inodes[i]
     finally:
         for h in helpers:
             h.close()
+
+
+def test_a_node_holds_its_own_ranks_and_those_it_keeps_replicas_of() -> None:
+    """The ranks whose files a node keeps as spares: its own and the previous K-1 nodes' in the ring."""
+    from tenplex_megatron.engine.memory_save import MemoryTier
+
+    nodes = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
+    assert MemoryTier("m", "j", None, node="b", nodes=nodes).held_ranks() == [0, 1, 2, 3]  # K=2: a's replicas
+    assert MemoryTier("m", "j", None, node="a", nodes=nodes, replicas=3).held_ranks() == [0, 1, 2, 3, 4, 5]
+    assert MemoryTier("m", "j", None, node="c", nodes=nodes, replicas=1).held_ranks() == [4, 5]
