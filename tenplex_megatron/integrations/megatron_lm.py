@@ -17,7 +17,10 @@ the newest tenplex checkpoint to the restarted job's layout; a ``--load``
 directory holding only Megatron's own checkpoint (``torch_dist`` with any
 distributed-optimizer format, or legacy ``torch``) is adopted by tenplex at
 the new layout (``megatron_core/native.py``, ``legacy.py``), and later saves
-are tenplex checkpoints. Without ``--tenplex`` nothing changes.
+are tenplex checkpoints. With ``--tenplex-memory`` (and its flags, ``training/memory_flags.py``) a save is
+a host-memory snapshot and a load prefers the newest snapshot complete in the live nodes' memory; the wrapped
+``maybe_finalize_async_save(terminate=True)`` replicates (and, once training is over, persists) the last one.
+Without ``--tenplex`` nothing changes.
 ``--tenplex-init-from-hf DIR`` starts a run whose ``--load`` directory holds no
 checkpoint yet from a Hugging Face transformers checkpoint (Megatron-LM calls
 ``load_checkpoint`` only when ``--load`` is given: give it, empty on the first
@@ -29,16 +32,18 @@ exactly and new padding rows start at zero.
 from __future__ import annotations
 
 import argparse
+import atexit
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tenplex_megatron._optional import require
-from tenplex_megatron.engine import elastic
+from tenplex_megatron.engine import elastic, memory_load, memory_save
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
     LiveSpec,
+    MegatronCoreAdapter,
     adopt_megatron_checkpoint,
     load_job,
     save_job,
@@ -56,8 +61,10 @@ from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
     read_metadata,
 )
+from tenplex_megatron.training import memory_flags
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
+_MEMORY: dict[str, memory_save.MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
 
 
 def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -80,6 +87,7 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
                    "--tensor/--pipeline-model-parallel-size and --micro-batch-size given on the command line win")
     g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
                    help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
+    memory_flags.add_memory_args(g)
     return parser
 
 
@@ -145,7 +153,13 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
 
 
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
-    """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags)."""
+    """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
+    host-memory flags' checks (refused before any process group starts)."""
+    if hasattr(args, "tenplex_memory"):
+        problem = memory_flags.check_memory_args(args)
+        if problem:
+            print(f"pretrain_gpt.py: error: {problem}", file=sys.stderr, flush=True)
+            raise SystemExit(2)
     choose_layout_for_args(args)
     return _ORIGINALS["validate_args"](args, *a, **kw)
 
@@ -206,9 +220,45 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     job = _job(model, optimizer, opt_param_scheduler)
     job.iteration = iteration
     job.consumed_samples = int(args.consumed_train_samples)
-    res = save_job(job, args.save, extra={"num_floating_point_operations_so_far": num_floating_point_operations_so_far},
-                       keep=args.tenplex_keep)
+    extra = {"num_floating_point_operations_so_far": num_floating_point_operations_so_far}
+    tier = _memory_tier(args)
+    if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
+        for line in memory_flags.describe_snapshot(memory_save.snapshot(MegatronCoreAdapter(job, extra), tier),
+                                                   iteration):
+            print_rank_0(line)
+        return
+    res = save_job(job, args.save, extra=extra, keep=args.tenplex_keep)
     print_rank_0(f"> tenplex: saved iteration {iteration} to {res.path} in {res.seconds:.2f} s")
+
+
+def _memory_tier(args: Any) -> memory_save.MemoryTier | None:
+    """Collective at first use (the first save or load, reached by every rank): the ``--tenplex-memory`` tier."""
+    if not (getattr(args, "tenplex", False) and getattr(args, "tenplex_memory", None)):
+        return None
+    if "tier" not in _MEMORY:
+        _MEMORY["tier"] = memory_flags.open_memory(args)
+        atexit.register(_close_memory)
+    return _MEMORY["tier"]
+
+
+def _close_memory() -> None:
+    """At exit: stop this node's helper process (local: the collective end is :func:`maybe_finalize_async_save`)."""
+    tier = _MEMORY.get("tier")
+    if tier is not None:
+        memory_save.close(tier)
+
+
+def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *a: Any, **kw: Any) -> Any:
+    """Megatron-LM's end-of-checkpointing call (every rank, before each exit and at the end of ``pretrain``); with
+    ``--tenplex-memory`` and ``terminate`` the last snapshot is replicated and, once training is over, persisted."""
+    out = _ORIGINALS["maybe_finalize_async_save"](blocking, terminate, *a, **kw)
+    tier = _MEMORY.get("tier")
+    if terminate and tier is not None and tier.last is not None:
+        from megatron.training import get_args, print_rank_0
+
+        args = get_args()
+        memory_flags.finish(tier, bool(args.save) and tier.last[0] >= int(args.train_iters or 0), print_rank_0)
+    return out
 
 
 def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
@@ -218,6 +268,10 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
 
     args = get_args()
     load_dir = getattr(args, load_arg, None)
+    tier = _memory_tier(args) if load_arg == "load" else None
+    choice = memory_load.choose(tier, load_dir) if tier is not None else None
+    if choice is not None:  # the newest snapshot whole in the live nodes' memory: newer than any durable one
+        return _load_from_memory(ddp_model, optimizer, opt_param_scheduler, tier, choice)
     tenplex = getattr(args, "tenplex", False) and load_dir
     ckpt = find_checkpoint(load_dir) if tenplex else None
     mck = find_megatron_checkpoint(load_dir) if (tenplex and ckpt is None) else None
@@ -242,6 +296,27 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     print_rank_0(
         f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {ParallelLayout.from_json(res.source_layout)} -> {job.layout}, "
         f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
+    )
+    return res.iteration, flops
+
+
+def _load_from_memory(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: Any, choice: Any
+                      ) -> tuple[int, float]:
+    """Load the chosen host-memory snapshot, re-sharded: own node by mmap, the rest from peers' memory."""
+    from megatron.training import get_args, print_rank_0
+
+    args = get_args()
+    job = _job(ddp_model, optimizer, opt_param_scheduler)
+    mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, choice, verify=not args.tenplex_no_verify)
+    res = mres.result
+    args.consumed_train_samples = job.consumed_samples
+    args.skipped_train_samples = 0
+    flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
+    print_rank_0(
+        f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
+        f"{ParallelLayout.from_json(res.source_layout)} -> {job.layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
+        f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
+        f"{mres.bytes_from_durable} bytes read from durable storage"
     )
     return res.iteration, flops
 
@@ -328,3 +403,5 @@ def install() -> None:
         mod.save_checkpoint = save_checkpoint
         mod.load_checkpoint = load_checkpoint
     train_mod.build_pretraining_data_loader = build_pretraining_data_loader
+    _ORIGINALS["maybe_finalize_async_save"] = train_mod.maybe_finalize_async_save
+    train_mod.maybe_finalize_async_save = maybe_finalize_async_save

@@ -39,7 +39,6 @@ from tenplex_megatron.integrations.megatron_core.native import saved_padded_voca
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.storage import memory_tier
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -47,7 +46,7 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt, measure
+from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt, measure, memory_flags
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -156,24 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tenplex-no-save-on-signal", action="store_true",
                    help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
                    "this turns that off")
-    g.add_argument("--tenplex-memory", nargs="?", const=memory_tier.default_dir(), default=None, metavar="DIR",
-                   help="host-memory checkpoints: each save is a snapshot into this node-local directory (default "
-                   f"{memory_tier.default_dir()}), replicated to peers' memory and persisted to --save in the "
-                   "background; a restart loads the newest snapshot complete in the live nodes' memory")
-    g.add_argument("--tenplex-persist-interval", type=int, default=1, metavar="N",
-                   help="with --tenplex-memory: persist every Nth snapshot to --save in the background (default 1)")
-    g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
-                   help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
-                   "included (default 2: losing one node loses no snapshot)")
-    g.add_argument("--tenplex-replication-rate", type=float, default=0.0, metavar="MB/s",
-                   help="with --tenplex-memory: most bytes per second a node's helper sends replicas at, so that "
-                   "replication leaves training its CPU and network (default 0: as fast as it can)")
-    g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
-                   help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
-    g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
-                   help="with --tenplex-memory: most memory a node's snapshots may use (default: what is free)")
-    g.add_argument("--tenplex-memory-fallback", action="store_true",
-                   help="with --tenplex-memory: a snapshot that does not fit is saved to --save instead of failing")
+    memory_flags.add_memory_args(g)
     g.add_argument(
         "--tenplex-vocab-padding",
         choices=["keep", "megatron"],
@@ -227,13 +209,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(str(e))
     if args.vocab_size is None:
         parser.error("--vocab-size is required with --mock-data")
-    if args.tenplex_memory is not None and not args.tenplex:
-        parser.error("--tenplex-memory needs --tenplex")
-    for flag in ("persist_interval", "replicas", "memory_keep"):
-        if getattr(args, f"tenplex_{flag}") < 1:
-            parser.error(f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}")
-    if args.tenplex_replication_rate < 0:
-        parser.error(f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {args.tenplex_replication_rate}")
+    problem = memory_flags.check_memory_args(args)
+    if problem:
+        parser.error(problem)
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
@@ -336,7 +314,7 @@ def run(args: argparse.Namespace) -> None:
         )
     layout = ParallelLayout(tp, pp, world // (tp * pp))
     spec = spec_from_args(args)
-    tier = _open_memory(args)
+    tier = memory_flags.open_memory(args)
     from_memory = memory_load.choose(tier, args.load) if tier is not None else None
     ckpt = find_checkpoint(args.load) if (args.load and args.tenplex and from_memory is None) else None
     mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None and from_memory is None) else None
@@ -477,44 +455,20 @@ def run(args: argparse.Namespace) -> None:
         stopper.__exit__()
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
         _save(job, args, tier)
-    if tier is not None:
-        done = memory_save.replicate_last(tier)  # the job stops: a restart finds its last snapshot on K nodes
-        over = args.save and job.iteration >= args.train_iters  # training is over: its last state goes to --save
-        for path in done + (memory_save.persist_last(tier) if over else memory_save.drain(tier)):
-            _print0(f"> tenplex: persisted {path} (background)")
+    if tier is not None:  # over: training is, and its last state goes to --save
+        memory_flags.finish(tier, bool(args.save) and job.iteration >= args.train_iters, _print0)
         memory_save.close(tier)
     if metrics is not None:
         metrics.close()
     _print0("> tenplex-megatron: done")
 
 
-def _open_memory(args: argparse.Namespace) -> memory_save.MemoryTier | None:
-    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it)."""
-    if not (args.tenplex and args.tenplex_memory):
-        return None
-    job = os.path.abspath(args.save or args.load or args.tenplex_memory)
-    limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
-    return memory_save.open_tier(args.tenplex_memory, job, args.save, persist_interval=args.tenplex_persist_interval,
-                                 replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
-                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
-                                 replication_rate=args.tenplex_replication_rate)
-
-
 def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,
           persist: bool | None = None) -> None:
     if tier is not None:
         snap = memory_save.snapshot(MegatronCoreAdapter(job), tier, persist)
-        if snap.fallback is not None:
-            _print0(f"> tenplex: snapshot did not fit in memory: saved iteration {job.iteration} to {snap.path} "
-                    f"in {snap.seconds:.2f} s")
-            return
-        _print0(f"> tenplex: snapshot of iteration {job.iteration} in host memory {snap.path} in {snap.seconds:.3f} s "
-                f"(rank 0: {snap.bytes_written / 1e6:.2f} MB written, {snap.bytes_replicated / 1e6:.2f} MB replicated"
-                f"{', persisting in the background' if snap.persisting else ''})")
-        for path in snap.persisted:
-            _print0(f"> tenplex: persisted {path} (background)")
-        for path in snap.removed:
-            _print0(f"> tenplex: removed {path}")
+        for line in memory_flags.describe_snapshot(snap, job.iteration):
+            _print0(line)
         return
     if not args.tenplex and args.ckpt_format == "torch":
         t0 = time.perf_counter()

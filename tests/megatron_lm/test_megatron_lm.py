@@ -205,3 +205,90 @@ def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: 
     meta = json.loads((ckpt / "iter_0000008" / "metadata.json").read_text())
     assert meta["format"] == "tenplex-megatron" and meta["layout"] == {"tp": 1, "pp": 1, "dp": 2}
     assert meta["iteration"] == 8 and meta["consumed_samples"] == 64
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp: int, extra: list[str]) -> str:
+    """Two torchrun agents on localhost (``--nnodes 2 --nproc-per-node 1``, c10d rendezvous), one per node, each
+    with its own memory directory ``tmp/mem_<node>``; returns both logs, joined."""
+    import torch
+
+    port = _free_port()
+    procs = []
+    path = os.pathsep.join([os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or "",
+                            os.environ.get("PATH", "")])
+    extra_path = os.environ.get("PYTHONPATH")
+    cpu = not torch.cuda.is_available()
+    for node in nodes:
+        env = dict(os.environ, PYTHONPATH=f"{MLM}:{ROOT}" + (f":{extra_path}" if extra_path else ""), PATH=path,
+                   OMP_NUM_THREADS="1", CUBLAS_WORKSPACE_CONFIG=":4096:8", NCCL_ALGO="Ring",
+                   CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONUNBUFFERED="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                   TENPLEX_OPEN_LOG=str(tmp / f"open_{node}.log"), **({"TORCH_COMPILE_DISABLE": "1"} if cpu else {}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, RUNNER, script,
+               *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", "95",
+               "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),
+               "--save-interval", "2", "--tenplex-memory", str(tmp / f"mem_{node}"), *extra]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{run_id}_{node}.log", "w"),
+                                      stderr=subprocess.STDOUT))
+    try:
+        codes = [p.wait(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logs = [(tmp / f"{run_id}_{node}.log").read_text() for node in nodes]
+    assert codes == [0, 0], "\n".join(log[-4000:] for log in logs)
+    return "\n".join(logs)
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_node(tmp_path, script: str) -> None:
+    """Megatron-LM's own loop with --tenplex-memory on two nodes (K=2): snapshots at 2, 4, 6 (4 persisted too), exit
+    at 6; node b is lost and node c joins with empty memory; the restart at TP1 x DP2 loads snapshot 6 from node a's
+    memory (c's rank receives its part), reads nothing of the durable checkpoint (made unreadable), continues the
+    uninterrupted TP2 run's losses, and persists the last state when training is over."""
+    ref = _reference(script, 95)
+    log = _run_nodes(script, tmp_path, "first", ["a", "b"], 2, ["--exit-interval", "6", "--tenplex-persist-interval",
+                                                                 "2"])
+    assert "> tenplex: snapshot of iteration 6 in host memory" in log, log[-3000:]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    for node in ("a", "b"):  # both nodes hold both ranks' files of snapshot 6
+        assert sorted(os.listdir(tmp_path / f"mem_{node}" / "iter_0000006")) == \
+            ["metadata.json", "rank_00000.safetensors", "rank_00001.safetensors"]
+    first = _losses(log)
+    for it in range(1, 7):
+        assert first[it] == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, first[it], ref[it])
+
+    shutil.rmtree(tmp_path / "mem_b")  # node b is lost; node c joins with empty memory
+    durable = tmp_path / "ckpt" / "iter_0000004"
+    shards = [durable / n for n in os.listdir(durable) if n.endswith(".safetensors")]
+    for p in shards:
+        os.chmod(p, 0)  # a read of the durable checkpoint's tensors would fail
+    try:
+        log = _run_nodes(script, tmp_path, "second", ["a", "c"], 1, [])
+    finally:
+        for p in shards:
+            os.chmod(p, 0o644)
+    assert re.search(r"> tenplex: loaded iteration 6 from host memory \(\S+\): layout tp=2,pp=1,dp=1 -> "
+                     r"tp=1,pp=1,dp=2", log), log[-3000:]
+    assert "0 bytes read from durable storage" in log
+    lines = _log_lines(log)
+    assert [(it, consumed) for it, consumed, _ in lines] == [(7, 56), (8, 64)], lines
+    resumed = _losses(log)
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it])
+    # training is over: its last state was persisted to --save
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
+    meta = json.loads((tmp_path / "ckpt" / "iter_0000008" / "metadata.json").read_text())
+    assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2} and meta["consumed_samples"] == 64
+    for node in ("a", "b", "c"):  # no process opened a file in another node's memory directory
+        opened = [line.split("\t", 1)[1] for line in (tmp_path / f"open_{node}.log").read_text().splitlines()]
+        assert opened and all(p.startswith(str(tmp_path / f"mem_{node}") + os.sep) for p in opened), (node, opened)

@@ -1,0 +1,85 @@
+"""The ``--tenplex-memory`` flags, their checks and the tier they open: one definition for both trainers.
+
+``scripts/pretrain_gpt.py`` (``training/pretrain.py``) and the Megatron-LM hook
+(``integrations/megatron_lm.py``) take the same host-memory flags with the same
+meanings, checks and end-of-job rule (:func:`finish`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+from typing import Any
+
+from tenplex_megatron.engine import memory_save
+from tenplex_megatron.storage import memory_tier
+
+
+def add_memory_args(g: Any) -> None:
+    """Add the host-memory flags to ``g`` (a parser or an argument group)."""
+    g.add_argument("--tenplex-memory", nargs="?", const=memory_tier.default_dir(), default=None, metavar="DIR",
+                   help="host-memory checkpoints: each save is a snapshot into this node-local directory (default "
+                   f"{memory_tier.default_dir()}), replicated to peers' memory and persisted to --save in the "
+                   "background; a restart loads the newest snapshot complete in the live nodes' memory")
+    g.add_argument("--tenplex-persist-interval", type=int, default=1, metavar="N",
+                   help="with --tenplex-memory: persist every Nth snapshot to --save in the background (default 1)")
+    g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
+                   help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
+                   "included (default 2: losing one node loses no snapshot)")
+    g.add_argument("--tenplex-replication-rate", type=float, default=0.0, metavar="MB/s",
+                   help="with --tenplex-memory: most bytes per second a node's helper sends replicas at, so that "
+                   "replication leaves training its CPU and network (default 0: as fast as it can)")
+    g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
+                   help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
+    g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
+                   help="with --tenplex-memory: most memory a node's snapshots may use (default: what is free)")
+    g.add_argument("--tenplex-memory-fallback", action="store_true",
+                   help="with --tenplex-memory: a snapshot that does not fit is saved to --save instead of failing")
+
+
+def check_memory_args(args: Any) -> str | None:
+    """The first problem with the host-memory flags (naming the flag), or None."""
+    if args.tenplex_memory is not None and not args.tenplex:
+        return "--tenplex-memory needs --tenplex"
+    for flag in ("persist_interval", "replicas", "memory_keep"):
+        if getattr(args, f"tenplex_{flag}") < 1:
+            return f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}"
+    if args.tenplex_replication_rate < 0:
+        return f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {args.tenplex_replication_rate}"
+    if args.tenplex_memory_limit is not None and args.tenplex_memory_limit <= 0:
+        return f"--tenplex-memory-limit must be > 0 (GB), got {args.tenplex_memory_limit}"
+    return None
+
+
+def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None:
+    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it). The job's identity is its
+    durable directory: another job's snapshots are never loaded."""
+    if not (args.tenplex and args.tenplex_memory):
+        return None
+    job = os.path.abspath(args.save or args.load or args.tenplex_memory)
+    limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
+    return memory_save.open_tier(args.tenplex_memory, job, args.save, persist_interval=args.tenplex_persist_interval,
+                                 replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
+                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
+                                 replication_rate=args.tenplex_replication_rate)
+
+
+def finish(tier: memory_save.MemoryTier, over: bool, say: Callable[[str], None]) -> None:
+    """Collective, when the job stops: the last snapshot replicated to K nodes (a restart finds it in memory) and,
+    when training is ``over``, persisted to ``--save``; otherwise the background persist under way is awaited."""
+    done = memory_save.replicate_last(tier)
+    for path in done + (memory_save.persist_last(tier) if over else memory_save.drain(tier)):
+        say(f"> tenplex: persisted {path} (background)")
+
+
+def describe_snapshot(snap: memory_save.SnapshotResult, iteration: int) -> list[str]:
+    """The lines a trainer prints for a save through the memory tier."""
+    if snap.fallback is not None:
+        return [f"> tenplex: snapshot did not fit in memory: saved iteration {iteration} to {snap.path} "
+                f"in {snap.seconds:.2f} s"]
+    return [f"> tenplex: snapshot of iteration {iteration} in host memory {snap.path} in {snap.seconds:.3f} s "
+            f"(rank 0: {snap.bytes_written / 1e6:.2f} MB written, {snap.bytes_replicated / 1e6:.2f} MB replicated"
+            f"{', persisting in the background' if snap.persisting else ''})",
+            *(f"> tenplex: persisted {p} (background)" for p in snap.persisted),
+            *(f"> tenplex: removed {p}" for p in snap.removed)]
