@@ -60,7 +60,9 @@ def durable_iteration(load_dir: str | None) -> int | None:
 
 
 def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
-    """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh)."""
+    """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh). Every
+    node's snapshots newer than the restart point (incomplete on the live nodes: a node that held part of them was
+    lost) are discarded, so that the job never jumps back to that timeline when the node returns."""
     def local() -> dict[str, Any]:
         held = memory_tier.list_snapshots(tier.mem, tier.node) if tier.leader else []
         return {"held": [s.to_json() for s in held], "durable": durable_iteration(load_dir) if rank() == 0 else None}
@@ -87,6 +89,12 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
             broadcast_json(run_phase("listing the durable checkpoint", listing), 0))
         picked = run_phase("choosing the snapshot to restart from",
                            lambda: memory_tier.choose(held, tier.job, newest_durable, found))
+    start = picked.iteration if picked is not None else newest_durable  # None: from scratch (or another format)
+
+    def discard() -> list[str]:
+        return memory_tier.discard_newer(tier.mem, start, tier.dispose) if tier.leader else []
+
+    run_phase("discarding the snapshots newer than the restart point", discard)
     if picked is None:
         return None
     src = min(tier.nodes[n][0] for n in {n for ns in picked.holders.values() for n in ns})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,17 +128,18 @@ def open_tier(mem: str, job: str, save_dir: str | None, **options: Any) -> Memor
     return tier
 
 
-_OPENED = [0]  # tiers opened by this process (the same count on every rank: open_tier is collective)
-
-
 def _start_helpers(tier: MemoryTier) -> None:
     """Collective: every node's helper process, in a gloo group of their own when there are replicas to copy."""
-    _OPENED[0] += 1
     tier.generation += 1
     tier.helpers_started = True
     replicate = len(tier.nodes) > 1 and tier.replicas > 1
     if not (replicate or tier.save_dir):
         return
+
+    # the helpers' group key in the job's store: rank 0's, the same on every node (torchrun's restart count is
+    # each agent's own: a node that joined later counts differently) and new for every start (the store may be
+    # the rendezvous store, kept across restarts)
+    token = broadcast_json(uuid.uuid4().hex if rank() == 0 else None, 0) if replicate else ""
 
     def start() -> None:
         if not tier.leader:
@@ -149,8 +151,7 @@ def _start_helpers(tier: MemoryTier) -> None:
         group = None
         if replicate:
             store = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
-            prefix = (f"tenplex-memory-helpers/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-                      f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_OPENED[0]}/{tier.generation}")
+            prefix = f"tenplex-memory-helpers/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{token}"
             group = (store, prefix, tier.order().index(tier.node), len(tier.nodes))
         tier.helper = PersistHelper(group)
 

@@ -274,6 +274,24 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
     return removed
 
 
+def discard_newer(mem: str, iteration: int | None, dispose: Callable[[str], None]) -> list[str]:
+    """Retire the committed snapshots after ``iteration`` (every one for None) as :func:`retain` does: the
+    snapshots of a timeline a restart left (it went back to ``iteration``), which must never complete later,
+    when a lost node returns with its part of them. Returns what went."""
+    removed = []
+    for it in directory.committed_iterations(mem):
+        if iteration is not None and it <= iteration:
+            continue
+        path = snapshot_dir(mem, it)
+        old = path + directory.OLD_SUFFIX
+        if os.path.lexists(old) and not directory.remove_own(old, directory.is_tenplex_checkpoint):
+            continue  # not ours: left alone (and this snapshot with it)
+        os.replace(path, old)
+        dispose(old)
+        removed.append(path)
+    return removed
+
+
 def spare_path(mem: str, rank: int) -> str:
     """Where rank ``rank``'s spare file waits: a retired snapshot's rank file, whose pages its next snapshot
     overwrites instead of allocating fresh ones (a copy into fresh tmpfs pages costs allocation and zeroing too)."""

@@ -24,7 +24,8 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
   listing), so freeing their memory does not stall training.
 
 It runs as a background citizen (:func:`background_priority`: nice 19, the
-idle I/O class, one torch thread) and blocks on its stdin between requests.
+idle I/O class, one torch thread), blocks on its stdin between requests, and
+lives and dies with the training process (:func:`bound_to_parent`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,28 @@ def background_priority() -> list[str]:
         missed.append(f"ioprio_set: {e}")
     os.environ["OMP_NUM_THREADS"] = "1"
     return missed
+
+
+PARENT_ENV = "TENPLEX_HELPER_PARENT"  # the training process's pid, set by PersistHelper
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def bound_to_parent() -> None:
+    """Live and die with the training process that started this helper: a SIGTERM or SIGINT sent to its process
+    group (torchrun stopping its workers, a Ctrl-C) is the training process's to act on (it drains and closes
+    this helper), and its death kills this helper (Linux: ``PR_SET_PDEATHSIG``) even where it is blocked, e.g. in
+    the helpers' group rendezvous with a node that is gone."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the helper still ends when its stdin closes
+        pass
+    parent = os.environ.get(PARENT_ENV)
+    if parent and os.getppid() != int(parent):  # the training process died before the line above
+        os._exit(1)
 
 
 def copy_file(src: str, dst: str, iteration: int) -> int:
@@ -222,6 +245,7 @@ def serve(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     a = p.parse_args(argv)
+    bound_to_parent()
     background_priority()
     group = _group(a)
     for line in sys.stdin:
@@ -248,7 +272,8 @@ class PersistHelper:
         args = [] if group is None else ["--store", group[0], "--prefix", group[1], "--rank", str(group[2]),
                                          "--world", str(group[3])]
         self.proc = subprocess.Popen([sys.executable, "-m", "tenplex_megatron.storage.persist_helper", *args],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=dict(os.environ))
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
         self._buf = b""
         self.answers: dict[tuple[str, int], dict[str, Any]] = {}
 

@@ -44,10 +44,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str, held: bool = False) -> subprocess.Popen:
+def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str, held: bool = False,
+           memory: bool = False) -> subprocess.Popen:
     """A torchrun agent for node ``name``; ``held``: torch imported, waiting for a line on stdin before torchrun's
     own ``main`` runs (the node comes back when released, not seconds later after its imports: on a busy machine
-    the survivor could otherwise finish alone first)."""
+    the survivor could otherwise finish alone first); ``memory``: host-memory checkpoints in the node's own
+    directory ``out_dir/mem_<name>``."""
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the rendezvous store shared with the workers, torch 2.13's agents
     # hung re-forming the rendezvous when a node joined (each waiting for keys the other wrote elsewhere)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1",
@@ -57,7 +59,8 @@ def _agent(name: str, port: int, ckpt: str, log: str, out_dir: str, held: bool =
     cmd = [sys.executable, *start, "--nnodes", "1:2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
            "--rdzv-conf", RDZV_CONF, "--max-restarts", "5", "--monitor-interval", "0.5", PRETRAIN, *FLAGS,
-           "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log]
+           "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log,
+           *(["--tenplex-memory", os.path.join(out_dir, f"mem_{name}")] if memory else [])]
     return subprocess.Popen(cmd, env=env, stdout=open(os.path.join(out_dir, f"{name}.log"), "a"),
                             stderr=subprocess.STDOUT, start_new_session=True,
                             stdin=subprocess.PIPE if held else subprocess.DEVNULL, text=True)
@@ -93,22 +96,53 @@ def _wait_for(log: str, n: int, dp: int | None = None, timeout: float = 300) -> 
     raise AssertionError(f"{log}: fewer than {n} iterations after {timeout} s")
 
 
-def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
+def _replicated(mem: str) -> int | None:
+    """The newest snapshot that node memory ``mem`` holds whole for 2 processes (its own rank's file and the other
+    node's replica): losing the other node loses nothing before it."""
+    whole = []
+    for name in os.listdir(mem) if os.path.isdir(mem) else []:
+        d = os.path.join(mem, name)
+        try:
+            if name.startswith("iter_") and "." not in name and \
+                    sum(f.startswith("rank_") and f.endswith(".safetensors") for f in os.listdir(d)) == 2:
+                whole.append(int(name[len("iter_"):]))
+        except OSError:  # retired meanwhile
+            continue
+    return max(whole, default=None)
+
+
+def _wait_replicated(mem: str, timeout: float = 120) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        it = _replicated(mem)
+        if it is not None:
+            return it
+        time.sleep(0.2)
+    raise AssertionError(f"{mem}: no replicated 2-process snapshot after {timeout} s")
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["durable", "host_memory"])
+def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path, memory: bool) -> None:
+    """With ``memory`` each node keeps snapshots in its own memory directory (K=2): both restarts load from the
+    live nodes' memory, none from the durable checkpoint."""
     ref_log = str(tmp_path / "ref.jsonl")
     r = torchrun(2, [*FLAGS, "--tenplex-metrics", ref_log])  # uninterrupted, 2 processes
     assert r.returncode == 0, r.log[-3000:]
     ref = {m["iteration"]: m for m in metrics(ref_log)}
 
     port, ckpt, log = _free_port(), str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    a = _agent("a", port, ckpt, log, str(tmp_path))
+    a = _agent("a", port, ckpt, log, str(tmp_path), memory=memory)
     _wait_listening(port)  # agent a hosts the rendezvous store
-    b = _agent("b", port, ckpt, log, str(tmp_path))
+    b = _agent("b", port, ckpt, log, str(tmp_path), memory=memory)
     try:
         _wait_for(log, SAVE_EVERY + 2, dp=2)  # past the first checkpoint, at world size 2 (a may start alone)
+        if memory:  # the first snapshot's replication includes the helpers' start: seconds, many iterations here
+            _wait_replicated(str(tmp_path / "mem_a"))
+        replicated = _replicated(str(tmp_path / "mem_a"))
         lost_at = len(metrics(log))
         t_lost = time.time()
         _lose_node(b)
-        b = _agent("b", port, ckpt, log, str(tmp_path), held=True)
+        b = _agent("b", port, ckpt, log, str(tmp_path), held=True, memory=memory)
         _wait_for(log, lost_at + 3, dp=1)  # the survivor trains on alone
         t_back = time.time()
         b.stdin.write("go\n")  # the node is back
@@ -125,7 +159,12 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
     assert got[-1]["iteration"] == ITERS
     assert {m["iteration"] for m in got} == set(range(1, ITERS + 1))
     repeated = len(got) - ITERS  # iterations run twice: after the failure (a rejoin saves first: none there)
-    assert repeated <= SAVE_EVERY + (SAVE_EVERY if worlds[0] == 1 else 0), repeated  # at most the save interval
+    if memory:  # the survivor resumed from the newest snapshot it held whole, or a newer one
+        assert replicated is not None and got[lost]["iteration"] - 1 >= replicated, (got[lost], replicated)
+        back = next(i for i in range(lost, len(worlds)) if worlds[i] == 2)
+        assert got[back]["iteration"] == got[back - 1]["iteration"] + 1  # the rejoin lost nothing
+    else:  # at most the save interval
+        assert repeated <= SAVE_EVERY + (SAVE_EVERY if worlds[0] == 1 else 0), repeated
     for m in got:
         want = ref[m["iteration"]]
         assert m["samples"] == want["samples"], m["iteration"]  # every global batch holds the same samples
@@ -133,6 +172,10 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path) -> None:
     a_log = (tmp_path / "a.log").read_text()
     assert "SIGTERM received: stopping after iteration" in a_log  # the rejoin: saved on the agent's notice
     assert "--tenplex-layout auto: tp=1,pp=1,dp=1, micro-batch 8" in a_log  # chosen for the survivor alone
+    if memory:  # the survivor alone, then both again: each restart from the live nodes' memory
+        loads = [line for line in a_log.splitlines() if "> tenplex: loaded iteration" in line]
+        assert len(loads) >= 2 and all("from host memory" in x and " 0 bytes read from durable storage" in x
+                                       for x in loads), loads
     timelines = [json.loads(line.split("timeline ", 1)[1]) for name in ("a.log", "b.log")
                  for line in (tmp_path / name).read_text().splitlines() if "> tenplex-megatron: timeline " in line]
     for what, since in (("node lost", t_lost), ("node back", t_back)):

@@ -277,3 +277,18 @@ def test_a_node_holds_its_own_ranks_and_those_it_keeps_replicas_of() -> None:
     assert MemoryTier("m", "j", None, node="b", nodes=nodes).held_ranks() == [0, 1, 2, 3]  # K=2: a's replicas
     assert MemoryTier("m", "j", None, node="a", nodes=nodes, replicas=3).held_ranks() == [0, 1, 2, 3, 4, 5]
     assert MemoryTier("m", "j", None, node="c", nodes=nodes, replicas=1).held_ranks() == [4, 5]
+
+
+def test_snapshots_newer_than_the_restart_point_are_discarded(tmp_path) -> None:
+    """A restart that went back to iteration 1 retires snapshots 2 and 3 (a timeline it left); from scratch, all."""
+    mem = str(tmp_path / "mem")
+    memory_tier.node_id(mem)
+    for it in (1, 2, 3):
+        _fake_snapshot(mem, it)
+    went: list[str] = []
+    removed = memory_tier.discard_newer(mem, 1, went.append)
+    assert [os.path.basename(p) for p in removed] == ["iter_0000002", "iter_0000003"]
+    assert [os.path.basename(p) for p in went] == ["iter_0000002.tenplex-old", "iter_0000003.tenplex-old"]
+    assert directory.committed_iterations(mem) == [1] and memory_tier.list_snapshots(mem, "n")[-1].iteration == 1
+    assert memory_tier.discard_newer(mem, 1, went.append) == []
+    assert len(memory_tier.discard_newer(mem, None, went.append)) == 1 and directory.committed_iterations(mem) == []
