@@ -63,7 +63,7 @@ class MemoryTier:
     pending: int | None = None  # iteration being persisted in the background
     pending_meta: dict[str, Any] | None = None  # rank 0: its metadata, for the durable commit
     helper: PersistHelper | None = None
-    helpers_started: bool = False  # on every node (the same on every rank): started at the first need
+    helpers_started: bool = False  # on every node (the same on every rank): at open_tier or the first need
     generation: int = 0  # of the helpers' process group (a new one after a helper died)
     replicating: int | None = None  # iteration whose replicas the helpers are copying
     replicated: int | None = None  # newest iteration with every replica in place (kept until a newer one is)
@@ -107,8 +107,13 @@ class MemoryTier:
         return [order[(i + j) % len(order)] for j in range(1, k)]
 
 
-def open_tier(mem: str, job: str, save_dir: str | None, **options: Any) -> MemoryTier:
-    """Collective: this process's memory tier (node id read or made, nodes found by gathering every rank's id)."""
+def open_tier(mem: str, job: str, save_dir: str | None, start_helpers: bool = False, **options: Any) -> MemoryTier:
+    """Collective: this process's memory tier (node id read or made, nodes found by gathering every rank's id).
+
+    ``start_helpers``: start the nodes' helper processes now rather than at the first snapshot, so that their
+    start (an interpreter, torch, their group's rendezvous: seconds) overlaps the model's build and load instead
+    of delaying the first snapshot's replication (until it is done, newer snapshots stay on their own node).
+    """
     tier = MemoryTier(mem=os.path.abspath(mem), job=job, save_dir=save_dir, **options)
 
     def local() -> str:
@@ -125,6 +130,8 @@ def open_tier(mem: str, job: str, save_dir: str | None, **options: Any) -> Memor
     if tier.replicas > len(tier.nodes) and rank() == 0:
         warnings.warn(f"--tenplex-replicas {tier.replicas}: only {len(tier.nodes)} live node(s); each snapshot keeps "
                       "one copy per node", stacklevel=2)
+    if start_helpers:
+        _start_helpers(tier)
     return tier
 
 

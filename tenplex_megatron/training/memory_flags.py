@@ -53,13 +53,14 @@ def check_memory_args(args: Any) -> str | None:
 
 
 def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None:
-    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it). The job's identity is its
-    durable directory: another job's snapshots are never loaded."""
+    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it), its helper processes started.
+    The job's identity is its durable directory: another job's snapshots are never loaded."""
     if not (args.tenplex and args.tenplex_memory):
         return None
     job = os.path.abspath(args.save or args.load or args.tenplex_memory)
     limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
-    return memory_save.open_tier(args.tenplex_memory, job, args.save, persist_interval=args.tenplex_persist_interval,
+    return memory_save.open_tier(args.tenplex_memory, job, args.save, start_helpers=True,
+                                 persist_interval=args.tenplex_persist_interval,
                                  replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
                                  fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
                                  replication_rate=args.tenplex_replication_rate)
