@@ -300,8 +300,8 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     return res.iteration, flops
 
 
-def _load_from_memory(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: Any, choice: Any
-                      ) -> tuple[int, float]:
+def _load_from_memory(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any,
+                      tier: memory_save.MemoryTier, choice: memory_load.MemoryChoice) -> tuple[int, float]:
     """Load the chosen host-memory snapshot, re-sharded: own node by mmap, the rest from peers' memory."""
     from megatron.training import get_args, print_rank_0
 
