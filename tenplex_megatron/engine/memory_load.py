@@ -89,12 +89,7 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
             broadcast_json(run_phase("listing the durable checkpoint", listing), 0))
         picked = run_phase("choosing the snapshot to restart from",
                            lambda: memory_tier.choose(held, tier.job, newest_durable, found))
-    start = picked.iteration if picked is not None else newest_durable  # None: from scratch (or another format)
-
-    def discard() -> list[str]:
-        return memory_tier.discard_newer(tier.mem, start, tier.dispose) if tier.leader else []
-
-    run_phase("discarding the snapshots newer than the restart point", discard)
+    discard_after(tier, picked.iteration if picked is not None else newest_durable)  # None: from scratch
     if picked is None:
         return None
     src = min(tier.nodes[n][0] for n in {n for ns in picked.holders.values() for n in ns})
@@ -109,6 +104,13 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
     meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
     return MemoryChoice(picked.iteration, meta, picked.holders, picked.durable,
                         durable_dir if picked.durable else None)  # picked.durable: of the durable iteration
+
+
+def discard_after(tier: MemoryTier, start: int | None) -> list[str]:
+    """Collective: retire every node's snapshots newer than ``start``, the iteration the job (re)started from
+    (every one for None: it started afresh), a timeline it left; returns this node's."""
+    return run_phase("discarding the snapshots newer than the restart point",
+                     lambda: memory_tier.discard_newer(tier.mem, start, tier.dispose) if tier.leader else [])
 
 
 class MemorySource(SourceFiles):

@@ -221,7 +221,10 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     job.iteration = iteration
     job.consumed_samples = int(args.consumed_train_samples)
     extra = {"num_floating_point_operations_so_far": num_floating_point_operations_so_far}
+    opened = "tier" in _MEMORY
     tier = _memory_tier(args)
+    if tier is not None and not opened:  # no --load: the job started afresh, older runs' snapshots are left behind
+        memory_load.discard_after(tier, None)
     if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
         for line in memory_flags.describe_snapshot(memory_save.snapshot(MegatronCoreAdapter(job, extra), tier),
                                                    iteration):

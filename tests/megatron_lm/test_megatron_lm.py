@@ -31,6 +31,7 @@ import sysconfig
 
 import pytest
 
+from tenplex_megatron.storage import directory
 from tests.harness import ROOT
 
 pytestmark = pytest.mark.megatron_lm
@@ -215,7 +216,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp: int, extra: list[str]) -> str:
+def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp: int, extra: list[str],
+               load: bool = True) -> str:
     """Two torchrun agents on localhost (``--nnodes 2 --nproc-per-node 1``, c10d rendezvous), one per node, each
     with its own memory directory ``tmp/mem_<node>``; returns both logs, joined."""
     import torch
@@ -234,7 +236,8 @@ def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, RUNNER, script,
                *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", "95",
-               "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"), "--load", str(tmp / "ckpt"),
+               "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"),
+               *(["--load", str(tmp / "ckpt")] if load else []),
                "--save-interval", "2", "--tenplex-memory", str(tmp / f"mem_{node}"), *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{run_id}_{node}.log", "w"),
                                       stderr=subprocess.STDOUT))
@@ -289,6 +292,13 @@ def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     meta = json.loads((tmp_path / "ckpt" / "iter_0000008" / "metadata.json").read_text())
     assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2} and meta["consumed_samples"] == 64
+    # started again without --load (afresh, Megatron-LM never calls load_checkpoint): the first save discards
+    # the older run's snapshots, so a later restart cannot jump to that run's iteration 8
+    _run_nodes(script, tmp_path, "third", ["a", "c"], 1, ["--train-iters", "4", "--tenplex-persist-interval", "1000"],
+               load=False)
+    for node in ("a", "c"):
+        kept = directory.committed_iterations(str(tmp_path / f"mem_{node}"))
+        assert kept and max(kept) == 4, (node, kept)
     for node in ("a", "b", "c"):  # no process opened a file in another node's memory directory
         opened = [line.split("\t", 1)[1] for line in (tmp_path / f"open_{node}.log").read_text().splitlines()]
         assert opened and all(p.startswith(str(tmp_path / f"mem_{node}") + os.sep) for p in opened), (node, opened)
