@@ -293,9 +293,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
         res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
     else:  # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
         res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
-    args.consumed_train_samples = job.consumed_samples
-    args.skipped_train_samples = 0
-    flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
+    flops = _resumed(args, job, res)
     print_rank_0(
         f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {ParallelLayout.from_json(res.source_layout)} -> {job.layout}, "
         f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
@@ -311,17 +309,16 @@ def _load_from_memory(ddp_model: list[Any], optimizer: Any, opt_param_scheduler:
     args = get_args()
     job = _job(ddp_model, optimizer, opt_param_scheduler)
     mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, choice, verify=not args.tenplex_no_verify)
-    res = mres.result
+    flops = _resumed(args, job, mres.result)
+    print_rank_0(memory_flags.describe_memory_load(mres, job.layout))
+    return mres.result.iteration, flops
+
+
+def _resumed(args: Any, job: LiveJob, res: Any) -> float:
+    """Megatron-LM's args after a load: the data position the checkpoint recorded; returns its FLOP count."""
     args.consumed_train_samples = job.consumed_samples
     args.skipped_train_samples = 0
-    flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
-    print_rank_0(
-        f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
-        f"{ParallelLayout.from_json(res.source_layout)} -> {job.layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
-        f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
-        f"{mres.bytes_from_durable} bytes read from durable storage"
-    )
-    return res.iteration, flops
+    return float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
 
 
 class TenplexBatchSampler:

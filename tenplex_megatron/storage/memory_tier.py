@@ -264,32 +264,28 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
         if dispose is None:
             if directory.remove_own(path, directory.is_tenplex_checkpoint):
                 removed.append(path)
-            continue
-        old = path + directory.OLD_SUFFIX
-        if os.path.lexists(old) and not directory.remove_own(old, directory.is_tenplex_checkpoint):
-            continue  # not ours: left alone (and this snapshot with it)
-        os.replace(path, old)
-        dispose(old)
-        removed.append(path)
+        elif _retire(path, dispose):
+            removed.append(path)
     return removed
+
+
+def _retire(path: str, dispose: Callable[[str], None]) -> bool:
+    """Rename the snapshot ``path`` to ``iter_NNNNNNN.tenplex-old`` (out of the listing) and hand it to ``dispose``;
+    False where a ``.tenplex-old`` of that name is not ours (left alone, and this snapshot with it)."""
+    old = path + directory.OLD_SUFFIX
+    if os.path.lexists(old) and not directory.remove_own(old, directory.is_tenplex_checkpoint):
+        return False
+    os.replace(path, old)
+    dispose(old)
+    return True
 
 
 def discard_newer(mem: str, iteration: int | None, dispose: Callable[[str], None]) -> list[str]:
     """Retire the committed snapshots after ``iteration`` (every one for None) as :func:`retain` does: the
     snapshots of a timeline a restart left (it went back to ``iteration``), which must never complete later,
     when a lost node returns with its part of them. Returns what went."""
-    removed = []
-    for it in directory.committed_iterations(mem):
-        if iteration is not None and it <= iteration:
-            continue
-        path = snapshot_dir(mem, it)
-        old = path + directory.OLD_SUFFIX
-        if os.path.lexists(old) and not directory.remove_own(old, directory.is_tenplex_checkpoint):
-            continue  # not ours: left alone (and this snapshot with it)
-        os.replace(path, old)
-        dispose(old)
-        removed.append(path)
-    return removed
+    newer = [snapshot_dir(mem, it) for it in directory.committed_iterations(mem) if iteration is None or it > iteration]
+    return [path for path in newer if _retire(path, dispose)]
 
 
 def spare_path(mem: str, rank: int) -> str:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tenplex_megatron.engine import memory_save
+from tenplex_megatron.engine.memory_load import MemoryLoadResult
+from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage import memory_tier
 
 
@@ -84,3 +86,12 @@ def describe_snapshot(snap: memory_save.SnapshotResult, iteration: int) -> list[
             f"{', persisting in the background' if snap.persisting else ''})",
             *(f"> tenplex: persisted {p} (background)" for p in snap.persisted),
             *(f"> tenplex: removed {p}" for p in snap.removed)]
+
+
+def describe_memory_load(mres: MemoryLoadResult, layout: ParallelLayout) -> str:
+    """The line a trainer prints for a restart from host memory at ``layout``."""
+    res = mres.result
+    return (f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
+            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
+            f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
+            f"{mres.bytes_from_durable} bytes read from durable storage")

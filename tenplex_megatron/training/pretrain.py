@@ -360,13 +360,8 @@ def run(args: argparse.Namespace) -> None:
         res = mres.result
         if getattr(args, "tenplex_timeline", None) is not None:
             args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
-        _print0(
-            f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
-            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
-            f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
-            f"{mres.bytes_from_durable} bytes read from durable storage"
-            f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
-        )
+        _print0(memory_flags.describe_memory_load(mres, layout)
+                + f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})")
     elif ckpt is not None or (mck is not None and args.tenplex):
         if ckpt is not None:
             res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
