@@ -495,6 +495,14 @@ def persist_last(tier: MemoryTier) -> tuple[str, ...]:
     return done + drain(tier)
 
 
+def finish(tier: MemoryTier, over: bool) -> tuple[str, ...]:
+    """Collective, when the job stops: the last snapshot replicated to K nodes (a restart finds it in memory) and,
+    when training is ``over``, persisted; otherwise the background persist under way is awaited. Returns the
+    durable checkpoints committed meanwhile."""
+    done = replicate_last(tier)
+    return done + (persist_last(tier) if over else drain(tier))
+
+
 def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str) -> int:
     """Collective: have the helpers copy this snapshot's files into the memory of the nodes that keep replicas
     of them (in the background); returns the bytes this rank's node will send for this rank's file."""

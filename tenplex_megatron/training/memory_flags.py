@@ -69,10 +69,8 @@ def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None
 
 
 def finish(tier: memory_save.MemoryTier, over: bool, say: Callable[[str], None]) -> None:
-    """Collective, when the job stops: the last snapshot replicated to K nodes (a restart finds it in memory) and,
-    when training is ``over``, persisted to ``--save``; otherwise the background persist under way is awaited."""
-    done = memory_save.replicate_last(tier)
-    for path in done + (memory_save.persist_last(tier) if over else memory_save.drain(tier)):
+    """Collective, when the job stops: :func:`memory_save.finish`, each durable checkpoint it committed said."""
+    for path in memory_save.finish(tier, over):
         say(f"> tenplex: persisted {path} (background)")
 
 

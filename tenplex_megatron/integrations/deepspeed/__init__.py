@@ -2,7 +2,9 @@
 
 ``save_checkpoint(engine, dir)`` / ``load_checkpoint(engine, dir)`` sit next to
 DeepSpeed's own calls; the load also reads DeepSpeed's ``global_stepN``
-checkpoints written at any DP size, with no conversion step on disk. Needs the
+checkpoints written at any DP size, with no conversion step on disk. Host-memory
+checkpoints (``open_memory``, ``save_snapshot``, ``load_latest``, ``finish_memory``)
+are ``--tenplex-memory``'s tier for DeepSpeed engines. Needs the
 ``[deepspeed]`` extra: without DeepSpeed, importing this package says which.
 """
 
@@ -16,6 +18,13 @@ from tenplex_megatron.integrations.deepspeed.adapter import (  # noqa: E402
     load_checkpoint,
     save_checkpoint,
 )
+from tenplex_megatron.integrations.deepspeed.memory import (  # noqa: E402
+    finish_memory,
+    load_latest,
+    open_memory,
+    save_snapshot,
+)
 from tenplex_megatron.integrations.deepspeed.zero import DeepSpeedStateError  # noqa: E402
 
-__all__ = ["DeepSpeedAdapter", "DeepSpeedStateError", "LoadResult", "load_checkpoint", "save_checkpoint"]
+__all__ = ["DeepSpeedAdapter", "DeepSpeedStateError", "LoadResult", "finish_memory", "load_checkpoint", "load_latest",
+           "open_memory", "save_checkpoint", "save_snapshot"]
