@@ -12,8 +12,9 @@ save phase, layout A (DP 2), after one training step, repetitions round-robin:
   mcore_async     megatron-core dist_checkpointing ``async_sharded_save`` (torch_dist, fully parallel): its
                   stall (the call + scheduling) and its total (until the background write is finalized)
 then the training-step slowdown: the steps begun while a snapshot's replication and durable copy run in the
-helper processes (until they are done; with ``--replication-rate``, a second window with replication capped
-at that rate), and ``--steps`` steps right after megatron-core's async save, each mean step time over the mean
+helper processes (until they are done), the same for replication alone (the snapshots between two durable
+copies with ``--tenplex-persist-interval`` above 1; with ``--replication-rate``, a third window: replication
+capped at that rate, and the durable copy), and ``--steps`` steps right after megatron-core's async save, each mean step time over the mean
 of ``--steps`` steps alone before the windows and ``--steps`` after. Then the final state is saved by every
 system.
 
@@ -153,24 +154,29 @@ def worker(a: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 return times
 
-            def window(rate: float) -> dict[str, Any]:
+            def window(rate: float, persist: bool = True) -> dict[str, Any]:
                 """The steps begun while a snapshot's background work (replication at ``rate`` MB/s, 0: unlimited,
-                then the durable copy, in the helper processes) runs: until it is done, at least 1, at most 8x --steps."""
+                then the durable copy if ``persist``, in the helper processes) runs: until it is done, at least 1,
+                at most 8x --steps."""
                 tier.replication_rate = rate
                 job.iteration = it0
                 cpu0 = _helper_cpu(tier)
                 t_bg = time.perf_counter()
-                res = memory_save.snapshot(adapter, tier, persist=True)
+                res = memory_save.snapshot(adapter, tier, persist=persist)
                 times: list[float] = []
                 while not times or (len(times) < 8 * a.steps and memory_save.busy(tier)):
                     times += steps(1)  # at least one step: a background done before the first still counts
                 finished = not memory_save.busy(tier)
                 memory_save.drain(tier)
                 return {"during": times, "background": time.perf_counter() - t_bg, "finished": finished,
-                        "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds, "rate": rate}
+                        "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds, "rate": rate,
+                        "persist": persist}
 
             alone = steps()
-            windows = [window(0.0)] + ([window(a.replication_rate)] if a.replication_rate else [])
+            # unlimited with the durable copy; the same without it (the snapshots between two persists, with
+            # --tenplex-persist-interval above 1); capped (--replication-rate) with the durable copy
+            windows = [window(0.0), window(0.0, persist=False)] + (
+                [window(a.replication_rate)] if a.replication_rate else [])
             tier.replication_rate = 0.0  # the final snapshot below: replicated as fast as it can
             job.iteration = it0
             alone += steps()  # the baseline on both sides of the windows: drift does not count as slowdown
@@ -328,7 +334,7 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
             windows = []
             for k in range(len(st[0]["windows"])):
                 w = [r["windows"][k] for r in st]
-                windows.append({"rate": w[0]["rate"], "during": statistics.mean(t for x in w for t in x["during"]),
+                windows.append({"rate": w[0]["rate"], "persist": w[0]["persist"], "during": statistics.mean(t for x in w for t in x["during"]),
                                 "steps": len(w[0]["during"]), "finished": all(x["finished"] for x in w),
                                 "background": max(x["background"] for x in w),
                                 "helper_cpu": sum(x["helper_cpu"] for x in w)})
@@ -370,7 +376,8 @@ def print_row(r: dict[str, Any]) -> None:
               f"megatron-core's async save {st['during_mcore']:.3f} s")
         for w in st["windows"]:
             rate = f"capped at {w['rate']:g} MB/s" if w["rate"] else "unlimited"
-            print(f"  step time while a snapshot's replication ({rate}) and durable copy run in the helper processes "
+            what = "and durable copy run" if w["persist"] else "runs (no durable copy)"
+            print(f"  step time while a snapshot's replication ({rate}) {what} in the helper processes "
                   f"{w['during']:.3f} s over {w['steps']} steps ({'finished within them' if w['finished'] else 'still running after them'}); "
                   f"background work {w['background']:.2f} s wall, {w['helper_cpu']:.2f} CPU-s in the helpers (all nodes)")
     print(f"  restart = process start to model built {r['startup']:.3f} s (the same for every source) + load + "
@@ -402,8 +409,9 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("save_stall", snap, r["mcore_async"]["seconds"], "mcore_async")
             add("save_stall", snap, r["mcore_async"]["total"], "mcore_async_total")
             add("step_slowdown", r["steps"]["during"], r["steps"]["alone"], "alone")  # issue #13: at most 1.05
-            for w in r["steps"]["windows"][1:]:  # --replication-rate: the same, replication capped
-                add("step_slowdown_capped", w["during"], r["steps"]["alone"], "alone")
+            for w in r["steps"]["windows"][1:]:  # replication alone (no durable copy); --replication-rate: capped
+                metric = "step_slowdown_capped" if w["rate"] else "step_slowdown_replication_only"
+                add(metric, w["during"], r["steps"]["alone"], "alone")
             add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
         # issue #13: memory 3x faster than durable; restart_*_live: every node alive, restart_*: node 1 lost
         for mine, suffix in (("memory_live", "_live"), ("memory", "")):

@@ -49,9 +49,12 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert run["mcore_async"]["total"] >= run["mcore_async"]["seconds"]
     assert "copy" in run["snapshot"]["phases"] and sum(run["snapshot"]["phases"].values()) > 0
     assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
-    unlimited, capped = run["steps"]["windows"]  # --replication-rate 1: a second window, replication capped
-    assert unlimited["rate"] == 0 and capped["rate"] == 1 and capped["background"] > 0
-    assert unlimited["steps"] >= 1 and capped["steps"] >= 1  # a window takes a step even if its background is done
+    # unlimited with the durable copy, unlimited replication alone, and (--replication-rate 1) capped
+    unlimited, alone, capped = run["steps"]["windows"]
+    assert [w["persist"] for w in (unlimited, alone, capped)] == [True, False, True]
+    assert unlimited["rate"] == alone["rate"] == 0 and capped["rate"] == 1 and capped["background"] > 0
+    for w in (unlimited, alone, capped):  # a window takes a step even if its background is done
+        assert w["steps"] >= 1
     assert capped["steps"] <= 8 * 2  # --quick: 2 steps, a window of at most 8x
     # each node sent its rank file no faster than 1 MB/s: that file holds at least half the rank's own shard (the
     # writer assignment splits only what both ranks hold)
@@ -59,6 +62,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert len(run["own_bytes"]) == 2 and all(b > 0 for b in run["own_bytes"])
     for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
                  "RATIO step_slowdown_capped tiny tenplex/alone = ",
+                 "RATIO step_slowdown_replication_only tiny tenplex/alone = ",
                  "RATIO restart_load tiny tenplex/durable_cold = ", "RATIO restart_whole tiny tenplex/durable_cold = ",
                  "RATIO restart_whole tiny tenplex/mcore_cold = ",
                  "RATIO restart_load_live tiny tenplex/durable_cold = ", "RATIO restart_whole_live tiny tenplex/mcore = ",
