@@ -338,7 +338,9 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
                                 "steps": len(w[0]["during"]), "finished": all(x["finished"] for x in w),
                                 "background": max(x["background"] for x in w),
                                 "helper_cpu": sum(x["helper_cpu"] for x in w)})
+            per_step = [statistics.mean(xs) for xs in zip(*(r["alone"] for r in st))]  # each step, mean over ranks
             row["steps"] = {"alone": statistics.mean(x for r in st for x in r["alone"]),
+                            "alone_range": [min(per_step), max(per_step)],
                             "during": windows[0]["during"], "windows": windows,
                             "during_mcore": statistics.mean(x for r in st for x in r["during_mcore"])}
         else:
@@ -372,7 +374,8 @@ def print_row(r: dict[str, Any]) -> None:
         print(f"  {'':<22} (a job's first two snapshots, fresh tmpfs pages and the helpers' start: {first} s)")
     st = r["steps"] or {}
     if st:
-        print(f"  step time alone {st['alone']:.3f} s (before and after the windows below); after "
+        lo, hi = st["alone_range"]
+        print(f"  step time alone {st['alone']:.3f} s ({lo:.3f}-{hi:.3f} s; before and after the windows below); after "
               f"megatron-core's async save {st['during_mcore']:.3f} s")
         for w in st["windows"]:
             rate = f"capped at {w['rate']:g} MB/s" if w["rate"] else "unlimited"

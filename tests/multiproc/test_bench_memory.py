@@ -49,6 +49,8 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert run["mcore_async"]["total"] >= run["mcore_async"]["seconds"]
     assert "copy" in run["snapshot"]["phases"] and sum(run["snapshot"]["phases"].values()) > 0
     assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
+    lo, hi = run["steps"]["alone_range"]  # the spread of the steps alone: the noise a slowdown is read against
+    assert 0 < lo <= run["steps"]["alone"] <= hi
     # unlimited with the durable copy, unlimited replication alone, and (--replication-rate 1) capped
     unlimited, alone, capped = run["steps"]["windows"]
     assert [w["persist"] for w in (unlimited, alone, capped)] == [True, False, True]
