@@ -7,13 +7,19 @@ destination DP size. Measured:
 save, at the source DP size (``--reps`` repetitions each, order rotating):
   ds_save        DeepSpeed's ``engine.save_checkpoint`` (``latest`` + ``global_stepN/``; torch.save, no fsync);
   ds_save+fsync  the same, plus fsync of every file it wrote (tenplex's save fsyncs; this is the like-for-like);
-  tenplex        ``tenplex_megatron.integrations.deepspeed.save_checkpoint`` (fsyncs every file, atomic commit).
+  tenplex        ``tenplex_megatron.integrations.deepspeed.save_checkpoint`` (fsyncs every file, atomic commit);
+  tenplex_memory ``tds.save_snapshot``: the stall of a host-memory snapshot (each source rank a node with a
+                 memory directory under ``--memdir``, K=2), in the steady state: each writes over the pages of a
+                 retired one (the job's first two, on fresh pages, are timed before and reported apart); its
+                 replication to the other node runs after the timed call and is waited for before the next save.
 re-shard to the destination DP size:
   (a) ds_universal    DeepSpeed's route: ``ds_to_universal`` (its ``main()`` run in one process, ``--reps``
                       times; interpreter start-up and imports are reported apart) then a universal load
                       (``{"checkpoint": {"load_universal": true}}``, ``engine.load_checkpoint(D, tag=...)``);
   (b) tenplex_direct  ``tds.load_checkpoint`` straight from DeepSpeed's own files, no conversion;
-  (c) tenplex         ``tds.load_checkpoint`` from the tenplex checkpoint.
+  (c) tenplex         ``tds.load_checkpoint`` from the tenplex checkpoint;
+  (d) tenplex_memory  ``tds.load_latest`` from the snapshot in the nodes' memory (destination rank r on source
+                      node ``r * src // dst``: each node holds every rank file, nothing received, no durable read).
 
 Each load method runs in its own torchrun launch (so its peak RSS is its own)
 and loads ``--reps`` times into one engine; before every repetition after the
@@ -76,7 +82,7 @@ MODELS: dict[str, dict[str, int]] = {
 QUICK_MODEL = "mini"
 TRANSITIONS = {(2, 1), (1, 2), (2, 4)}
 GLOBAL_BATCH = 4  # divisible by every DP size above: micro-batch = 4 / DP, one micro-batch per step
-LOAD_METHODS = ("ds_universal", "tenplex_direct", "tenplex")
+LOAD_METHODS = ("ds_universal", "tenplex_direct", "tenplex", "tenplex_memory")
 MiB = 1024 * 1024
 
 
@@ -89,6 +95,7 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     from bench import ds_engine
     from bench.measure import gathered, rotated, timed
 
+    from tenplex_megatron.engine import memory_save
     from tenplex_megatron.integrations import deepspeed as tds
 
     r = dist.get_rank()
@@ -96,9 +103,19 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     engine = ds_engine.build(shape, a.stage, GLOBAL_BATCH)
     loss = ds_engine.train_step(engine, shape, GLOBAL_BATCH, 1)
     digest, sums = ds_engine.state_digest(engine)
-    reps: dict[str, list[Any]] = {"ds_save": [], "ds_save_fsync": [], "tenplex": []}
+    tier = tds.open_memory(_node_dir(a, r, a.src), None, job=a.workdir)  # each rank a node; no durable copy
+    reps: dict[str, list[Any]] = {"ds_save": [], "ds_save_fsync": [], "tenplex": [], "tenplex_memory": []}
+    first = []  # a job's first two snapshots write fresh tmpfs pages; later ones write over a retired one's
+    for _ in range(2):
+        first.append(gathered(timed(lambda: tds.save_snapshot(engine, tier))[1]))
+        memory_save.drain(tier)
     for i in range(a.reps):
-        for system in rotated(["ds", "tenplex"], i):
+        for system in rotated(["ds", "tenplex", "memory"], i):
+            if system == "memory":
+                res, rec = timed(lambda: tds.save_snapshot(engine, tier))
+                memory_save.drain(tier)  # its replication, before the next save is timed
+                reps["tenplex_memory"].append(gathered({**rec, "bytes_written": res.bytes_written}))
+                continue
             path = os.path.join(a.workdir, system if i == 0 else f"{system}_rep{i}")
             if system == "ds":
                 _, rec = timed(lambda path=path: engine.save_checkpoint(path))
@@ -117,12 +134,20 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
             if i > 0 and r == 0:  # only repetition 0's checkpoints are loaded; keep the disk small
                 shutil.rmtree(path)
             dist.barrier()
+    tds.finish_memory(tier, over=False)  # the snapshot whole on every node: what a restart finds
     return {"loss": loss, "global_steps": int(engine.global_steps), "digest": digest, "sums": sums, "reps": reps,
-            "params": sum(p.numel() for p in engine.module.parameters())}
+            "first_snapshots": first, "params": sum(p.numel() for p in engine.module.parameters())}
+
+
+def _node_dir(a: argparse.Namespace, rank: int, ranks: int) -> str:
+    """The memory directory of ``rank`` of ``ranks``: source rank r is node r; a destination rank the source node
+    ``rank * src // ranks`` (nodes keep their memory across the restart)."""
+    return os.path.join(a.memdir, f"mem_{rank * a.src // ranks}")
 
 
 def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     """At the destination DP size: load ``reps`` times by one method into one engine, then hash the state."""
+    import torch.distributed as dist
     from bench import ds_engine
     from bench.measure import gathered, timed
 
@@ -131,8 +156,19 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     engine = ds_engine.build(MODELS[a.model], a.stage, GLOBAL_BATCH, universal=a.method == "ds_universal")
     ds_dir, tp_dir = os.path.join(a.workdir, "ds"), os.path.join(a.workdir, "tenplex")
     loaded: dict[str, Any] = {}
+    tier = None
+    if a.method == "tenplex_memory":
+        tier = tds.open_memory(_node_dir(a, dist.get_rank(), dist.get_world_size()), None, job=a.workdir)
 
     def load() -> dict[str, Any]:
+        if tier is not None:
+            mres = tds.load_latest(engine, tier, None)
+            if mres is None or not hasattr(mres, "bytes_received"):
+                raise RuntimeError(f"{a.memdir}: no snapshot in the nodes' memory")
+            got = mres.result
+            loaded.update(iteration=got.iteration, source_layout=got.source_layout, source_format=got.source_format)
+            return {"bytes_read": got.bytes_verified + got.bytes_unverified, "bytes_needed": got.bytes_read,
+                    "own_seconds": got.seconds, "received": mres.bytes_received, "from_durable": mres.bytes_from_durable}
         if a.method == "ds_universal":
             path, _ = engine.load_checkpoint(ds_dir, tag=a.universal_tag)
             if path is None:
@@ -151,6 +187,8 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
         out, rec = timed(load)
         reps.append(gathered({**rec, "bytes_read": rec["rchar"], **out}))
     digest, sums = ds_engine.state_digest(engine)
+    if tier is not None:
+        tds.finish_memory(tier, over=False)
     return {"global_steps": int(engine.global_steps), "digest": digest, "sums": sums, "reps": reps, **loaded}
 
 
@@ -186,6 +224,8 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--stage", type=int)
     ap.add_argument("--reps", type=int, required=True)
     ap.add_argument("--workdir")
+    ap.add_argument("--memdir")
+    ap.add_argument("--src", type=int)
     ap.add_argument("--method", choices=LOAD_METHODS)
     ap.add_argument("--universal-tag")
     ap.add_argument("--input")
@@ -235,6 +275,9 @@ def summarize(cfg: dict[str, Any], save: dict[str, Any], conv: dict[str, Any],
         "tenplex": {**_timed_summary(sv["tenplex"]), "bytes_written": first["tenplex"]["dir_bytes"],
                     "files": first["tenplex"]["files"], "total_bytes_reported": first["tenplex"]["total_bytes"],
                     "bytes_written_per_rank": [r["bytes_written"] for r in sv["tenplex"][0]]},
+        "tenplex_memory": {**_timed_summary(sv["tenplex_memory"]),
+                           "bytes_written": sum(r["bytes_written"] for r in sv["tenplex_memory"][0]),
+                           "first_two_s": stats.per_rep(save["first_snapshots"], "seconds")},
     }
     cs = stats.summarize(conv["reps"])
     conv_out = {**_times(cs.times), "startup_s": conv["startup_s"], "disk_bytes": conv["dir_bytes"],
@@ -258,7 +301,7 @@ def summarize(cfg: dict[str, Any], save: dict[str, Any], conv: dict[str, Any],
                          "peak_rss": ds_route_peak},
         **{m: {"seconds": load_out[m]["median_s"], "extra_disk_bytes": 0, "extra_bytes_written": 0,
                "bytes_read": load_out[m]["bytes_read"], "peak_rss": load_out[m]["peak_rss_max"]}
-           for m in ("tenplex_direct", "tenplex")},
+           for m in ("tenplex_direct", "tenplex", "tenplex_memory")},
     }
     checks = _checks(cfg, save, loads)
     tr = cfg["transition"]
@@ -270,16 +313,21 @@ def summarize(cfg: dict[str, Any], save: dict[str, Any], conv: dict[str, Any],
         ratio_key("save_bytes", tr, "tenplex", "ds_save"): stats.ratio(save_out["tenplex"]["bytes_written"],
                                                                        save_out["ds_save"]["bytes_written"]),
     }
-    for m in ("tenplex_direct", "tenplex"):
+    for peer in ("ds_save", "tenplex"):  # the snapshot's stall against DeepSpeed's save and tenplex's durable one
+        ratios[ratio_key("save_time", tr, "tenplex_memory", peer)] = stats.ratio(
+            save_out["tenplex_memory"]["median_s"], save_out[peer]["median_s"])
+    for m in ("tenplex_direct", "tenplex", "tenplex_memory"):
         ratios[ratio_key("reshard_time", tr, m, "ds_universal")] = stats.ratio(reshard[m]["seconds"], ds_route)
-    for m in ("tenplex_direct", "tenplex"):
+    for m in ("tenplex_direct", "tenplex", "tenplex_memory"):
         ratios[ratio_key("load_time", tr, m, "ds_universal_load")] = stats.ratio(
             load_out[m]["median_s"], load_out["ds_universal"]["median_s"])
+    ratios[ratio_key("load_time", tr, "tenplex_memory", "tenplex")] = stats.ratio(
+        load_out["tenplex_memory"]["median_s"], load_out["tenplex"]["median_s"])
     ratios[ratio_key("disk_bytes", tr, "tenplex_direct", "ds_universal")] = stats.ratio(0, conv_out["disk_bytes"])
     ratios[ratio_key("write_bytes", tr, "tenplex_direct", "ds_universal")] = stats.ratio(0, conv_out["bytes_written"])
     ratios[ratio_key("read_bytes", tr, "tenplex_direct", "ds_universal")] = stats.ratio(
         reshard["tenplex_direct"]["bytes_read"], reshard["ds_universal"]["bytes_read"])
-    for m in ("tenplex_direct", "tenplex"):
+    for m in ("tenplex_direct", "tenplex", "tenplex_memory"):
         ratios[ratio_key("peak_rss", tr, m, "ds_universal")] = stats.ratio(reshard[m]["peak_rss"], ds_route_peak)
     return {"config": cfg, "save": save_out, "convert": conv_out, "load": load_out, "reshard": reshard,
             "checks": checks, "ratios": ratios}
@@ -306,7 +354,7 @@ def _checks(cfg: dict[str, Any], save: dict[str, Any], loads: dict[str, dict[str
         if m == "ds_universal":
             continue
         got = loads[m]
-        want_format = "deepspeed" if m == "tenplex_direct" else "tenplex"
+        want_format = "deepspeed" if m == "tenplex_direct" else "tenplex"  # a snapshot is a tenplex checkpoint
         if got.get("source_format") != want_format:
             problems.append(f"{m}: LoadResult.source_format={got.get('source_format')!r}, expected {want_format!r}")
         if got.get("iteration") != save["global_steps"]:
@@ -348,6 +396,8 @@ def table(res: dict[str, Any]) -> str:
     row("save", "ds_save + fsync of its files", s["ds_save_fsync"], s["ds_save"]["bytes_written"])
     row("save", "tenplex (fsync + atomic commit)", s["tenplex"], s["tenplex"]["bytes_written"],
         rss=s["tenplex"]["peak_rss_max"])
+    row("save", "tenplex_memory (snapshot: the stall)", s["tenplex_memory"], s["tenplex_memory"]["bytes_written"],
+        rss=s["tenplex_memory"]["peak_rss_max"])
     cv, ld = res["convert"], res["load"]
     row("re-shard", f"(a) ds_to_universal ({cv['workers']} workers)", cv, cv["bytes_written"], cv["bytes_read"],
         cv["peak_rss_tree"])
@@ -360,15 +410,19 @@ def table(res: dict[str, Any]) -> str:
         ld["tenplex_direct"]["bytes_read"], ld["tenplex_direct"]["peak_rss_max"])
     row("re-shard", "(c) tenplex (tenplex checkpoint)", ld["tenplex"], 0, ld["tenplex"]["bytes_read"],
         ld["tenplex"]["peak_rss_max"])
+    row("re-shard", "(d) tenplex_memory (nodes' memory)", ld["tenplex_memory"], 0, ld["tenplex_memory"]["bytes_read"],
+        ld["tenplex_memory"]["peak_rss_max"])
     rows.append(f"ds_to_universal: interpreter start + import {cv['startup_s']:.1f} s more when run as "
                 f"`python -m` (not in the times above); it leaves {cv['disk_bytes'] / MiB:.1f} MiB in "
                 f"{cv['files']} files on disk and wrote {cv['bytes_written'] / MiB:.1f} MiB in all (temp folder "
                 "included). Read MiB for the universal load: read() syscalls; for tenplex: what it read from "
-                "storage (memory-mapped; checksum blocks verified + bytes copied unverified). Peak RSS: max over "
+                "storage (memory-mapped; checksum blocks verified + bytes copied unverified; (d): from the nodes' "
+                "memory, /dev/shm). Written MiB for the snapshot: into memory, all ranks (the job's first two snapshots, "
+                f"on fresh pages: {', '.join(f'{x:.2f}' for x in s['tenplex_memory']['first_two_s'])} s). Peak RSS: max over "
                 "ranks (conversion: its process tree).")
     ck = res["checks"]
     rows.append(f"correctness: {'PASSED' if ck['passed'] else 'FAILED'}: {ck['tensors_compared']} tensors "
-                f"(fp32 master, exp_avg, exp_avg_sq of every parameter) bit-identical across (a), (b), (c) "
+                f"(fp32 master, exp_avg, exp_avg_sq of every parameter) bit-identical across (a), (b), (c), (d) "
                 f"and the state at save" if ck["passed"] else
                 "correctness: FAILED: " + "; ".join(ck["problems"]))
     return "\n".join(rows)
@@ -385,15 +439,16 @@ def plot(res: dict[str, Any], path: str) -> bool:
     fig.suptitle(f"{c['model']} ZeRO-{c['stage']} DP {c['src_dp']}->{c['dst_dp']} "
                  f"({c['cpus']} shared CPU cores; median of {c['reps']})")
     ax = axes[0]
-    labels = ["ds_save", "ds_save\n+fsync", "tenplex\nsave", "ds_universal\n(convert+load)", "tenplex\ndirect",
-              "tenplex"]
+    labels = ["ds_save", "ds_save\n+fsync", "tenplex\nsave", "tenplex\nsnapshot", "ds_universal\n(convert+load)",
+              "tenplex\ndirect", "tenplex", "tenplex\nmemory"]
     bottoms = [s["ds_save"]["median_s"], s["ds_save_fsync"]["median_s"], s["tenplex"]["median_s"],
-               cv["median_s"], ld["tenplex_direct"]["median_s"], ld["tenplex"]["median_s"]]
-    plots.bars(ax, labels, bottoms, ["tab:gray", "tab:gray", "tab:blue", "tab:orange", "tab:blue", "tab:green"],
-               "save | re-shard time", "seconds")
-    ax.bar(labels[3], ld["ds_universal"]["median_s"], bottom=cv["median_s"], color="tab:red",
+               s["tenplex_memory"]["median_s"], cv["median_s"], ld["tenplex_direct"]["median_s"],
+               ld["tenplex"]["median_s"], ld["tenplex_memory"]["median_s"]]
+    plots.bars(ax, labels, bottoms, ["tab:gray", "tab:gray", "tab:blue", "tab:purple", "tab:orange", "tab:blue",
+                                     "tab:green", "tab:purple"], "save | re-shard time", "seconds", labelsize=7)
+    ax.bar(labels[4], ld["ds_universal"]["median_s"], bottom=cv["median_s"], color="tab:red",
            label="universal load (on top of conversion)")
-    ax.axvline(2.5, color="k", lw=0.5)
+    ax.axvline(3.5, color="k", lw=0.5)
     ax.legend(fontsize=8)
     labels = ["ds save\nwritten", "tenplex\nsave\nwritten", "convert\nwritten", "convert\nleft on\ndisk",
               "ds_universal\nread", "tenplex\ndirect\nread", "tenplex\nread"]
@@ -432,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", default=os.path.join(ROOT, "out", "bench_deepspeed.png"))
     ap.add_argument("--workdir", default=None, help="where the checkpoints go (default: a temporary directory)")
     ap.add_argument("--keep-workdir", action="store_true")
+    ap.add_argument("--memdir", default="/dev/shm",
+                    help="where the nodes' memory directories go (a temporary directory inside; default /dev/shm)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per child process")
     a = ap.parse_args(argv)
     if (a.src, a.dst) not in TRANSITIONS:
@@ -447,7 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     logs = os.path.join(workdir, "logs")
     t_start = time.perf_counter()
-    common = ["--model", model, "--stage", str(a.stage), "--reps", str(a.reps), "--workdir", workdir]
+    memdir = tempfile.mkdtemp(prefix="bench_ds_mem_", dir=a.memdir)
+    common = ["--model", model, "--stage", str(a.stage), "--reps", str(a.reps), "--workdir", workdir,
+              "--memdir", memdir, "--src", str(a.src)]
     try:
         print(f"[bench] {transition} {model}: training 1 step and saving at DP {a.src} ...", flush=True)
         launch.torchrun(a.src, __file__, ["_worker", "save", *common, "--out", f"{workdir}/save.json"],
@@ -468,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"{logs}/load_{m}.log", a.timeout)
             loads[m] = launch.read_json(f"{workdir}/load_{m}.json")
     finally:
+        shutil.rmtree(memdir, ignore_errors=True)
         if not a.keep_workdir and a.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
     cfg = {"model": model, "shape": MODELS[model], "params": save["params"], "stage": a.stage, "src_dp": a.src,

@@ -3,8 +3,8 @@
 Checks only that the bench runs end to end, writes its JSON and PNG with the
 expected keys, prints its RATIO lines, and that its own correctness check
 (fp32 master and Adam moments bit-identical across DeepSpeed's universal
-route, tenplex's direct load of DeepSpeed's files and tenplex's own
-checkpoint) passed. No timing is asserted: the machine is shared.
+route, tenplex's direct load of DeepSpeed's files, tenplex's own
+checkpoint and its host-memory snapshot) passed. No timing is asserted: the machine is shared.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ def test_bench_deepspeed_tiny(tmp_path) -> None:
     assert res["checks"]["passed"], res["checks"]["problems"]
     assert res["checks"]["tensors_compared"] > 0
     assert res["config"]["transition"] == "zero2-dp2to1" and res["config"]["reps"] == 3
-    assert set(res["save"]) == {"ds_save", "ds_save_fsync", "tenplex"}
-    assert set(res["load"]) == {"ds_universal", "tenplex_direct", "tenplex"}
+    assert set(res["save"]) == {"ds_save", "ds_save_fsync", "tenplex", "tenplex_memory"}
+    assert set(res["load"]) == {"ds_universal", "tenplex_direct", "tenplex", "tenplex_memory"}
+    assert res["save"]["tenplex_memory"]["bytes_written"] > 0  # into the nodes' memory
     for d in (*res["save"].values(), *res["load"].values(), res["convert"]):
         assert {"median_s", "min_s", "max_s", "reps_s"} <= d.keys() and len(d["reps_s"]) == 3
     for d in res["load"].values():
@@ -43,6 +44,9 @@ def test_bench_deepspeed_tiny(tmp_path) -> None:
     assert res["save"]["tenplex"]["bytes_written"] > 0 and res["convert"]["disk_bytes"] > 0
     assert "reshard_time zero2-dp2to1 tenplex_direct/ds_universal" in res["ratios"]
     assert "disk_bytes zero2-dp2to1 tenplex_direct/ds_universal" in res["ratios"]
+    for key in ("save_time zero2-dp2to1 tenplex_memory/ds_save", "load_time zero2-dp2to1 tenplex_memory/tenplex",
+                "reshard_time zero2-dp2to1 tenplex_memory/ds_universal"):
+        assert key in res["ratios"], key
     ratio_lines = [line for line in p.stdout.splitlines() if line.startswith("RATIO ")]
     assert len(ratio_lines) == len(res["ratios"])
     assert "correctness: PASSED" in p.stdout
