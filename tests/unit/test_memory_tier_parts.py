@@ -89,6 +89,26 @@ def test_not_memory_backed_warns_naming_the_directory(tmp_path) -> None:
         assert memory_tier.filesystem_type("/dev/shm") in memory_tier.MEMORY_FILESYSTEMS
 
 
+MOUNTS = """/dev/vda / ext4 rw,relatime 0 0
+tmpfs /dev/shm tmpfs rw,relatime,size=24684092k 0 0
+tmpfs /mnt/huge tmpfs rw,relatime,size=4g,huge=within_size 0 0
+tmpfs /mnt/always tmpfs rw,size=4g,huge=always 0 0
+tmpfs /mnt/huge/inner\\040dir tmpfs rw,relatime 0 0
+"""
+
+
+def test_huge_pages_hint_names_a_tmpfs_without_them() -> None:
+    assert memory_tier.mount_of("/mnt/huge/job1", MOUNTS) == (
+        "/mnt/huge", "tmpfs", ("rw", "relatime", "size=4g", "huge=within_size"))
+    assert memory_tier.huge_pages_hint("/mnt/huge/job1", MOUNTS) is None
+    assert memory_tier.huge_pages_hint("/mnt/always/x", MOUNTS) is None
+    assert memory_tier.huge_pages_hint("/opt/ckpt", MOUNTS) is None  # not a tmpfs: warn_if_not_memory's case
+    hint = memory_tier.huge_pages_hint("/dev/shm/job1", MOUNTS)
+    assert hint is not None and "/dev/shm/job1" in hint and "huge=within_size" in hint
+    inner = memory_tier.huge_pages_hint("/mnt/huge/inner dir/job", MOUNTS)  # the longest mount point wins
+    assert inner is not None and "/mnt/huge/inner dir is a tmpfs" in inner
+
+
 def _fake_snapshot(mem: str, it: int, **commit: Any) -> None:
     path = directory.prepare_partial(mem, it)
     with open(os.path.join(path, "rank_00000.safetensors"), "wb") as f:
