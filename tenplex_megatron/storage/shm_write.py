@@ -3,7 +3,8 @@
 A memory snapshot's blocking part is :func:`write_tensors`: the safetensors
 header, then one ``write`` per tensor from its own memory into tmpfs (the
 kernel's single copy; no serialised buffer, no fsync), with the checksums
-the format requires computed by a second thread meanwhile. Where a retired
+the format requires computed by a second thread meanwhile (a GPU's tensors go
+through pinned staging buffers instead). Where a retired
 snapshot left its rank file as a spare, the copy goes into those pages: a copy
 into fresh tmpfs pages also pays their allocation and zeroing.
 """
@@ -15,7 +16,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from tenplex_megatron.storage import staged_write
 from tenplex_megatron.storage.safetensors_io import block_crc32, header_bytes
+from tenplex_megatron.storage.staging import staging_mode
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
@@ -31,6 +34,9 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
     3x faster. ``after_write`` is called once every byte is in place (a fault point for tests).
     """
     head, data = header_bytes(tensors)
+    device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
+    if staging_mode(device) == "copy":  # a GPU's tensors: through pinned buffers (below)
+        return _write_staged(path, head, data, tensors, block_bytes, after_write, reuse)
     sums: dict[str, Future[tuple[int, ...]]] = {}
     with ThreadPoolExecutor(1, thread_name_prefix="tenplex-crc") as pool, open(path, "r+b" if reuse else "wb") as f:
         f.truncate(len(head) + data)
@@ -43,4 +49,19 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
         if after_write is not None:
             after_write()
         crcs = {name: fut.result() for name, fut in sums.items()}
+    return len(head) + data, crcs
+
+
+def _write_staged(path: str, head: bytes, data: int, tensors: dict[str, torch.Tensor], block_bytes: int,
+                  after_write: Callable[[], None] | None, reuse: bool) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """A GPU's tensors into the file through the durable save's ring of pinned host buffers: each segment's
+    device-to-host copy runs on a side stream while the previous one is checksummed and written (no pageable
+    host copy of each tensor first). ``TENPLEX_STAGING=copy`` takes this path on the CPU too."""
+    with open(path, "r+b" if reuse else "wb") as f:
+        f.truncate(len(head) + data)
+        f.write(head)
+        crcs = staged_write.write_tensors(f, tensors, block_bytes)
+        f.flush()
+        if after_write is not None:
+            after_write()
     return len(head) + data, crcs
