@@ -163,6 +163,8 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         with open(tmp, "rb+" if _take_spare(spare[0] if spare else None, tmp) else "wb+") as f:
             f.truncate(int(size))
             mm = mmap.mmap(f.fileno(), int(size)) if int(size) else None
+        if mm is not None:
+            _populate_for_write(mm)
         buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
         received.append((path, tmp, mm, buf))
         ops.append(dist.P2POp(dist.irecv, buf, int(peer), group, int(tag)))
@@ -184,6 +186,19 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         fsync_dir(os.path.dirname(path))
         total += buf.numel()
     return total
+
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python 3.11's mmap does not name it
+
+
+def _populate_for_write(mm: mmap.mmap) -> None:
+    """Map every page of a replica's file writable in one call, before the bytes arrive: on a tmpfs with 4 KiB
+    pages this costs about a quarter less CPU than the one write fault per page it replaces (a one-off timing:
+    0.25 against 0.33 CPU-s for 743 MB over a spare's pages). Older kernels refuse it: faults then."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE)
+    except (OSError, ValueError):
+        pass
 
 
 def _take_spare(spare: str | None, tmp: str) -> bool:
