@@ -168,7 +168,8 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
             got = mres.result
             loaded.update(iteration=got.iteration, source_layout=got.source_layout, source_format=got.source_format)
             return {"bytes_read": got.bytes_verified + got.bytes_unverified, "bytes_needed": got.bytes_read,
-                    "own_seconds": got.seconds, "received": mres.bytes_received, "from_durable": mres.bytes_from_durable}
+                    "own_seconds": got.seconds, "received": mres.bytes_received,
+                    "from_durable": mres.bytes_from_durable}
         if a.method == "ds_universal":
             path, _ = engine.load_checkpoint(ds_dir, tag=a.universal_tag)
             if path is None:
@@ -417,9 +418,9 @@ def table(res: dict[str, Any]) -> str:
                 f"{cv['files']} files on disk and wrote {cv['bytes_written'] / MiB:.1f} MiB in all (temp folder "
                 "included). Read MiB for the universal load: read() syscalls; for tenplex: what it read from "
                 "storage (memory-mapped; checksum blocks verified + bytes copied unverified; (d): from the nodes' "
-                "memory, /dev/shm). Written MiB for the snapshot: into memory, all ranks (the job's first two snapshots, "
-                f"on fresh pages: {', '.join(f'{x:.2f}' for x in s['tenplex_memory']['first_two_s'])} s). Peak RSS: max over "
-                "ranks (conversion: its process tree).")
+                "memory, /dev/shm). Written MiB for the snapshot: into memory, all ranks (the job's first two "
+                f"snapshots, on fresh pages: {', '.join(f'{x:.2f}' for x in s['tenplex_memory']['first_two_s'])} s). "
+                "Peak RSS: max over ranks (conversion: its process tree).")
     ck = res["checks"]
     rows.append(f"correctness: {'PASSED' if ck['passed'] else 'FAILED'}: {ck['tensors_compared']} tensors "
                 f"(fp32 master, exp_avg, exp_avg_sq of every parameter) bit-identical across (a), (b), (c), (d) "

@@ -14,8 +14,9 @@ save phase, layout A (DP 2), after one training step, repetitions round-robin:
 then the training-step slowdown: the steps begun while a snapshot's replication and durable copy run in the
 helper processes (until they are done), the same for replication alone (the snapshots between two durable
 copies with ``--tenplex-persist-interval`` above 1; with ``--replication-rate``, a third window: replication
-capped at that rate, and the durable copy), and ``--steps`` steps right after megatron-core's async save, each mean step time over the mean
-of ``--steps`` steps alone before the windows and ``--steps`` after. Then the final state is saved by every
+capped at that rate, and the durable copy), and ``--steps`` steps right after megatron-core's async save,
+each mean step time over the mean of ``--steps`` steps alone before the windows and ``--steps`` after (their
+spread is printed: the noise a slowdown is read against). Then the final state is saved by every
 system.
 
 load phase, layout B (TP 2):
@@ -334,7 +335,8 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
             windows = []
             for k in range(len(st[0]["windows"])):
                 w = [r["windows"][k] for r in st]
-                windows.append({"rate": w[0]["rate"], "persist": w[0]["persist"], "during": statistics.mean(t for x in w for t in x["during"]),
+                windows.append({"rate": w[0]["rate"], "persist": w[0]["persist"],
+                                "during": statistics.mean(t for x in w for t in x["during"]),
                                 "steps": len(w[0]["during"]), "finished": all(x["finished"] for x in w),
                                 "background": max(x["background"] for x in w),
                                 "helper_cpu": sum(x["helper_cpu"] for x in w)})

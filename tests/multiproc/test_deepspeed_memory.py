@@ -4,7 +4,8 @@ Two launches run every ZeRO stage in sequence (``ds_memory_run.py``): DP2 on two
 snapshots after steps 2 and 4 (the second persisted) and replicates the last to both nodes; then node 1 is
 lost (its directory deleted), the durable checkpoint's rank files are emptied, and DP4 on node 0 and a new,
 empty node 2 resumes from memory. Oracle: the fp32 master weights and Adam moments after the load equal
-the state at the snapshot exactly; the losses of steps 5-6 continue the uninterrupted run's; after every node's memory is lost, the durable checkpoint persisted at the end loads.
+the state at the snapshot exactly; the losses of steps 5-6 continue the uninterrupted run's; after every
+node's memory is lost, the durable checkpoint persisted at the end loads.
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ def save_snapshot(engine: Any, tier: MemoryTier, client_state: dict[str, Any] | 
 def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, verify: bool = True,
                 seed: int = 1234) -> MemoryLoadResult | LoadResult | None:
     """Collective: load the newest state into ``engine``, re-sharded to its DP size: the newest snapshot whole in
-    the live nodes' memory, else the durable checkpoint under ``load_dir`` (tenplex's or DeepSpeed's own); None when there is neither (and every
-    older snapshot is discarded: the job starts afresh)."""
+    the live nodes' memory, else the durable checkpoint under ``load_dir`` (tenplex's or DeepSpeed's own); None
+    when there is neither (and every older snapshot is discarded: the job starts afresh)."""
     choice = memory_load.choose(tier, load_dir)
     if choice is not None:
         return memory_load.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify)
