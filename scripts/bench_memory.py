@@ -299,12 +299,12 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
             "hidden_dropout": 0.0, "attention_dropout": 0.0}
     padded = padded_vocab_size(d.vocab_size, 128, 2)
     gbs = 4
-    scratch = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.workdir)
+    profile = ["--profile", a.profile, "--profile-dir", _out_dir(a.out)] if a.profile else []  # a bad --out: no
+    scratch = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.workdir)  # temporary directory left behind
     memdir = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.memdir)
     common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
               "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps), "--replication-rate", str(a.replication_rate),
-              *(["--restart-only"] if a.restart_only else []),
-              *(["--profile", a.profile, "--profile-dir", _out_dir(a.out)] if a.profile else [])]
+              *(["--restart-only"] if a.restart_only else []), *profile]
     row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
     try:
         phases = {}
