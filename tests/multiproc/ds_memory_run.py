@@ -29,6 +29,7 @@ STEPS = 6
 
 
 def node_of(mode: str, rank: int) -> int:
+    """The node (memory directory number) of ``rank``: one each at DP2; at DP4 node 0 and the new node 2."""
     return rank if mode == "train" else (0 if rank < 2 else 2)
 
 
