@@ -151,6 +151,7 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     from bench import ds_engine
     from bench.measure import gathered, timed
 
+    from tenplex_megatron.engine.memory_load import MemoryLoadResult
     from tenplex_megatron.integrations import deepspeed as tds
 
     engine = ds_engine.build(MODELS[a.model], a.stage, GLOBAL_BATCH, universal=a.method == "ds_universal")
@@ -163,7 +164,7 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     def load() -> dict[str, Any]:
         if tier is not None:
             mres = tds.load_latest(engine, tier, None)
-            if mres is None or not hasattr(mres, "bytes_received"):
+            if not isinstance(mres, MemoryLoadResult):
                 raise RuntimeError(f"{a.memdir}: no snapshot in the nodes' memory")
             got = mres.result
             loaded.update(iteration=got.iteration, source_layout=got.source_layout, source_format=got.source_format)

@@ -4,7 +4,9 @@ A memory snapshot's blocking part is :func:`write_tensors`: the safetensors
 header, then one ``write`` per tensor from its own memory into tmpfs (the
 kernel's single copy; no serialised buffer, no fsync), with the checksums
 the format requires computed by a second thread meanwhile (a GPU's tensors go
-through pinned staging buffers instead). Where a retired
+through pinned staging buffers instead: device-to-host on a side stream while
+the previous segment is checksummed and written; ``TENPLEX_STAGING=copy``
+takes that path on the CPU too). Where a retired
 snapshot left its rank file as a spare, the copy goes into those pages: a copy
 into fresh tmpfs pages also pays their allocation and zeroing.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import BinaryIO
 
 import torch
 
@@ -35,33 +38,26 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
     """
     head, data = header_bytes(tensors)
     device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
-    if staging_mode(device) == "copy":  # a GPU's tensors: through pinned buffers (below)
-        return _write_staged(path, head, data, tensors, block_bytes, after_write, reuse)
-    sums: dict[str, Future[tuple[int, ...]]] = {}
-    with ThreadPoolExecutor(1, thread_name_prefix="tenplex-crc") as pool, open(path, "r+b" if reuse else "wb") as f:
+    with open(path, "r+b" if reuse else "wb") as f:
         f.truncate(len(head) + data)
         f.write(head)
+        if staging_mode(device) == "copy":  # a GPU's tensors: through the durable save's ring of pinned buffers
+            crcs = staged_write.write_tensors(f, tensors, block_bytes)
+        else:
+            crcs = _write_direct(f, tensors, block_bytes)
+        f.flush()
+        if after_write is not None:
+            after_write()
+    return len(head) + data, crcs
+
+
+def _write_direct(f: BinaryIO, tensors: dict[str, torch.Tensor], block_bytes: int) -> dict[str, tuple[int, ...]]:
+    """One ``write`` per tensor straight from its memory, its block CRC-32s computed by a second thread meanwhile;
+    returns them once every tensor is written and checksummed."""
+    sums: dict[str, Future[tuple[int, ...]]] = {}
+    with ThreadPoolExecutor(1, thread_name_prefix="tenplex-crc") as pool:
         for name, t in tensors.items():
             host = t.detach().to("cpu").contiguous()
             sums[name] = pool.submit(block_crc32, host, block_bytes)
             f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        if after_write is not None:
-            after_write()
-        crcs = {name: fut.result() for name, fut in sums.items()}
-    return len(head) + data, crcs
-
-
-def _write_staged(path: str, head: bytes, data: int, tensors: dict[str, torch.Tensor], block_bytes: int,
-                  after_write: Callable[[], None] | None, reuse: bool) -> tuple[int, dict[str, tuple[int, ...]]]:
-    """A GPU's tensors into the file through the durable save's ring of pinned host buffers: each segment's
-    device-to-host copy runs on a side stream while the previous one is checksummed and written (no pageable
-    host copy of each tensor first). ``TENPLEX_STAGING=copy`` takes this path on the CPU too."""
-    with open(path, "r+b" if reuse else "wb") as f:
-        f.truncate(len(head) + data)
-        f.write(head)
-        crcs = staged_write.write_tensors(f, tensors, block_bytes)
-        f.flush()
-        if after_write is not None:
-            after_write()
-    return len(head) + data, crcs
+        return {name: fut.result() for name, fut in sums.items()}
