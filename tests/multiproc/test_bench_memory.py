@@ -55,9 +55,11 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     unlimited, alone, capped = run["steps"]["windows"]
     assert [w["persist"] for w in (unlimited, alone, capped)] == [True, False, True]
     assert unlimited["rate"] == alone["rate"] == 0 and capped["rate"] == 1 and capped["background"] > 0
-    for w in (unlimited, alone, capped):  # a window takes a step even if its background is done
-        assert w["steps"] >= 1
-    assert capped["steps"] <= 8 * 2  # --quick: 2 steps, a window of at most 8x
+    for w in (unlimited, alone, capped):  # --quick: 1 repetition; a window takes a step even if its background is done
+        assert len(w["steps"]) == len(w["slowdowns"]) == 1 and w["steps"][0] >= 1
+        assert w["before"] > 0 and w["slowdown"] == pytest.approx(w["during"] / w["before"])
+        assert w["slowdowns"][0] == pytest.approx(w["slowdown"])  # one window: its ratio is the kind's
+    assert capped["steps"][0] <= 8 * 2  # --quick: 2 steps, a window of at most 8x
     # each node sent its rank file no faster than 1 MB/s: that file holds at least half the rank's own shard (the
     # writer assignment splits only what both ranks hold)
     assert capped["background"] >= 0.5 * min(run["own_bytes"]) / 1e6
