@@ -14,9 +14,10 @@ save phase, layout A (DP 2), after one training step, repetitions round-robin:
 then the training-step slowdown: the steps begun while a snapshot's replication and durable copy run in the
 helper processes (until they are done), the same for replication alone (the snapshots between two durable
 copies with ``--tenplex-persist-interval`` above 1; with ``--replication-rate``, a third window: replication
-capped at that rate, and the durable copy): each kind of window ``--reps`` times, round-robin, each right
-after one step alone, its slowdown the mean step in its windows over the mean of those steps alone (so a
-drift of the machine's speed does not count; the ratio of each repetition is printed: the spread). Then
+capped at that rate, and the durable copy): each kind of window ``--windows`` times (default ``--reps``),
+round-robin, each right after one step alone, its slowdown the mean step in its windows over the mean of
+those steps alone (so a drift of the machine's speed does not count; each window's ratio is printed: the
+spread). Then
 ``--steps`` steps right after megatron-core's async save; ``--steps`` steps alone before the windows and
 ``--steps`` after are the baseline for that one (their spread is printed: the noise a slowdown is read
 against). Then the final state is saved by every system.
@@ -178,11 +179,11 @@ def worker(a: argparse.Namespace) -> None:
             alone = steps()
             # unlimited with the durable copy; the same without it (the snapshots between two persists, with
             # --tenplex-persist-interval above 1); capped (--replication-rate) with the durable copy. Each kind
-            # --reps times, round-robin, each window right after a step alone ("before"): its pair, so that the
-            # slowdown is read against the steps around it, not against one baseline a drift moves
+            # --windows times (default --reps), round-robin, each window right after a step alone ("before"): its
+            # pair, so that the slowdown is read against the steps around it, not against one baseline a drift moves
             kinds = [(0.0, True), (0.0, False)] + ([(a.replication_rate, True)] if a.replication_rate else [])
             windows = []
-            for rep in range(a.reps):
+            for rep in range(a.windows or a.reps):
                 for k in rotated(list(range(len(kinds))), rep):
                     before = steps(1)
                     windows.append({**window(*kinds[k]), "kind": k, "before": before})
@@ -328,6 +329,7 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
     scratch = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.workdir)  # temporary directory left behind
     memdir = tempfile.mkdtemp(prefix=f"bench_memory_{model}_", dir=a.memdir)
     common = ["--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs), "--reps", str(a.reps),
+              "--windows", str(a.windows or a.reps),
               "--dir", scratch, "--memdir", memdir, "--steps", str(a.steps), "--replication-rate", str(a.replication_rate),
               *(["--restart-only"] if a.restart_only else []), *profile]
     row: dict[str, Any] = {"model": model, "seq_length": seq, "reps": a.reps, "from": LAYOUT_A, "to": LAYOUT_B}
@@ -457,6 +459,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4, help="training steps timed alone (twice) and after megatron-core's "
                     "async save; the snapshot windows run until their background work is done (at least 1, at most 8x)")
+    ap.add_argument("--windows", type=int, default=0, metavar="N",
+                    help="slowdown windows of each kind (default --reps); more of them narrow the step-time noise")
     ap.add_argument("--replication-rate", type=float, default=0.0, metavar="MB/s",
                     help="also measure the step slowdown with replication capped at this rate "
                     "(--tenplex-replication-rate)")

@@ -87,6 +87,14 @@ def huge_pages_hint(path: str, mounts: str | None = None) -> str | None:
             "restarts faster and replicates with half the CPU (README: Huge pages for the memory directory)")
 
 
+def say_huge_pages_hint(path: str) -> None:
+    """Print :func:`huge_pages_hint` for ``path``, once per node (its first rank: nodes may mount differently)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        hint = huge_pages_hint(path)
+        if hint:
+            print(f"> tenplex: {hint}", flush=True)
+
+
 def warn_if_not_memory(path: str) -> bool:
     """Warn (naming it) when ``path`` is not on a memory-backed filesystem; returns whether it is."""
     kind = filesystem_type(path)

@@ -23,8 +23,8 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
 - ``remove``: delete retired snapshots (``paths``, already renamed out of the
   listing), so freeing their memory does not stall training.
 
-It runs as a background citizen (:func:`background_priority`: nice 19, the
-idle I/O class, one torch thread), blocks on its stdin between requests, and
+It runs as a background citizen (:func:`background_priority`: the idle CPU
+class, nice 19, the idle I/O class, one torch thread), blocks on its stdin between requests, and
 lives and dies with the training process (:func:`bound_to_parent`).
 """
 
@@ -54,13 +54,19 @@ _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
 
 
 def background_priority() -> list[str]:
-    """Make this process a background citizen: lowest CPU priority (nice 19), idle I/O class, one torch thread;
-    returns what could not be set (reported, never fatal)."""
+    """Make this process a background citizen: the idle CPU class (``SCHED_IDLE``: a training thread that wakes up
+    takes the core from it at once, where nice 19 alone can make it wait out the helper's slice), nice 19 where
+    that class is refused, the idle I/O class, one torch thread; returns what could not be set (never fatal)."""
     missed = []
     try:
         os.nice(19 - os.nice(0))
     except OSError as e:
         missed.append(f"nice: {e}")
+    if os.environ.get("TENPLEX_HELPER_SCHED_IDLE", "1") != "0":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that refuses it
+            missed.append(f"sched_setscheduler SCHED_IDLE: {e}")
     nr = _IOPRIO_SET.get(os.uname().machine)
     try:
         if nr is None or ctypes.CDLL(None, use_errno=True).syscall(nr, 1, 0, IOPRIO_CLASS_IDLE << 13) != 0:

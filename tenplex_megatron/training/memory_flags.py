@@ -61,10 +61,7 @@ def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None
         return None
     job = os.path.abspath(args.save or args.load or args.tenplex_memory)
     limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # once per node: nodes may mount differently
-        hint = memory_tier.huge_pages_hint(args.tenplex_memory)
-        if hint:
-            print(f"> tenplex: {hint}", flush=True)
+    memory_tier.say_huge_pages_hint(args.tenplex_memory)
     return memory_save.open_tier(args.tenplex_memory, job, args.save, start_helpers=True,
                                  persist_interval=args.tenplex_persist_interval,
                                  replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,

@@ -109,6 +109,20 @@ def test_huge_pages_hint_names_a_tmpfs_without_them() -> None:
     assert inner is not None and "/mnt/huge/inner dir is a tmpfs" in inner
 
 
+def test_huge_pages_hint_is_said_once_per_node(monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    real = memory_tier.huge_pages_hint
+    monkeypatch.setattr(memory_tier, "huge_pages_hint", lambda path: real(path, MOUNTS))  # the mounts above
+    monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's first rank: silent
+    memory_tier.say_huge_pages_hint("/dev/shm/job1")
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    memory_tier.say_huge_pages_hint("/mnt/huge/job1")  # huge pages: nothing to say
+    assert capsys.readouterr().out == ""
+    memory_tier.say_huge_pages_hint("/dev/shm/job1")
+    assert capsys.readouterr().out.startswith("> tenplex: --tenplex-memory /dev/shm/job1: /dev/shm is a tmpfs")
+
+
 def _fake_snapshot(mem: str, it: int, **commit: Any) -> None:
     path = directory.prepare_partial(mem, it)
     with open(os.path.join(path, "rank_00000.safetensors"), "wb") as f:
@@ -140,6 +154,11 @@ def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path)
     helper = PersistHelper()
     try:
         assert helper.proc.pid != os.getpid()
+        helper.request("remove", 1, paths=[])  # answered once the helper is up, its priority set
+        assert helper.poll("remove", 1, 60.0) == {"op": "remove", "iteration": 1, "ok": True, "bytes": 0}
+        # a background citizen: the idle CPU class (a training thread that wakes takes the core at once), nice 19
+        assert os.sched_getscheduler(helper.proc.pid) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, helper.proc.pid) == 19
         helper.request("persist", 5, copies=[[str(src), str(dst)]])
         got = None
         for _ in range(120):

@@ -17,6 +17,7 @@ from tenplex_megatron.engine.memory_load import MemoryLoadResult
 from tenplex_megatron.engine.memory_save import MemoryTier, SnapshotResult
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter, load_checkpoint
+from tenplex_megatron.storage import memory_tier
 
 
 def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **options: Any) -> MemoryTier:
@@ -28,6 +29,7 @@ def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **op
     ``replication_rate`` in MB/s).
     """
     identity = os.path.abspath(job or save_dir or mem_dir)
+    memory_tier.say_huge_pages_hint(mem_dir)
     return memory_save.open_tier(mem_dir, identity, save_dir, start_helpers=True, **options)
 
 
