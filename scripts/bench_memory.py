@@ -13,8 +13,9 @@ save phase, layout A (DP 2), after one training step, repetitions round-robin:
                   stall (the call + scheduling) and its total (until the background write is finalized)
 then the training-step slowdown: the steps begun while a snapshot's replication and durable copy run in the
 helper processes (until they are done), the same for replication alone (the snapshots between two durable
-copies with ``--tenplex-persist-interval`` above 1; with ``--replication-rate``, a third window: replication
-capped at that rate, and the durable copy): each kind of window ``--windows`` times (default ``--reps``),
+copies with ``--tenplex-persist-interval`` above 1; with ``--replication-rate``, a window with replication
+capped at that rate, and the durable copy; and one with ``--tenplex-replication-rate auto``, paced by the time
+since the window before's snapshot, and the durable copy): each kind of window ``--windows`` times (default ``--reps``),
 round-robin, each right after one step alone, its slowdown the mean step in its windows over the mean of
 those steps alone (so a drift of the machine's speed does not count; each window's ratio is printed: the
 spread). Then
@@ -158,14 +159,15 @@ def worker(a: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 return times
 
-            def window(rate: float, persist: bool = True) -> dict[str, Any]:
+            def window(rate: float, persist: bool = True, pace: float = 0.0) -> dict[str, Any]:
                 """The steps begun while a snapshot's background work (replication at ``rate`` MB/s, 0: unlimited,
-                then the durable copy if ``persist``, in the helper processes) runs: until it is done, at least 1,
-                at most 8x --steps."""
-                tier.replication_rate = rate
+                or ``pace``d by the time since the last snapshot, then the durable copy if ``persist``, in the
+                helper processes) runs: until it is done, at least 1, at most 8x --steps."""
+                tier.replication_rate, tier.replication_pace = rate, pace
                 job.iteration = it0
                 cpu0 = _helper_cpu(tier)
                 t_bg = time.perf_counter()
+                since = None if tier.last_snapshot_at is None else t_bg - tier.last_snapshot_at  # what auto paces by
                 res = memory_save.snapshot(adapter, tier, persist=persist)
                 times: list[float] = []
                 while not times or (len(times) < 8 * a.steps and memory_save.busy(tier)):
@@ -174,20 +176,22 @@ def worker(a: argparse.Namespace) -> None:
                 memory_save.drain(tier)
                 return {"during": times, "background": time.perf_counter() - t_bg, "finished": finished,
                         "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds, "rate": rate,
-                        "persist": persist}
+                        "pace": pace, "persist": persist, "since_last_snapshot": since}
 
             alone = steps()
             # unlimited with the durable copy; the same without it (the snapshots between two persists, with
             # --tenplex-persist-interval above 1); capped (--replication-rate) with the durable copy. Each kind
             # --windows times (default --reps), round-robin, each window right after a step alone ("before"): its
             # pair, so that the slowdown is read against the steps around it, not against one baseline a drift moves
-            kinds = [(0.0, True), (0.0, False)] + ([(a.replication_rate, True)] if a.replication_rate else [])
+            # and auto (--tenplex-replication-rate auto: paced by the time since the window before's snapshot)
+            kinds = [(0.0, True, 0.0), (0.0, False, 0.0)] + (
+                [(a.replication_rate, True, 0.0)] if a.replication_rate else []) + [(0.0, True, memory_save.AUTO_PACE)]
             windows = []
             for rep in range(a.windows or a.reps):
                 for k in rotated(list(range(len(kinds))), rep):
                     before = steps(1)
                     windows.append({**window(*kinds[k]), "kind": k, "before": before})
-            tier.replication_rate = 0.0  # the final snapshot below: replicated as fast as it can
+            tier.replication_rate = tier.replication_pace = 0.0  # the final snapshot below: as fast as it can
             job.iteration = it0
             alone += steps()  # the baseline on both sides of the windows: drift does not count as slowdown
             job.iteration = it0
@@ -303,11 +307,12 @@ def _window_kind(st: list[dict[str, Any]], kind: int) -> dict[str, Any]:
     during = [[statistics.mean(ts) for ts in zip(*(w["during"] for w in rep))] for rep in reps]
     before = [statistics.mean(t for w in rep for t in w["before"]) for rep in reps]
     first = reps[0][0]
-    return {"rate": first["rate"], "persist": first["persist"],
+    return {"rate": first["rate"], "pace": first.get("pace", 0.0), "persist": first["persist"],
             "during": statistics.mean(t for d in during for t in d), "before": statistics.mean(before),
             "slowdown": statistics.mean(t for d in during for t in d) / statistics.mean(before),
             "slowdowns": [statistics.mean(d) / b for d, b in zip(during, before)],
             "steps": [len(d) for d in during], "finished": all(w["finished"] for rep in reps for w in rep),
+            "since_last_snapshot": [min(w.get("since_last_snapshot") or 0.0 for w in rep) for rep in reps],
             "background": max(w["background"] for rep in reps for w in rep),
             "helper_cpu": statistics.mean(sum(w["helper_cpu"] for w in rep) for rep in reps)}
 
@@ -400,7 +405,8 @@ def print_row(r: dict[str, Any]) -> None:
         print(f"  step time alone {st['alone']:.3f} s ({lo:.3f}-{hi:.3f} s; before and after the windows below); after "
               f"megatron-core's async save {st['during_mcore']:.3f} s")
         for w in st["windows"]:
-            rate = f"capped at {w['rate']:g} MB/s" if w["rate"] else "unlimited"
+            rate = (f"capped at {w['rate']:g} MB/s" if w["rate"] else
+                    f"auto: paced to {w['pace']:g} of the time since the last snapshot" if w["pace"] else "unlimited")
             what = "and durable copy run" if w["persist"] else "runs (no durable copy)"
             each = ", ".join(f"{x:.2f}x" for x in w["slowdowns"])
             print(f"  step time while a snapshot's replication ({rate}) {what} in the helper processes "
@@ -438,7 +444,8 @@ def ratio_lines(report: dict[str, Any]) -> list[str]:
             add("save_stall", snap, r["mcore_async"]["total"], "mcore_async_total")
             for i, w in enumerate(r["steps"]["windows"]):  # each against the steps alone right before its windows
                 metric = ("step_slowdown" if i == 0 else  # unlimited + durable copy; issue #13: at most 1.05
-                          "step_slowdown_capped" if w["rate"] else "step_slowdown_replication_only")
+                          "step_slowdown_capped" if w["rate"] else "step_slowdown_auto" if w["pace"] else
+                          "step_slowdown_replication_only")
                 add(metric, w["during"], w["before"], "alone")
             add("step_slowdown", r["steps"]["during"], r["steps"]["during_mcore"], "mcore_async")
         # issue #13: memory 3x faster than durable; restart_*_live: every node alive, restart_*: node 1 lost

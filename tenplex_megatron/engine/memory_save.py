@@ -39,6 +39,9 @@ from tenplex_megatron.storage.shm_write import write_tensors
 HEADER_MARGIN = 1 << 20  # per rank file: the safetensors header and alignment, over the tensors' bytes
 
 
+AUTO_PACE = 0.5  # --tenplex-replication-rate auto: a replication takes half the time between two snapshots
+
+
 class MemoryFullError(RuntimeError):
     """A snapshot would not fit the memory directory of a node (found before anything is written)."""
 
@@ -57,6 +60,8 @@ class MemoryTier:
     fallback: bool = False  # a snapshot that does not fit: a durable save instead of an error
     durable_keep: int | None = None
     replication_rate: float = 0.0  # MB/s a node's helper sends replicas at (0: unlimited)
+    replication_pace: float = 0.0  # >0 (``auto``): replication paced to take this share of the snapshot interval
+    last_snapshot_at: float | None = None  # time.perf_counter() at the start of the last snapshot
     node: str = ""
     nodes: dict[str, list[int]] = field(default_factory=dict)  # node id -> its ranks (ascending)
     snapshots: int = 0
@@ -433,7 +438,9 @@ def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) ->
     phases = tuple((n, b - a) for (n, b), (_, a) in zip(marks, [("", t0), *marks[:-1]], strict=True))
     tier.last = (it, meta, [infos[r]["file"] for r in tier.nodes[tier.node] if infos[r]["file"]])
     tier.last_files = [{"file": i["file"], "size": i["size"]} for i in infos]
-    sent = _replicate(tier, infos, it, what)
+    interval = None if tier.last_snapshot_at is None else t0 - tier.last_snapshot_at
+    tier.last_snapshot_at = t0
+    sent = _replicate(tier, infos, it, what, interval)
     if persisting:
         _start_persist(tier, what)
     return SnapshotResult(path, it, stall, size, sent, persisting, tuple(persisted), tuple(removed), phases=phases)
@@ -467,7 +474,7 @@ def replicate_last(tier: MemoryTier) -> tuple[str, ...]:
     done = drain(tier)
     if tier.last is None or tier.replicated == tier.last[0] or len(tier.nodes) < 2 or tier.replicas < 2:
         return done
-    _replicate(tier, tier.last_files, tier.last[0], f"replicating iteration {tier.last[0]}")
+    _replicate(tier, tier.last_files, tier.last[0], f"replicating iteration {tier.last[0]}", unpaced=True)
     return done + drain(tier)
 
 
@@ -497,15 +504,32 @@ def persist_last(tier: MemoryTier) -> tuple[str, ...]:
 
 def finish(tier: MemoryTier, over: bool) -> tuple[str, ...]:
     """Collective, when the job stops: the last snapshot replicated to K nodes (a restart finds it in memory) and,
-    when training is ``over``, persisted; otherwise the background persist under way is awaited. Returns the
-    durable checkpoints committed meanwhile."""
+    when training is ``over``, persisted; otherwise the background persist under way is awaited. A paced
+    replication goes at full speed from here on (no training left to spare). Returns the durable checkpoints
+    committed meanwhile."""
+    if tier.leader and tier.helper is not None:
+        tier.helper.hurry()
     done = replicate_last(tier)
     return done + (persist_last(tier) if over else drain(tier))
 
 
-def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str) -> int:
+def replication_rate(cap_mb: float, pace: float, interval: float | None, node_bytes: int) -> float:
+    """Bytes/s a node's helper sends a snapshot's replicas at (0: all at once). ``cap_mb``: the MB/s cap (0: none);
+    ``pace`` > 0 (``--tenplex-replication-rate auto``): the replication takes ``pace`` times ``interval``, the time
+    since the previous snapshot (none yet: not paced by it). A node with nothing to send still paces (any
+    positive rate): whether a replication is cut into rounds must be the same on every node."""
+    rate = cap_mb * 1e6
+    if pace > 0 and interval is not None and interval > 0:
+        paced = node_bytes / (pace * interval) if node_bytes else 1e30  # nothing to send: no wait
+        rate = min(rate, paced) if rate > 0 else paced
+    return rate
+
+
+def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str, interval: float | None = None,
+               unpaced: bool = False) -> int:
     """Collective: have the helpers copy this snapshot's files into the memory of the nodes that keep replicas
-    of them (in the background); returns the bytes this rank's node will send for this rank's file."""
+    of them (in the background), at :func:`replication_rate` (``unpaced``: at the cap alone, the job is
+    stopping); returns the bytes this rank's node will send for this rank's file."""
     if len(tier.nodes) < 2 or tier.replicas < 2:
         tier.replicated = it
         return 0
@@ -533,10 +557,13 @@ def _replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str
                 recvs.append([order.index(src), int(i["size"]), os.path.join(path, i["file"]), r,
                               memory_tier.spare_path(tier.mem, r)])
 
+    node_bytes = sum(int(infos[r]["size"]) for _, _, r in sends)
+    rate = replication_rate(tier.replication_rate, 0.0 if unpaced else tier.replication_pace, interval, node_bytes)
+
     def start() -> None:
         if tier.leader:
             assert tier.helper is not None
-            tier.helper.request("replicate", it, sends=sends, recvs=recvs, rate=tier.replication_rate * 1e6)
+            tier.helper.request("replicate", it, sends=sends, recvs=recvs, rate=rate)
 
     run_phase(f"{what}: starting the replication", start)
     mine = infos[rank()]

@@ -22,6 +22,8 @@ on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
   rounds of 8 MB slices, paced so that the node sends no faster.
 - ``remove``: delete retired snapshots (``paths``, already renamed out of the
   listing), so freeing their memory does not stall training.
+- ``hurry`` (no answer): from now on, send as fast as possible; a paced replication under way stops pacing at
+  its next round (the job is stopping: no training left to protect). Read between rounds.
 
 It runs as a background citizen (:func:`background_priority`: the idle CPU
 class, nice 19, the idle I/O class, one torch thread), blocks on its stdin between requests, and
@@ -219,10 +221,52 @@ def _take_spare(spare: str | None, tmp: str) -> bool:
     return True
 
 
-def _paced(ops: list[Any], rate: float) -> None:
+class Inbox:
+    """The requests read from stdin (one JSON line each), readable without blocking between a paced replication's
+    rounds: a ``hurry`` there ends its pacing, and the other requests wait their turn, in order."""
+
+    def __init__(self, fd: int = 0) -> None:
+        self.fd = fd
+        self.queue: list[dict[str, Any]] = []
+        self.hurry = False
+        self._buf = b""
+
+    def read(self, block: bool) -> bool:
+        """Take in what has arrived (waiting for something if ``block``); False once stdin is closed."""
+        if not block and not select.select([self.fd], [], [], 0)[0]:
+            return True
+        data = os.read(self.fd, 1 << 16)
+        if not data:
+            return False
+        self._buf += data
+        while b"\n" in self._buf:
+            line, self._buf = self._buf.split(b"\n", 1)
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            if req.get("op") == "hurry":
+                self.hurry = True
+            else:
+                self.queue.append(req)
+        return True
+
+    def requests(self) -> Any:
+        """The requests in order, until stdin closes."""
+        while True:
+            while not self.queue:
+                if not self.read(block=True):
+                    return
+            yield self.queue.pop(0)
+
+
+INBOX = Inbox()
+
+
+def _paced(ops: list[Any], rate: float, inbox: Inbox = INBOX) -> None:
     """Carry out the sends and receives ``ops`` in rounds of one ``SLICE`` of each message, sleeping between rounds
-    so that this node sends at most ``rate`` bytes per second. Every node cuts a message into the same slices (the
-    sizes are known on both sides), and a pair's messages of one tag arrive in order."""
+    so that this node sends at most ``rate`` bytes per second (until a ``hurry`` arrives). Every node cuts a
+    message into the same slices (the sizes are known on both sides), and a pair's messages of one tag arrive in
+    order, so each node paces on its own."""
     import time
 
     import torch.distributed as dist
@@ -238,9 +282,10 @@ def _paced(ops: list[Any], rate: float) -> None:
                 sent += part.numel() if op.op is dist.isend else 0
         for w in dist.batch_isend_irecv(now):
             w.wait()
-        ahead = sent / rate - (time.monotonic() - t0)
-        if ahead > 0:
-            time.sleep(ahead)
+        inbox.read(block=False)
+        while not inbox.hurry and (ahead := sent / rate - (time.monotonic() - t0)) > 0:
+            time.sleep(min(ahead, 0.05))
+            inbox.read(block=False)
 
 
 def _group(a: argparse.Namespace) -> Any:
@@ -269,10 +314,7 @@ def serve(argv: list[str] | None = None) -> None:
     bound_to_parent()
     background_priority()
     group = _group(a)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        req = json.loads(line)
+    for req in INBOX.requests():
         op, it = req["op"], int(req["iteration"])
         try:
             total = persist(req) if op == "persist" else remove(req) if op == "remove" else replicate(req, group)
@@ -307,6 +349,12 @@ class PersistHelper:
         self.answers.pop((op, iteration), None)  # an earlier request of the same snapshot (saved again)
         self.proc.stdin.write((json.dumps({"op": op, "iteration": iteration, **fields}) + "\n").encode())
         self.proc.stdin.flush()
+
+    def hurry(self) -> None:
+        """Tell the helper to stop pacing (the job is stopping); no answer comes."""
+        if self.alive and self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.write(b'{"op": "hurry", "iteration": 0}\n')
+            self.proc.stdin.flush()
 
     def poll(self, op: str, iteration: int, timeout: float = 0.0) -> dict[str, Any] | None:
         """The answer to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the

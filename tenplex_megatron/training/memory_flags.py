@@ -18,6 +18,16 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage import memory_tier
 
 
+def replication_rate_arg(value: str) -> float | str:
+    """``--tenplex-replication-rate``: MB/s, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MB/s or auto, got {value!r}") from None
+
+
 def add_memory_args(g: Any) -> None:
     """Add the host-memory flags to ``g`` (a parser or an argument group)."""
     g.add_argument("--tenplex-memory", nargs="?", const=memory_tier.default_dir(), default=None, metavar="DIR",
@@ -29,9 +39,10 @@ def add_memory_args(g: Any) -> None:
     g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
                    help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
                    "included (default 2: losing one node loses no snapshot)")
-    g.add_argument("--tenplex-replication-rate", type=float, default=0.0, metavar="MB/s",
+    g.add_argument("--tenplex-replication-rate", type=replication_rate_arg, default=0.0, metavar="MB/s|auto",
                    help="with --tenplex-memory: most bytes per second a node's helper sends replicas at, so that "
-                   "replication leaves training its CPU and network (default 0: as fast as it can)")
+                   "replication leaves training its CPU and network; auto: paced to take half the time between "
+                   "two snapshots (default 0: as fast as it can)")
     g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
                    help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
     g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
@@ -47,7 +58,7 @@ def check_memory_args(args: Any) -> str | None:
     for flag in ("persist_interval", "replicas", "memory_keep"):
         if getattr(args, f"tenplex_{flag}") < 1:
             return f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}"
-    if args.tenplex_replication_rate < 0:
+    if args.tenplex_replication_rate != "auto" and args.tenplex_replication_rate < 0:
         return f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {args.tenplex_replication_rate}"
     if args.tenplex_memory_limit is not None and args.tenplex_memory_limit <= 0:
         return f"--tenplex-memory-limit must be > 0 (GB), got {args.tenplex_memory_limit}"
@@ -66,7 +77,14 @@ def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None
                                  persist_interval=args.tenplex_persist_interval,
                                  replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
                                  fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
-                                 replication_rate=args.tenplex_replication_rate)
+                                 **replication_options(args.tenplex_replication_rate))
+
+
+def replication_options(rate: float | str) -> dict[str, float]:
+    """The tier's options for ``--tenplex-replication-rate``: a cap in MB/s, or ``auto`` pacing."""
+    if rate == "auto":
+        return {"replication_rate": 0.0, "replication_pace": memory_save.AUTO_PACE}
+    return {"replication_rate": float(rate)}
 
 
 def finish(tier: memory_save.MemoryTier, over: bool, say: Callable[[str], None]) -> None:

@@ -51,11 +51,14 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     assert min(run["steps"]["alone"], run["steps"]["during"], run["steps"]["during_mcore"]) > 0
     lo, hi = run["steps"]["alone_range"]  # the spread of the steps alone: the noise a slowdown is read against
     assert 0 < lo <= run["steps"]["alone"] <= hi
-    # unlimited with the durable copy, unlimited replication alone, and (--replication-rate 1) capped
-    unlimited, alone, capped = run["steps"]["windows"]
-    assert [w["persist"] for w in (unlimited, alone, capped)] == [True, False, True]
-    assert unlimited["rate"] == alone["rate"] == 0 and capped["rate"] == 1 and capped["background"] > 0
-    for w in (unlimited, alone, capped):  # --quick: 1 repetition; a window takes a step even if its background is done
+    # unlimited with the durable copy, unlimited replication alone, (--replication-rate 1) capped, and auto
+    unlimited, alone, capped, auto = run["steps"]["windows"]
+    assert [w["persist"] for w in (unlimited, alone, capped, auto)] == [True, False, True, True]
+    assert unlimited["rate"] == alone["rate"] == auto["rate"] == 0 and capped["rate"] == 1 and capped["background"] > 0
+    assert auto["pace"] == 0.5 and unlimited["pace"] == alone["pace"] == capped["pace"] == 0
+    # auto: the replication paced to take half the time since the snapshot before (a window's at least)
+    assert auto["since_last_snapshot"][0] > 0 and auto["background"] >= 0.5 * auto["since_last_snapshot"][0]
+    for w in (unlimited, alone, capped, auto):  # --quick: 1 repetition; a window takes a step even if its background is done
         assert len(w["steps"]) == len(w["slowdowns"]) == 1 and w["steps"][0] >= 1
         assert w["before"] > 0 and w["slowdown"] == pytest.approx(w["during"] / w["before"])
         assert w["slowdowns"][0] == pytest.approx(w["slowdown"])  # one window: its ratio is the kind's
@@ -67,6 +70,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     for line in ("RATIO save_stall tiny tenplex/memcpy = ", "RATIO step_slowdown tiny tenplex/alone = ",
                  "RATIO step_slowdown_capped tiny tenplex/alone = ",
                  "RATIO step_slowdown_replication_only tiny tenplex/alone = ",
+                 "RATIO step_slowdown_auto tiny tenplex/alone = ",
                  "RATIO restart_load tiny tenplex/durable_cold = ", "RATIO restart_whole tiny tenplex/durable_cold = ",
                  "RATIO restart_whole tiny tenplex/mcore_cold = ",
                  "RATIO restart_load_live tiny tenplex/durable_cold = ", "RATIO restart_whole_live tiny tenplex/mcore = ",

@@ -16,10 +16,20 @@ MEMORY = ["--tenplex", "--save", "ckpt", "--tenplex-memory", "/dev/shm/job"]
 def test_replication_rate_is_parsed_and_unlimited_by_default() -> None:
     assert parse_args([*BASE, *MEMORY]).tenplex_replication_rate == 0.0
     assert parse_args([*BASE, *MEMORY, "--tenplex-replication-rate", "25"]).tenplex_replication_rate == 25.0
+    assert parse_args([*BASE, *MEMORY, "--tenplex-replication-rate", "auto"]).tenplex_replication_rate == "auto"
+
+
+def test_replication_rate_becomes_the_tiers_cap_or_its_pace() -> None:
+    from tenplex_megatron.engine.memory_save import AUTO_PACE
+    from tenplex_megatron.training.memory_flags import replication_options
+
+    assert replication_options(25.0) == {"replication_rate": 25.0}
+    assert replication_options("auto") == {"replication_rate": 0.0, "replication_pace": AUTO_PACE}
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--tenplex-replication-rate", "-1"], "--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got -1.0"),
+    (["--tenplex-replication-rate", "fast"], "--tenplex-replication-rate: expected MB/s or auto, got 'fast'"),
     (["--tenplex-replicas", "0"], "--tenplex-replicas must be >= 1, got 0"),
     (["--tenplex-persist-interval", "0"], "--tenplex-persist-interval must be >= 1, got 0"),
     (["--tenplex-memory-limit", "0"], "--tenplex-memory-limit must be > 0 (GB), got 0.0"),

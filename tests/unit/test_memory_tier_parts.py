@@ -286,26 +286,66 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
         for i, n in enumerate((sizes[1] + 5000, sizes[0] // 2)):
             spares[i].write_bytes(os.urandom(n))
         inodes = [os.stat(sp).st_ino for sp in spares]
-        for it, rate in ((1, 0.0), (2, 40e6)):
+        # the third: capped at 1 MB/s (17 s for node 0's file), then both told to hurry (the job stops)
+        for it, rate in ((1, 0.0), (2, 40e6), (3, 1e6)):
             t0 = time.monotonic()
             for i, h in enumerate(helpers):
                 other = 1 - i
                 spare = [str(spares[i])] if it == 2 else []  # the second replication: over the spare's pages
                 h.request("replicate", it, rate=rate, sends=[[str(files[i]), other, i]],
                           recvs=[[other, sizes[other], str(nodes[i] / f"r{it}_{other}"), other, *spare]])
+            if it == 3:
+                time.sleep(1.0)
+                assert all(h.poll("replicate", 3) is None for h in helpers)  # still pacing
+                for h in helpers:
+                    h.hurry()
             got = [_answer(h, "replicate", it) for h in helpers]
             elapsed = time.monotonic() - t0
             assert all(g["ok"] for g in got), got
             for i in range(2):
                 other = 1 - i
                 assert (nodes[i] / f"r{it}_{other}").read_bytes() == files[other].read_bytes()
-            if rate:
+            if it == 2:
                 assert elapsed >= sizes[0] / rate, elapsed  # node 0 sent its file no faster than the cap
+            if it == 3:
+                assert elapsed < 0.5 * sizes[0] / rate, elapsed  # the hurry ended the pacing
         for i in range(2):  # the spare became the replica (same inode), truncated to the replica's size
             assert not spares[i].exists() and os.stat(nodes[i] / f"r2_{1 - i}").st_ino == inodes[i]
     finally:
         for h in helpers:
             h.close()
+
+
+def test_auto_replication_rate_spreads_a_replication_over_part_of_the_snapshot_interval() -> None:
+    from tenplex_megatron.engine.memory_save import AUTO_PACE, replication_rate
+
+    assert replication_rate(0.0, 0.0, 30.0, 10**9) == 0.0  # unlimited: all at once
+    assert replication_rate(25.0, 0.0, 30.0, 10**9) == 25e6  # a cap alone
+    assert replication_rate(0.0, AUTO_PACE, None, 10**9) == 0.0  # auto, first snapshot: no interval to pace by
+    assert replication_rate(0.0, AUTO_PACE, 40.0, 10**9) == pytest.approx(10**9 / 20.0)  # 1 GB over 20 s
+    assert replication_rate(25.0, AUTO_PACE, 40.0, 10**9) == 25e6  # the cap, where it is lower
+    assert replication_rate(100.0, AUTO_PACE, 40.0, 10**9) == pytest.approx(50e6)  # the pace, where it is
+    assert replication_rate(0.0, AUTO_PACE, 40.0, 0) > 0  # nothing to send: still cut in rounds, like the rest
+
+
+def test_the_helpers_inbox_reads_without_blocking_and_takes_a_hurry_out_of_turn() -> None:
+    from tenplex_megatron.storage.persist_helper import Inbox
+
+    r, w = os.pipe()
+    try:
+        box = Inbox(r)
+        assert box.read(block=False) and box.queue == []  # nothing there: no wait
+        os.write(w, b'{"op": "remove", "iteration": 1, "paths": []}\n{"op": "hurry", "iteration": 0}\n{"op": "per')
+        assert box.read(block=False)
+        assert box.hurry and [q["op"] for q in box.queue] == ["remove"]  # the partial line waits for its end
+        os.write(w, b'sist", "iteration": 2, "copies": []}\n')
+        os.close(w)
+        w = -1
+        assert [(q["op"], q["iteration"]) for q in box.requests()] == [("remove", 1), ("persist", 2)]
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
 
 
 def test_a_node_holds_its_own_ranks_and_those_it_keeps_replicas_of() -> None:
