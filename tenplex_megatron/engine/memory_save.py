@@ -513,6 +513,13 @@ def finish(tier: MemoryTier, over: bool) -> tuple[str, ...]:
     return done + (persist_last(tier) if over else drain(tier))
 
 
+def replication_options(rate: float | str) -> dict[str, float]:
+    """The tier's options for a replication rate (``--tenplex-replication-rate``): a cap in MB/s, or ``auto``."""
+    if rate == "auto":
+        return {"replication_rate": 0.0, "replication_pace": AUTO_PACE}
+    return {"replication_rate": float(rate)}
+
+
 def replication_rate(cap_mb: float, pace: float, interval: float | None, node_bytes: int) -> float:
     """Bytes/s a node's helper sends a snapshot's replicas at (0: all at once). ``cap_mb``: the MB/s cap (0: none);
     ``pace`` > 0 (``--tenplex-replication-rate auto``): the replication takes ``pace`` times ``interval``, the time

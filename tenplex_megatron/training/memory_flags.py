@@ -77,14 +77,8 @@ def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None
                                  persist_interval=args.tenplex_persist_interval,
                                  replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
                                  fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
-                                 **replication_options(args.tenplex_replication_rate))
+                                 **memory_save.replication_options(args.tenplex_replication_rate))
 
-
-def replication_options(rate: float | str) -> dict[str, float]:
-    """The tier's options for ``--tenplex-replication-rate``: a cap in MB/s, or ``auto`` pacing."""
-    if rate == "auto":
-        return {"replication_rate": 0.0, "replication_pace": memory_save.AUTO_PACE}
-    return {"replication_rate": float(rate)}
 
 
 def finish(tier: memory_save.MemoryTier, over: bool, say: Callable[[str], None]) -> None:

@@ -40,7 +40,7 @@ def run(mode: str, job: Job) -> dict:
     ckpt = os.path.join(job.dir, "ckpt")
     out: dict = {"mem": os.path.abspath(mem), "losses": {}}
     engine = build(job)
-    tier = tds.open_memory(mem, ckpt, persist_interval=2, replicas=2)
+    tier = tds.open_memory(mem, ckpt, persist_interval=2, replicas=2, replication_rate="auto")  # 4: paced
     first = 1
     if mode == "train":
         out["fresh"] = tds.load_latest(engine, tier, ckpt) is None  # neither a snapshot nor a durable checkpoint

@@ -87,8 +87,10 @@ def test_restart_at_new_layout_from_peer_memory_after_losing_a_node(tmp_path) ->
     assert r.returncode == 0, r.log[-3000:]
     ref = {m["iteration"]: m["loss"] for m in metrics(ref_log)}
 
+    # auto: snapshot 2 replicated at once, 4 and 6 paced by the time since the one before; the exit hurries it
     first = _agents(tmp_path, "first", ["a", "b"], ["--save-interval", "2", "--exit-interval", "6",
-                                                     "--tenplex-persist-interval", "2"])
+                                                     "--tenplex-persist-interval", "2",
+                                                     "--tenplex-replication-rate", "auto"])
     log = "\n".join(first)
     assert "persisted" in log and str(tmp_path / "ckpt" / "iter_0000004") in log, log[-3000:]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt"]

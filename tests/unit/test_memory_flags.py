@@ -20,8 +20,7 @@ def test_replication_rate_is_parsed_and_unlimited_by_default() -> None:
 
 
 def test_replication_rate_becomes_the_tiers_cap_or_its_pace() -> None:
-    from tenplex_megatron.engine.memory_save import AUTO_PACE
-    from tenplex_megatron.training.memory_flags import replication_options
+    from tenplex_megatron.engine.memory_save import AUTO_PACE, replication_options
 
     assert replication_options(25.0) == {"replication_rate": 25.0}
     assert replication_options("auto") == {"replication_rate": 0.0, "replication_pace": AUTO_PACE}

@@ -26,9 +26,11 @@ def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **op
     ``save_dir``: where snapshots are persisted (None: never). ``job``: the job's identity, by default its durable
     directory (another job's snapshots are never loaded). ``options``: those of ``--tenplex-memory``
     (``persist_interval``, ``replicas``, ``keep``, ``limit`` in bytes, ``fallback``, ``durable_keep``,
-    ``replication_rate`` in MB/s).
+    ``replication_rate`` in MB/s or ``"auto"``).
     """
     identity = os.path.abspath(job or save_dir or mem_dir)
+    if "replication_rate" in options:
+        options.update(memory_save.replication_options(options["replication_rate"]))
     memory_tier.say_huge_pages_hint(mem_dir)
     return memory_save.open_tier(mem_dir, identity, save_dir, start_helpers=True, **options)
 
