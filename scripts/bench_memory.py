@@ -15,13 +15,12 @@ then the training-step slowdown: the steps begun while a snapshot's replication 
 helper processes (until they are done), the same for replication alone (the snapshots between two durable
 copies with ``--tenplex-persist-interval`` above 1; with ``--replication-rate``, a window with replication
 capped at that rate, and the durable copy; and one with ``--tenplex-replication-rate auto``, paced by the time
-since the window before's snapshot, and the durable copy): each kind of window ``--windows`` times (default ``--reps``),
-round-robin, each right after one step alone, its slowdown the mean step in its windows over the mean of
-those steps alone (so a drift of the machine's speed does not count; each window's ratio is printed: the
-spread). Then
-``--steps`` steps right after megatron-core's async save; ``--steps`` steps alone before the windows and
-``--steps`` after are the baseline for that one (their spread is printed: the noise a slowdown is read
-against). Then the final state is saved by every system.
+since the window before's snapshot, and the durable copy): each kind of window ``--windows`` times
+(default ``--reps``), round-robin, each right after one step alone, its slowdown the mean step in its windows
+over the mean of those steps alone (so a drift of the machine's speed does not count; each window's ratio is
+printed: the spread). Then ``--steps`` steps right after megatron-core's async save; ``--steps`` steps alone
+before the windows and ``--steps`` after are the baseline for that one (their spread is printed: the noise a
+slowdown is read against). Then the final state is saved by every system.
 
 load phase, layout B (TP 2):
   memory_live     first, every repetition: restart with every node alive (the job restarts at a new layout,
@@ -180,10 +179,10 @@ def worker(a: argparse.Namespace) -> None:
 
             alone = steps()
             # unlimited with the durable copy; the same without it (the snapshots between two persists, with
-            # --tenplex-persist-interval above 1); capped (--replication-rate) with the durable copy. Each kind
+            # --tenplex-persist-interval above 1); capped (--replication-rate) with the durable copy; auto
+            # (--tenplex-replication-rate auto: paced by the time since the window before's snapshot). Each kind
             # --windows times (default --reps), round-robin, each window right after a step alone ("before"): its
             # pair, so that the slowdown is read against the steps around it, not against one baseline a drift moves
-            # and auto (--tenplex-replication-rate auto: paced by the time since the window before's snapshot)
             kinds = [(0.0, True, 0.0), (0.0, False, 0.0)] + (
                 [(a.replication_rate, True, 0.0)] if a.replication_rate else []) + [(0.0, True, memory_save.AUTO_PACE)]
             windows = []

@@ -56,9 +56,10 @@ _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
 
 
 def background_priority() -> list[str]:
-    """Make this process a background citizen: the idle CPU class (``SCHED_IDLE``: a training thread that wakes up
-    takes the core from it at once, where nice 19 alone can make it wait out the helper's slice), nice 19 where
-    that class is refused, the idle I/O class, one torch thread; returns what could not be set (never fatal)."""
+    """Make this process a background citizen: nice 19 and then the idle CPU class (``SCHED_IDLE``: a training
+    thread that wakes up takes the core from it at once, where nice 19 alone can make it wait out the helper's
+    slice; nice 19 is what is left where the class is refused), the idle I/O class, one torch thread; returns
+    what could not be set (never fatal)."""
     missed = []
     try:
         os.nice(19 - os.nice(0))
@@ -353,8 +354,11 @@ class PersistHelper:
     def hurry(self) -> None:
         """Tell the helper to stop pacing (the job is stopping); no answer comes."""
         if self.alive and self.proc.stdin is not None and not self.proc.stdin.closed:
-            self.proc.stdin.write(b'{"op": "hurry", "iteration": 0}\n')
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(b'{"op": "hurry", "iteration": 0}\n')
+                self.proc.stdin.flush()
+            except BrokenPipeError:  # it died meanwhile: the next poll reports that
+                pass
 
     def poll(self, op: str, iteration: int, timeout: float = 0.0) -> dict[str, Any] | None:
         """The answer to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
