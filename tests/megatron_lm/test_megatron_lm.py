@@ -254,13 +254,13 @@ def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp
 
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
 def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_node(tmp_path, script: str) -> None:
-    """Megatron-LM's own loop with --tenplex-memory on two nodes (K=2): snapshots at 2, 4, 6 (4 persisted too), exit
-    at 6; node b is lost and node c joins with empty memory; the restart at TP1 x DP2 loads snapshot 6 from node a's
+    """Megatron-LM's own loop with --tenplex-memory on two nodes (K=2): snapshots at 2, 4, 6 (4 persisted too;
+    replication paced by --tenplex-replication-rate auto, hurried at the exit), exit at 6; node b is lost and node c joins with empty memory; the restart at TP1 x DP2 loads snapshot 6 from node a's
     memory (c's rank receives its part), reads nothing of the durable checkpoint (made unreadable), continues the
     uninterrupted TP2 run's losses, and persists the last state when training is over."""
     ref = _reference(script, 95)
     log = _run_nodes(script, tmp_path, "first", ["a", "b"], 2, ["--exit-interval", "6", "--tenplex-persist-interval",
-                                                                 "2"])
+                                                                 "2", "--tenplex-replication-rate", "auto"])
     assert "> tenplex: snapshot of iteration 6 in host memory" in log, log[-3000:]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
     for node in ("a", "b"):  # both nodes hold both ranks' files of snapshot 6
