@@ -514,10 +514,17 @@ def finish(tier: MemoryTier, over: bool) -> tuple[str, ...]:
 
 
 def replication_options(rate: float | str) -> dict[str, float]:
-    """The tier's options for a replication rate (``--tenplex-replication-rate``): a cap in MB/s, or ``auto``."""
+    """The tier's options for a replication rate (``--tenplex-replication-rate``): a cap in MB/s, or ``auto``;
+    anything else is a ValueError naming it."""
     if rate == "auto":
         return {"replication_rate": 0.0, "replication_pace": AUTO_PACE}
-    return {"replication_rate": float(rate)}
+    try:
+        cap = float(rate)
+    except (TypeError, ValueError):
+        cap = -1.0
+    if not cap >= 0:
+        raise ValueError(f"replication_rate: expected MB/s (>= 0; 0: unlimited) or 'auto', got {rate!r}")
+    return {"replication_rate": cap}
 
 
 def replication_rate(cap_mb: float, pace: float, interval: float | None, node_bytes: int) -> float:

@@ -24,6 +24,9 @@ def test_replication_rate_becomes_the_tiers_cap_or_its_pace() -> None:
 
     assert replication_options(25.0) == {"replication_rate": 25.0}
     assert replication_options("auto") == {"replication_rate": 0.0, "replication_pace": AUTO_PACE}
+    for bad in ("fast", -1.0, float("nan")):  # DeepSpeed's open_memory(replication_rate=...) has no parser first
+        with pytest.raises(ValueError, match="replication_rate: expected MB/s"):
+            replication_options(bad)
 
 
 @pytest.mark.parametrize("flags, message", [
