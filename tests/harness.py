@@ -67,8 +67,10 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, script: str = PR
     return Run(p.returncode, p.stdout + p.stderr)
 
 
-def layout_flags(tp: int, pp: int) -> list[str]:
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+def layout_flags(tp: int, pp: int, vpp: int = 1) -> list[str]:
+    """Megatron-LM's layout flags; ``vpp`` > 1: the interleaved schedule with that many model chunks per rank."""
+    flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
+    return flags + (["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp > 1 else [])
 
 
 def metrics(path: str) -> list[dict]:

@@ -45,6 +45,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveSpec,
     MegatronCoreAdapter,
     adopt_megatron_checkpoint,
+    current_layout,
     load_job,
     save_job,
 )
@@ -184,17 +185,10 @@ _RECORDED_ARGS = (
 
 
 def _job(model: list[Any], optimizer: Any, scheduler: Any) -> LiveJob:
-    from megatron.core import mpu
     from megatron.training import get_args
 
     args = get_args()
-    if len(model) != 1:
-        raise NotImplementedError("tenplex: virtual (interleaved) pipeline stages are not supported yet")
-    layout = ParallelLayout(
-        mpu.get_tensor_model_parallel_world_size(),
-        mpu.get_pipeline_model_parallel_world_size(),
-        mpu.get_data_parallel_world_size(),
-    )
+    layout = current_layout(model)
     # The rows Megatron pads are the tokenizer's (``_vocab_size_with_padding(tokenizer.vocab_size)``), not
     # ``--vocab-size``: NullTokenizer adds an EOD token after ``--vocab-size`` tokens.
     from megatron.training import get_tokenizer

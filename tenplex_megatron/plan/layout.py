@@ -1,4 +1,4 @@
-"""Parallel layouts (TP, PP, DP) and the checks that a layout can hold a model. Pure Python."""
+"""Parallel layouts (TP, PP, VPP, DP, sequence parallelism) and the checks that a layout can hold a model. Pure Python."""
 
 from __future__ import annotations
 
@@ -44,46 +44,71 @@ def record_query_groups(model: dict[str, Any]) -> int | None:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Tensor-, pipeline- and data-parallel degrees of a job."""
+    """Tensor-, pipeline- and data-parallel degrees of a job, its virtual pipeline stages per rank (``vpp``,
+    Megatron's interleaved schedule) and whether sequence parallelism is on (``sp``: no tensor changes, recorded)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    vpp: int = 1
+    sp: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "vpp"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name}={value!r}: every parallel degree must be an integer >= 1")
+        if not isinstance(self.sp, bool):
+            raise LayoutError(f"sp={self.sp!r}: sequence parallelism is on or off (a bool)")
+        if self.vpp > 1 and self.pp < 2:
+            raise LayoutError(f"vpp={self.vpp} needs pp >= 2 (Megatron's interleaved schedule; here pp={self.pp})")
+        if self.sp and self.tp < 2:
+            raise LayoutError("sp (sequence parallelism) needs tp >= 2")
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
 
+    @property
+    def stages(self) -> int:
+        """Model chunks along the pipeline: PP x VPP."""
+        return self.pp * self.vpp
+
     def __str__(self) -> str:
-        return f"tp={self.tp},pp={self.pp},dp={self.dp}"
+        return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",vpp={self.vpp}" if self.vpp > 1 else "") + (
+            ",sp" if self.sp else "")
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
-        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1)."""
-        values: dict[str, int] = {}
+        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1), with optional ``vpp=N`` and ``sp``."""
+        values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, sep, num = part.partition("=")
             name = name.strip().lower()
-            if not sep or name not in ("tp", "pp", "dp"):
-                raise LayoutError(f"cannot parse layout {text!r}: expected e.g. tp=2,pp=2,dp=1")
+            if name == "sp" and (not sep or num.strip() in ("1", "true", "on")):
+                values["sp"] = True
+                continue
+            if not sep or name not in ("tp", "pp", "dp", "vpp"):
+                raise LayoutError(f"cannot parse layout {text!r}: expected e.g. tp=2,pp=2,dp=1 (optionally vpp=2, sp)")
             try:
                 values[name] = int(num)
             except ValueError:
                 raise LayoutError(f"cannot parse layout {text!r}: {name}={num!r} is not an integer") from None
         return cls(**values)
 
-    def to_json(self) -> dict[str, int]:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+    def to_json(self) -> dict[str, Any]:
+        """``tp``, ``pp``, ``dp``; ``vpp`` and ``sp`` only when set (records written before they existed match)."""
+        out: dict[str, Any] = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
+        if self.vpp > 1:
+            out["vpp"] = self.vpp
+        if self.sp:
+            out["sp"] = True
+        return out
 
     @classmethod
-    def from_json(cls, d: dict[str, int]) -> ParallelLayout:
-        return cls(tp=int(d["tp"]), pp=int(d["pp"]), dp=int(d["dp"]))
+    def from_json(cls, d: dict[str, Any]) -> ParallelLayout:
+        return cls(tp=int(d["tp"]), pp=int(d["pp"]), dp=int(d["dp"]), vpp=int(d.get("vpp") or 1),
+                   sp=bool(d.get("sp", False)))
 
     def rank_coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order (tp-dp-pp)."""
@@ -106,7 +131,10 @@ class ParallelLayout:
             )
         if shape.hidden_size % self.tp:
             problems.append(f"TP={self.tp} does not divide the hidden size ({shape.hidden_size})")
-        if shape.num_layers % self.pp:
+        if self.vpp > 1 and shape.num_layers % (self.pp * self.vpp):
+            problems.append(f"PP x VPP = {self.pp} x {self.vpp} does not divide the number of layers "
+                            f"({shape.num_layers})")
+        elif shape.num_layers % self.pp:
             problems.append(f"PP={self.pp} does not divide the number of layers ({shape.num_layers})")
         if world_size is not None and world_size != self.world_size:
             problems.append(

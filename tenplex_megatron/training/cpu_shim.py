@@ -4,13 +4,18 @@ megatron-core hard-codes CUDA in a handful of places (device arguments, the
 CUDA RNG tracker, ``torch.cuda.synchronize``, ``Tensor.type()`` checks in the
 distributed optimizer). :func:`install` redirects each of them to the CPU so
 that the real GPTModel, DDP, DistributedOptimizer and pipeline schedules run
-over gloo. It refuses to run when a GPU is present: on a GPU nothing is
+over gloo. It also gives megatron-core's torch norm what apex's and Transformer
+Engine's norms give it on a GPU: sequence parallelism (the norm's parameters
+marked ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their
+grads over TP); and it keeps pipeline outputs alive until gloo has sent them
+(see :func:`_keep_pipeline_outputs`). It refuses to run when a GPU is present: on a GPU nothing is
 redirected.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
@@ -54,6 +59,60 @@ class _NullStream:
         return None
 
 
+def _sequence_parallel_norm() -> None:
+    """Let megatron-core's ``WrappedTorchNorm`` (the norm without apex or TE) run with sequence parallelism.
+
+    It asserts SP is off; apex's ``FusedLayerNorm`` instead marks its weight and bias ``sequence_parallel`` (the
+    grads of replicated parameters that saw only this rank's part of the sequence are then summed over TP). The
+    torch norm computes the same per token, so it is built as usual and marked the same way."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original = WrappedTorchNorm.__new__
+
+    def new(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(config, "sequence_parallel", False):
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = new  # type: ignore[method-assign]
+
+
+def _keep_pipeline_outputs() -> None:
+    """Keep the storage of every pipeline output the schedules free until the next schedule call.
+
+    With ``deallocate_pipeline_outputs`` (Megatron-LM sets it) a stage frees the storage of the activation it has
+    just sent (``out.data = torch.empty(1)``). NCCL's send is ordered on the CUDA stream, so that is safe on a GPU;
+    gloo's asynchronous send (the interleaved schedule overlaps its p2p transfers) still reads the old storage from
+    its own thread, and the next stage received freed memory: wrong activations, losses off or NaN. The tensor is
+    still pseudo-freed (the schedule's backward checks it); only its old storage lives on for one step."""
+    from megatron.core.pipeline_parallel import schedules
+
+    kept: list[torch.Tensor] = []
+    deallocate = schedules.deallocate_output_tensor
+
+    def keep_then_deallocate(out: Any, deallocate_pipeline_outputs: bool = False) -> None:
+        if out is not None and deallocate_pipeline_outputs:
+            kept.append(out.data)
+        deallocate(out, deallocate_pipeline_outputs)
+
+    def releasing(schedule: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            kept.clear()  # every send of the previous step was received: its buffers are free to go
+            return schedule(*args, **kwargs)
+
+        return run
+
+    schedules.deallocate_output_tensor = keep_then_deallocate
+    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                 "forward_backward_pipelining_with_interleaving"):
+        setattr(schedules, name, releasing(getattr(schedules, name)))
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA calls to the CPU for this process (idempotent)."""
     global _INSTALLED
@@ -77,5 +136,7 @@ def install() -> None:
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
+    _sequence_parallel_norm()
+    _keep_pipeline_outputs()
     _CpuDeviceMode().__enter__()
     _INSTALLED = True

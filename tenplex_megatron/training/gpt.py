@@ -90,7 +90,7 @@ class GPTJob:
 
     spec: GPTSpec
     layout: ParallelLayout
-    model: list[Any]  # DDP-wrapped model chunks (one; no virtual pipeline)
+    model: list[Any]  # DDP-wrapped model chunks: one, or one per virtual pipeline stage (VPP)
     optimizer: Any
     scheduler: Any
     use_distributed_optimizer: bool
@@ -143,6 +143,9 @@ def build_job(
 
     world = torch.distributed.get_world_size()
     layout.check_fits(spec.shape(), world_size=world)
+    if layout.sp and spec.seq_length % layout.tp:
+        raise ValueError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
+                         "(each TP rank holds a slice of the sequence)")
     num_microbatches(global_batch_size, micro_batch_size, layout.dp)  # raises naming the valid choices
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
@@ -150,7 +153,8 @@ def build_job(
         raise ValueError(f"padded vocabulary {padded_vocab} must be >= {spec.vocab_size} and a multiple of TP={layout.tp}")
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
     )
     model_parallel_cuda_manual_seed(spec.seed)
     torch.manual_seed(spec.seed)
@@ -165,6 +169,13 @@ def build_job(
         attention_dropout=spec.attention_dropout,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        # Megatron-LM's defaults: interleaving overlaps its p2p transfers, each direction in its own group (batched,
+        # PP=2 would post a send of gradients and one of activations to the same peer, matched in posting order)
+        overlap_p2p_comm=layout.vpp > 1,
+        batch_p2p_comm=layout.vpp == 1,
+        deallocate_pipeline_outputs=True,
+        sequence_parallel=layout.sp,
         use_cpu_initialization=not on_gpu,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
@@ -181,34 +192,43 @@ def build_job(
         add_bias_linear=spec.add_bias_linear,
         num_query_groups=spec.query_groups,
     )
-    model = GPTModel(
-        config=config,
-        # the local (non-Transformer-Engine) spec; RMSNorm is torch.nn.RMSNorm there (WrappedTorchNorm)
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=spec.normalization),
-        vocab_size=padded_vocab,
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-        position_embedding_type=spec.position_embedding_type,
-        rotary_percent=spec.rotary_percent,
-        rotary_base=spec.rotary_base,
-    )
-    if on_gpu:
-        model.cuda(torch.cuda.current_device())
-    if spec.bf16:
-        from megatron.core.transformer.module import Float16Module
+    spec_layers = get_gpt_layer_local_spec(normalization=spec.normalization)
+    vpp = layout.vpp if layout.vpp > 1 else None
+    chunks = []
+    for stage in range(layout.vpp):  # one model chunk per virtual stage (Megatron-LM's get_model)
+        chunks.append(GPTModel(
+            config=config,
+            # the local (non-Transformer-Engine) spec; RMSNorm is torch.nn.RMSNorm there (WrappedTorchNorm)
+            transformer_layer_spec=spec_layers,
+            vocab_size=padded_vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=stage),
+            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+            position_embedding_type=spec.position_embedding_type,
+            rotary_percent=spec.rotary_percent,
+            rotary_base=spec.rotary_base,
+            vp_stage=stage if vpp else None,
+        ))
+    model = []
+    for stage, chunk in enumerate(chunks):
+        if on_gpu:
+            chunk.cuda(torch.cuda.current_device())
+        if spec.bf16:
+            from megatron.core.transformer.module import Float16Module
 
-        model = Float16Module(config, model)  # as Megatron-LM does: casts inputs and outputs
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=use_distributed_optimizer,
-    )
-    ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+            chunk = Float16Module(config, chunk)  # as Megatron-LM does: casts inputs and outputs
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+        )
+        # As Megatron-LM's get_model: bucketing only in the first chunk (the others overlap with compute anyway)
+        model.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                             disable_bucketing=stage > 0))
     # As Megatron-LM's training loop does: DP grad reduction and tied-embedding grad all-reduce.
     config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=spec.lr,
@@ -221,7 +241,7 @@ def build_job(
         params_dtype=params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    optimizer = get_megatron_optimizer(opt_config, [ddp])
+    optimizer = get_megatron_optimizer(opt_config, model)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -238,7 +258,7 @@ def build_job(
     return GPTJob(
         spec=spec,
         layout=layout,
-        model=[ddp],
+        model=model,
         optimizer=optimizer,
         scheduler=scheduler,
         use_distributed_optimizer=use_distributed_optimizer,
@@ -281,6 +301,9 @@ def forward_backward(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor
         chunk.zero_grad_buffer()
     job.optimizer.zero_grad()
     fwd_bwd = get_forward_backward_func()
+    if len(job.model) > 1:  # the interleaved schedule reads each model chunk's micro-batches from its own iterator
+        batches = list(data_iterator)
+        data_iterator = [iter(batches) for _ in job.model]  # type: ignore[assignment]
     return fwd_bwd(
         forward_step_func=make_forward_step(),
         data_iterator=data_iterator,

@@ -60,11 +60,9 @@ from tenplex_megatron.training.tokenizer import (
 )
 
 MEGATRON_FLAGS_NOT_SUPPORTED = (
-    "--num-layers-per-virtual-pipeline-stage",
     "--context-parallel-size",
     "--expert-model-parallel-size",
     "--fp16",
-    "--sequence-parallel",
 )
 
 
@@ -102,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default 1 (or chosen)")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved pipeline: layers per virtual stage (VPP = layers / PP / this)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
+                   help="interleaved pipeline: virtual stages (model chunks) per pipeline rank (VPP)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="split the sequence over the TP ranks outside attention and MLP (off at TP 1, as in "
+                   "Megatron-LM)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="required unless --tenplex-layout chooses it")
@@ -219,10 +224,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--micro-batch-size is required (or let --tenplex-layout choose it)")
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
+    if args.tensor_model_parallel_size == 1:  # Megatron-LM's rule: a restart at TP 1 keeps its command line
+        args.sequence_parallel = False
+    args.virtual_pipeline_model_parallel_size = virtual_stages(parser, args)
     if args.group_query_attention and args.num_query_groups % args.tensor_model_parallel_size:
         parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                      f"--num-query-groups {args.num_query_groups} (TP splits the key/value head groups)")
     return args
+
+
+def virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """VPP from Megatron-LM's two interleaving flags (at most one), checked against PP and the layers."""
+    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
+    if per_stage is None and per_rank is None:
+        return 1
+    if per_stage is not None and per_rank is not None:
+        parser.error("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
+    pp = args.pipeline_model_parallel_size
+    flag = "--num-layers-per-virtual-pipeline-stage" if per_stage is not None else \
+        "--num-virtual-stages-per-pipeline-rank"
+    if pp < 2:
+        parser.error(f"{flag} needs --pipeline-model-parallel-size >= 2 (here {pp}): interleaving splits each "
+                     "pipeline rank's layers into several model chunks")
+    if per_stage is not None:
+        if per_stage < 1 or args.num_layers % (pp * per_stage):
+            parser.error(f"{flag} {per_stage}: PP x it = {pp} x {per_stage} must divide --num-layers "
+                         f"{args.num_layers}")
+        return args.num_layers // (pp * per_stage)
+    if per_rank < 1 or args.num_layers % (pp * per_rank):
+        parser.error(f"{flag} {per_rank}: PP x it = {pp} x {per_rank} must divide --num-layers {args.num_layers}")
+    return per_rank
 
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
@@ -312,7 +343,8 @@ def run(args: argparse.Namespace) -> None:
             f"pretrain_gpt.py: error: world size {world} is not divisible by "
             f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp} x {pp}"
         )
-    layout = ParallelLayout(tp, pp, world // (tp * pp))
+    layout = ParallelLayout(tp, pp, world // (tp * pp), vpp=args.virtual_pipeline_model_parallel_size,
+                            sp=bool(args.sequence_parallel and tp > 1))
     spec = spec_from_args(args)
     tier = memory_flags.open_memory(args)
     from_memory = memory_load.choose(tier, args.load) if tier is not None else None

@@ -58,13 +58,19 @@ class Variant:
     untie: bool = False
     bf16: bool = False
     llama: bool = False  # LLAMA_FLAGS: RoPE, RMSNorm, no biases, 8 heads in 4 key/value groups
+    sp: bool = False  # --sequence-parallel on both sides (Megatron-LM's rule turns it off at TP 1)
+    layers: int = 2  # 4: PP2 x VPP2 has one layer per model chunk
 
     def tag(self) -> str:
         return f"{'dist' if self.distopt else 'plain'}_v{self.vocab}{'_untied' if self.untie else ''}" \
-               f"{'_bf16' if self.bf16 else ''}{'_llama' if self.llama else ''}"
+               f"{'_bf16' if self.bf16 else ''}{'_llama' if self.llama else ''}{'_sp' if self.sp else ''}" \
+               f"{f'_l{self.layers}' if self.layers != 2 else ''}"
 
     def flags(self) -> list[str]:
-        f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS)]
+        f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS),
+             "--num-layers", str(self.layers)]
+        if self.sp:
+            f.append("--sequence-parallel")
         if self.llama:
             f.extend(LLAMA_FLAGS)
         if self.distopt:
@@ -89,8 +95,13 @@ class Scenario:
     solo: bool = False
 
 
-def _world(layout: tuple[int, int, int]) -> int:
+def _world(layout: tuple[int, ...]) -> int:
     return layout[0] * layout[1] * layout[2]
+
+
+def _layout_flags(layout: tuple[int, ...]) -> list[str]:
+    """(TP, PP, DP) or (TP, PP, DP, VPP) as the trainer's flags."""
+    return layout_flags(layout[0], layout[1], layout[3] if len(layout) > 3 else 1)
 
 
 class Runs:
@@ -108,9 +119,8 @@ class Runs:
         self.done: set[str] = set()
         self.failed: dict[str, str] = {}
 
-    def ref_dir(self, layout: tuple[int, int, int], v: Variant) -> str:
-        tp, pp, dp = layout
-        return os.path.join(self.root, f"ref_{tp}{pp}{dp}_{v.tag()}")
+    def ref_dir(self, layout: tuple[int, ...], v: Variant) -> str:
+        return os.path.join(self.root, f"ref_{''.join(map(str, layout))}_{v.tag()}")
 
     def _refs(self) -> set[tuple]:
         return {sc.src for sc in self.scenarios.values() if not isinstance(sc.src, str)}
@@ -136,7 +146,7 @@ class Runs:
             for lay, var in sorted((r for r in self._refs() if _world(r[0]) == world), key=lambda r: (r[0], r[1].tag())):
                 d = self.ref_dir(lay, var)
                 os.makedirs(d, exist_ok=True)  # a failed launch made it: the retry reports that launch's error
-                tasks.append([*TINY_GPT, *var.flags(), *layout_flags(*lay[:2]), "--save", f"{d}/ckpt",
+                tasks.append([*TINY_GPT, *var.flags(), *_layout_flags(lay), "--save", f"{d}/ckpt",
                               "--save-interval", str(SAVE_AT), "--tenplex-metrics", f"{d}/metrics.jsonl"])
             self._launch(key, world, tasks)
         return self.ref_dir(layout, v)
@@ -176,7 +186,7 @@ class Runs:
                 s = self.scenarios[n]
                 d = os.path.join(self.root, n)
                 os.makedirs(d, exist_ok=True)  # a failed launch made it: the retry reports that launch's error
-                tasks.append([*TINY_GPT, *s.variant.flags(), *layout_flags(*s.dst[:2]), "--load", self.source(s),
+                tasks.append([*TINY_GPT, *s.variant.flags(), *_layout_flags(s.dst), "--load", self.source(s),
                               "--tenplex-resave", f"{d}/resave", "--tenplex-metrics", f"{d}/metrics.jsonl",
                               "--exit-interval", str(s.iters), *s.extra])
             self._launch(key, _world(self.scenarios[name].dst), tasks)
@@ -245,6 +255,20 @@ LLAMA_TRANSITIONS = {
     "llama-TP2-PP2": ((2, 1, 1), (1, 2, 1), "a PP change (and TP2 -> TP1: all groups on one rank)"),
     "llama-DP1-DP2": ((2, 1, 1), (2, 1, 2), "a DP change: the distributed optimizer's shards re-cut"),
 }
+#: What GPU runs turn on: sequence parallelism and interleaved (virtual) pipelines, each changed in both directions.
+#: name -> (from, to, variant, what it covers); a 4th layout entry is VPP (model chunks per pipeline rank).
+V_SP, V_L4, V_L4_PLAIN, V_L4_SP = (Variant(sp=True), Variant(layers=4), Variant(layers=4, distopt=False),
+                                   Variant(layers=4, sp=True))
+GPU_FLAG_TRANSITIONS = {
+    "sp-TP2-TP1DP2": ((2, 1, 1), (1, 1, 2), V_SP, "TP2 + SP -> TP1 x DP2 (SP off at TP 1, as in Megatron-LM)"),
+    "sp-TP1DP2-TP2": ((1, 1, 2), (2, 1, 1), V_SP, "TP1 x DP2 -> TP2 + SP"),
+    "vpp-PP2VPP2-TP2": ((1, 2, 1, 2), (2, 1, 1), V_L4, "PP2 x VPP2 -> TP2"),
+    "vpp-TP2-PP2VPP2": ((2, 1, 1), (1, 2, 1, 2), V_L4, "TP2 -> PP2 x VPP2"),
+    "vpp-PP2VPP2-PP2": ((1, 2, 1, 2), (1, 2, 1), V_L4, "VPP2 -> plain PP2 on the same ranks"),
+    "vpp-PP2VPP2-DP2-plain": ((1, 2, 1, 2), (1, 1, 2), V_L4_PLAIN, "PP2 x VPP2 -> DP2, plain optimizer"),
+    "vpp-sp-TP2PP2VPP2-DP4": ((2, 2, 1, 2), (1, 1, 4), V_L4_SP, "TP2 + SP x PP2 x VPP2 -> DP4"),
+    "vpp-sp-DP4-TP2PP2VPP2": ((1, 1, 4), (2, 2, 1, 2), V_L4_SP, "DP4 -> TP2 + SP x PP2 x VPP2"),
+}
 MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
 SCENARIOS: dict[str, Scenario] = {
     **{f"{n}-{v.tag()}": Scenario((a, v), b, v) for n, (a, b) in TRANSITIONS.items() for v in (V_DIST, V_PLAIN)},
@@ -256,6 +280,7 @@ SCENARIOS: dict[str, Scenario] = {
                                                                            ((1, 1, 1), (2, 1, 1)))},
     "bf16": Scenario(((2, 1, 1), V_BF16), (1, 1, 2), V_BF16),
     **{n: Scenario((a, V_LLAMA), b, V_LLAMA) for n, (a, b, _) in LLAMA_TRANSITIONS.items()},
+    **{n: Scenario((a, v), b, v) for n, (a, b, v, _) in GPU_FLAG_TRANSITIONS.items()},
     "rt-there-(2, 2, 1)-(1, 1, 4)": Scenario(((2, 2, 1), V_DIST), (1, 1, 4), V_DIST, iters=SAVE_AT),
     "rt-back-(2, 2, 1)-(1, 1, 4)": Scenario("rt-there-(2, 2, 1)-(1, 1, 4)", (2, 2, 1), V_DIST, iters=SAVE_AT),
     "rt-there-(1, 1, 2)-(1, 1, 1)": Scenario(((1, 1, 2), V_PLAIN), (1, 1, 1), V_PLAIN, iters=SAVE_AT),
@@ -413,3 +438,29 @@ def test_rng_policy(runs: Runs) -> None:
     assert ra == rb
     assert ra["0"]["torch"] != _rng(_ckpt(ref))["0"]["torch"]
     assert ra["0"]["tracker"] != _rng(_ckpt(ref))["0"]["tracker"]
+
+
+def _recorded_layout(ckpt_dir: str) -> ParallelLayout:
+    with open(os.path.join(ckpt_dir, "metadata.json")) as f:
+        return ParallelLayout.from_json(json.load(f)["layout"])
+
+
+def _expected_layout(layout: tuple[int, ...], v: Variant) -> ParallelLayout:
+    return ParallelLayout(*layout, sp=v.sp and layout[0] > 1)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", list(GPU_FLAG_TRANSITIONS))
+def test_sequence_parallel_and_interleaved_pipelines(runs: Runs, name: str) -> None:
+    """SP and VPP on either side of a restart: the layout (with SP and VPP) recorded, the re-saved tensors equal the
+    originals element by element, the losses continue the uninterrupted run's, and the pure layout model puts the
+    model's chunks (every virtual stage's layers) where megatron-core did."""
+    src, dst, v, _ = GPU_FLAG_TRANSITIONS[name]
+    ref = runs.reference(src, v)
+    d = runs.resume(name)
+    assert _recorded_layout(_ckpt(ref)) == _expected_layout(src, v)
+    assert _recorded_layout(_resaved(d)) == _expected_layout(dst, v)
+    full = read_full_tensors(_resaved(d))
+    assert full["decoder.layers.mlp.linear_fc2.weight"].shape[0] == v.layers
+    assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
+    assert_losses_continue(ref, d, LOSS_RTOL)
+    assert_layout_model_matches(_resaved(d), dst, v.distopt)

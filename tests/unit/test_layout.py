@@ -156,3 +156,55 @@ def test_rank_coords_table() -> None:
         (0, 0, 0), (1, 0, 0), (0, 0, 1), (1, 0, 1),
         (0, 1, 0), (1, 1, 0), (0, 1, 1), (1, 1, 1),
     ]
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("tp=2,pp=2,dp=1,vpp=2", ParallelLayout(2, 2, 1, vpp=2)),
+        ("tp=2,sp", ParallelLayout(2, sp=True)),
+        ("tp=4,pp=2,vpp=3,sp=1,dp=2", ParallelLayout(4, 2, 2, vpp=3, sp=True)),
+    ],
+)
+def test_parse_vpp_and_sp(text: str, expected: ParallelLayout) -> None:
+    assert ParallelLayout.parse(text) == expected
+    assert ParallelLayout.parse(str(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [({"pp": 1, "vpp": 2}, "vpp=2 needs pp >= 2"), ({"tp": 1, "sp": True}, "sp (sequence parallelism) needs tp >= 2"),
+     ({"pp": 2, "vpp": 0}, "vpp=0"), ({"tp": 2, "sp": "yes"}, "sp='yes'")],
+)
+def test_vpp_and_sp_constraints_named(kwargs: dict, needle: str) -> None:
+    with pytest.raises(LayoutError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        ParallelLayout(**kwargs)
+
+
+def test_json_records_vpp_and_sp_only_when_set() -> None:
+    """A layout without VPP or SP writes the record older checkpoints have (so the RNG policy still sees them as
+    the same layout); the new fields round-trip when set."""
+    assert ParallelLayout(2, 1, 1).to_json() == {"tp": 2, "pp": 1, "dp": 1}
+    assert ParallelLayout.from_json({"tp": 2, "pp": 1, "dp": 1}) == ParallelLayout(2, 1, 1)
+    full = ParallelLayout(2, 2, 1, vpp=2, sp=True)
+    assert full.to_json() == {"tp": 2, "pp": 2, "dp": 1, "vpp": 2, "sp": True}
+    assert ParallelLayout.from_json(full.to_json()) == full
+    assert full.world_size == 4 and full.stages == 4
+
+
+def test_check_fits_counts_virtual_stages() -> None:
+    ParallelLayout(1, 2, 1, vpp=2).check_fits(SHAPE)  # 4 layers in 4 stages
+    with pytest.raises(LayoutError, match=r"PP x VPP = 2 x 4 does not divide the number of layers \(4\)"):
+        ParallelLayout(1, 2, 1, vpp=4).check_fits(SHAPE)
+
+
+def test_layout_model_interleaves_layers_over_virtual_stages() -> None:
+    """Pipeline rank r holds virtual stages r, r + PP, ...: with 8 layers at PP2 x VPP2, rank 0 holds layers 0-1
+    and 4-5, rank 1 layers 2-3 and 6-7 (megatron-core's interleaved assignment)."""
+    from tenplex_megatron.plan.ptc import TensorMeta
+    from tenplex_megatron.plan.sim.sharding import local_param_boxes
+
+    t = TensorMeta(key="decoder.layers.x", global_shape=(8, 4), dtype="float32", stage="layers")
+    layers = {r: [boxes[0][0][0] for boxes in local_param_boxes(t, ParallelLayout(1, 2, 1, vpp=2), 0, r)]
+              for r in (0, 1)}
+    assert layers == {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}

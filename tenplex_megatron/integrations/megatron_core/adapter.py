@@ -145,16 +145,26 @@ def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) 
     return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
 
 
+def current_layout(chunks: list[Any]) -> ParallelLayout:
+    """The running job's layout from megatron-core's parallel state: TP, PP, DP, VPP (one model chunk per virtual
+    stage) and sequence parallelism (from the model's config)."""
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if len(chunks) != vpp:
+        raise ValueError(f"tenplex: {len(chunks)} model chunks, but megatron-core's virtual pipeline size is {vpp}: "
+                         "pass every model chunk (one per virtual stage), in order")
+    config = getattr(unwrap(chunks[0]), "config", None)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return ParallelLayout(tp, parallel_state.get_pipeline_model_parallel_world_size(),
+                          parallel_state.get_data_parallel_world_size(), vpp=vpp,
+                          sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1)
+
+
 def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,
              args: dict[str, Any] | None = None) -> LiveJob:
     """A :class:`LiveJob` over a model built by anyone: the layout from megatron-core's parallel state, the padded
     vocabulary from the GPTModel, the real vocabulary rows from ``vocab_size`` (default: all rows are real)."""
     chunks = list(model) if isinstance(model, list | tuple) else [model]
-    if len(chunks) != 1:
-        raise NotImplementedError("tenplex: virtual (interleaved) pipeline stages are not supported yet")
-    layout = ParallelLayout(parallel_state.get_tensor_model_parallel_world_size(),
-                            parallel_state.get_pipeline_model_parallel_world_size(),
-                            parallel_state.get_data_parallel_world_size())
+    layout = current_layout(chunks)
     padded = int(getattr(unwrap(chunks[0]), "vocab_size", 0) or 0)
     if padded <= 0:
         raise ValueError("tenplex: the model has no vocab_size attribute (is it a megatron-core GPTModel?)")
@@ -170,7 +180,7 @@ def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *
                     extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
     """Collective: save a megatron-core model, optimizer and scheduler as a tenplex checkpoint.
 
-    ``model``: the (DDP-wrapped) GPTModel or a one-element list of it. ``iteration``
+    ``model``: the (DDP-wrapped) GPTModel, or the list of its model chunks (one per virtual pipeline stage). ``iteration``
     names the checkpoint (``iter_NNNNNNN``); ``consumed_samples`` is the data
     position a restart resumes from; ``vocab_size``: the tokenizer's real rows
     (the rest of the embedding is padding). ``extra``: JSON your loop wants back.

@@ -34,7 +34,9 @@ def unwrap(module: Any) -> Any:
 
 
 def model_sharded_state_dict(job: Any) -> dict:
-    return unwrap(job.model[0]).sharded_state_dict(metadata={"singleton_local_shards": False})
+    """Every model chunk's sharded state dict (one chunk per virtual pipeline stage), as Megatron-LM keys them."""
+    chunks = [unwrap(m).sharded_state_dict(metadata={"singleton_local_shards": False}) for m in job.model]
+    return chunks[0] if len(chunks) == 1 else {f"model{i}": sd for i, sd in enumerate(chunks)}
 
 
 def _is_main(replica_id: Any) -> bool:
@@ -167,22 +169,22 @@ def _plain_optimizer_chunks(opt: Any, model_sd: dict, ctx: _Ctx) -> list[LocalCh
 
 
 def _context(job: Any) -> _Ctx:
-    model = unwrap(job.model[0])
     stages: dict[int, str] = {}
-    for name, role in (("embedding", "first"), ("output_layer", "last")):
-        module = getattr(model, name, None)
-        if module is not None:
-            stages.update({id(p): role for p in module.parameters()})
-    final_ln = getattr(getattr(model, "decoder", None), "final_layernorm", None)
-    if final_ln is not None:
-        stages.update({id(p): "last" for p in final_ln.parameters()})
     tied = None
-    if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "pre_process", False):
-        tied = id(model.shared_embedding_or_output_weight())
-    if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "post_process", False):
-        out = model.shared_embedding_or_output_weight()
-        stages[id(out)] = "first"  # the last stage's copy of the word embedding
-        tied = id(out)
+    for model in map(unwrap, job.model):  # with VPP, the first stage is chunk 0 and the last the last chunk
+        for name, role in (("embedding", "first"), ("output_layer", "last")):
+            module = getattr(model, name, None)
+            if module is not None:
+                stages.update({id(p): role for p in module.parameters()})
+        final_ln = getattr(getattr(model, "decoder", None), "final_layernorm", None)
+        if final_ln is not None:
+            stages.update({id(p): "last" for p in final_ln.parameters()})
+        if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "pre_process", False):
+            tied = id(model.shared_embedding_or_output_weight())
+        if getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "post_process", False):
+            out = model.shared_embedding_or_output_weight()
+            stages[id(out)] = "first"  # the last stage's copy of the word embedding
+            tied = id(out)
     return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, stages, tied)
 
 

@@ -2,7 +2,8 @@
 
 This mirrors megatron-core's sharding so that a plan can be made without
 building the model: TP splits ``tp_axis`` in ``tp_parts`` groups (SwiGLU's fc1
-is two), PP splits the layer axis evenly, the embedding lives on the first
+is two), PP x VPP splits the layer axis evenly (pipeline rank r holds virtual
+stages r, r + PP, ...), the embedding lives on the first
 stage (and, tied, on the last), the final norm and output layer on the last.
 Under the distributed optimizer each model-parallel rank's parameters are laid
 end to end in one buffer, padded to a multiple of DP, and each DP rank owns a
@@ -67,15 +68,16 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
     """This model-parallel rank's parameters of tensor ``t``: one list of part boxes per parameter."""
     shape = list(t.global_shape)
     zeros = [0] * len(shape)
-    if t.stage == "layers":
+    if t.stage == "layers":  # PP x VPP stages of equal size; pipeline rank r holds stages r, r + PP, r + 2 PP, ...
         layers = shape[0]
-        if layers % layout.pp:
-            raise LayoutError(f"PP={layout.pp} does not divide the number of layers ({layers})")
-        per = layers // layout.pp
+        if layers % layout.stages:
+            raise LayoutError(f"PP x VPP = {layout.pp} x {layout.vpp} does not divide the number of layers ({layers})")
+        per = layers // layout.stages
         out = []
-        for layer in range(pp_rank * per, (pp_rank + 1) * per):
-            off = [layer, *zeros[1:]]
-            out.append(_tp_boxes(t, off, [1, *shape[1:]], layout.tp, tp_rank))
+        for stage in range(pp_rank, layout.stages, layout.pp):
+            for layer in range(stage * per, (stage + 1) * per):
+                off = [layer, *zeros[1:]]
+                out.append(_tp_boxes(t, off, [1, *shape[1:]], layout.tp, tp_rank))
         return out
     if not _stage_holds(t, pp_rank, layout.pp):
         return []
