@@ -48,6 +48,13 @@ class GPTSpec:
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     bf16: bool = False
+    fp16: bool = False
+    # fp16's loss scaling, as Megatron-LM's flags: a fixed scale, or dynamic from initial_loss_scale
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_warmup_iters: int = 2
@@ -99,6 +106,7 @@ class GPTJob:
     padded_vocab_size: int
     iteration: int = 0
     consumed_samples: int = 0
+    skipped_iterations: int = 0  # fp16: steps the loss scaler skipped (inf/NaN gradients), as Megatron-LM counts
 
     @property
     def num_microbatches(self) -> int:
@@ -158,7 +166,9 @@ def build_job(
     )
     model_parallel_cuda_manual_seed(spec.seed)
     torch.manual_seed(spec.seed)
-    params_dtype = torch.bfloat16 if spec.bf16 else torch.float32
+    if spec.bf16 and spec.fp16:
+        raise ValueError("--bf16 and --fp16 exclude each other")
+    params_dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     on_gpu = torch.cuda.is_available()
     config = TransformerConfig(
         num_layers=spec.num_layers,
@@ -180,6 +190,7 @@ def build_job(
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=spec.bf16,
+        fp16=spec.fp16,
         gated_linear_unit=spec.swiglu,
         activation_func=F.silu if spec.swiglu else F.gelu,
         bias_activation_fusion=False,
@@ -214,7 +225,7 @@ def build_job(
     for stage, chunk in enumerate(chunks):
         if on_gpu:
             chunk.cuda(torch.cuda.current_device())
-        if spec.bf16:
+        if spec.bf16 or spec.fp16:
             from megatron.core.transformer.module import Float16Module
 
             chunk = Float16Module(config, chunk)  # as Megatron-LM does: casts inputs and outputs
@@ -238,10 +249,17 @@ def build_job(
         adam_beta2=spec.adam_beta2,
         clip_grad=spec.clip_grad,
         bf16=spec.bf16,
+        fp16=spec.fp16,
+        loss_scale=spec.loss_scale,
+        initial_loss_scale=spec.initial_loss_scale,
+        min_loss_scale=spec.min_loss_scale,
+        loss_scale_window=spec.loss_scale_window,
+        hysteresis=spec.hysteresis,
         params_dtype=params_dtype,
         use_distributed_optimizer=use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
+    config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's train: fp16's loss scale (1 otherwise)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
@@ -316,12 +334,18 @@ def forward_backward(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor
 
 
 def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) -> float:
-    """One optimizer step over one global batch; returns the global-batch mean LM loss."""
+    """One optimizer step over one global batch; returns the global-batch mean LM loss.
+
+    A step the fp16 loss scaler skips (inf or NaN gradients) still counts as an iteration and consumes its
+    samples, but the LR schedule does not advance: Megatron-LM's ``train_step``."""
     losses = forward_backward(job, data_iterator)
     update_successful, _grad_norm, _ = job.optimizer.step()
-    if not update_successful:
+    if update_successful:
+        job.scheduler.step(increment=job.global_batch_size)
+    elif not job.spec.fp16:
         raise RuntimeError(f"optimizer step {job.iteration + 1} was skipped")
-    job.scheduler.step(increment=job.global_batch_size)
+    else:
+        job.skipped_iterations += 1
     job.iteration += 1
     job.consumed_samples += job.global_batch_size
     return mean_lm_loss(losses)

@@ -62,7 +62,6 @@ from tenplex_megatron.training.tokenizer import (
 MEGATRON_FLAGS_NOT_SUPPORTED = (
     "--context-parallel-size",
     "--expert-model-parallel-size",
-    "--fp16",
 )
 
 
@@ -97,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1, help="key/value head groups (with --group-query-attention)")
     g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true", help="fp16 weights with fp32 main weights and loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16: a fixed loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="fp16: the dynamic scale's start")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the dynamic scale's floor")
+    g.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: steps without overflow before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows in a row before the scale halves")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default 1 (or chosen)")
@@ -183,6 +189,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     check_model_flags(parser, args, argv)
+    if args.fp16 and args.bf16:
+        parser.error("--fp16 and --bf16 exclude each other: give one")
     if args.data_path is not None and not args.data_path:
         parser.error("--data-path needs at least one dataset prefix")
     if bool(args.mock_data) == bool(args.data_path):
@@ -301,6 +309,12 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         bf16=args.bf16,
+        fp16=args.fp16,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
         lr=args.lr,
         min_lr=args.min_lr,
         lr_warmup_iters=args.lr_warmup_iters,
@@ -448,7 +462,9 @@ def run(args: argparse.Namespace) -> None:
         else:
             data = microbatches(start, job.global_batch_size, job.micro_batch_size, layout.dp, dp_rank,
                                 spec.seq_length, spec.vocab_size, spec.seed)
+        skipped = job.skipped_iterations
         loss = gpt.train_step(job, data)
+        skipped = job.skipped_iterations > skipped  # fp16: the loss scaler skipped this step
         timeline = getattr(args, "tenplex_timeline", None)
         if timeline is not None and "first_iteration" not in timeline:  # where a (re)start's time went
             timeline["first_iteration"] = time.time()
@@ -460,7 +476,7 @@ def run(args: argparse.Namespace) -> None:
                 f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples: {job.consumed_samples:12d} |"
                 f" elapsed time per iteration (ms): {dt:.1f} | learning rate: {lr:.6E} |"
                 f" global batch size: {job.global_batch_size:5d} | lm loss: {loss:.6E} |"
-                f" number of skipped iterations:   0 | number of nan iterations:   0 |"
+                f" number of skipped iterations: {job.skipped_iterations:3d} | number of nan iterations:   0 |"
             )
         if metrics is not None:
             samples = [
@@ -470,6 +486,7 @@ def run(args: argparse.Namespace) -> None:
                 for i in mb
             ]
             metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": lr, "samples": samples,
+                                      "skipped": skipped, "loss_scale": _loss_scale(job),
                                       "layout": layout.to_json(), "time": time.time()}) + "\n")
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
@@ -488,6 +505,13 @@ def run(args: argparse.Namespace) -> None:
     if metrics is not None:
         metrics.close()
     _print0("> tenplex-megatron: done")
+
+
+def _loss_scale(job: Any) -> float | None:
+    """The fp16 loss scaler's current scale (None without one)."""
+    scaler = getattr(job.optimizer, "grad_scaler", None) or getattr(
+        getattr(job.optimizer, "chained_optimizers", [None])[0], "grad_scaler", None)
+    return float(scaler.scale.item()) if scaler is not None else None
 
 
 def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,

@@ -39,7 +39,14 @@ pytestmark = pytest.mark.dist
 MATRIX_RUN = os.path.join(ROOT, "tests", "multiproc", "matrix_run.py")
 
 LOSS_RTOL = 2e-6
-BF16_LOSS_RTOL = 2e-2  # bf16 weights: layout-dependent reduction order costs bf16 ulps (2^-8)
+#: fp16's two loss-scaler regimes, each far from the overflow limit (near it, TP and DP round fp16 gradients
+#: differently and a step one layout takes the other may skip): "skip": Megatron's default start (2^32) overflows
+#: every step, the scale halves after 3 overflows in a row (the hysteresis tracker is mid-way at the save);
+#: "grow": from 1024 the scale doubles every 2 steps without overflow (the growth tracker is mid-way at the save).
+FP16_SCALERS = {"skip": ("--initial-loss-scale", str(2**32), "--hysteresis", "3"),
+                "grow": ("--initial-loss-scale", "1024", "--loss-scale-window", "2")}
+BF16_LOSS_RTOL = 2e-2
+FP16_LOSS_RTOL = 1e-4  # fp16 weights (fp32 main weights and loss): measured up to 1e-6 relative  # bf16 weights: layout-dependent reduction order costs bf16 ulps (2^-8)
 TRAIN_ITERS = 8
 SAVE_AT = 3
 
@@ -60,17 +67,20 @@ class Variant:
     llama: bool = False  # LLAMA_FLAGS: RoPE, RMSNorm, no biases, 8 heads in 4 key/value groups
     sp: bool = False  # --sequence-parallel on both sides (Megatron-LM's rule turns it off at TP 1)
     layers: int = 2  # 4: PP2 x VPP2 has one layer per model chunk
+    fp16: str = ""  # FP16_SCALERS' key: fp16 weights and the loss scaler's regime
 
     def tag(self) -> str:
         return f"{'dist' if self.distopt else 'plain'}_v{self.vocab}{'_untied' if self.untie else ''}" \
                f"{'_bf16' if self.bf16 else ''}{'_llama' if self.llama else ''}{'_sp' if self.sp else ''}" \
-               f"{f'_l{self.layers}' if self.layers != 2 else ''}"
+               f"{f'_l{self.layers}' if self.layers != 2 else ''}{f'_fp16{self.fp16}' if self.fp16 else ''}"
 
     def flags(self) -> list[str]:
         f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS),
              "--num-layers", str(self.layers)]
         if self.sp:
             f.append("--sequence-parallel")
+        if self.fp16:
+            f.extend(["--fp16", *FP16_SCALERS[self.fp16]])
         if self.llama:
             f.extend(LLAMA_FLAGS)
         if self.distopt:
@@ -269,6 +279,7 @@ GPU_FLAG_TRANSITIONS = {
     "vpp-sp-TP2PP2VPP2-DP4": ((2, 2, 1, 2), (1, 1, 4), V_L4_SP, "TP2 + SP x PP2 x VPP2 -> DP4"),
     "vpp-sp-DP4-TP2PP2VPP2": ((1, 1, 4), (2, 2, 1, 2), V_L4_SP, "DP4 -> TP2 + SP x PP2 x VPP2"),
 }
+FP16_TRANSITIONS = {f"fp16-{regime}": ((2, 1, 1), (1, 1, 2), Variant(fp16=regime)) for regime in FP16_SCALERS}
 MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
 SCENARIOS: dict[str, Scenario] = {
     **{f"{n}-{v.tag()}": Scenario((a, v), b, v) for n, (a, b) in TRANSITIONS.items() for v in (V_DIST, V_PLAIN)},
@@ -281,6 +292,7 @@ SCENARIOS: dict[str, Scenario] = {
     "bf16": Scenario(((2, 1, 1), V_BF16), (1, 1, 2), V_BF16),
     **{n: Scenario((a, V_LLAMA), b, V_LLAMA) for n, (a, b, _) in LLAMA_TRANSITIONS.items()},
     **{n: Scenario((a, v), b, v) for n, (a, b, v, _) in GPU_FLAG_TRANSITIONS.items()},
+    **{n: Scenario((a, v), b, v) for n, (a, b, v) in FP16_TRANSITIONS.items()},
     "rt-there-(2, 2, 1)-(1, 1, 4)": Scenario(((2, 2, 1), V_DIST), (1, 1, 4), V_DIST, iters=SAVE_AT),
     "rt-back-(2, 2, 1)-(1, 1, 4)": Scenario("rt-there-(2, 2, 1)-(1, 1, 4)", (2, 2, 1), V_DIST, iters=SAVE_AT),
     "rt-there-(1, 1, 2)-(1, 1, 1)": Scenario(((1, 1, 2), V_PLAIN), (1, 1, 1), V_PLAIN, iters=SAVE_AT),
@@ -464,3 +476,26 @@ def test_sequence_parallel_and_interleaved_pipelines(runs: Runs, name: str) -> N
     assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
     assert_losses_continue(ref, d, LOSS_RTOL)
     assert_layout_model_matches(_resaved(d), dst, v.distopt)
+
+
+@pytest.mark.parametrize("name", list(FP16_TRANSITIONS))
+def test_fp16_loss_scaler_continues(runs: Runs, name: str) -> None:
+    """fp16 with a dynamic loss scaler, TP2 -> TP1 x DP2: the scaler's state (scale, growth and hysteresis trackers)
+    comes back, so after the restart every step is skipped or taken as in the uninterrupted run, at the same scale;
+    the fp32 main weights and moments are bit-exact and the losses continue."""
+    src, dst, v = FP16_TRANSITIONS[name]
+    ref = runs.reference(src, v)
+    d = runs.resume(name)
+    full = read_full_tensors(_resaved(d))
+    assert full["decoder.layers.mlp.linear_fc2.weight"].dtype == torch.float16
+    assert full["optimizer.state.fp32_param.decoder.layers.mlp.linear_fc2.weight"].dtype == torch.float32
+    assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
+    a = {m["iteration"]: m for m in metrics(os.path.join(ref, "metrics.jsonl"))}
+    b = metrics(os.path.join(d, "metrics.jsonl"))
+    assert [(m["skipped"], m["loss_scale"]) for m in b] == [(a[m["iteration"]]["skipped"], a[m["iteration"]][
+        "loss_scale"]) for m in b]
+    skipped = [m["skipped"] for m in a.values()]
+    assert all(skipped) if v.fp16 == "skip" else not any(skipped)
+    scales = [m["loss_scale"] for m in b]
+    assert scales == sorted(scales, reverse=v.fp16 == "skip") and len(set(scales)) > 1  # the scale moved
+    assert_losses_continue(ref, d, FP16_LOSS_RTOL)

@@ -28,6 +28,7 @@ from tenplex_megatron.integrations.megatron_core.native import opener_for
 from tenplex_megatron.integrations.megatron_core.optimizer import (
     allocate_state,
     is_distributed_optimizer,
+    never_stepped,
     optimizer_state_json,
     restore_optimizer_state,
     sub_optimizers,
@@ -92,7 +93,10 @@ class MegatronCoreAdapter:
         return describe_job(self.job)[1]
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
-        allocate_state(self.job.optimizer)
+        if not never_stepped(metadata.get("optimizer")):
+            allocate_state(self.job.optimizer)
+        # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
+        # after fp16 steps that the loss scaler all skipped): the job's stays unmade too, as in an uninterrupted run
         return describe_job(self.job)[1]
 
     def metadata(self) -> dict[str, Any]:

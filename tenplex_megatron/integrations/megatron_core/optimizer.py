@@ -57,6 +57,12 @@ def allocate_state(optimizer: Any) -> None:
                     inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
 
 
+def never_stepped(saved: dict[str, Any] | None) -> bool:
+    """Whether an :func:`optimizer_state_json` record says no sub-optimizer has taken a step (no Adam state yet)."""
+    subs = (saved or {}).get("sub_optimizers")
+    return bool(subs) and all(int(entry.get("step", 0)) == 0 for entry in subs)
+
+
 def restore_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:
     """Set hyper-parameters and step from :func:`optimizer_state_json` output (tensors untouched)."""
     subs = sub_optimizers(optimizer)
@@ -66,4 +72,13 @@ def restore_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:
     for opt, entry in zip(subs, entries):
         restore_optimizer(opt.optimizer, entry, key=_identifier)
         if "grad_scaler" in entry and getattr(opt, "grad_scaler", None) is not None:
-            opt.grad_scaler.load_state_dict(entry["grad_scaler"])
+            opt.grad_scaler.load_state_dict(grad_scaler_state(entry["grad_scaler"]))
+
+
+def grad_scaler_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A loss scaler's JSON state as megatron's ``load_state_dict`` takes it: ``DynamicGradScaler`` moves the scale
+    with ``.cuda()``, so it is a one-element float32 tensor again (as the scaler made it), not a float."""
+    state = dict(saved)
+    if "scale" in state and not isinstance(state["scale"], torch.Tensor):
+        state["scale"] = torch.tensor([float(state["scale"])], dtype=torch.float32)
+    return state
