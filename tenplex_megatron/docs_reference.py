@@ -10,6 +10,7 @@ and the environment variables the code reads.
 from __future__ import annotations
 
 import argparse
+import html
 import os
 import sys
 
@@ -32,7 +33,11 @@ def _cell(text: str) -> str:
 
 
 def _code(text: str) -> str:
-    return _cell(f"`{text}`")
+    """Code in a table cell. A pipe inside it is written as an HTML entity in a <code> element: Python-Markdown
+    (MkDocs) and GitHub disagree on escaped pipes inside backticks, and agree on this."""
+    if "|" in text:
+        return f"<code>{html.escape(text, quote=False).replace('|', '&#124;')}</code>"
+    return f"`{text}`"
 
 
 def render() -> str:
@@ -46,9 +51,10 @@ def render() -> str:
         "its scripts and its tests read. The flags are defined once, in `tenplex_megatron/flags.py`: "
         f"**{flags.TRAINER}** is the reference trainer (`scripts/pretrain_gpt.py`, or "
         "`torchrun -m tenplex_megatron.training.pretrain` from an installed package), **Megatron-LM** is "
-        "Megatron-LM's own `pretrain_gpt.py` with the patch of [Megatron-LM](megatron-lm.md) applied. The help "
-        "text below is what `--help` prints in both. DeepSpeed engines take the same settings as keyword "
-        "arguments ([DeepSpeed](deepspeed.md)).",
+        "Megatron-LM's own `pretrain_gpt.py` with the patch of [Megatron-LM](megatron-lm.md) applied; *taken by* "
+        "says which of the two accept a flag (*both*: the same flag, with the same meaning). The help text below "
+        "is what `--help` prints. DeepSpeed engines take the host-memory settings as keyword arguments "
+        "([DeepSpeed](deepspeed.md#host-memory-checkpoints)).",
         "",
         "Without `--tenplex`, checkpoints go through Megatron's own format as usual; the host-memory flags "
         "are refused without it (`--tenplex-memory needs --tenplex`).",
@@ -59,11 +65,10 @@ def render() -> str:
         if not rows:
             continue
         out += [f"## {title}", "", f"Explained in [{page_title}]({page}).", "",
-                f"| flag | {flags.TRAINER} | Megatron-LM | default | what it does |", "|---|---|---|---|---|"]
+                "| flag | taken by | default | what it does |", "|---|---|---|---|"]
         for f in rows:
-            doors = ["yes" if door in f.doors else "no" for door in flags.BOTH]
-            out.append(f"| {_code(f.usage())} | {doors[0]} | {doors[1]} | {_cell(f.default_text())} "
-                       f"| {_cell(f.help)} |")
+            doors = "both" if set(f.doors) == set(flags.BOTH) else " and ".join(f"{d} only" for d in f.doors)
+            out.append(f"| {_code(f.usage())} | {doors} | {_cell(f.default_text())} | {_cell(f.help)} |")
         out.append("")
     out += ["## Environment variables", ""]
     for key, title, intro in _AUDIENCES:
