@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-fast test-gpu lint bench venv dist clean
+.PHONY: demo test test-fast test-gpu lint bench venv dist docs clean
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -44,9 +44,16 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) scripts/bench_reshard.py --quick
 
+# The documentation site (mkdocs.yml, docs/) into site/. Strict: a broken link or anchor, or a page missing from the
+# navigation, fails the build. The flag reference (docs/reference.md) is checked first: it must be what
+# `python -m tenplex_megatron.docs_reference` writes from tenplex_megatron/flags.py.
+docs: $(VENV)/.installed
+	$(PY) -m tenplex_megatron.docs_reference --check
+	$(PY) -m mkdocs build --strict --quiet
+
 # The sdist and the wheel (from the sdist), as a user's pip would get them.
 dist: $(VENV)/.installed
 	$(PY) -m build --no-isolation --outdir dist .
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist site *.egg-info

@@ -17,7 +17,7 @@ the newest tenplex checkpoint to the restarted job's layout; a ``--load``
 directory holding only Megatron's own checkpoint (``torch_dist`` with any
 distributed-optimizer format, or legacy ``torch``) is adopted by tenplex at
 the new layout (``megatron_core/native.py``, ``legacy.py``), and later saves
-are tenplex checkpoints. With ``--tenplex-memory`` (and its flags, ``training/memory_flags.py``) a save is
+are tenplex checkpoints. With ``--tenplex-memory`` (and its flags, ``tenplex_megatron/flags.py``) a save is
 a host-memory snapshot and a load prefers the newest snapshot complete in the live nodes' memory; the wrapped
 ``maybe_finalize_async_save(terminate=True)`` replicates (and, once training is over, persists) the last one.
 Without ``--tenplex`` nothing changes.
@@ -37,6 +37,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from tenplex_megatron import flags
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import elastic, memory_load, memory_save
 from tenplex_megatron.integrations.hf.load import init_from_hf
@@ -69,26 +70,8 @@ _MEMORY: dict[str, memory_save.MemoryTier | None] = {}  # "tier": the --tenplex-
 
 
 def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    g = parser.add_argument_group("tenplex")
-    g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-shard on restart)")
-    g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N tenplex checkpoints")
-    g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
-    g.add_argument("--tenplex-init-from-hf", default=None, metavar="DIR",
-                   help="when --load holds no checkpoint yet, start from this Hugging Face transformers checkpoint "
-                   "(GPT-2 or Llama) at this run's layout; its config must match the model flags")
-    g.add_argument("--tenplex-trust-pickles", action="store_true",
-                   help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
-    g.add_argument("--tenplex-vocab-padding", choices=["keep", "megatron"], default="keep",
-                   help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact "
-                   "loss continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding "
-                   "rows are zero)")
-    g.add_argument("--tenplex-layout", default=None, metavar="auto|FILE.json",
-                   help="choose TP, PP and the micro-batch size for the world size of every (re)start: auto "
-                   "(legal layouts that fit memory, ranked by a throughput model) or a user's table; "
-                   "--tensor/--pipeline-model-parallel-size and --micro-batch-size given on the command line win")
-    g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
-                   help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
-    memory_flags.add_memory_args(g)
+    """Add the hook's ``--tenplex*`` flags (``tenplex_megatron/flags.py``) to Megatron-LM's parser."""
+    flags.add_flags(parser.add_argument_group("tenplex"), flags.HOOK)
     return parser
 
 

@@ -84,7 +84,7 @@ def huge_pages_hint(path: str, mounts: str | None = None) -> str | None:
     if kind != "tmpfs" or any(o in ("huge=always", "huge=within_size") for o in options):
         return None
     return (f"--tenplex-memory {path}: {mnt} is a tmpfs without huge pages; one mounted with huge=within_size "
-            "restarts faster and replicates with half the CPU (README: Huge pages for the memory directory)")
+            "restarts faster and replicates with half the CPU (docs/host-memory.md: Huge pages for the memory directory)")
 
 
 def say_huge_pages_hint(path: str) -> None:

@@ -12,43 +12,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from tenplex_megatron import flags
 from tenplex_megatron.engine import memory_save
 from tenplex_megatron.engine.memory_load import MemoryLoadResult
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage import memory_tier
 
 
-def replication_rate_arg(value: str) -> float | str:
-    """``--tenplex-replication-rate``: MB/s, or ``auto``."""
-    if value == "auto":
-        return value
-    try:
-        return float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MB/s or auto, got {value!r}") from None
-
-
 def add_memory_args(g: Any) -> None:
-    """Add the host-memory flags to ``g`` (a parser or an argument group)."""
-    g.add_argument("--tenplex-memory", nargs="?", const=memory_tier.default_dir(), default=None, metavar="DIR",
-                   help="host-memory checkpoints: each save is a snapshot into this node-local directory (default "
-                   f"{memory_tier.default_dir()}), replicated to peers' memory and persisted to --save in the "
-                   "background; a restart loads the newest snapshot complete in the live nodes' memory")
-    g.add_argument("--tenplex-persist-interval", type=int, default=1, metavar="N",
-                   help="with --tenplex-memory: persist every Nth snapshot to --save in the background (default 1)")
-    g.add_argument("--tenplex-replicas", type=int, default=2, metavar="K",
-                   help="with --tenplex-memory: copies of each snapshot in distinct nodes' memory, the first "
-                   "included (default 2: losing one node loses no snapshot)")
-    g.add_argument("--tenplex-replication-rate", type=replication_rate_arg, default=0.0, metavar="MB/s|auto",
-                   help="with --tenplex-memory: most bytes per second a node's helper sends replicas at, so that "
-                   "replication leaves training its CPU and network; auto: paced to take half the time between "
-                   "two snapshots (default 0: as fast as it can)")
-    g.add_argument("--tenplex-memory-keep", type=int, default=1, metavar="N",
-                   help="with --tenplex-memory: snapshots kept per node, besides the one being written (default 1)")
-    g.add_argument("--tenplex-memory-limit", type=float, default=None, metavar="GB",
-                   help="with --tenplex-memory: most memory a node's snapshots may use (default: what is free)")
-    g.add_argument("--tenplex-memory-fallback", action="store_true",
-                   help="with --tenplex-memory: a snapshot that does not fit is saved to --save instead of failing")
+    """Add the host-memory flags to ``g`` (a parser or an argument group), as defined in ``tenplex_megatron/flags.py``."""
+    flags.add_flags(g, flags.TRAINER, groups=("memory",))
 
 
 def check_memory_args(args: Any) -> str | None:

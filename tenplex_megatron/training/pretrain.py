@@ -25,6 +25,7 @@ import psutil
 import torch
 from megatron.core import parallel_state
 
+from tenplex_megatron import flags
 from tenplex_megatron.engine import memory_load, memory_save
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
@@ -143,37 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
                    "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
     g.add_argument("--log-interval", type=int, default=1)
-    g = p.add_argument_group("tenplex")
-    g.add_argument("--tenplex", action="store_true", help="save and load through tenplex (re-sharding on restart)")
-    g.add_argument("--tenplex-metrics", default=None, help="append per-step loss and sample indices as JSON lines")
-    g.add_argument("--tenplex-resave", default=None, help="after loading, save the loaded state to this directory")
-    g.add_argument("--tenplex-keep", type=int, default=None, help="keep only the newest N complete checkpoints")
-    g.add_argument("--tenplex-no-verify", action="store_true", help="skip checksum verification at load")
-    g.add_argument("--tenplex-init-from-hf", default=None, metavar="DIR",
-                   help="start from a Hugging Face transformers checkpoint (GPT-2 or Llama) at this run's layout, "
-                   "each rank reading only its slice; its config must match the model flags. A tenplex "
-                   "checkpoint under --load (a restart) takes precedence")
-    g.add_argument("--tenplex-trust-pickles", action="store_true",
-                   help="adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)")
-    g.add_argument("--tenplex-layout", default=None, metavar="auto|measure|FILE.json",
-                   help="choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto "
-                   "(legal layouts that fit memory, ranked by a throughput model), measure (also time the best "
-                   "3 in this job the first time at a world size; the times are kept in the checkpoint "
-                   "directory) or a user's table; explicit --tensor/--pipeline-model-parallel-size and "
-                   "--micro-batch-size still win")
-    g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
-                   help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
-    g.add_argument("--tenplex-no-save-on-signal", action="store_true",
-                   help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
-                   "this turns that off")
-    memory_flags.add_memory_args(g)
-    g.add_argument(
-        "--tenplex-vocab-padding",
-        choices=["keep", "megatron"],
-        default="keep",
-        help="keep: on restart keep the checkpoint's padded vocabulary when the new TP divides it (exact loss "
-        "continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding rows are zero)",
-    )
+    flags.add_flags(p.add_argument_group("tenplex"), flags.TRAINER)  # every --tenplex* flag: tenplex_megatron/flags.py
     return p
 
 
