@@ -57,6 +57,7 @@ from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+from tenplex_megatron.plan.unsupported import unsupported_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -139,11 +140,13 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
     """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
     host-memory flags' checks (refused before any process group starts)."""
+    problems = unsupported_flags(args) if getattr(args, "tenplex", False) else []
     if hasattr(args, "tenplex_memory"):
-        problem = memory_flags.check_memory_args(args)
-        if problem:
-            print(f"pretrain_gpt.py: error: {problem}", file=sys.stderr, flush=True)
-            raise SystemExit(2)
+        problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
+    if problems:
+        for problem in problems:
+            print(f"pretrain_gpt.py: error: with --tenplex, {problem}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     choose_layout_for_args(args)
     return _ORIGINALS["validate_args"](args, *a, **kw)
 
@@ -164,6 +167,7 @@ _RECORDED_ARGS = (
     "make_vocab_size_divisible_by", "swiglu", "untie_embeddings_and_output_weights", "bf16", "global_batch_size",
     "micro_batch_size", "train_iters", "lr", "min_lr", "seed", "position_embedding_type", "rotary_base",
     "rotary_percent", "normalization", "norm_epsilon", "add_bias_linear", "group_query_attention", "num_query_groups",
+    "qk_layernorm", "sequence_parallel", "fp16",
 )
 
 

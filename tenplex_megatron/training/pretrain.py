@@ -40,6 +40,7 @@ from tenplex_megatron.integrations.megatron_core.native import saved_padded_voca
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.plan.unsupported import UNSUPPORTED
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -60,10 +61,8 @@ from tenplex_megatron.training.tokenizer import (
     describe,
 )
 
-MEGATRON_FLAGS_NOT_SUPPORTED = (
-    "--context-parallel-size",
-    "--expert-model-parallel-size",
-)
+#: Megatron-LM flags the reference trainer refuses, with why (plan/unsupported.py: the Megatron-LM hook's list)
+MEGATRON_FLAGS_NOT_SUPPORTED = {flag: why for _, _, flag, why in UNSUPPORTED}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,7 +151,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag in argv:
         name = flag.split("=", 1)[0]
         if name in MEGATRON_FLAGS_NOT_SUPPORTED:
-            raise SystemExit(f"pretrain_gpt.py: error: Megatron-LM flag {name} is not supported by tenplex-megatron")
+            raise SystemExit(f"pretrain_gpt.py: error: Megatron-LM flag {name} is not supported by tenplex-megatron: "
+                             f"{MEGATRON_FLAGS_NOT_SUPPORTED[name]}")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

@@ -302,3 +302,45 @@ def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_
     for node in ("a", "b", "c"):  # no process opened a file in another node's memory directory
         opened = [line.split("\t", 1)[1] for line in (tmp_path / f"open_{node}.log").read_text().splitlines()]
         assert opened and all(p.startswith(str(tmp_path / f"mem_{node}") + os.sep) for p in opened), (node, opened)
+
+
+#: What GPU runs turn on, through Megatron-LM's own loop and parser: name -> (flags of the uninterrupted run and of
+#: the save, flags of the restart). The restart keeps --sequence-parallel on its command line at TP 1 (Megatron-LM
+#: turns it off there); the interleaved run has one layer per virtual stage (4 layers, PP2 x VPP2); fp16's scaler
+#: starts at 1024 and doubles every 2 steps, far from overflow (its state must come back for the scale to go on).
+GPU_FLAGS = {
+    "sp-TP2-TP1DP2": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                      ["--tensor-model-parallel-size", "1", "--sequence-parallel"]),
+    "vpp-PP2VPP2-TP2": (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                         "--num-layers-per-virtual-pipeline-stage", "1"],
+                        ["--num-layers", "4", "--tensor-model-parallel-size", "2"]),
+    "fp16-TP2-TP1DP2": (["--tensor-model-parallel-size", "2", "--fp16", "--initial-loss-scale", "1024",
+                         "--loss-scale-window", "2"],
+                        ["--tensor-model-parallel-size", "1", "--fp16", "--initial-loss-scale", "1024",
+                         "--loss-scale-window", "2"]),
+}
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+@pytest.mark.parametrize("name", list(GPU_FLAGS))
+def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, name: str) -> None:
+    """Sequence parallelism, an interleaved pipeline and fp16 with loss scaling under Megatron-LM: train at A and
+    save at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the uninterrupted run at A."""
+    a, b = GPU_FLAGS[name]
+    ref = _losses(_run(script, None, 95, a))
+    assert sorted(ref) == list(range(1, 9)) and all(loss == loss for loss in ref.values()), ref  # no NaN
+    ckpt = tmp_path / "ckpt"
+    log = _run(script, None, 95, [*a, "--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"])
+    assert "> tenplex: saved iteration 4" in log, log[-3000:]
+    meta = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())
+    assert meta["layout"].get("sp", False) == ("--sequence-parallel" in a)
+    assert meta["layout"].get("vpp", 1) == (2 if "--num-layers-per-virtual-pipeline-stage" in a else 1)
+    log = _run(script, None, 95, [*b, "--load", str(ckpt)])
+    assert re.search(r"> tenplex: loaded iteration 4 from \S+", log), log[-3000:]
+    resumed = _losses(log)
+    assert sorted(resumed) == [5, 6, 7, 8], log[-3000:]
+    table = "\n".join(f"{it}: uninterrupted {ref[it]:.6f} restarted {resumed[it]:.6f}" for it in sorted(resumed))
+    print(table)
+    rel = 1e-4 if "--fp16" in a else 1e-5
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(ref[it], rel=rel, abs=5e-6), (it, loss, ref[it], table)

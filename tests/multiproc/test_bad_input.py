@@ -71,7 +71,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         _job("ckpt", [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--save", ckpt, "--exit-interval", "2"]),
         _job("global_batch", [*small_batch, *layout_flags(1, 1)]),
         _job("layout", [*odd_heads, *layout_flags(2, 1), "--load", empty]),
-        _job("sequence_parallel", [*TINY_GPT, *MODEL, "--sequence-parallel"]),
+        _job("context_parallel", [*TINY_GPT, *MODEL, "--context-parallel-size", "2"]),
         _job("no_such_flag", [*TINY_GPT, *MODEL, "--no-such-flag"]),
     ], os.path.join(root, "first"))
     assert runs["ckpt"].returncode == 0, runs["ckpt"].log[-3000:]
@@ -187,7 +187,8 @@ def test_global_batch_that_dp_cannot_divide_names_valid_choices(results: Results
 
 
 def test_unsupported_megatron_flag_is_refused(results: Results) -> None:
-    r = results.runs["sequence_parallel"]
-    assert r.returncode != 0 and "Megatron-LM flag --sequence-parallel is not supported" in r.log
+    r = results.runs["context_parallel"]
+    assert r.returncode != 0 and ("Megatron-LM flag --context-parallel-size is not supported by tenplex-megatron: "
+                                  "context parallelism is not re-sharded yet") in r.log
     r = results.runs["no_such_flag"]
     assert r.returncode != 0 and "unknown or unsupported flag(s): --no-such-flag" in r.log

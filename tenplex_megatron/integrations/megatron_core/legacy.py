@@ -33,6 +33,7 @@ from tenplex_megatron.engine.optimizer_json import jsonable
 from tenplex_megatron.integrations.megatron_core.native import load_pickle
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.ptc import StoredChunk
+from tenplex_megatron.plan.unsupported import check_saved_args
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.megatron_legacy import (
     MODEL_FILE,
@@ -88,6 +89,7 @@ def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
     src = LegacySource(path, trust_pickles)
     model, layer_keys, module_names = describe_model(job)
     ptc, first, args = describe_legacy(path, src.load, model, layer_keys, module_names)
+    check_saved_args(path, args)
     opt = first.get("optimizer") or {}
     inner = opt.get("optimizer", opt)
     groups = inner.get("param_groups", [])

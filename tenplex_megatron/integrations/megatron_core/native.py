@@ -36,6 +36,7 @@ import torch
 from tenplex_megatron.engine.optimizer_json import jsonable
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
 from tenplex_megatron.plan.ptc import StoredChunk
+from tenplex_megatron.plan.unsupported import check_saved_args
 from tenplex_megatron.storage.distcp import DistcpFiles
 from tenplex_megatron.storage.distcp_index import read_dcp_metadata
 from tenplex_megatron.storage.megatron_ptc import (
@@ -142,6 +143,7 @@ def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
     source = DistcpSource(path, {k: t.dtype for k, t in ptc.tensors.items()})
     common = ck.common
     args = common.get("args")
+    check_saved_args(os.path.join(path, "common.pt"), args)
     iteration = int(common.get("iteration", 0))
     consumed = common.get("consumed_samples", getattr(args, "consumed_train_samples", None))
     meta = {

@@ -1,0 +1,41 @@
+"""Megatron features refused with --tenplex (plan/unsupported.py): named with the flag and why, from live flags or
+from a checkpoint's saved args (then naming the file and field), before anything is built or touched."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tenplex_megatron.plan.unsupported import check_saved_args, unsupported_flags
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    base = {"context_parallel_size": 1, "use_megatron_fsdp": False, "use_torch_fsdp2": False, "num_experts": None,
+            "expert_model_parallel_size": 1}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_defaults_pass() -> None:
+    assert unsupported_flags(_args()) == []
+    assert unsupported_flags(argparse.Namespace()) == []  # older Megatron-LM args lack the attributes
+    check_saved_args("ckpt/common.pt", None)
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"context_parallel_size": 2}, "--context-parallel-size 2: context parallelism is not re-sharded yet"),
+    ({"use_megatron_fsdp": True}, "--use-megatron-fsdp: Megatron FSDP"),
+    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2: torch FSDP2"),
+    ({"num_experts": 4}, "--num-experts 4: mixture-of-experts"),
+    ({"expert_model_parallel_size": 2}, "--expert-model-parallel-size 2: expert parallelism"),
+])
+def test_each_feature_named(kw: dict, needle: str) -> None:
+    (line,) = unsupported_flags(_args(**kw))
+    assert line.startswith(needle)
+    assert unsupported_flags(dict(vars(_args(**kw)))) == [line]  # saved args may be a dict
+
+
+def test_saved_args_name_the_file() -> None:
+    with pytest.raises(ValueError, match=r"^ckpt/iter_0000004/common.pt: saved args: --context-parallel-size 2: .*; "
+                                         r"--use-torch-fsdp2: "):
+        check_saved_args("ckpt/iter_0000004/common.pt", _args(context_parallel_size=2, use_torch_fsdp2=True))
