@@ -26,15 +26,38 @@ def jsonable(v: Any) -> Any:
     return v
 
 
-def step_of(inner: torch.optim.Optimizer) -> int:
-    """The optimizer's common step: torch's Adam keeps it per parameter state, fused Adams per param group.
+def step_in_groups(inner: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer counts its step per param group rather than per parameter state.
 
-    Per-state steps win: megatron's DistributedOptimizer leaves a stale ``step``
-    key in torch Adam's param groups after a load.
-    """
-    steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
-    if not steps:
-        steps = {float(g["step"]) for g in inner.param_groups if "step" in g and g["params"]}
+    Decided by the class, not by which keys exist (a load can leave stale ones): torch's Adam and AdamW (single
+    tensor, foreach or ``fused=True``) count per parameter state, and so does DeepSpeed's FusedAdam (its group
+    ``step`` stays 0: ZeRO-3 steps sub-groups apart); Transformer Engine's and apex's FusedAdam count per group
+    (their state holds only ``exp_avg``, ``exp_avg_sq`` and ``master_param``)."""
+    if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    return not type(inner).__module__.startswith("deepspeed.")
+
+
+def fresh_step(inner: torch.optim.Optimizer, group: dict[str, Any], param: torch.Tensor) -> Any:
+    """The per-parameter ``step`` a new state starts with, as the optimizer itself makes it; None where the step
+    lives in the param groups (TE's FusedAdam's ``state_dict()`` fails on any other state key)."""
+    if step_in_groups(inner):
+        return None
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return 0  # DeepSpeed's FusedAdam: a Python int
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.zeros((), dtype=torch.float32, device=param.device if on_device else "cpu")
+
+
+def step_of(inner: torch.optim.Optimizer) -> int:
+    """The optimizer's common step, read where the optimizer counts it (:func:`step_in_groups`), else elsewhere.
+
+    megatron's DistributedOptimizer leaves a stale ``step`` key in torch Adam's param groups after a load, and a
+    per-parameter one added to a group-counting optimizer would stay 0: the class decides which is read."""
+    per_state = {float(s["step"]) for s in inner.state.values() if "step" in s}
+    per_group = {float(g["step"]) for g in inner.param_groups if "step" in g and g["params"]}
+    first, second = (per_group, per_state) if step_in_groups(inner) else (per_state, per_group)
+    steps = first or second
     if len(steps) > 1:
         raise ValueError(f"optimizer steps differ across parameters: {sorted(steps)}")
     return int(steps.pop()) if steps else 0
@@ -68,9 +91,13 @@ def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: 
             if k in group and k not in ("params", "step"):
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     step = int(saved["step"])
+    in_groups = step_in_groups(inner)
     for group in inner.param_groups:
-        if "step" in group:
+        if in_groups or "step" in group:  # a fused Adam makes the key at its first step: a fresh one lacks it
             group["step"] = step
     for st in inner.state.values():  # every state, as step_of reads: ZeRO-3 keys it by partitions not in the groups
-        if "step" in st:
-            st["step"] = torch.tensor(float(step), dtype=st["step"].dtype, device=st["step"].device)
+        if "step" not in st:
+            continue
+        old = st["step"]
+        st["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device) if isinstance(
+            old, torch.Tensor) else type(old)(step)

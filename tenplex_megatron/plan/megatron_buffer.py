@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,30 @@ class Bucket:
     numel_unpadded: int
     params: tuple[tuple[str, int, int], ...]  # (name, start, stop) in the bucket
     pieces: tuple[Piece, ...]
+
+
+class BucketArgsError(ValueError):
+    """Saved args whose DDP bucketing the layout here cannot reproduce."""
+
+
+def saved_bucketing(args: Any, dp: int, pp_rank: int) -> tuple[int | None, bool]:
+    """(bucket size, ``pad_buckets_for_high_nccl_busbw``) of megatron-core's DDP on pipeline rank ``pp_rank``, from
+    Megatron-LM's saved ``args`` (a Namespace or a dict; None: a job that saved none, unbucketed).
+
+    Buckets exist only with ``overlap_grad_reduce``, and only on the first pipeline rank (megatron-core turns them
+    off on the others); their size is ``ddp_bucket_size``, else megatron-core's default max(40M, 1M x DP)."""
+
+    def get(name: str, default: Any = None) -> Any:
+        return args.get(name, default) if isinstance(args, dict) else getattr(args, name, default)
+
+    pad = bool(get("ddp_pad_buckets_for_high_nccl_busbw", False))
+    if args is None or not get("overlap_grad_reduce", False) or pp_rank > 0:
+        return None, pad
+    if get("ddp_num_buckets"):
+        raise BucketArgsError(f"ddp_num_buckets={get('ddp_num_buckets')}: buckets sized from the parameter count are "
+                              "not reproduced yet (save with --ddp-bucket-size)")
+    size = get("ddp_bucket_size")
+    return (int(size) if size else max(40_000_000, 1_000_000 * dp)), pad
 
 
 def _pad(n: int, divisor: int) -> int:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tenplex_megatron.plan.layout import ParallelLayout
-from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
+from tenplex_megatron.plan.megatron_buffer import BucketArgsError, BufferParam, bucket_layout, saved_bucketing
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.plan.sim.sharding import local_param_boxes
@@ -198,17 +198,23 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
         raise MegatronCheckpointError(f"{ck.path}: {len(groups)} distributed-optimizer groups, expected TP x PP = "
                                       f"{layout.tp * layout.pp} at the saving layout {layout}")
     saved = {k for k in ck.tensors() if not k.startswith("optimizer.")}
+    args = ck.common.get("args")
     out: list[StoredChunk] = []
     dtypes: dict[str, str] = {}
     for g, buckets in sorted(groups.items()):
         tp_rank, pp_rank = g % layout.tp, g // layout.tp
         params = stage_params(metas, layer_keys, saved, layout, tp_rank, pp_rank)
-        layout_buckets = bucket_layout([p for p, _, _ in params], layout.dp)
+        try:
+            bucket_size, high_busbw = saved_bucketing(args, layout.dp, pp_rank)
+        except BucketArgsError as e:
+            raise MegatronCheckpointError(f"{ck.path}: saved args: {e}") from None
+        layout_buckets = bucket_layout([p for p, _, _ in params], layout.dp, bucket_size, high_busbw)
         where = {p.name: (boxes, key) for p, boxes, key in params}
         if sorted(buckets) != list(range(len(layout_buckets))):
             raise MegatronCheckpointError(
                 f"{ck.path}: dp_group_idx_{g} has buckets {sorted(buckets)}; megatron-core 0.16.1's layout of this "
-                f"model at {layout} has {len(layout_buckets)} (another model, or bucketed with --overlap-grad-reduce?)")
+                f"model at {layout} has {len(layout_buckets)} (bucket size {bucket_size} from the saved args: "
+                "another model?)")
         for b, bucket in enumerate(layout_buckets):
             for state, (key, st) in sorted(buckets[b].items()):
                 got = {(offsets[0], sizes[0]) for offsets, sizes in st.chunks}

@@ -91,6 +91,18 @@ class GPTSpec:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
+@dataclass(frozen=True)
+class DDPOptions:
+    """megatron-core DDP's communication settings, as Megatron-LM's flags set them: overlapped grad reduction in
+    buckets (``bucket_size`` elements; None: megatron-core's default, max(40M, 1M x DP)) and overlapped param
+    all-gather (distributed optimizer only). No tensor changes with them, but the distributed optimizer's buffers
+    are cut into buckets, which Megatron's own ``dp_reshardable`` checkpoints store one by one."""
+
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    bucket_size: int | None = None
+
+
 @dataclass
 class GPTJob:
     """A live megatron-core GPT job on this rank."""
@@ -106,6 +118,7 @@ class GPTJob:
     padded_vocab_size: int
     iteration: int = 0
     consumed_samples: int = 0
+    ddp: DDPOptions = DDPOptions()
     skipped_iterations: int = 0  # fp16: steps the loss scaler skipped (inf/NaN gradients), as Megatron-LM counts
 
     @property
@@ -134,6 +147,7 @@ def build_job(
     micro_batch_size: int,
     global_batch_size: int,
     padded_vocab: int | None = None,
+    ddp: DDPOptions = DDPOptions(),
 ) -> GPTJob:
     """Initialise megatron-core's parallel state and build model, optimizer and scheduler.
 
@@ -155,6 +169,8 @@ def build_job(
         raise ValueError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
                          "(each TP rank holds a slice of the sequence)")
     num_microbatches(global_batch_size, micro_batch_size, layout.dp)  # raises naming the valid choices
+    if ddp.overlap_param_gather and not use_distributed_optimizer:
+        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's shards)")
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
     if padded_vocab % layout.tp or padded_vocab < spec.vocab_size:
@@ -231,7 +247,9 @@ def build_job(
             chunk = Float16Module(config, chunk)  # as Megatron-LM does: casts inputs and outputs
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=ddp.overlap_grad_reduce,
+            overlap_param_gather=ddp.overlap_param_gather,
+            bucket_size=ddp.bucket_size,
             use_distributed_optimizer=use_distributed_optimizer,
         )
         # As Megatron-LM's get_model: bucketing only in the first chunk (the others overlap with compute anyway)
@@ -283,7 +301,16 @@ def build_job(
         micro_batch_size=micro_batch_size,
         global_batch_size=global_batch_size,
         padded_vocab_size=padded_vocab,
+        ddp=ddp,
     )
+
+
+def sync_params(job: GPTJob) -> None:
+    """Collective: finish the param all-gather that ``--overlap-param-gather`` defers to the next forward, so every
+    DP rank's model weights are the stepped ones before a save reads them (Megatron-LM's ``force_param_sync``)."""
+    if job.ddp.overlap_param_gather:
+        for chunk in job.model:
+            chunk.start_param_sync(force_sync=True)
 
 
 def _batch_to_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ writes anyway: the benchmark measures megatron-core as it is).
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
@@ -63,14 +64,33 @@ def content_metadata(md: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in md.items() if k != "dp_cp_group"}
 
 
+def _model_keys(job: GPTJob) -> list[str]:
+    """Megatron-LM's keys of the model chunks: ``model``, or ``model0``, ``model1``, ... with virtual stages."""
+    return ["model"] if len(job.model) == 1 else [f"model{i}" for i in range(len(job.model))]
+
+
+def saved_args(job: GPTJob) -> argparse.Namespace:
+    """What Megatron-LM saves as ``args`` in the common state, as far as a re-shard of it needs: the saving layout
+    and the DDP settings that cut the distributed optimizer's buffers into buckets."""
+    return argparse.Namespace(
+        tensor_model_parallel_size=job.layout.tp, pipeline_model_parallel_size=job.layout.pp,
+        data_parallel_size=job.layout.dp, virtual_pipeline_model_parallel_size=job.layout.vpp if job.layout.vpp > 1
+        else None, sequence_parallel=job.layout.sp, use_distributed_optimizer=job.use_distributed_optimizer,
+        overlap_grad_reduce=job.ddp.overlap_grad_reduce, overlap_param_gather=job.ddp.overlap_param_gather,
+        ddp_bucket_size=job.ddp.bucket_size, ddp_num_buckets=None, ddp_pad_buckets_for_high_nccl_busbw=False,
+        consumed_train_samples=job.consumed_samples, padded_vocab_size=job.padded_vocab_size, seed=job.spec.seed,
+        ckpt_format="torch_dist")
+
+
 def _state_dict(job: GPTJob, md: dict[str, Any], is_loading: bool) -> dict[str, Any]:
-    model_sd = unwrap(job.model[0]).sharded_state_dict(metadata=md)
+    models = {key: unwrap(m).sharded_state_dict(metadata=md) for key, m in zip(_model_keys(job), job.model)}
     return {
-        "model": model_sd,
-        "optimizer": job.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=md),
+        **models,
+        "optimizer": job.optimizer.sharded_state_dict(models, is_loading=is_loading, metadata=md),
         "iteration": job.iteration,
         "consumed_samples": job.consumed_samples,
         "scheduler": job.scheduler.state_dict(),
+        "args": saved_args(job),
     }
 
 
@@ -207,7 +227,8 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
     state = _state_dict(job, md, is_loading=True)
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), _dp_group())
     loaded = dist_checkpointing.load(state, ckpt_dir, strategy)
-    unwrap(job.model[0]).load_state_dict(loaded["model"])
+    for key, m in zip(_model_keys(job), job.model):
+        unwrap(m).load_state_dict(loaded[key])
     job.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_steps(job.optimizer)
     job.scheduler.load_state_dict(loaded["scheduler"])

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split the sequence over the TP ranks outside attention and MLP (off at TP 1, as in "
                    "Megatron-LM)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients over DP in buckets, overlapped with the backward pass")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="all-gather the distributed optimizer's updated weights overlapped with the next forward")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per bucket with --overlap-grad-reduce (default: max(40M, 1M x DP))")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="required unless --tenplex-layout chooses it")
     g.add_argument("--global-batch-size", type=int, required=True)
@@ -160,6 +166,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     check_model_flags(parser, args, argv)
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        parser.error("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.ddp_bucket_size is not None and (args.ddp_bucket_size < 1 or not args.overlap_grad_reduce):
+        parser.error(f"--ddp-bucket-size {args.ddp_bucket_size}: needs --overlap-grad-reduce and a size >= 1")
     if args.fp16 and args.bf16:
         parser.error("--fp16 and --bf16 exclude each other: give one")
     if args.data_path is not None and not args.data_path:
@@ -361,6 +371,7 @@ def run(args: argparse.Namespace) -> None:
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
             padded_vocab=padded,
+            ddp=gpt.DDPOptions(args.overlap_grad_reduce, args.overlap_param_gather, args.ddp_bucket_size),
         )
     except ValueError as e:  # LayoutError included: the message names the flag or constraint
         raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
@@ -487,6 +498,7 @@ def _loss_scale(job: Any) -> float | None:
 
 def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,
           persist: bool | None = None) -> None:
+    gpt.sync_params(job)
     if tier is not None:
         snap = memory_save.snapshot(MegatronCoreAdapter(job), tier, persist)
         for line in memory_flags.describe_snapshot(snap, job.iteration):

@@ -36,6 +36,9 @@ SCENARIOS = {
     "dp2_fully_reshardable": (DIST, layout_flags(1, 1), ["--dist-ckpt-optim-fully-reshardable"], layout_flags(2, 1)),
     "tp2_plain_optimizer": ([], layout_flags(2, 1), [], layout_flags(1, 1)),
     "tp2_bf16_dp_reshardable": ([*DIST, "--bf16"], layout_flags(2, 1), [], layout_flags(1, 1)),
+    # overlapped DDP in 4,000-element buckets at DP2 (each bucket's shards stored apart), adopted at TP2
+    "dp2_bf16_overlap_dp_reshardable": ([*DIST, "--bf16", "--overlap-grad-reduce", "--overlap-param-gather",
+                                         "--ddp-bucket-size", "4000"], layout_flags(1, 1), [], layout_flags(2, 1)),
     "tp2_legacy_torch": (DIST, layout_flags(2, 1), ["--ckpt-format", "torch"], layout_flags(1, 1)),
     "pp2_bf16_legacy_torch": ([*DIST, "--bf16"], layout_flags(1, 2), ["--ckpt-format", "torch"], layout_flags(1, 1)),
     # no distributed optimizer: the plain optimizer's state in model_optim_rng.pt (fp32: Float32Optimizer; bf16:

@@ -68,11 +68,13 @@ class Variant:
     sp: bool = False  # --sequence-parallel on both sides (Megatron-LM's rule turns it off at TP 1)
     layers: int = 2  # 4: PP2 x VPP2 has one layer per model chunk
     fp16: str = ""  # FP16_SCALERS' key: fp16 weights and the loss scaler's regime
+    overlap: bool = False  # OVERLAP_DDP: overlapped grad reduce and param gather in 4,000-element buckets
 
     def tag(self) -> str:
         return f"{'dist' if self.distopt else 'plain'}_v{self.vocab}{'_untied' if self.untie else ''}" \
                f"{'_bf16' if self.bf16 else ''}{'_llama' if self.llama else ''}{'_sp' if self.sp else ''}" \
-               f"{f'_l{self.layers}' if self.layers != 2 else ''}{f'_fp16{self.fp16}' if self.fp16 else ''}"
+               f"{f'_l{self.layers}' if self.layers != 2 else ''}{f'_fp16{self.fp16}' if self.fp16 else ''}" \
+               f"{'_overlap' if self.overlap else ''}"
 
     def flags(self) -> list[str]:
         f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS),
@@ -81,6 +83,8 @@ class Variant:
             f.append("--sequence-parallel")
         if self.fp16:
             f.extend(["--fp16", *FP16_SCALERS[self.fp16]])
+        if self.overlap:
+            f.extend(OVERLAP_DDP)
         if self.llama:
             f.extend(LLAMA_FLAGS)
         if self.distopt:
@@ -279,6 +283,10 @@ GPU_FLAG_TRANSITIONS = {
     "vpp-sp-TP2PP2VPP2-DP4": ((2, 2, 1, 2), (1, 1, 4), V_L4_SP, "TP2 + SP x PP2 x VPP2 -> DP4"),
     "vpp-sp-DP4-TP2PP2VPP2": ((1, 1, 4), (2, 2, 1, 2), V_L4_SP, "DP4 -> TP2 + SP x PP2 x VPP2"),
 }
+OVERLAP_DDP = ("--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "4000")
+V_OVERLAP = Variant(bf16=True, overlap=True)
+#: bf16 with overlapped DDP in many buckets, as a GPU run at scale sets it; each side of a TP <-> DP change
+OVERLAP_TRANSITIONS = {"overlap-DP2-TP2": ((1, 1, 2), (2, 1, 1)), "overlap-TP2-DP2": ((2, 1, 1), (1, 1, 2))}
 FP16_TRANSITIONS = {f"fp16-{regime}": ((2, 1, 1), (1, 1, 2), Variant(fp16=regime)) for regime in FP16_SCALERS}
 MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
 SCENARIOS: dict[str, Scenario] = {
@@ -293,6 +301,7 @@ SCENARIOS: dict[str, Scenario] = {
     **{n: Scenario((a, V_LLAMA), b, V_LLAMA) for n, (a, b, _) in LLAMA_TRANSITIONS.items()},
     **{n: Scenario((a, v), b, v) for n, (a, b, v, _) in GPU_FLAG_TRANSITIONS.items()},
     **{n: Scenario((a, v), b, v) for n, (a, b, v) in FP16_TRANSITIONS.items()},
+    **{n: Scenario((a, V_OVERLAP), b, V_OVERLAP) for n, (a, b) in OVERLAP_TRANSITIONS.items()},
     "rt-there-(2, 2, 1)-(1, 1, 4)": Scenario(((2, 2, 1), V_DIST), (1, 1, 4), V_DIST, iters=SAVE_AT),
     "rt-back-(2, 2, 1)-(1, 1, 4)": Scenario("rt-there-(2, 2, 1)-(1, 1, 4)", (2, 2, 1), V_DIST, iters=SAVE_AT),
     "rt-there-(1, 1, 2)-(1, 1, 1)": Scenario(((1, 1, 2), V_PLAIN), (1, 1, 1), V_PLAIN, iters=SAVE_AT),
@@ -499,3 +508,15 @@ def test_fp16_loss_scaler_continues(runs: Runs, name: str) -> None:
     scales = [m["loss_scale"] for m in b]
     assert scales == sorted(scales, reverse=v.fp16 == "skip") and len(set(scales)) > 1  # the scale moved
     assert_losses_continue(ref, d, FP16_LOSS_RTOL)
+
+
+@pytest.mark.parametrize("name", list(OVERLAP_TRANSITIONS))
+def test_overlapped_ddp_in_buckets(runs: Runs, name: str) -> None:
+    """bf16 with --overlap-grad-reduce --overlap-param-gather in 4,000-element buckets (the distributed optimizer's
+    shards cut bucket by bucket): the save sees the stepped weights (the deferred all-gather is forced first), the
+    re-saved tensors equal the originals, and the losses continue."""
+    src, dst = OVERLAP_TRANSITIONS[name]
+    ref = runs.reference(src, V_OVERLAP)
+    d = runs.resume(name)
+    assert_tensors_equal(_ckpt(ref), _resaved(d), V_OVERLAP.vocab)
+    assert_losses_continue(ref, d, BF16_LOSS_RTOL)

@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 
 from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.engine.optimizer_json import fresh_step, step_in_groups
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments: what torch Adam/AdamW keep per element
-SUPPORTED_OPTIMIZERS = ("Adam", "AdamW")
+SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam")  # FusedAdam: DeepSpeed's (its default on GPUs)
 
 
 class DeepSpeedStateError(ValueError):
@@ -76,7 +77,7 @@ def inner_optimizer(engine: Any) -> torch.optim.Optimizer:
     inner = getattr(zo, "optimizer", None)
     if inner is None:
         raise DeepSpeedStateError(f"engine optimizer {type(zo).__name__} wraps no optimizer")
-    if type(inner).__name__ not in SUPPORTED_OPTIMIZERS:
+    if type(inner).__name__ not in SUPPORTED_OPTIMIZERS or step_in_groups(inner):  # another library's FusedAdam
         raise DeepSpeedStateError(
             f"optimizer {type(inner).__name__}: tenplex re-shards the state of {', '.join(SUPPORTED_OPTIMIZERS)}")
     if any(g.get("amsgrad") for g in inner.param_groups):
@@ -106,7 +107,7 @@ def allocate_state(engine: Any) -> None:
     inner = inner_optimizer(engine)
     for flat in _flat_partitions(engine):
         st = inner.state[flat]
-        st.setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+        st.setdefault("step", fresh_step(inner, inner.param_groups[0], flat))
         for k in STATE_KEYS:
             if k not in st:
                 st[k] = torch.zeros_like(flat, memory_format=torch.preserve_format)

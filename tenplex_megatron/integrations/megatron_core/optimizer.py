@@ -14,7 +14,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
+from tenplex_megatron.engine.optimizer_json import fresh_step, jsonable, optimizer_json, restore_optimizer
 
 
 def sub_optimizers(optimizer: Any) -> list[Any]:
@@ -54,7 +54,9 @@ def allocate_state(optimizer: Any) -> None:
             opt.init_state_fn(inner, opt.config)
             for group in inner.param_groups:
                 for p in group["params"]:
-                    inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                    step = fresh_step(inner, group, p)
+                    if step is not None:  # torch's Adam counts per parameter; TE's and apex's FusedAdam per group
+                        inner.state[p].setdefault("step", step)
 
 
 def never_stepped(saved: dict[str, Any] | None) -> bool:
