@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tenplex_megatron._optional import require
-from tenplex_megatron.engine import elastic, memory_load, memory_save
+from tenplex_megatron.engine import elastic, memory_load, memory_save, orphan
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
@@ -392,6 +392,7 @@ def install() -> None:
 
     if _ORIGINALS:
         return
+    orphan.die_with_agent()  # in the worker: it exits when its torchrun agent dies (no save, no commit)
     _ORIGINALS["validate_args"] = init_mod.validate_args
     init_mod.validate_args = _validate_args
     _ORIGINALS["_vocab_size_with_padding"] = tok_mod._vocab_size_with_padding

@@ -25,7 +25,7 @@ import psutil
 import torch
 from megatron.core import parallel_state
 
-from tenplex_megatron.engine import memory_load, memory_save
+from tenplex_megatron.engine import memory_load, memory_save, orphan
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -289,6 +289,7 @@ def _print0(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    orphan.die_with_agent()  # a worker whose torchrun agent dies exits at once (no save, no commit)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     gpt.init_distributed()
     args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}
