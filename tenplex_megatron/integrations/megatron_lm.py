@@ -61,7 +61,7 @@ from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
     read_metadata,
 )
-from tenplex_megatron.training import memory_flags
+from tenplex_megatron.training import lease_flags, memory_flags
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _MEMORY: dict[str, memory_save.MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
@@ -88,6 +88,7 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     g.add_argument("--tenplex-memory-budget", type=float, default=None, metavar="GB",
                    help="per-rank memory for --tenplex-layout auto (default: the GPU's memory; none on the CPU)")
     memory_flags.add_memory_args(g)
+    lease_flags.add_lease_args(g)
     return parser
 
 
@@ -160,6 +161,13 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
         if problem:
             print(f"pretrain_gpt.py: error: {problem}", file=sys.stderr, flush=True)
             raise SystemExit(2)
+    if hasattr(args, "tenplex_take_over"):  # before any process group: another live job's directory is refused
+        try:
+            lease_flags.claim(args, "pretrain_gpt.py")
+        except SystemExit as e:
+            print(e.code, file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        atexit.register(lease_flags.release, args)
     choose_layout_for_args(args)
     return _ORIGINALS["validate_args"](args, *a, **kw)
 

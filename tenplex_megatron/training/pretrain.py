@@ -46,7 +46,15 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt, measure, memory_flags
+from tenplex_megatron.training import (
+    gpt,
+    layout_choice,
+    lease_flags,
+    legacy_ckpt,
+    mcore_dist_ckpt,
+    measure,
+    memory_flags,
+)
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -156,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; "
                    "this turns that off")
     memory_flags.add_memory_args(g)
+    lease_flags.add_lease_args(g)
     g.add_argument(
         "--tenplex-vocab-padding",
         choices=["keep", "megatron"],
@@ -291,6 +300,7 @@ def _print0(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     orphan.die_with_agent()  # a worker whose torchrun agent dies exits at once (no save, no commit)
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    lease_flags.claim(args, "pretrain_gpt.py")  # before any process group: another live job's directory is refused
     gpt.init_distributed()
     args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}
     run(args)
@@ -304,6 +314,7 @@ def run(args: argparse.Namespace) -> None:
 
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
+    lease_flags.claim(args, "pretrain_gpt.py")  # when main() did not (several jobs in one launch)
     world = torch.distributed.get_world_size()
     if args.tenplex_layout == "measure":  # time the best few candidates once per world size, then choose
         measure.measure_and_choose(args, spec_from_args(args))
@@ -456,6 +467,7 @@ def run(args: argparse.Namespace) -> None:
         memory_save.close(tier)
     if metrics is not None:
         metrics.close()
+    lease_flags.release(args)
     _print0("> tenplex-megatron: done")
 
 
