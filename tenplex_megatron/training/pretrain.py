@@ -25,7 +25,7 @@ import psutil
 import torch
 from megatron.core import parallel_state
 
-from tenplex_megatron.engine import memory_load, memory_save, orphan
+from tenplex_megatron.engine import fallback, memory_load, memory_save, orphan
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -366,17 +366,21 @@ def run(args: argparse.Namespace) -> None:
         f"padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
-    if from_memory is not None:
-        assert tier is not None
-        mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, from_memory, verify=not args.tenplex_no_verify)
-        res = mres.result
+    restarted = None
+    if from_memory is not None or ckpt is not None:  # a damaged copy: the next one (engine/fallback.py)
+        verify = not args.tenplex_no_verify
+        restarted = fallback.restart(
+            lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
+            lambda path: load_job(job, path, verify=verify), tier, from_memory, args.load, ckpt)
+    if restarted is not None and restarted.memory is not None:
+        res = restarted.result
         if getattr(args, "tenplex_timeline", None) is not None:
             args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
-        _print0(memory_flags.describe_memory_load(mres, layout)
+        _print0(memory_flags.describe_memory_load(restarted.memory, layout)
                 + f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})")
-    elif ckpt is not None or (mck is not None and args.tenplex):
-        if ckpt is not None:
-            res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    elif restarted is not None or (mck is not None and args.tenplex):
+        if restarted is not None:
+            res = restarted.result
         else:  # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
             res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
         if getattr(args, "tenplex_timeline", None) is not None:

@@ -92,10 +92,18 @@ def test_worker_exits_when_its_agent_is_killed(tmp_path) -> None:
     print(f"second job refused in {refused_in:.1f} s; worker exited {seconds:.2f} s after its agent was SIGKILLed")
     assert seconds < 5, seconds
     assert directory.committed_iterations(ckpt) == committed and len(metrics(log)) == ran  # nothing after
-    # its holder is dead (this host): a job of another id takes the lease over without waiting out its ttl
+    # its holder is dead (this host): a job of another id takes the lease over without waiting out its ttl; the
+    # newest checkpoint has a flipped byte: skipped with a warning naming the file, the previous one loads
+    bad = os.path.join(ckpt, directory.iter_dir_name(committed[-1]), directory.rank_file_name(0))
+    with open(bad, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0x40]))
     third = _plain([*FLAGS, "--save", ckpt, "--load", ckpt, "--train-iters", str(committed[-1] + 1)])
     assert third.returncode == 0, third.stderr[-3000:]
-    assert f"loaded iteration {committed[-1]}" in third.stdout
+    assert f"loaded iteration {committed[-2]}" in third.stdout, third.stdout[-3000:]
+    assert third.stderr.count("skipping a damaged copy") == 1 and f"{bad}" in third.stderr, third.stderr[-3000:]
     assert lease.current(ckpt).released and lease.current(ckpt).generation == held.generation + 1
 
 
