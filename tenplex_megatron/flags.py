@@ -29,6 +29,7 @@ GROUPS = (
     ("checkpoints", "Checkpoints", "megatron-lm.md", "Megatron-LM"),
     ("layout", "Layout choice and elastic restarts", "elastic.md", "Elastic training"),
     ("memory", "Host-memory checkpoints", "host-memory.md", "Host-memory checkpoints"),
+    ("lease", "One writer per checkpoint directory", "elastic.md", "Elastic training"),
     ("trainer", "Reference trainer only", "trainer.md", "The reference trainer"),
 )
 
@@ -157,6 +158,16 @@ FLAGS: tuple[Flag, ...] = (
          "is free)", "memory", type=float, metavar="GB", doc_default="what the filesystem has free"),
     Flag("--tenplex-memory-fallback", "with --tenplex-memory: a snapshot that does not fit is saved to --save "
          "instead of failing", "memory", action="store_true"),
+    # --- one writer per directory (storage/lease.py; the default TTL is lease.DEFAULT_TTL, checked by a test)
+    Flag("--tenplex-job-id", "this job's identity for the checkpoint directories' leases (default: torchrun's run "
+         "id, --rdzv-id; else SLURM_JOB_ID; else MASTER_ADDR:MASTER_PORT; else host:pid). A job with another id is "
+         "refused a directory while its holder lives", "lease", metavar="ID", doc_default="torchrun's run id"),
+    Flag("--tenplex-take-over", "take the leases of --save and --tenplex-memory over at once, even from a job whose "
+         "heartbeat is fresh (that job is known to be gone); it can no longer commit there", "lease",
+         action="store_true"),
+    Flag("--tenplex-lease-ttl", "a holder silent this long is gone: another job may take its directories over (a "
+         "holder on the same host that died is gone at once)", "lease", type=float, default=15.0,
+         metavar="SECONDS"),
     # --- the reference trainer only
     Flag("--tenplex-metrics", "append per-step loss and sample indices as JSON lines", "trainer", doors=(TRAINER,),
          metavar="FILE"),
@@ -207,6 +218,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`O_DIRECT`", "user"),
     EnvVar("TENPLEX_HELPER_SCHED_IDLE", "`0`, `1`", "`1`",
            "`0` leaves the host-memory helper at nice 19 instead of the idle CPU class (`SCHED_IDLE`)", "user"),
+    EnvVar("TENPLEX_ORPHAN_EXIT", "`0`, `1`", "`1`",
+           "`0` lets a torchrun worker outlive its agent (by default it dies with it: parent-death signal)", "user"),
     EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`", "unset",
            "make a rank fail at a named point of a save or load (kinds `kill`, `enospc`, `error`, `typeerror`; "
            "points in `storage/faults.py`): the crash-safety tests' tool", "tests"),

@@ -13,6 +13,7 @@ the recorded block CRC-32s before anything is copied into the model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from tenplex_megatron.storage.confine import confine_all
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
 from tenplex_megatron.storage.source import Opened
+from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 
 
 @dataclass(frozen=True)
@@ -59,16 +61,21 @@ def durable_iteration(load_dir: str | None) -> int | None:
     return None if path is None else int(directory.read_metadata(path)["iteration"])
 
 
-def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
+def choose(tier: MemoryTier, load_dir: str | None,
+           exclude: set[tuple[int, str, str]] | frozenset[tuple[int, str, str]] = frozenset()) -> MemoryChoice | None:
     """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh). Every
     node's snapshots newer than the restart point (incomplete on the live nodes: a node that held part of them was
-    lost) are discarded, so that the job never jumps back to that timeline when the node returns."""
+    lost) are discarded, so that the job never jumps back to that timeline when the node returns. ``exclude``:
+    (iteration, rank file, node) copies found damaged (:func:`damaged_copies`), counted as absent."""
     def local() -> dict[str, Any]:
         held = memory_tier.list_snapshots(tier.mem, tier.node) if tier.leader else []
         return {"held": [s.to_json() for s in held], "durable": durable_iteration(load_dir) if rank() == 0 else None}
 
     got = gather_phase(f"--tenplex-memory {tier.mem}: listing snapshots", local)
     held = [memory_tier.Snapshot.from_json(s) for g in got for s in g["held"]]
+    if exclude:
+        held = [dataclasses.replace(s, present={f: n for f, n in s.present.items()
+                                                if (s.iteration, f, s.node) not in exclude}) for s in held]
     newest_durable = got[0]["durable"]
     picked = run_phase("choosing the snapshot to restart from",
                        lambda: memory_tier.choose(held, tier.job, newest_durable))
@@ -104,6 +111,20 @@ def choose(tier: MemoryTier, load_dir: str | None) -> MemoryChoice | None:
     meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
     return MemoryChoice(picked.iteration, meta, picked.holders, picked.durable,
                         durable_dir if picked.durable else None)  # picked.durable: of the durable iteration
+
+
+def damaged_copies(tier: MemoryTier, choice: MemoryChoice) -> list[tuple[int, str, str]]:
+    """Collective, after a failed load only: the (iteration, rank file, node) copies of the chosen snapshot that fail their
+    checksums, each node's leader checking every file its memory holds of it (``verify_checkpoint``)."""
+    def local() -> list[list[str]]:
+        path = memory_tier.snapshot_dir(tier.mem, choice.iteration)
+        if not tier.leader or not os.path.isdir(path):
+            return []
+        held = {f for f in choice.metadata.get("files", {}) if os.path.isfile(os.path.join(path, f))}
+        return sorted([f, tier.node] for f in verify_checkpoint(path, workers=1).damaged_files() if f in held)
+
+    got = gather_phase(f"--tenplex-memory {tier.mem}: checking this node's copies of the snapshot", local)
+    return [(choice.iteration, f, n) for g in got for f, n in g]
 
 
 def discard_after(tier: MemoryTier, start: int | None) -> list[str]:

@@ -39,7 +39,7 @@ from typing import Any
 
 from tenplex_megatron import flags
 from tenplex_megatron._optional import require
-from tenplex_megatron.engine import elastic, memory_load, memory_save
+from tenplex_megatron.engine import elastic, fallback, memory_load, memory_save, orphan
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
@@ -64,7 +64,7 @@ from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
     read_metadata,
 )
-from tenplex_megatron.training import memory_flags
+from tenplex_megatron.training import lease_flags, memory_flags
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _MEMORY: dict[str, memory_save.MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
@@ -147,6 +147,13 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
         for problem in problems:
             print(f"pretrain_gpt.py: error: with --tenplex, {problem}", file=sys.stderr, flush=True)
         raise SystemExit(2)
+    if hasattr(args, "tenplex_take_over"):  # before any process group: another live job's directory is refused
+        try:
+            lease_flags.claim(args, "pretrain_gpt.py")
+        except SystemExit as e:
+            print(e.code, file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        atexit.register(lease_flags.release, args)
     choose_layout_for_args(args)
     return _ORIGINALS["validate_args"](args, *a, **kw)
 
@@ -254,10 +261,10 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     load_dir = getattr(args, load_arg, None)
     tier = _memory_tier(args) if load_arg == "load" else None
     choice = memory_load.choose(tier, load_dir) if tier is not None else None
-    if choice is not None:  # the newest snapshot whole in the live nodes' memory: newer than any durable one
-        return _load_from_memory(ddp_model, optimizer, opt_param_scheduler, tier, choice)
     tenplex = getattr(args, "tenplex", False) and load_dir
-    ckpt = find_checkpoint(load_dir) if tenplex else None
+    ckpt = find_checkpoint(load_dir) if (tenplex and choice is None) else None
+    if choice is not None or ckpt is not None:  # a damaged copy: the next one (engine/fallback.py)
+        return _restart(ddp_model, optimizer, opt_param_scheduler, tier, choice, load_dir, ckpt)
     mck = find_megatron_checkpoint(load_dir) if (tenplex and ckpt is None) else None
     no_megatron = not (load_dir and find_megatron_checkpoint(load_dir))
     if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and no_megatron:
@@ -270,10 +277,8 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     if ckpt is None and mck is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    if ckpt is not None:
-        res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
-    else:  # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
-        res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
+    # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
+    res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
     flops = _resumed(args, job, res)
     print_rank_0(
         f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {ParallelLayout.from_json(res.source_layout)} -> {job.layout}, "
@@ -282,17 +287,26 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     return res.iteration, flops
 
 
-def _load_from_memory(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any,
-                      tier: memory_save.MemoryTier, choice: memory_load.MemoryChoice) -> tuple[int, float]:
-    """Load the chosen host-memory snapshot, re-sharded: own node by mmap, the rest from peers' memory."""
+def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: memory_save.MemoryTier | None,
+             choice: memory_load.MemoryChoice | None, load_dir: str, ckpt: str | None) -> tuple[int, float]:
+    """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
+    re-sharded; a damaged copy falls back to the next (``engine/fallback.py``)."""
     from megatron.training import get_args, print_rank_0
 
     args = get_args()
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, choice, verify=not args.tenplex_no_verify)
-    flops = _resumed(args, job, mres.result)
-    print_rank_0(memory_flags.describe_memory_load(mres, job.layout))
-    return mres.result.iteration, flops
+    verify = not args.tenplex_no_verify
+    got = fallback.restart(lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
+                           lambda path: load_job(job, path, verify=verify), tier, choice, load_dir, ckpt)
+    res = got.result
+    flops = _resumed(args, job, res)
+    if got.memory is not None:
+        print_rank_0(memory_flags.describe_memory_load(got.memory, job.layout))
+    else:
+        print_rank_0(f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
+                     f"{ParallelLayout.from_json(res.source_layout)} -> {job.layout}, {res.tensors} tensors, "
+                     f"{res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s")
+    return res.iteration, flops
 
 
 def _resumed(args: Any, job: LiveJob, res: Any) -> float:
@@ -373,6 +387,7 @@ def install() -> None:
 
     if _ORIGINALS:
         return
+    orphan.die_with_agent()  # in the worker: it exits when its torchrun agent dies (no save, no commit)
     _ORIGINALS["validate_args"] = init_mod.validate_args
     init_mod.validate_args = _validate_args
     _ORIGINALS["_vocab_size_with_padding"] = tok_mod._vocab_size_with_padding

@@ -13,7 +13,8 @@ Every name read from a checkpoint (the tracker's iteration, the metadata's
 too: only directories this project made are removed (a real ``iter_NNNNNNN``
 directory holding a tenplex ``metadata.json``; an ``iter_NNNNNNN.tenplex-partial``
 holding nothing but shard and metadata files); a symbolic link named like one is
-unlinked at most, never followed; anything else is left alone.
+unlinked at most, never followed; anything else is left alone. A process holding the directory's lease
+(``lease.py``) commits, applies retention and removes partial saves only while its generation is the newest.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 
@@ -218,7 +220,9 @@ def remove_own(path: str, recognised: Callable[[str], bool]) -> bool:
 
 
 def remove_partial(path: str) -> bool:
-    """Delete a left-over staging directory (:func:`partial_dirs`) if it is one this project wrote."""
+    """Delete a left-over staging directory (:func:`partial_dirs`) if it is one this project wrote (never by a
+    writer whose lease a newer generation took: it could be that writer's save in progress)."""
+    lease.fence(os.path.dirname(os.path.abspath(path)))
     return _PARTIAL_RE.fullmatch(os.path.basename(path)) is not None and remove_own(path, is_staging_dir)
 
 
@@ -277,6 +281,7 @@ def commit(
         os.fsync(f.fileno())
     fsync_dir(staging)
     fault("save.commit")
+    lease.fence(save)  # a writer of an older generation commits nothing
     if os.path.islink(final):  # a link named like the checkpoint: replaced by it, its target untouched
         os.unlink(final)
     if os.path.lexists(final):
@@ -309,6 +314,7 @@ def apply_retention(save: str, keep: int) -> list[str]:
     """
     if keep < 1:
         raise ValueError(f"--tenplex-keep must be >= 1, got {keep}")
+    lease.fence(save)
     removed = []
     for it in committed_iterations(save)[:-keep]:
         path = os.path.join(save, iter_dir_name(it))

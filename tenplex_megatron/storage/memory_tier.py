@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.files import CheckpointFileError
 
 NODE_FILE = "tenplex-node.json"
@@ -282,6 +282,7 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
     """
     if keep < 1:
         raise ValueError(f"--tenplex-memory-keep must be >= 1, got {keep}")
+    lease.fence(mem)
     removed = []
     for it in directory.committed_iterations(mem)[:-keep]:
         if it in protect:
@@ -310,6 +311,7 @@ def discard_newer(mem: str, iteration: int | None, dispose: Callable[[str], None
     """Retire the committed snapshots after ``iteration`` (every one for None) as :func:`retain` does: the
     snapshots of a timeline a restart left (it went back to ``iteration``), which must never complete later,
     when a lost node returns with its part of them. Returns what went."""
+    lease.fence(mem)
     newer = [snapshot_dir(mem, it) for it in directory.committed_iterations(mem) if iteration is None or it > iteration]
     return [path for path in newer if _retire(path, dispose)]
 

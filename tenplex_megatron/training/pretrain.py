@@ -26,7 +26,7 @@ import torch
 from megatron.core import parallel_state
 
 from tenplex_megatron import flags
-from tenplex_megatron.engine import memory_load, memory_save
+from tenplex_megatron.engine import fallback, memory_load, memory_save, orphan
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -48,7 +48,15 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.training import gpt, layout_choice, legacy_ckpt, mcore_dist_ckpt, measure, memory_flags
+from tenplex_megatron.training import (
+    gpt,
+    layout_choice,
+    lease_flags,
+    legacy_ckpt,
+    mcore_dist_ckpt,
+    measure,
+    memory_flags,
+)
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -315,7 +323,9 @@ def _print0(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    orphan.die_with_agent()  # a worker whose torchrun agent dies exits at once (no save, no commit)
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    lease_flags.claim(args, "pretrain_gpt.py")  # before any process group: another live job's directory is refused
     gpt.init_distributed()
     args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}
     run(args)
@@ -329,6 +339,7 @@ def run(args: argparse.Namespace) -> None:
 
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
+    lease_flags.claim(args, "pretrain_gpt.py")  # when main() did not (several jobs in one launch)
     world = torch.distributed.get_world_size()
     if args.tenplex_layout == "measure":  # time the best few candidates once per world size, then choose
         measure.measure_and_choose(args, spec_from_args(args))
@@ -382,17 +393,21 @@ def run(args: argparse.Namespace) -> None:
         f"padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
-    if from_memory is not None:
-        assert tier is not None
-        mres = memory_load.load_snapshot(MegatronCoreAdapter(job), tier, from_memory, verify=not args.tenplex_no_verify)
-        res = mres.result
+    restarted = None
+    if from_memory is not None or ckpt is not None:  # a damaged copy: the next one (engine/fallback.py)
+        verify = not args.tenplex_no_verify
+        restarted = fallback.restart(
+            lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
+            lambda path: load_job(job, path, verify=verify), tier, from_memory, args.load, ckpt)
+    if restarted is not None and restarted.memory is not None:
+        res = restarted.result
         if getattr(args, "tenplex_timeline", None) is not None:
             args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
-        _print0(memory_flags.describe_memory_load(mres, layout)
+        _print0(memory_flags.describe_memory_load(restarted.memory, layout)
                 + f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})")
-    elif ckpt is not None or (mck is not None and args.tenplex):
-        if ckpt is not None:
-            res = load_job(job, ckpt, verify=not args.tenplex_no_verify)
+    elif restarted is not None or (mck is not None and args.tenplex):
+        if restarted is not None:
+            res = restarted.result
         else:  # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
             res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
         if getattr(args, "tenplex_timeline", None) is not None:
@@ -486,6 +501,7 @@ def run(args: argparse.Namespace) -> None:
         memory_save.close(tier)
     if metrics is not None:
         metrics.close()
+    lease_flags.release(args)
     _print0("> tenplex-megatron: done")
 
 

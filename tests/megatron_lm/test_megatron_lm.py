@@ -262,7 +262,8 @@ def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_
     log = _run_nodes(script, tmp_path, "first", ["a", "b"], 2, ["--exit-interval", "6", "--tenplex-persist-interval",
                                                                  "2", "--tenplex-replication-rate", "auto"])
     assert "> tenplex: snapshot of iteration 6 in host memory" in log, log[-3000:]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt",
+                                                     "tenplex-lease"]
     for node in ("a", "b"):  # both nodes hold both ranks' files of snapshot 6
         assert sorted(os.listdir(tmp_path / f"mem_{node}" / "iter_0000006")) == \
             ["metadata.json", "rank_00000.safetensors", "rank_00001.safetensors"]

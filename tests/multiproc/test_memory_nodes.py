@@ -93,7 +93,8 @@ def test_restart_at_new_layout_from_peer_memory_after_losing_a_node(tmp_path) ->
                                                      "--tenplex-replication-rate", "auto"])
     log = "\n".join(first)
     assert "persisted" in log and str(tmp_path / "ckpt" / "iter_0000004") in log, log[-3000:]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["iter_0000004", "latest_checkpointed_iteration.txt",
+                                                     "tenplex-lease"]
     for node in ("a", "b"):  # K=2 on two nodes: each node's memory holds every rank's file of snapshot 6
         snap = tmp_path / f"mem_{node}" / "iter_0000006"
         assert sorted(os.listdir(snap)) == ["metadata.json", "rank_00000.safetensors", "rank_00001.safetensors"]

@@ -1,0 +1,111 @@
+"""Fall back, never fail, while a good copy exists: a restart whose copy fails its checks tries the next copy.
+
+The order: the chosen host-memory snapshot; the same snapshot with every damaged replica left out (after a
+failure each node checks the files it holds: a restart that succeeds reads nothing twice), the rank files no good
+replica is left of read from the durable checkpoint of the same iteration; then the durable checkpoints, newest
+first (the same iteration, then the previous complete ones). Each damaged copy is named in one warning (rank 0).
+Only when no complete copy is left does the restart fail, naming every copy tried (Megatron-LM #5281: a job
+restored from a bad local replica looped on NaN with no fallback to the global checkpoint).
+A copy is damaged when loading it fails with a checkpoint-file error on some rank (a checksum, a size, a missing
+file): other failures (another model's checkpoint) are raised as they are, since every copy would repeat them.
+The model is untouched by a failed attempt: the engine verifies every block it reads before copying any.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tenplex_megatron.engine import memory_load
+from tenplex_megatron.engine.load import LoadResult
+from tenplex_megatron.engine.memory_load import MemoryChoice, MemoryLoadResult
+from tenplex_megatron.engine.memory_save import MemoryTier
+from tenplex_megatron.execute.collective import RankFailure, rank
+from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.files import CheckpointFileError
+
+log = logging.getLogger("tenplex_megatron.fallback")
+_DAMAGE = ("CheckpointFileError", "FileNotFoundError", "LeaseError")
+
+
+class NoGoodCopyError(CheckpointFileError):
+    """Every copy of the state a restart could load failed its checks."""
+
+
+@dataclass(frozen=True)
+class Restart:
+    """What a restart loaded: the engine's result, the memory load's (None: from a durable checkpoint), and every
+    copy skipped on the way, with why."""
+
+    result: LoadResult
+    memory: MemoryLoadResult | None
+    skipped: tuple[str, ...] = ()
+
+
+def damage(error: BaseException) -> str | None:
+    """The first failing rank's checkpoint-file error (the damaged copy, named), or None for other failures."""
+    if isinstance(error, RankFailure):
+        for r, msg in sorted(error.failures.items()):
+            if msg.startswith(_DAMAGE):
+                return f"rank {r}: {msg}"
+        return None
+    return str(error) if isinstance(error, CheckpointFileError) else None
+
+
+def durable_candidates(load_dir: str, first: str | None) -> list[str]:
+    """The durable checkpoints to try, in order: ``first`` (the one a restart chose), then every older complete
+    one under ``load_dir``, newest first (``load_dir`` itself a checkpoint: only it)."""
+    if first is not None and os.path.abspath(first) == os.path.abspath(load_dir):
+        return [first]
+    its = directory.committed_iterations(load_dir)
+    top = int(directory.read_metadata(first)["iteration"]) if first is not None else None
+    older = [os.path.join(load_dir, directory.iter_dir_name(it)) for it in reversed(its) if top is None or it < top]
+    return ([first] if first is not None else []) + older
+
+
+def _skip(what: str, why: str, skipped: list[str]) -> None:
+    skipped.append(f"{what}: {why}")
+    if rank() == 0:
+        log.warning("skipping a damaged copy, %s: %s (trying the next copy)", what, why)
+
+
+def restart(load_memory: Callable[[MemoryChoice], MemoryLoadResult], load_durable: Callable[[str], LoadResult],
+            tier: MemoryTier | None, choice: MemoryChoice | None, load_dir: str | None,
+            durable: str | None) -> Restart:
+    """Collective: load ``choice`` (host memory) or else ``durable``, falling back in the module's order."""
+    skipped: list[str] = []
+    excluded: set[tuple[int, str, str]] = set()
+    while choice is not None:
+        assert tier is not None
+        what = f"host-memory snapshot of iteration {choice.iteration}"
+        try:
+            got = load_memory(choice)
+            return Restart(got.result, got, tuple(skipped))
+        except RankFailure as e:
+            why = damage(e)
+            if why is None:
+                raise
+            _skip(what, why, skipped)
+        bad = set(memory_load.damaged_copies(tier, choice)) - excluded
+        if not bad:  # nothing damaged in the nodes' memory: the durable files it mixed in, or what travelled
+            break
+        excluded |= bad
+        choice = memory_load.choose(tier, load_dir, exclude=excluded)
+    first = durable if durable is not None else directory.find_checkpoint(load_dir) if load_dir else None
+    for path in durable_candidates(load_dir, first) if load_dir else ([first] if first else []):
+        try:
+            res = load_durable(path)
+        except RankFailure as e:
+            why = damage(e)
+            if why is None:
+                raise
+            _skip(f"durable checkpoint {path}", why, skipped)
+            continue
+        if tier is not None and skipped:  # snapshots newer than what was loaded: a timeline left behind
+            memory_load.discard_after(tier, res.iteration)
+        return Restart(res, None, tuple(skipped))
+    raise NoGoodCopyError("no complete copy of the job's state is left to restart from; copies tried:\n  "
+                          + "\n  ".join(skipped))
+

@@ -1,0 +1,288 @@
+"""One writer per checkpoint directory: a lease with a generation, fenced at every destructive step.
+
+A job that writes into a directory (``--save``, a ``--tenplex-memory`` directory) holds its lease:
+``DIR/tenplex-lease/gen-NNNNNNNN.json`` (versioned JSON: job id, generation, holder, token, heartbeat, ttl). The
+current lease is the file of the highest generation. A new holder, or a new rendezvous round of the same job,
+takes generation N+1 by ``link(2)``-ing a complete temporary file to that name: the link fails if another process
+took N+1 first, which is atomic on local filesystems and on NFS alike (no ``flock``, no ``O_EXCL`` on old NFS
+clients), and a reader never sees a half-written lease. Only the holder rewrites its own generation's file
+(heartbeat, release), by rename.
+
+Rules (:func:`check`, :func:`acquire`): another job's lease is refused while its holder lives (heartbeat younger
+than its ttl, and, on this host, its process alive); a gone holder's lease is taken over, at once with
+``take_over``; the same job always takes the next generation (an elastic restart never waits). :func:`fence`, called
+before a commit, retention or the removal of a partial save, stops a writer whose generation is no longer the
+newest: a split rendezvous or a second launch on the same directory leaves one writer, the newest.
+A writer checks, then acts: between the two a newer holder can start; its own first destructive step comes after
+its own start-up, which makes that window (milliseconds here) much shorter than any save.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, replace
+from typing import Any
+
+from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir
+
+log = logging.getLogger("tenplex_megatron.lease")
+
+LEASE_DIR = "tenplex-lease"
+FORMAT = "tenplex-lease"
+VERSION = 1
+DEFAULT_TTL = 15.0  # seconds without a heartbeat after which another job may take a lease over
+HEARTBEATS_PER_TTL = 5
+_GEN_RE = re.compile(r"gen-([0-9]{8,})\.json")
+_KEEP_OLD = 1  # older generations' files kept (the one before the newest: what it took over, for the record)
+_NOT_ATOMIC = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
+
+
+class LeaseError(CheckpointFileError):
+    """The directory's lease refuses this writer (another live job holds it, or the lease file is unusable)."""
+
+
+class FencedError(LeaseError):
+    """A newer generation owns the directory: this writer must neither commit nor delete anything there."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One generation's lease on a directory, as its file records it."""
+
+    directory: str
+    job: str
+    generation: int
+    holder: str  # host:pid of the process that took it
+    token: str  # unique to this taking
+    heartbeat: float  # time.time() of the last renewal
+    ttl: float
+    released: bool = False
+
+    @property
+    def path(self) -> str:
+        return gen_path(self.directory, self.generation)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "job": self.job, "generation": self.generation,
+                "holder": self.holder, "token": self.token, "heartbeat": self.heartbeat, "ttl": self.ttl,
+                "released": self.released}
+
+    def describe(self) -> str:
+        return f"job {self.job!r} (generation {self.generation}, holder {self.holder})"
+
+    def gone(self, now: float) -> bool:
+        """Whether its holder is gone: released, heartbeat older than the ttl, or a dead process on this host."""
+        if self.released or now - self.heartbeat > self.ttl:
+            return True
+        host, _, pid = self.holder.rpartition(":")
+        if host != socket.gethostname() or not pid.isdigit():
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, another user's
+            return False
+        return False
+
+
+def lease_dir(directory: str) -> str:
+    return os.path.join(directory, LEASE_DIR)
+
+
+def gen_path(directory: str, generation: int) -> str:
+    return os.path.join(lease_dir(directory), f"gen-{generation:08d}.json")
+
+
+def _parse(directory: str, path: str, text: str) -> Lease:
+    """A lease file's content, checked: refused naming the file when malformed or of a future format."""
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise LeaseError(f"{path}: malformed lease file ({e}); remove it if no job writes into {directory}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise LeaseError(f"{path}: not a {FORMAT} file")
+    if type(d.get("version")) is not int or d["version"] > VERSION:
+        raise LeaseError(f"{path}: lease format version {d.get('version')!r}, this build reads up to {VERSION} "
+                         "(a newer tenplex-megatron holds this directory)")
+    try:
+        return Lease(directory, str(d["job"]), int(d["generation"]), str(d["holder"]), str(d["token"]),
+                     float(d["heartbeat"]), float(d["ttl"]), bool(d.get("released", False)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise LeaseError(f"{path}: malformed lease file (field {e})") from None
+
+
+def generations(directory: str) -> list[int]:
+    """The generations whose lease files exist (ascending)."""
+    try:
+        names = os.listdir(lease_dir(directory))
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _GEN_RE.fullmatch(n)))
+
+
+def current(directory: str) -> Lease | None:
+    """The newest generation's lease of ``directory``, None where none was ever taken."""
+    for g in reversed(generations(directory)):
+        path = gen_path(directory, g)
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:  # pruned meanwhile by a newer holder
+            continue
+        return _parse(directory, path, text)
+    return None
+
+
+def check(directory: str, job: str, take_over: bool = False, now: float | None = None) -> Lease | None:
+    """Refuse (:class:`LeaseError`) when another job's holder lives; read only. Returns the current lease."""
+    cur = current(directory)
+    if cur is None or cur.job == job or take_over or cur.gone(time.time() if now is None else now):
+        return cur
+    age = (time.time() if now is None else now) - cur.heartbeat
+    raise LeaseError(
+        f"{directory} is held by {cur.describe()}, heartbeat {age:.1f} s ago (expires after {cur.ttl:g} s): two "
+        f"jobs must not write one checkpoint directory. Give this job another --save, or, if that job is gone, "
+        f"wait {max(cur.ttl - age, 0):.0f} s or pass --tenplex-take-over")
+
+
+_HELD: dict[str, Lease] = {}  # real path of a directory -> this process's lease on it
+_LOCK = threading.Lock()
+_BEAT: dict[int, threading.Thread] = {}  # pid -> its heartbeat thread (a forked child starts its own)
+
+
+def _key(directory: str) -> str:
+    return os.path.realpath(directory)
+
+
+def _write(lease: Lease, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(lease.to_json(), f, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False) -> Lease:
+    """Take the next generation of ``directory``'s lease for ``job`` (refused as :func:`check` says), hold it in
+    this process (heartbeat thread, :func:`fence`) and prune older generations' files."""
+    if ttl <= 0:
+        raise ValueError(f"--tenplex-lease-ttl must be > 0 seconds, got {ttl}")
+    os.makedirs(lease_dir(directory), exist_ok=True)
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    while True:
+        cur = check(directory, job, take_over)
+        gen = (cur.generation if cur else max(generations(directory), default=0)) + 1
+        lease = Lease(os.path.abspath(directory), job, gen, holder, uuid.uuid4().hex, time.time(), float(ttl))
+        tmp = f"{lease.path}.{lease.token}.tmp"
+        _write(lease, tmp)
+        try:
+            os.link(tmp, lease.path)
+        except FileExistsError:  # another process took this generation first: look again
+            continue
+        except OSError as e:
+            if e.errno in _NOT_ATOMIC:
+                raise LeaseError(
+                    f"{directory}: the filesystem refuses hard links ({e.strerror}): the lease needs link(2) to "
+                    "be taken atomically, so two jobs could write this directory at once; save to a filesystem "
+                    "with hard links (local disks, NFS, Lustre, tmpfs)") from None
+            raise
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        break
+    fsync_dir(lease_dir(directory))
+    for g in generations(directory):
+        if g < gen - _KEEP_OLD:
+            try:
+                os.unlink(gen_path(directory, g))
+            except FileNotFoundError:
+                pass
+    with _LOCK:
+        _HELD[_key(directory)] = lease
+    _start_heartbeat()
+    if cur is not None and cur.job != job:
+        log.warning("%s: took the lease over from %s", directory, cur.describe())
+    return lease
+
+
+def held(directory: str) -> Lease | None:
+    """This process's lease on ``directory``, if it holds one."""
+    return _HELD.get(_key(directory))
+
+
+def fence(directory: str) -> None:
+    """Before a commit, retention or a partial save's removal: stop (:class:`FencedError`) when this process holds
+    ``directory``'s lease but a newer generation exists. A directory this process holds no lease on: no check."""
+    mine = held(directory)
+    if mine is None:
+        return
+    newest = max(generations(directory), default=0)
+    if newest == mine.generation:
+        return
+    try:
+        newer = current(directory)
+    except LeaseError:
+        newer = None
+    who = newer.describe() if newer is not None else f"generation {newest}"
+    raise FencedError(f"{directory}: a newer generation owns the directory ({who}); this writer ({mine.describe()}) "
+                      "stops without committing, applying retention or removing partial saves")
+
+
+def renew(lease: Lease) -> Lease:
+    """Rewrite this generation's file with a fresh heartbeat (only while it is the newest)."""
+    if max(generations(lease.directory), default=0) != lease.generation:
+        return lease
+    new = replace(lease, heartbeat=time.time())
+    tmp = f"{new.path}.{new.token}.tmp"
+    _write(new, tmp)
+    os.replace(tmp, new.path)
+    return new
+
+
+def release(directory: str) -> None:
+    """Give the lease back (a clean end): the next job, of any id, takes it over at once."""
+    with _LOCK:
+        mine = _HELD.pop(_key(directory), None)
+    if mine is None or max(generations(directory), default=0) != mine.generation:
+        return
+    done = replace(mine, heartbeat=time.time(), released=True)
+    tmp = f"{done.path}.{done.token}.tmp"
+    _write(done, tmp)
+    os.replace(tmp, done.path)
+
+
+def _beat() -> None:
+    """The heartbeat thread: renew every held lease ``HEARTBEATS_PER_TTL`` times per ttl."""
+    while True:
+        with _LOCK:
+            leases = list(_HELD.items())
+        period = min((lease.ttl for _, lease in leases), default=DEFAULT_TTL) / HEARTBEATS_PER_TTL
+        time.sleep(period)
+        for key, lease in leases:
+            try:
+                new = renew(lease)
+            except OSError as e:  # a full or vanished filesystem: the lease may expire; the fence still holds
+                log.warning("%s: lease heartbeat failed: %s", lease.directory, e)
+                continue
+            with _LOCK:
+                if _HELD.get(key) is lease:
+                    _HELD[key] = new
+
+
+def _start_heartbeat() -> None:
+    """Start this process's heartbeat thread, once."""
+    with _LOCK:
+        if os.getpid() in _BEAT:
+            return
+        t = _BEAT[os.getpid()] = threading.Thread(target=_beat, name="tenplex-lease-heartbeat", daemon=True)
+    t.start()

@@ -1,0 +1,60 @@
+"""The start-up claim of the leases (the flags are rows of ``tenplex_megatron/flags.py``): one definition for both trainers (``pretrain_gpt.py``, the Megatron-LM
+hook). Before any process group every rank refuses directories another live job holds; rank 0 takes ``--save``'s
+lease and each node's first local rank its ``--tenplex-memory`` directory's (``storage/lease.py``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from tenplex_megatron.storage import lease
+
+
+def job_id(args: Any) -> str:
+    """The job's identity, the same on every rank of one launch."""
+    if getattr(args, "tenplex_job_id", None):
+        return str(args.tenplex_job_id)
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return env["TORCHELASTIC_RUN_ID"]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def claim(args: Any, prog: str) -> list[str]:
+    """Before any process group: check every lease, take this process's (idempotent); SystemExit naming the
+    directory and its holder when refused. Returns the directories this process holds."""
+    if getattr(args, "tenplex_leases", None) is not None:
+        return args.tenplex_leases
+    dirs = []
+    if getattr(args, "tenplex", False) and getattr(args, "save", None):
+        dirs.append((args.save, int(os.environ.get("RANK", "0")) == 0))
+    if getattr(args, "tenplex", False) and getattr(args, "tenplex_memory", None):
+        dirs.append((args.tenplex_memory, int(os.environ.get("LOCAL_RANK", "0")) == 0))
+    job, take_over = job_id(args), bool(getattr(args, "tenplex_take_over", False))
+    ttl = float(getattr(args, "tenplex_lease_ttl", lease.DEFAULT_TTL))
+    if ttl <= 0:
+        raise SystemExit(f"{prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
+    mine = []
+    try:
+        for d, take in dirs:
+            if take:
+                lease.acquire(d, job, ttl, take_over)
+                mine.append(d)
+            else:
+                lease.check(d, job, take_over)
+    except lease.LeaseError as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+    args.tenplex_leases = mine
+    return mine
+
+
+def release(args: Any) -> None:
+    """A clean end: give back the leases this process holds (the next job takes them at once)."""
+    for d in getattr(args, "tenplex_leases", None) or ():
+        lease.release(d)
+    args.tenplex_leases = []

@@ -1,0 +1,149 @@
+"""Cluster faults with real torchrun agents: a worker dies with its agent (``engine/orphan.py``); one writer per
+checkpoint directory (``storage/lease.py``): a second job is refused at start, a split rendezvous leaves the newest
+generation alone writing, a dead holder's lease is taken over at once."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tenplex_megatron.storage import directory, lease
+from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics
+
+pytestmark = pytest.mark.dist
+FLAGS = [*TINY_GPT, "--vocab-size", "96", "--train-iters", "100000", "--save-interval", "3"]
+
+
+def _wait_for(log: str, n: int, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if os.path.exists(log) and len(metrics(log)) >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{log}: fewer than {n} iterations after {timeout} s")
+
+
+def _gone(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
+
+
+def _plain(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """pretrain_gpt.py as one process without torchrun (world size 1)."""
+    env = dict(_env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    return subprocess.run([sys.executable, PRETRAIN, *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_worker_exits_when_its_agent_is_killed(tmp_path) -> None:
+    """A second job on the running job's --save is refused at start, naming the directory and the holder. Then
+    SIGKILL of the agent alone: its worker exits within seconds and commits nothing after; a new job takes the
+    dead holder's lease over at once and resumes from its newest checkpoint."""
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                              PRETRAIN, *FLAGS, "--save", ckpt, "--tenplex-metrics", log], env=env,
+                             stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT,
+                             start_new_session=True)
+    try:
+        _wait_for(log, 7)  # past two commits
+        (worker,) = psutil.Process(agent.pid).children()
+        t0 = time.time()
+        second = _plain([*FLAGS, "--save", ckpt, "--load", ckpt])
+        refused_in = time.time() - t0
+        held = lease.current(ckpt)
+        assert second.returncode != 0 and f"{ckpt} is held by job {held.job!r}" in second.stderr, second.stderr
+        assert f"holder {socket.gethostname()}:{worker.pid}" in second.stderr
+        assert "init_process_group" not in second.stderr and "iteration" not in second.stdout  # refused at start
+        t0 = time.time()
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        while not _gone(worker) and time.time() - t0 < 30:
+            time.sleep(0.05)
+        seconds = time.time() - t0
+        committed = directory.committed_iterations(ckpt)
+        ran = len(metrics(log))
+        time.sleep(2)
+        assert _gone(worker), "the worker outlived its agent by 30 s"
+    finally:
+        for p in psutil.Process(agent.pid).children(recursive=True) if agent.poll() is None else []:
+            p.kill()
+        if agent.poll() is None:
+            agent.kill()
+    print(f"second job refused in {refused_in:.1f} s; worker exited {seconds:.2f} s after its agent was SIGKILLed")
+    assert seconds < 5, seconds
+    assert directory.committed_iterations(ckpt) == committed and len(metrics(log)) == ran  # nothing after
+    # its holder is dead (this host): a job of another id takes the lease over without waiting out its ttl; the
+    # newest checkpoint has a flipped byte: skipped with a warning naming the file, the previous one loads
+    bad = os.path.join(ckpt, directory.iter_dir_name(committed[-1]), directory.rank_file_name(0))
+    with open(bad, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0x40]))
+    third = _plain([*FLAGS, "--save", ckpt, "--load", ckpt, "--train-iters", str(committed[-1] + 1)])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"loaded iteration {committed[-2]}" in third.stdout, third.stdout[-3000:]
+    assert third.stderr.count("skipping a damaged copy") == 1 and f"{bad}" in third.stderr, third.stderr[-3000:]
+    assert lease.current(ckpt).released and lease.current(ckpt).generation == held.generation + 1
+
+
+def _split_agent(port: int, ckpt: str, name: str, tmp_path) -> subprocess.Popen:
+    """One world-size-1 torchrun job of run id ``split`` with its own rendezvous endpoint."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "split", "--max-restarts",
+         "0", PRETRAIN, *FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", str(tmp_path / f"{name}.jsonl")],
+        env=_env(), stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None:
+    """Two rounds of one job (run id ``split``) formed apart, both world size 1, one --save: the later round takes
+    a higher generation; the earlier one stops at its next commit with an error saying so, and the later one
+    trains and saves on (every committed checkpoint readable, none lost)."""
+    ckpt = str(tmp_path / "ckpt")
+    first = _split_agent(_free_port(), ckpt, "first", tmp_path)
+    second = None
+    try:
+        _wait_for(str(tmp_path / "first.jsonl"), 4)
+        gen_first = lease.current(ckpt).generation
+        second = _split_agent(_free_port(), ckpt, "second", tmp_path)
+        assert first.wait(timeout=180) != 0  # fenced
+        _wait_for(str(tmp_path / "second.jsonl"), 7)  # two commits of its own
+        (worker,) = psutil.Process(second.pid).children()
+        worker.send_signal(signal.SIGTERM)  # saves the current iteration and exits 0
+        assert second.wait(timeout=120) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    c.kill()
+                p.kill()
+    first_log = (tmp_path / "first.log").read_text()
+    assert "a newer generation owns the directory" in first_log, first_log[-3000:]
+    m = re.search(r"generation (\d+), holder", first_log.split("a newer generation owns the directory", 1)[1])
+    assert m and int(m.group(1)) == gen_first + 1
+    its = directory.committed_iterations(ckpt)
+    for it in its:  # every committed checkpoint is whole
+        directory.read_metadata(os.path.join(ckpt, directory.iter_dir_name(it)))
+    second_ran = [x["iteration"] for x in metrics(str(tmp_path / "second.jsonl"))]
+    assert its[-1] == second_ran[-1] and directory.tracker_iteration(ckpt) == its[-1]

@@ -1,0 +1,162 @@
+"""The checkpoint directory's lease (storage/lease.py) with real files and real competing processes, no torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tenplex_megatron.storage import directory, lease
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# another process: takes the lease of argv[1] for job argv[2] (ttl argv[3]), says its generation, then waits
+HOLDER = """
+import sys, time
+from tenplex_megatron.storage import lease
+print(lease.acquire(sys.argv[1], sys.argv[2], float(sys.argv[3])).generation, flush=True)
+time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 600)
+"""
+
+
+def _holder(d: str, job: str, ttl: float = 15.0, live: float = 600) -> tuple[subprocess.Popen, int]:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, d, job, str(ttl), str(live)], stdout=subprocess.PIPE,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    return p, int(p.stdout.readline())
+
+
+@pytest.fixture(autouse=True)
+def _forget_held():
+    yield
+    lease._HELD.clear()
+
+
+def _stage(save: str, it: int) -> None:
+    """A staged save of iteration ``it`` (one rank file) ready to commit."""
+    path = directory.prepare_partial(save, it)
+    with open(os.path.join(path, directory.rank_file_name(0)), "wb") as f:
+        f.write(b"x" * 8)
+
+
+def _meta(it: int) -> dict:
+    return {"format": directory.FORMAT_NAME, "format_version": directory.FORMAT_VERSION, "iteration": it,
+            "files": {directory.rank_file_name(0): 8}}
+
+
+def test_second_job_refused_naming_directory_and_holder(tmp_path) -> None:
+    d = str(tmp_path / "ckpt")
+    p, gen = _holder(d, "job-a")
+    try:
+        with pytest.raises(lease.LeaseError) as e:
+            lease.acquire(d, "job-b")
+        assert d in str(e.value) and "job 'job-a'" in str(e.value) and f":{p.pid}" in str(e.value)
+        assert "--tenplex-take-over" in str(e.value)
+        assert lease.current(d).job == "job-a"  # nothing written by the refused job
+        got = lease.acquire(d, "job-b", take_over=True)  # the flag: at once
+        assert got.generation == gen + 1 and lease.current(d).job == "job-b"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_same_job_takes_a_higher_generation_and_fences_the_older_writer(tmp_path) -> None:
+    """A split rendezvous: this process holds generation 1 with a save staged; another round of the same job takes
+    generation 2. The older writer can neither commit, nor apply retention, nor remove partial saves."""
+    save = str(tmp_path / "ckpt")
+    mine = lease.acquire(save, "job")
+    _stage(save, 3)
+    directory.commit(save, 3, _meta(3), _meta(3)["files"])  # the newest generation: commits
+    _stage(save, 6)
+    p, gen = _holder(save, "job")
+    try:
+        assert gen == mine.generation + 1
+        for what, act in (("commit", lambda: directory.commit(save, 6, _meta(6), _meta(6)["files"])),
+                          ("retention", lambda: directory.apply_retention(save, 1)),
+                          ("clean-up", lambda: directory.remove_partial(directory.partial_dir(save, 6)))):
+            with pytest.raises(lease.FencedError, match="a newer generation owns the directory"):
+                act()
+                pytest.fail(f"the older generation's {what} went through")
+        assert directory.committed_iterations(save) == [3] and directory.partial_dirs(save)  # nothing touched
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_silent_holder_expires_and_a_dead_one_is_gone_at_once(tmp_path) -> None:
+    d = str(tmp_path / "ckpt")
+    p, _ = _holder(d, "job-a", ttl=1.0)
+    os.kill(p.pid, signal.SIGSTOP)  # alive but silent: its heartbeat stops
+    try:
+        time.sleep(0.3)
+        with pytest.raises(lease.LeaseError):
+            lease.check(d, "job-b")
+        time.sleep(1.2)
+        assert lease.acquire(d, "job-b").job == "job-b"  # expired: taken over
+    finally:
+        p.kill()
+        p.wait()
+    d2 = str(tmp_path / "ckpt2")
+    p, _ = _holder(d2, "job-a", ttl=60.0)
+    p.kill()
+    p.wait()
+    assert lease.acquire(d2, "job-b").job == "job-b"  # its holder died on this host: no wait
+
+
+def test_heartbeat_keeps_a_live_lease(tmp_path) -> None:
+    d = str(tmp_path / "ckpt")
+    p, _ = _holder(d, "job-a", ttl=0.5)
+    try:
+        time.sleep(1.5)  # three ttls: renewed meanwhile
+        with pytest.raises(lease.LeaseError):
+            lease.check(d, "job-b")
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_released_lease_is_taken_at_once(tmp_path) -> None:
+    d = str(tmp_path / "ckpt")
+    lease.acquire(d, "job-a", ttl=600)
+    lease.release(d)
+    assert lease.current(d).released
+    lease._HELD.clear()
+    assert lease.acquire(d, "job-b").generation == 2
+
+
+def test_racing_rounds_get_distinct_generations_one_owner(tmp_path) -> None:
+    d = str(tmp_path / "ckpt")
+    procs = [_holder(d, "job") for _ in range(4)]
+    try:
+        gens = sorted(g for _, g in procs)
+        assert gens == list(range(gens[0], gens[0] + 4))
+        assert lease.current(d).generation == gens[-1]
+    finally:
+        for p, _ in procs:
+            p.kill()
+            p.wait()
+
+
+def test_malformed_or_future_lease_file_refused_naming_it(tmp_path) -> None:
+    d = str(tmp_path / "ckpt")
+    os.makedirs(lease.lease_dir(d))
+    path = lease.gen_path(d, 1)
+    with open(path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(lease.LeaseError, match=f"{path}: malformed lease file"):
+        lease.acquire(d, "job")
+    with open(path, "w") as f:
+        json.dump({"format": lease.FORMAT, "version": lease.VERSION + 1, "job": "x"}, f)
+    with pytest.raises(lease.LeaseError, match=f"{path}: lease format version 2"):
+        lease.check(d, "job")
+
+
+def test_no_lease_no_fence(tmp_path) -> None:
+    """A process holding no lease on a directory (a library user's save, a CLI clean-up) is not fenced."""
+    save = str(tmp_path / "ckpt")
+    _stage(save, 1)
+    directory.commit(save, 1, _meta(1), _meta(1)["files"])
+    assert directory.committed_iterations(save) == [1]
