@@ -156,8 +156,8 @@ def install_wheels(wheel_dir: str, target: str, have: Callable[[str], str | None
                    python: str = sys.executable) -> dict[str, Any]:
     """Install the carried wheels the system lacks (or has older) into ``target``, never from the network.
 
-    With pip: ``pip install --no-index --no-deps --no-compile --target``; without it, each wheel is unzipped into
-    ``target`` (all the carried wheels are plain ``--target`` installs: no scripts, no data files needed). The
+    With pip: ``pip install --no-index --no-deps --no-compile --target``; without it (or where it refuses), each
+    wheel is unzipped into ``target`` (the carried wheels need no scripts or data files installed). The
     system's own newer or equal versions are kept, so torch's own ecosystem stays as it is. Returns what was
     installed, what the system had, and which :data:`NEEDED` distributions are still missing.
     """
@@ -175,16 +175,20 @@ def install_wheels(wheel_dir: str, target: str, have: Callable[[str], str | None
     if todo:
         shutil.rmtree(target, ignore_errors=True)
         os.makedirs(target)
-        pip = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, text=True).returncode == 0
-        if pip:
-            record["method"] = "pip --no-index --target"
-            env = dict(os.environ, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        env = dict(os.environ, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
+        try:
             p = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                                "--target", target, *todo], capture_output=True, text=True, env=env)
-            if p.returncode != 0:
-                raise RuntimeError(f"pip could not install the carried wheels: {p.stderr[-2000:]}")
-        else:
+                                "--target", target, *todo], capture_output=True, text=True, env=env, timeout=300)
+            pip_error = None if p.returncode == 0 else (p.stderr.strip() or p.stdout.strip() or "failed")[-1000:]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pip_error = f"{type(e).__name__}: {e}"
+        if pip_error is None:
+            record["method"] = "pip --no-index --target"
+        else:  # no pip, or one that refuses (an externally managed Python): a wheel is a zip of the tree to put there
             record["method"] = "unzip (no pip)"
+            record["pip_error"] = pip_error
+            shutil.rmtree(target, ignore_errors=True)
+            os.makedirs(target)
             for path in todo:
                 with zipfile.ZipFile(path) as z:
                     z.extractall(target, [n for n in z.namelist() if not n.split("/", 1)[0].endswith(".data")])
@@ -481,14 +485,24 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
 SIZE_HINT = {"gpt3-1.3b": 9.24, "gpt3-2.7b": 18.60, "tiny": 0.001}
 
 
-def bench_systems(model: str, systems: list[str], prev: tuple[float, float] | None,
-                  left: float) -> tuple[list[str], str | None]:
+def bench_systems(model: str, systems: list[str], prev: tuple[float, float] | None, left: float,
+                  free_gb: float = math.inf) -> tuple[list[str], str | None]:
     """The systems to measure ``model`` with: all, unless megatron-core's would not fit in the ``left`` seconds,
     judged by the last model measured with all of them (``prev``: its seconds and :data:`SIZE_HINT`) scaled by
-    size; then without ``mcore`` (its save and loads take the longest), and a note saying so."""
-    if prev is None or "mcore" not in systems:
+    size, or its copy of the files (as large as tenplex's) would not fit in ``free_gb`` of disk; then without
+    ``mcore`` (its save and loads take the longest), and a note saying why. No systems: not even tenplex's
+    files fit."""
+    size = SIZE_HINT.get(model, 1.0)
+    if size * 1.1 + 1 > free_gb:
+        return [], f"{model}: not run (its files need ~{size * 1.1 + 1:.0f} GB of disk, {free_gb:.0f} GB free)"
+    if "mcore" not in systems:
         return systems, None
-    need = prev[0] * SIZE_HINT.get(model, prev[1]) / prev[1] * 1.15
+    if 2 * size * 1.1 + 1 > free_gb:
+        return [s for s in systems if s != "mcore"], (f"{model}: without mcore (two copies of the files need "
+                                                       f"~{2 * size * 1.1 + 1:.0f} GB of disk, {free_gb:.0f} GB free)")
+    if prev is None:
+        return systems, None
+    need = prev[0] * size / prev[1] * 1.15
     if need <= left:
         return systems, None
     return [s for s in systems if s != "mcore"], f"{model}: without mcore (needs ~{need:.0f} s, {left:.0f} s left)"
@@ -505,11 +519,13 @@ def step_bench(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     prev: tuple[float, float] | None = None  # (seconds, file bytes) of the last model run with every system
     for model in models:
         left = clock.left()
-        systems, note = bench_systems(model, list(opts.systems), prev, left)
+        systems, note = bench_systems(model, list(opts.systems), prev, left,
+                                      shutil.disk_usage(bench_dir).free / 1e9)
         if note:
             out.setdefault("notes", []).append(note)
-        if left < 30:
-            out["models"][model] = {"status": "not run", "why": f"{left:.0f} s left of the budget"}
+        if left < 30 or not systems:
+            out["models"][model] = {"status": "not run", "why": note if not systems else
+                                    f"{left:.0f} s left of the budget"}
             continue
         result = os.path.join(opts.work, f"bench-{model}.json")
         launch = python_step([os.path.join(ROOT, "scripts", "bench_gpu_reshard.py"), "--device", opts.device,

@@ -70,7 +70,7 @@ def test_wheels_unzip_where_there_is_no_pip(tmp_path) -> None:
     _wheel(str(wheels), "gpucheck_kept", "1.0.0")
     have = {"gpucheck-kept": "1.1", "numpy": "2.0.0"}.get  # the system's newer one wins; numpy comes from it
     rec = gc.install_wheels(str(wheels), target, have=have, python="/bin/false")  # `false -m pip` fails: no pip
-    assert rec["method"] == "unzip (no pip)"
+    assert rec["method"] == "unzip (no pip)" and rec["pip_error"] == "failed"
     assert rec["installed"] == {"gpucheck-demo": "1.2.0"} and rec["system"] == {"gpucheck-kept": "1.1", "numpy": "2.0.0"}
     assert rec["missing"] == [n for n in gc.NEEDED if n != "numpy"]
     assert _imports(target, "gpucheck_demo").startswith(f"1 {target}")
@@ -145,7 +145,11 @@ def test_the_bench_drops_megatron_core_only_when_time_is_short() -> None:
     prev = (100.0, gc.SIZE_HINT["gpt3-1.3b"])  # 1.3B took 100 s: 2.7B needs ~2.0 x 1.15 of it
     assert gc.bench_systems("gpt3-2.7b", systems, prev, 300.0) == (systems, None)
     kept, note = gc.bench_systems("gpt3-2.7b", systems, prev, 200.0)
-    assert kept == ["staged", "direct"] and note is not None and "without mcore" in note
+    assert kept == ["staged", "direct"] and note is not None and "without mcore (needs ~" in note
+    kept, note = gc.bench_systems("gpt3-2.7b", systems, None, 900.0, free_gb=30.0)  # 2 x 18.6 GB do not fit
+    assert kept == ["staged", "direct"] and note is not None and "GB of disk, 30 GB free" in note
+    kept, note = gc.bench_systems("gpt3-2.7b", systems, None, 900.0, free_gb=15.0)
+    assert kept == [] and note is not None and "not run" in note
 
 
 def _report(mode: str) -> dict:
