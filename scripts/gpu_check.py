@@ -694,6 +694,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=1, help="bench repetitions per system")
     ap.add_argument("--budget", type=float, default=530.0, help="seconds for the whole check (default 530)")
     ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="the carried wheels (default .whl/)")
+    ap.add_argument("--install-wheels", action="store_true", help="install the carried wheels in a dry run too "
+                    "(a GPU run always does): a CPU Python with only torch then meets the steps as a GPU one would")
     ap.add_argument("--work", default=None, help="scratch directory (default: a new one under the temp directory)")
     opts = ap.parse_args(argv)
     opts.device = opts.device or ("cpu" if opts.cpu_dry_run else "cuda:0")
@@ -753,8 +755,8 @@ def main(argv: list[str] | None = None) -> int:
 def wheels_step(opts: argparse.Namespace) -> dict[str, Any]:
     """Install the carried wheels (not in a dry run: it uses this Python's own packages) and put them first on
     every step's path."""
-    if opts.cpu_dry_run:
-        return {"status": "skip", "why": "a dry run uses this Python's own packages"}
+    if opts.cpu_dry_run and not opts.install_wheels:
+        return {"status": "skip", "why": "a dry run uses this Python's own packages (unless --install-wheels)"}
     target = os.path.join(opts.work, "site")
     result = install_wheels(opts.wheels, target)
     if result["installed"]:
