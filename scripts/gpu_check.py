@@ -516,7 +516,7 @@ def step_bench(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     out: dict[str, Any] = {"models": {}}
     bench_dir = os.path.join(opts.work, "bench")
     os.makedirs(bench_dir, exist_ok=True)
-    prev: tuple[float, float] | None = None  # (seconds, file bytes) of the last model run with every system
+    prev: tuple[float, float] | None = None  # (seconds, SIZE_HINT) of the last model run with every system
     for model in models:
         left = clock.left()
         systems, note = bench_systems(model, list(opts.systems), prev, left,
@@ -547,9 +547,8 @@ def step_bench(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
         if row["status"] == "pass" and systems == list(opts.systems):
             prev = (launch.seconds, float(SIZE_HINT.get(model, 1.0)))
         out["models"][model] = row
-    statuses = [r["status"] for r in out["models"].values()]
-    out["status"] = "pass" if statuses and all(s == "pass" for s in statuses) else \
-        "timeout" if "timeout" in statuses else "not run" if all(s == "not run" for s in statuses) else "fail"
+    statuses = {r["status"] for r in out["models"].values()}
+    out["status"] = next((s for s in ("fail", "timeout", "not run") if s in statuses), "pass" if statuses else "not run")
     out["seconds"] = time.monotonic() - t0
     return out
 
