@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import errno
 import gc
-import io
 import re
 import weakref
+from collections import deque
+from types import TracebackType
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,13 +33,15 @@ from tests.staging_support import damage_last_byte_read, staging_tensors, write_
 
 
 class RecordingRing(StagingRing):
-    """The real ring, recording itself, weak references to its buffers and how many buffers it sent out."""
+    """The real ring, recording itself, weak references to its buffers, their address ranges (plain numbers: they
+    keep nothing alive) and how many buffers it sent out."""
 
     made: list[RecordingRing] = []
 
     def __init__(self, device: torch.device, size: int, count: int = 3):
         super().__init__(device, size, count)
         self.buffers = [weakref.ref(t) for t in self.host]
+        self.ranges = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in (*self.host, *self.dev)]
         self.released = 0
         RecordingRing.made.append(self)
 
@@ -53,10 +58,47 @@ def recording(monkeypatch) -> list[RecordingRing]:
     return RecordingRing.made
 
 
-def _assert_released(ring: RecordingRing) -> None:
+def _views_kept(tb: TracebackType | None, ranges: list[tuple[int, int]]) -> list[str]:
+    """The locals of the traceback's frames (looking into containers, numpy arrays and memoryviews) that still
+    point into one of ``ranges``: what would keep a ring buffer's memory from being released."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def inside(ptr: int) -> bool:
+        return any(lo <= ptr < hi for lo, hi in ranges)
+
+    def visit(obj: Any, where: str, depth: int) -> None:
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.untyped_storage().nbytes() and inside(obj.untyped_storage().data_ptr()):
+                found.append(where)
+        elif isinstance(obj, np.ndarray):
+            if obj.size and inside(obj.__array_interface__["data"][0]):
+                found.append(where)
+        elif isinstance(obj, memoryview):
+            visit(obj.obj, where, depth + 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                visit(v, where, depth + 1)
+        elif isinstance(obj, list | tuple | deque | set):
+            for v in obj:
+                visit(v, where, depth + 1)
+
+    while tb is not None:
+        for name, value in tb.tb_frame.f_locals.items():
+            visit(value, f"{tb.tb_frame.f_code.co_name}: {name}", 0)
+        tb = tb.tb_next
+    return found
+
+
+def _assert_released(ring: RecordingRing, err: pytest.ExceptionInfo) -> None:
+    """The ring is closed and refuses use; neither it nor any frame the error keeps holds a view of its buffers."""
     gc.collect()
     assert ring.closed and ring.host == [] and ring.dev == [] and ring.stream is None
     assert [r() for r in ring.buffers] == [None] * len(ring.buffers), "a ring buffer is still referenced"
+    assert _views_kept(err.tb, ring.ranges) == []
     with pytest.raises(RuntimeError, match="closed"):
         ring.acquire(0)
 
@@ -78,33 +120,26 @@ def test_load_error_after_some_buffers_closes_the_ring(tmp_path, recording) -> N
     files.close()
     (ring,) = recording
     assert ring.released >= 3, f"the error came after {ring.released} buffers, not mid-way"
-    _assert_released(ring)  # `err` (and its traceback) is still alive here
-    assert err.value is not None
-
-
-class FullDisk(io.BytesIO):
-    """A file that takes ``room`` writes, then fails as a full disk would (ENOSPC)."""
-
-    def __init__(self, room: int):
-        super().__init__()
-        self.room = room
-
-    def write(self, data) -> int:  # type: ignore[override]
-        if self.room == 0:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        self.room -= 1
-        return super().write(data)
+    _assert_released(ring, err)  # `err` (and its traceback) is still alive here
 
 
 def test_save_error_after_some_writes_closes_the_ring(monkeypatch, recording) -> None:
+    """/dev/full takes writes into the file object's buffer, then fails its first flush with ENOSPC, as a full
+    disk does half-way through a shard."""
     monkeypatch.setenv("TENPLEX_STAGING", "copy")
     tensors = {"a": torch.randn(1000), "b": torch.randn(33, 7).to(torch.bfloat16), "c": torch.arange(300)}
-    f = FullDisk(room=4)
-    with pytest.raises(OSError, match="No space left") as err:
-        staged_write.write_tensors(f, tensors, 256, total=3 * 512, count=3)  # 512-byte segments: ~17 of them
+    f = open("/dev/full", "wb", buffering=2048)
+    try:
+        with pytest.raises(OSError, match="No space left") as err:
+            staged_write.write_tensors(f, tensors, 256, total=3 * 512, count=3)  # 512-byte segments: ~17 of them
+    finally:
+        try:
+            f.close()
+        except OSError:  # what is left in its buffer cannot be written either
+            pass
     (ring,) = recording
-    assert f.room == 0 and ring.released >= 5
-    _assert_released(ring)
+    assert ring.released >= 5, f"the error came after {ring.released} buffers, not mid-way"
+    _assert_released(ring, err)
     assert err.value.errno == errno.ENOSPC
 
 
