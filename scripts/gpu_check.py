@@ -277,12 +277,14 @@ def stop(p: subprocess.Popen) -> None:
 
 def python_step(args: list[str], work: str, name: str, site: str | None, hide_cuda: bool,
                 timeout: float) -> Launch:
+    """Run this Python with ``args`` as step ``name`` (its log in ``work/logs``) and wait for it."""
     launch = Launch([sys.executable, *args], child_env(site, hide_cuda), os.path.join(work, "logs", f"{name}.log"))
     run_all([launch], timeout)
     return launch
 
 
 def status_of(rc: int | None) -> str:
+    """A launch's exit status as a step's result (124: stopped on the clock)."""
     return "pass" if rc == 0 else "timeout" if rc == 124 else "fail"
 
 
@@ -326,6 +328,8 @@ print("GPU_CHECK_ENV " + json.dumps(out))
 
 
 def step_env(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    """What the steps will run with, probed by the same Python and path they get; no GPU (outside a dry run) or no
+    megatron-core fails here, before anything else is tried."""
     launch = python_step(["-c", ENV_PROBE, opts.work], opts.work, "env", opts.site, opts.cpu_dry_run,
                          clock.limit("env"))
     out = outcome(launch)
@@ -350,6 +354,7 @@ def parse_junit(path: str) -> dict[str, int]:
 
 
 def step_pytest(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    """``pytest -m gpu tests/gpu``, counted from its JUnit report: a skipped test fails a GPU run."""
     xml = os.path.join(opts.work, "pytest.xml")
     launch = python_step(["-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider", "--junitxml", xml,
                           "tests/gpu"], opts.work, "pytest", opts.site, opts.cpu_dry_run, clock.limit("pytest"))
@@ -557,10 +562,12 @@ def step_bench(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
 
 
 def gbps(value: Any) -> str:
+    """A GB/s figure for the table (``-``: not measured)."""
     return f"{value:.2f}" if isinstance(value, int | float) else "-"
 
 
 def sci(value: Any) -> str:
+    """A relative difference for the table (``-``: not measured)."""
     return f"{value:.1e}" if isinstance(value, int | float) else "-"
 
 
@@ -680,6 +687,7 @@ def write_report(report: dict[str, Any], outdir: str, work: str | None = None) -
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The options, with the defaults that depend on the mode filled in (the device always with an index)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("outdir", nargs="?", default=os.path.join(ROOT, "out", "gpu-check"),
                     help="where the report goes (default out/gpu-check)")
@@ -706,6 +714,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the chosen steps in order within the budget, always write the report; 0 when the check passed."""
     opts = parse_args(argv)
     clock = Clock(opts.budget)
     own_work = opts.work is None

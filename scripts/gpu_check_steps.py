@@ -74,6 +74,7 @@ def staging_env(mode: str | None = None, mb: str | None = None) -> Iterator[None
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device (nothing on the CPU): timings and comparisons see finished work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -98,6 +99,7 @@ def same_bytes(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def file_digest(path: str) -> str:
+    """sha256 of a file, read in 16 MB pieces (files of GBs are compared without holding two in memory)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(16 << 20):
@@ -223,6 +225,7 @@ def check_snapshot(device: torch.device, model: str, work: str, reps: int = 2) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """One step on one device; its figures to ``--out``; 0 when every comparison held."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("step", choices=["identity", "snapshot"])
     ap.add_argument("--device", type=parse_device, default="cuda:0" if torch.cuda.is_available() else "cpu")
