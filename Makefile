@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-fast test-gpu lint bench venv dist docs clean
+.PHONY: demo test test-fast test-gpu gpu-check gpu-wheels lint bench venv dist docs clean
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -35,8 +35,20 @@ test-fast: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron tests
 	$(PY) -m pytest -q -n 2 tests/unit
 
-test-gpu: $(VENV)/.installed
-	$(PY) -m pytest -q -m gpu tests
+# On a GPU machine: the system's Python and its own CUDA torch (no .venv, whose torch is the CPU wheel), with the
+# wheels carried in .whl/ (`make gpu-wheels` elsewhere), and only tests/gpu (tests/unit imports megatron-core and
+# hypothesis at collection). `make gpu-check` runs the whole GPU check (scripts/gpu_check.sh, docs/gpu.md).
+test-gpu:
+	$(PYTHON) scripts/gpu_check.py out/test-gpu --steps wheels env pytest
+
+gpu-check:
+	bash scripts/gpu_check.sh out/gpu-check
+
+# Where there is network access: the wheels a GPU machine's Python 3.12 lacks, into .whl/ (scripts/gpu_wheels.txt).
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r scripts/gpu_wheels.txt
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron scripts tests examples

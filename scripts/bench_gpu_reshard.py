@@ -17,7 +17,8 @@ Prints a table and ``RATIO`` lines: ``load_bandwidth <model>:<transition>
 staged/limit`` (the issue's target: at least 0.8 of the lower of storage read
 and host-to-device) and ``load_time ... staged/<peer>`` (below 1: staged is faster).
 
-    python scripts/bench_gpu_reshard.py                                  # GPU: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
+    python scripts/bench_gpu_reshard.py                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
+    python scripts/bench_gpu_reshard.py --device cuda:0 --models gpt3-1.3b gpt3-2.7b --reps 1   # scripts/gpu_check.sh
     python scripts/bench_gpu_reshard.py --device cpu --models tiny --reps 1 --systems staged direct
     python scripts/bench_gpu_reshard.py --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
 """
@@ -55,6 +56,27 @@ from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, w
 MODELS = ["gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b"]
 SYSTEMS = ["staged", "direct", "mcore"]
 GB = 1e9
+
+
+def parse_device(text: str) -> torch.device:
+    """``--device``: ``cpu``, or a CUDA device with an explicit index (``cuda`` means ``cuda:0``).
+
+    ``torch.cuda.set_device`` and the CUDA calls after it want an index: a bare
+    ``torch.device("cuda")`` made ``set_device`` raise. An index past the GPUs
+    this machine has is refused here, by name.
+    """
+    try:
+        device = torch.device(text.strip())
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (cpu, cuda, cuda:N)") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r}: only cpu and cuda devices are benchmarked")
+    device = torch.device("cuda", 0 if device.index is None else device.index)
+    if torch.cuda.is_available() and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def _layout(text: str) -> ParallelLayout:
@@ -354,7 +376,8 @@ def _init_process_group(device: torch.device) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=MODELS)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", type=parse_device, default="cuda:0" if torch.cuda.is_available() else "cpu",
+                    help="cpu, cuda or cuda:N (cuda: cuda:0; default cuda:0 where there is a GPU)")
     ap.add_argument("--src", default="2,1,1", help="source layout tp,pp,dp (default 2,1,1)")
     ap.add_argument("--dst", default="4,1,1", help="destination layout tp,pp,dp (default 4,1,1)")
     ap.add_argument("--rank", type=int, default=0, help="the destination rank whose share is loaded")
@@ -363,26 +386,36 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="where to write the files (default: the temp directory)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
-    device = torch.device(args.device)
+    device = args.device
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            ap.error(f"--device {device}: torch {torch.__version__} sees no CUDA device here")
         torch.cuda.set_device(device)
+    args.device = str(device)  # as recorded in --out
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if "mcore" in args.systems:
         _init_process_group(device)
     old = os.environ.get("TENPLEX_STAGING")
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         for model in args.models:
             rows.append(bench_model(model, args, device))
+            if args.out:  # after each model: a run stopped on a clock keeps the models it finished
+                write_out(args.out, name, args, rows)
     finally:
         if old is None:
             os.environ.pop("TENPLEX_STAGING", None)
         else:
             os.environ["TENPLEX_STAGING"] = old
     report(rows, name)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"machine": machine(), "device": name, "args": vars(args), "rows": rows}, f, indent=1)
+
+
+def write_out(path: str, device: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """The ``--out`` JSON (machine, device, arguments, one row per model), replaced whole."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"machine": machine(), "device": device, "args": vars(args), "rows": rows}, f, indent=1)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

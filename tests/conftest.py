@@ -22,7 +22,11 @@ from collections.abc import Generator
 from typing import Any
 
 import pytest
-from xdist.scheduler import LoadFileScheduling
+
+try:
+    from xdist.scheduler import LoadFileScheduling
+except ImportError:  # a GPU machine's system Python (scripts/gpu_check.sh) has pytest but not pytest-xdist
+    LoadFileScheduling = object  # type: ignore[assignment,misc]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DURATIONS = os.path.join(HERE, "multiproc", "durations.json")
@@ -71,6 +75,7 @@ class LongestFileFirst(LoadFileScheduling):
         super()._reschedule(node)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: unknown to pytest without it
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LongestFileFirst | None:
     return LongestFileFirst(config, log) if config.getoption("dist", None) == "loadfile" else None
 

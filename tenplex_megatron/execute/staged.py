@@ -43,31 +43,36 @@ def execute_staged(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sour
     if not batches:
         return 0, 0
     device = dst[pieces[batches[0].slots[0].index].dst].device
-    ring = StagingRing(device, max(b.nbytes for b in batches), count)
     read = unverified = 0
     started: set[int] = set()
-    for k, batch in enumerate(batches):
-        i = k % count
-        host = ring.acquire(i)
-        for s in batch.slots:
-            p: Piece = pieces[s.index]
-            src = flats[p.source]
-            if s.index not in started:
-                started.add(s.index)
-                nbytes = p.numel * src.element_size()
-                read += nbytes
-                if not files.check(sources[p.source], src, p):
-                    unverified += nbytes
-            b = s.box
-            view = box_view(src, b.src_start, b.src_rect, b.src_sel, b.shape)
-            host[s.offset : s.offset + s.nbytes].view(src.dtype).view(b.shape).copy_(view)
-        staged = ring.to_device(i, batch.nbytes)
-        with ring.side():
-            for s in batch.slots:
-                b = s.box
-                src_dtype = flats[b.source].dtype
-                d = box_view(dst[b.dst], b.dst_start, b.dst_rect, b.dst_sel, b.shape)
-                d.copy_(staged[s.offset : s.offset + s.nbytes].view(src_dtype).view(b.shape))
-        ring.release(i)
-    ring.finish()
+    host = staged = None
+    # leaving the block, by an error too (a damaged block found after earlier buffers went out), synchronises the
+    # side stream and drops the ring's buffers: nothing stays queued on memory that is handed back
+    try:
+        with StagingRing(device, max(b.nbytes for b in batches), count) as ring:
+            for k, batch in enumerate(batches):
+                i = k % count
+                host = ring.acquire(i)
+                for s in batch.slots:
+                    p: Piece = pieces[s.index]
+                    src = flats[p.source]
+                    if s.index not in started:
+                        started.add(s.index)
+                        nbytes = p.numel * src.element_size()
+                        read += nbytes
+                        if not files.check(sources[p.source], src, p):
+                            unverified += nbytes
+                    b = s.box
+                    view = box_view(src, b.src_start, b.src_rect, b.src_sel, b.shape)
+                    host[s.offset : s.offset + s.nbytes].view(src.dtype).view(b.shape).copy_(view)
+                staged = ring.to_device(i, batch.nbytes)
+                with ring.side():
+                    for s in batch.slots:
+                        b = s.box
+                        src_dtype = flats[b.source].dtype
+                        d = box_view(dst[b.dst], b.dst_start, b.dst_rect, b.dst_sel, b.shape)
+                        d.copy_(staged[s.offset : s.offset + s.nbytes].view(src_dtype).view(b.shape))
+                ring.release(i)
+    finally:
+        host = staged = None  # views of the ring's buffers: an error's traceback keeps this frame and its locals
     return read, unverified

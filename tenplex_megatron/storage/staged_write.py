@@ -65,24 +65,31 @@ def write_tensors(f: BinaryIO, tensors: dict[str, torch.Tensor], block_bytes: in
     raws = {name: _raw(t) for name, t in tensors.items()}
     segments = [(name, lo, min(r.numel(), lo + cap)) for name, r in raws.items() for lo in range(0, r.numel(), cap)]
     if segments:
-        ring = StagingRing(device, max(hi - lo for _, lo, hi in segments), count)
         pending: deque[tuple[int, str, torch.Tensor]] = deque()
+        # leaving the block, by an error too (a failed write, ENOSPC), synchronises the side stream before the
+        # ring's pinned buffers, still the target of queued device-to-host copies, are dropped
+        with StagingRing(device, max(hi - lo for _, lo, hi in segments), count) as ring:
 
-        def write_oldest() -> None:
-            i, name, out = pending.popleft()
-            ring.acquire(i)  # its device-to-host copy is done
-            data = out.numpy()
-            sums[name].update(data)
-            f.write(memoryview(data))
+            def write_oldest() -> None:
+                i, name, out = pending.popleft()
+                try:
+                    ring.acquire(i)  # its device-to-host copy is done
+                    data = out.numpy()
+                    sums[name].update(data)
+                    f.write(memoryview(data))
+                finally:
+                    out = data = None  # views of a ring buffer: a failed write's traceback keeps this frame
 
-        for k, (name, lo, hi) in enumerate(segments):
-            i = k % count
-            ring.acquire(i)
-            pending.append((i, name, ring.from_device(i, raws[name][lo:hi])))
-            ring.release(i)
-            while len(pending) >= count:  # buffer i comes round again only after it was written
-                write_oldest()
-        while pending:
-            write_oldest()
-        ring.finish()
+            try:
+                for k, (name, lo, hi) in enumerate(segments):
+                    i = k % count
+                    ring.acquire(i)
+                    pending.append((i, name, ring.from_device(i, raws[name][lo:hi])))
+                    ring.release(i)
+                    while len(pending) >= count:  # buffer i comes round again only after it was written
+                        write_oldest()
+                while pending:
+                    write_oldest()
+            finally:
+                pending.clear()  # views of the ring's buffers, left there by an error
     return {name: s.result() for name, s in sums.items()}

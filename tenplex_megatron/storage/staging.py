@@ -5,15 +5,21 @@ Loads and saves move bytes through a small ring of bounded host buffers
 writing one buffer overlaps the transfer of the previous one; CUDA events
 guard each buffer's reuse. On the CPU the same code runs with no pinning and
 no streams, which lets the CPU suite check the GPU algorithm's indexing.
+A ring is a context manager: on leaving it, normally or by an error, the side
+stream is synchronised and the buffers are dropped (see :meth:`StagingRing.close`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
+from types import TracebackType
 
 import torch
+
+LOG = logging.getLogger(__name__)
 
 MODES = ("copy", "direct", "auto")
 DEFAULT_MB = 256.0
@@ -58,13 +64,20 @@ class StagingRing:
 
     Use: :meth:`acquire` a host buffer (waits until its last transfer is done),
     fill it (load) or have :meth:`from_device` fill it (save), :meth:`to_device`,
-    work on the side stream inside :meth:`side`, then :meth:`release`.
+    work on the side stream inside :meth:`side`, then :meth:`release`. Use it as a
+    context manager (``with StagingRing(...) as ring:``): leaving the block, normally
+    or by an error, synchronises the side stream and drops the buffers (:meth:`close`).
+    A CUDA device without an index is the current device, made explicit here, so the
+    stream, the buffers and the events are all on one named device.
     """
 
     def __init__(self, device: torch.device, size: int, count: int = RING):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.cuda = device.type == "cuda"
         self.count = count
+        self.closed = False
         self.host = [torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(count)]
         self.dev = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(count)] if self.cuda else []
         self.events: list[torch.cuda.Event | None] = [None] * count
@@ -72,8 +85,20 @@ class StagingRing:
         if self.stream is not None:  # the side stream starts after what the caller queued (allocating, zeroing dst)
             self.stream.wait_stream(torch.cuda.current_stream(device))
 
+    def __enter__(self) -> StagingRing:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(quiet=exc_type is not None)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this staging ring is closed: its buffers were released")
+
     def acquire(self, i: int) -> torch.Tensor:
         """Host buffer ``i``, once the transfers and scatters queued on it last are done."""
+        self._check_open()
         ev = self.events[i]
         if ev is not None:
             ev.synchronize()
@@ -82,6 +107,7 @@ class StagingRing:
 
     def to_device(self, i: int, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of host buffer ``i`` on the device: an async copy on the side stream (a GPU), else itself."""
+        self._check_open()
         if self.stream is None:
             return self.host[i][:nbytes]
         with torch.cuda.stream(self.stream):
@@ -90,6 +116,7 @@ class StagingRing:
     def from_device(self, i: int, src: torch.Tensor) -> torch.Tensor:
         """Copy ``src`` (1-D uint8) into host buffer ``i``: async on the side stream from a GPU; :meth:`release` then
         :meth:`acquire` again before reading it."""
+        self._check_open()
         out = self.host[i][: src.numel()]
         if self.stream is None:
             out.copy_(src)
@@ -119,3 +146,31 @@ class StagingRing:
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
             self.stream.synchronize()
+
+    def close(self, quiet: bool = False) -> None:
+        """:meth:`finish`, then drop the buffers, events and stream (idempotent); the ring cannot be used after.
+
+        On an error path (a damaged block found after some buffers went out, a
+        failed write) transfers and scatters may still be queued on the side
+        stream: the device buffers must not go back to the caching allocator
+        (whose next allocation on the caller's stream could reuse them) and the
+        caller must not go on with destination tensors still being written until
+        they are done. ``quiet`` (an error is already on its way): a second error
+        while synchronising (a sticky CUDA error) is logged, not raised, so the
+        first one is what the caller sees. The buffers' memory is released once
+        no view of them is left: the callers drop theirs in ``finally`` too (an
+        error's traceback keeps their frames, and with them their locals). Pinned
+        host memory goes back to torch's caching host allocator, device memory to
+        its caching allocator.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.finish()
+        except Exception:
+            if not quiet:
+                raise
+            LOG.warning("staging ring on %s: synchronising after an error failed as well", self.device, exc_info=True)
+        finally:
+            self.host, self.dev, self.events, self.stream = [], [], [], None

@@ -26,14 +26,13 @@ from tenplex_megatron.execute.executor import SourceFiles, execute_plan
 from tenplex_megatron.execute.staged import box_view, execute_staged
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import Piece, plan_reshard
-from tenplex_megatron.plan.ptc import PTC, Location, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.plan.staging import ALIGN, split_piece, stage_batches
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, block_crc32, read_header, write_safetensors
 from tenplex_megatron.storage.staged_write import write_tensors
 from tenplex_megatron.storage.staging import buffer_bytes, staging_bytes, staging_mode
+from tests.staging_support import staging_tensors, write_source
 
-BLOCK = 256
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -100,41 +99,6 @@ def test_batches_fit_and_cover_every_piece(ps: list[Piece], cap: int, size: int)
     assert all(seen[i] == _elements(p) for i, p in enumerate(ps))
 
 
-def _tensors(d: int, layers: int) -> dict[str, TensorMeta]:
-    ts = [
-        TensorMeta("w", (layers, 4 * d, 8), "float32", tp_axis=1, stage="layers"),
-        TensorMeta("v", (layers, 8, 4 * d), "bfloat16", tp_axis=2, stage="layers"),
-        TensorMeta("b", (layers, 4 * d), "float16", stage="layers"),
-        TensorMeta("emb", (4 * d + 4, 8), "float32", vocab_rows=4 * d + 1, tp_axis=0, stage="first"),
-        TensorMeta("optimizer.state.exp_avg.w", (layers, 4 * d, 8), "float32", tp_axis=1, stage="layers", param="w"),
-    ]
-    return {t.key: t for t in ts}
-
-
-def _write_source(root: str, tensors: dict[str, TensorMeta], layout: ParallelLayout, dist_opt: bool,
-                  full: dict[str, torch.Tensor]) -> PTC:
-    """Each rank's distinct chunks in its own shard file, written by the real writer with block CRCs."""
-    stored: dict = {}
-    for rank, chunks in layout_chunks(tensors, layout, dist_opt).items():
-        blobs, mine = {}, []
-        for c in chunks:
-            if c in stored or any(c == m for m in mine):
-                continue
-            box = full[c.key][tuple(slice(o, o + n) for o, n in zip(c.offsets, c.shape))].reshape(-1)
-            a, b = c.flat_range
-            name = f"{c.key}@{c.offsets}#{c.flat}"
-            blobs[name] = box[a:b].clone()
-            mine.append(c)
-        if not blobs:
-            continue
-        fname = f"rank_{rank:05d}.safetensors"
-        _, sums = write_safetensors(os.path.join(root, fname), blobs, block_bytes=BLOCK)
-        for c in mine:
-            name = f"{c.key}@{c.offsets}#{c.flat}"
-            stored[c] = StoredChunk(c, Location(fname, name, rank, block_crc32=sums[name], block_bytes=BLOCK))
-    return PTC(tensors, tuple(stored.values()))
-
-
 layouts = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]), st.booleans())
 
 
@@ -142,11 +106,11 @@ layouts = st.tuples(st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.samp
 @given(layouts, layouts, st.integers(1, 3), st.sampled_from([2, 4]), st.sampled_from([64, 192, 1024, 1 << 20]),
        st.sampled_from([1, 2, 3]), st.integers(0, 2**31 - 1))
 def test_staged_copy_matches_direct_bit_for_bit(src, dst, d, layers, total, count, seed) -> None:
-    tensors = _tensors(d, layers)
+    tensors = staging_tensors(d, layers)
     gen = torch.Generator().manual_seed(seed)
     full = {k: torch.randn(t.global_shape, generator=gen).to(getattr(torch, t.dtype)) for k, t in tensors.items()}
     with tempfile.TemporaryDirectory() as root:
-        source = _write_source(root, tensors, ParallelLayout(*src[:3]), src[3], full)
+        source = write_source(root, tensors, ParallelLayout(*src[:3]), src[3], full)
         want = layout_chunks(tensors, ParallelLayout(*dst[:3]), dst[3])
         plan = plan_reshard(source, tensors, want, strict=False)
         rank = seed % len(plan.ranks)
@@ -185,9 +149,9 @@ def test_staged_copy_matches_direct_bit_for_bit(src, dst, d, layers, total, coun
 def test_staged_copy_detects_a_damaged_block(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TENPLEX_STAGING", "copy")
     monkeypatch.setenv("TENPLEX_STAGING_MB", "0.0005")  # 524-byte budget: many tiny buffers
-    tensors = _tensors(2, 2)
+    tensors = staging_tensors(2, 2)
     full = {k: torch.randn(t.global_shape).to(getattr(torch, t.dtype)) for k, t in tensors.items()}
-    source = _write_source(str(tmp_path), tensors, ParallelLayout(2, 1, 1), False, full)
+    source = write_source(str(tmp_path), tensors, ParallelLayout(2, 1, 1), False, full)
     plan = plan_reshard(source, tensors, layout_chunks(tensors, ParallelLayout(1, 2, 1), False), strict=False)
     rp = plan.ranks[0]
     sc = plan.sources[rp.pieces[0].source]
