@@ -12,18 +12,43 @@ loading writes straight into the model and the optimizer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, is_main_replica
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    is_main_replica,
+)
 
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
 from tenplex_megatron.integrations.megatron_core.optimizer import is_distributed_optimizer, sub_optimizers
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
+
+log = logging.getLogger("tenplex_megatron.megatron_core")
+_WARNED: set[str] = set()
+
+
+def extra_state_keys(model_sd: Any) -> list[str]:
+    """The keys of Transformer Engine's ``_extra_state`` objects (FP8 scaling factors and amax history) in a model's
+    sharded state dict: megatron-core describes them as ``ShardedObject``s, which tenplex does not save."""
+    return sorted({v.key for v in nested_values(model_sd) if isinstance(v, ShardedObject)
+                   and v.key.endswith("_extra_state")})
+
+
+def warn_extra_state_dropped(model_sd: Any) -> None:
+    """Say once per process that TE's ``_extra_state`` is left out (rather than dropping it without a word)."""
+    keys = extra_state_keys(model_sd)
+    if keys and "extra_state" not in _WARNED:
+        _WARNED.add("extra_state")
+        log.warning("tenplex: Transformer Engine's _extra_state of %d module(s) (%s, ...) is not saved or loaded: "
+                    "with FP8, the scaling factors and amax history re-warm after a restart", len(keys), keys[0])
 
 
 def unwrap(module: Any) -> Any:
@@ -198,6 +223,7 @@ def describe_job(job: Any) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
     """All chunks this rank holds (model, then optimizer), with their tensor metadata."""
     ctx = _context(job)
     model_sd = model_sharded_state_dict(job)
+    warn_extra_state_dropped(model_sd)
     chunks: list[LocalChunk] = []
     for sh in _entries(model_sd):
         chunks.extend(_expand(sh, sh.data, sh.data, None, ctx))
