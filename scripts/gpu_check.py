@@ -29,6 +29,7 @@ import argparse
 import glob
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -275,10 +276,18 @@ def stop(p: subprocess.Popen) -> None:
             continue
 
 
+_LOG_SEQ = itertools.count(1)
+
+
+def log_path(work: str, name: str) -> str:
+    """``work/logs/NN-name.log``: numbered in the order the launches are made, the order ``gpu_check.log`` keeps."""
+    return os.path.join(work, "logs", f"{next(_LOG_SEQ):02d}-{name}.log")
+
+
 def python_step(args: list[str], work: str, name: str, site: str | None, hide_cuda: bool,
                 timeout: float) -> Launch:
     """Run this Python with ``args`` as step ``name`` (its log in ``work/logs``) and wait for it."""
-    launch = Launch([sys.executable, *args], child_env(site, hide_cuda), os.path.join(work, "logs", f"{name}.log"))
+    launch = Launch([sys.executable, *args], child_env(site, hide_cuda), log_path(work, name))
     run_all([launch], timeout)
     return launch
 
@@ -432,7 +441,7 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     make = {name: torchrun(2, [*TINY_GPT, *c.flags, "--tensor-model-parallel-size", str(c.tp),
                                "--pipeline-model-parallel-size", str(c.pp), "--save", f"{base}/{name}/ckpt",
                                "--save-interval", str(SAVED_AT), "--tenplex-metrics", f"{base}/{name}/ref.jsonl"],
-                           cpu_env, os.path.join(opts.work, "logs", f"resume-{name}-make.log"))
+                           cpu_env, log_path(opts.work, f"resume-{name}-make"))
             for name, c in cases.items()}
     run_all(list(make.values()), limit)
     resumed: dict[str, dict[str, Launch]] = {}
@@ -443,7 +452,7 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
         resumed[name] = {where: torchrun(1, [*TINY_GPT, *c.flags, "--load", ckpt,
                                              "--tenplex-resave", f"{base}/{name}/resave-{where}",
                                              "--tenplex-metrics", f"{base}/{name}/{where}.jsonl"],
-                                         env, os.path.join(opts.work, "logs", f"resume-{name}-{where}.log"))
+                                         env, log_path(opts.work, f"resume-{name}-{where}"))
                          for where, env in (("cpu", cpu_env), ("device", dev_env))}
     run_all([launch for pair in resumed.values() for launch in pair.values()], max(1.0, limit - (time.monotonic() - t0)))
     steps = list(range(SAVED_AT + 1, TRAIN_ITERS + 1))

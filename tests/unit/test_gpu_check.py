@@ -183,7 +183,7 @@ def _report(mode: str) -> dict:
 def test_the_report_has_every_figure(tmp_path) -> None:
     work = tmp_path / "work"
     (work / "logs").mkdir(parents=True)
-    (work / "logs" / "pytest.log").write_text("$ pytest\n" + "x" * 20_000 + "\nLAST LINE\n")
+    (work / "logs" / "02-pytest.log").write_text("$ pytest\n" + "x" * 20_000 + "\nLAST LINE\n")
     report = _report("gpu")
     paths = gc.write_report(report, str(tmp_path / "out"), str(work))
     assert sorted(os.listdir(tmp_path / "out")) == sorted([gc.JSON_NAME, gc.TABLE_NAME, gc.LOG_NAME])
@@ -205,7 +205,7 @@ def test_the_report_has_every_figure(tmp_path) -> None:
                    "| not run |", "12 s left"):
         assert figure in text, figure
     log = open(paths[2]).read()
-    assert "===== pytest.log" in log and "LAST LINE" in log and len(log) < 14_000
+    assert "===== 02-pytest.log" in log and "LAST LINE" in log and len(log) < 14_000
 
 
 def test_a_dry_run_report_says_it_is_not_a_gpu_one(tmp_path) -> None:
