@@ -425,6 +425,17 @@ def tree_digests(root: str) -> dict[str, str]:
     return out
 
 
+def visible_device(device: str, visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` that shows only ``device`` (``cuda:N``), within what ``visible`` already shows."""
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    shown = [d.strip() for d in visible.split(",")] if visible else None
+    if shown is None:
+        return str(index)
+    if index >= len(shown):
+        raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={visible!r} shows {len(shown)} device(s)")
+    return shown[index]
+
+
 LOADED = re.compile(r"> tenplex: loaded iteration (\d+) from .*?: layout (\S+) -> (\S+), (\d+) tensors, "
                     r"([\d.]+) MB read on rank 0 in ([\d.]+) s")
 
@@ -434,6 +445,8 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     t0 = time.monotonic()
     limit = clock.limit("resume")
     cpu_env, dev_env = child_env(opts.site, True), child_env(opts.site, opts.cpu_dry_run)
+    if not opts.cpu_dry_run:  # the trainer's rank 0 takes CUDA device 0: make that the one asked for
+        dev_env["CUDA_VISIBLE_DEVICES"] = visible_device(opts.device, dev_env.get("CUDA_VISIBLE_DEVICES"))
     base = os.path.join(opts.work, "resume")
     cases = {name: CASES[name] for name in opts.cases}
     for name in cases:
@@ -741,13 +754,11 @@ def main(argv: list[str] | None = None) -> int:
             if name not in opts.steps:
                 continue
             t0 = time.monotonic()
-            if name == "wheels":
-                result = wheels_step(opts)
-            elif clock.left() < 5:
+            if name != "wheels" and clock.left() < 5:
                 result = {"status": "not run", "why": "the budget is spent"}
             else:
                 try:
-                    result = steps[name](opts, clock)
+                    result = wheels_step(opts) if name == "wheels" else steps[name](opts, clock)
                 except Exception as e:  # the check's own failure: reported, the next steps still run
                     result = {"status": "fail", "why": f"{type(e).__name__}: {e}"}
             result.setdefault("seconds", time.monotonic() - t0)

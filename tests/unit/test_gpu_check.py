@@ -229,3 +229,10 @@ def test_options() -> None:
     assert o.device == "cuda:0" and o.models == list(gc.MODELS) and o.systems == ["staged", "direct", "mcore"]
     o = gc.parse_args(["/x", "--cpu-dry-run", "--cases", "tp2"])
     assert (o.outdir, o.device, o.models, o.systems, o.cases) == ("/x", "cpu", ["tiny"], ["staged", "direct"], ["tp2"])
+
+
+def test_the_resumed_run_sees_the_device_asked_for() -> None:
+    assert gc.visible_device("cuda:0", None) == "0" and gc.visible_device("cuda:3", None) == "3"
+    assert gc.visible_device("cuda:1", "4,6") == "6" and gc.visible_device("cuda:0", "GPU-5e3f") == "GPU-5e3f"
+    with pytest.raises(ValueError, match="shows 2 device"):
+        gc.visible_device("cuda:2", "4,6")
