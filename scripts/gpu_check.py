@@ -29,6 +29,7 @@ import argparse
 import glob
 import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -275,10 +276,18 @@ def stop(p: subprocess.Popen) -> None:
             continue
 
 
+_LOG_SEQ = itertools.count(1)
+
+
+def log_path(work: str, name: str) -> str:
+    """``work/logs/NN-name.log``: numbered in the order the launches are made, the order ``gpu_check.log`` keeps."""
+    return os.path.join(work, "logs", f"{next(_LOG_SEQ):02d}-{name}.log")
+
+
 def python_step(args: list[str], work: str, name: str, site: str | None, hide_cuda: bool,
                 timeout: float) -> Launch:
     """Run this Python with ``args`` as step ``name`` (its log in ``work/logs``) and wait for it."""
-    launch = Launch([sys.executable, *args], child_env(site, hide_cuda), os.path.join(work, "logs", f"{name}.log"))
+    launch = Launch([sys.executable, *args], child_env(site, hide_cuda), log_path(work, name))
     run_all([launch], timeout)
     return launch
 
@@ -416,6 +425,17 @@ def tree_digests(root: str) -> dict[str, str]:
     return out
 
 
+def visible_device(device: str, visible: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` that shows only ``device`` (``cuda:N``), within what ``visible`` already shows."""
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    shown = [d.strip() for d in visible.split(",")] if visible else None
+    if shown is None:
+        return str(index)
+    if index >= len(shown):
+        raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={visible!r} shows {len(shown)} device(s)")
+    return shown[index]
+
+
 LOADED = re.compile(r"> tenplex: loaded iteration (\d+) from .*?: layout (\S+) -> (\S+), (\d+) tensors, "
                     r"([\d.]+) MB read on rank 0 in ([\d.]+) s")
 
@@ -425,6 +445,8 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     t0 = time.monotonic()
     limit = clock.limit("resume")
     cpu_env, dev_env = child_env(opts.site, True), child_env(opts.site, opts.cpu_dry_run)
+    if not opts.cpu_dry_run:  # the trainer's rank 0 takes CUDA device 0: make that the one asked for
+        dev_env["CUDA_VISIBLE_DEVICES"] = visible_device(opts.device, dev_env.get("CUDA_VISIBLE_DEVICES"))
     base = os.path.join(opts.work, "resume")
     cases = {name: CASES[name] for name in opts.cases}
     for name in cases:
@@ -432,7 +454,7 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     make = {name: torchrun(2, [*TINY_GPT, *c.flags, "--tensor-model-parallel-size", str(c.tp),
                                "--pipeline-model-parallel-size", str(c.pp), "--save", f"{base}/{name}/ckpt",
                                "--save-interval", str(SAVED_AT), "--tenplex-metrics", f"{base}/{name}/ref.jsonl"],
-                           cpu_env, os.path.join(opts.work, "logs", f"resume-{name}-make.log"))
+                           cpu_env, log_path(opts.work, f"resume-{name}-make"))
             for name, c in cases.items()}
     run_all(list(make.values()), limit)
     resumed: dict[str, dict[str, Launch]] = {}
@@ -443,7 +465,7 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
         resumed[name] = {where: torchrun(1, [*TINY_GPT, *c.flags, "--load", ckpt,
                                              "--tenplex-resave", f"{base}/{name}/resave-{where}",
                                              "--tenplex-metrics", f"{base}/{name}/{where}.jsonl"],
-                                         env, os.path.join(opts.work, "logs", f"resume-{name}-{where}.log"))
+                                         env, log_path(opts.work, f"resume-{name}-{where}"))
                          for where, env in (("cpu", cpu_env), ("device", dev_env))}
     run_all([launch for pair in resumed.values() for launch in pair.values()], max(1.0, limit - (time.monotonic() - t0)))
     steps = list(range(SAVED_AT + 1, TRAIN_ITERS + 1))
@@ -732,13 +754,11 @@ def main(argv: list[str] | None = None) -> int:
             if name not in opts.steps:
                 continue
             t0 = time.monotonic()
-            if name == "wheels":
-                result = wheels_step(opts)
-            elif clock.left() < 5:
+            if name != "wheels" and clock.left() < 5:
                 result = {"status": "not run", "why": "the budget is spent"}
             else:
                 try:
-                    result = steps[name](opts, clock)
+                    result = wheels_step(opts) if name == "wheels" else steps[name](opts, clock)
                 except Exception as e:  # the check's own failure: reported, the next steps still run
                     result = {"status": "fail", "why": f"{type(e).__name__}: {e}"}
             result.setdefault("seconds", time.monotonic() - t0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -77,5 +78,8 @@ def test_the_bench_runs_and_the_table_says_it_is_no_gpu_figure(dry_run) -> None:
     assert "plumbing only, these are not GPU figures" in md and "result: **PASS**" in md
     assert "| resume tp2: tp2pp1dp1 (CPU) -> tp1pp1dp1 on the device | pass |" in md
     log = open(os.path.join(out, "gpu_check.log")).read()
-    assert "===== resume-tp2-device.log" in log and "torch.distributed.run" in log
+    names = re.findall(r"^===== (\d\d)-(\S+)\.log", log, re.M)
+    assert [n for _, n in names] == ["env", "pytest", "identity", "snapshot", "resume-tp2-make", "resume-tp2-cpu",
+                                     "resume-tp2-device", "bench-tiny"]  # in the order they ran
+    assert "torch.distributed.run" in log
     assert "gpu_check: PASS" in p.stdout

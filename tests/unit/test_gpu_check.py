@@ -183,7 +183,7 @@ def _report(mode: str) -> dict:
 def test_the_report_has_every_figure(tmp_path) -> None:
     work = tmp_path / "work"
     (work / "logs").mkdir(parents=True)
-    (work / "logs" / "pytest.log").write_text("$ pytest\n" + "x" * 20_000 + "\nLAST LINE\n")
+    (work / "logs" / "02-pytest.log").write_text("$ pytest\n" + "x" * 20_000 + "\nLAST LINE\n")
     report = _report("gpu")
     paths = gc.write_report(report, str(tmp_path / "out"), str(work))
     assert sorted(os.listdir(tmp_path / "out")) == sorted([gc.JSON_NAME, gc.TABLE_NAME, gc.LOG_NAME])
@@ -205,7 +205,7 @@ def test_the_report_has_every_figure(tmp_path) -> None:
                    "| not run |", "12 s left"):
         assert figure in text, figure
     log = open(paths[2]).read()
-    assert "===== pytest.log" in log and "LAST LINE" in log and len(log) < 14_000
+    assert "===== 02-pytest.log" in log and "LAST LINE" in log and len(log) < 14_000
 
 
 def test_a_dry_run_report_says_it_is_not_a_gpu_one(tmp_path) -> None:
@@ -229,3 +229,10 @@ def test_options() -> None:
     assert o.device == "cuda:0" and o.models == list(gc.MODELS) and o.systems == ["staged", "direct", "mcore"]
     o = gc.parse_args(["/x", "--cpu-dry-run", "--cases", "tp2"])
     assert (o.outdir, o.device, o.models, o.systems, o.cases) == ("/x", "cpu", ["tiny"], ["staged", "direct"], ["tp2"])
+
+
+def test_the_resumed_run_sees_the_device_asked_for() -> None:
+    assert gc.visible_device("cuda:0", None) == "0" and gc.visible_device("cuda:3", None) == "3"
+    assert gc.visible_device("cuda:1", "4,6") == "6" and gc.visible_device("cuda:0", "GPU-5e3f") == "GPU-5e3f"
+    with pytest.raises(ValueError, match="shows 2 device"):
+        gc.visible_device("cuda:2", "4,6")
