@@ -218,6 +218,9 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
+    # common.pt holds Megatron-LM's args Namespace (saved_args), which torch's weights-only unpickler refuses unless
+    # it is registered: Megatron-LM registers it at start-up (megatron.core.safe_globals)
+    torch.serialization.add_safe_globals([argparse.Namespace])
     md = sharded_sd_metadata(dist_checkpointing.load_content_metadata(ckpt_dir))
     # torch's AdamW (no apex/TE on the CPU) keeps the step per state, and megatron's
     # DistributedOptimizer.state_dict() asserts one: allocate the state first, as a GPU run's
