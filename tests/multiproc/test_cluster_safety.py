@@ -115,14 +115,15 @@ def _split_agent(port: int, ckpt: str, name: str, tmp_path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "split", "--max-restarts",
-         "0", PRETRAIN, *FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", str(tmp_path / f"{name}.jsonl")],
+         "3", PRETRAIN, *FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", str(tmp_path / f"{name}.jsonl")],
         env=_env(), stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None:
     """Two rounds of one job (run id ``split``) formed apart, both world size 1, one --save: the later round takes
-    a higher generation; the earlier one stops at its next commit with an error saying so, and the later one
-    trains and saves on (every committed checkpoint readable, none lost)."""
+    a higher generation; the earlier one stops at its next commit with an error saying so, and stops its agent
+    (restarts left: a restart would only fence the other), and the later one trains and saves on (every committed
+    checkpoint readable, none lost)."""
     ckpt = str(tmp_path / "ckpt")
     first = _split_agent(_free_port(), ckpt, "first", tmp_path)
     second = None
@@ -145,6 +146,7 @@ def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None
     assert "a newer generation owns the directory" in first_log, first_log[-3000:]
     m = re.search(r"generation (\d+), holder", first_log.split("a newer generation owns the directory", 1)[1])
     assert m and int(m.group(1)) == gen_first + 1
+    assert first_log.count("> tenplex-megatron: layout") == 1, first_log[-3000:]  # its agent did not restart it
     its = directory.committed_iterations(ckpt)
     for it in its:  # every committed checkpoint is whole
         directory.read_metadata(os.path.join(ckpt, directory.iter_dir_name(it)))
