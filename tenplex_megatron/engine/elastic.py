@@ -34,7 +34,13 @@ def refuse(prog: str, spec: str, world_size: int, error: Exception) -> NoReturn:
     left, rank 0 also SIGTERMs its agent (which ends the job with a failure rather than restart it forever)."""
     # the message first (every rank: whichever survives the agent's shutdown says it), then stop the agent
     print(f"{prog}: error: --tenplex-layout {spec} at world size {world_size}: {error}", file=sys.stderr, flush=True)
-    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("RANK", "0")) == 0 \
-            and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
-        os.kill(os.getppid(), signal.SIGTERM)
+    if int(os.environ.get("RANK", "0")) == 0:
+        stop_agent()
     raise SystemExit(2)
+
+
+def stop_agent() -> None:
+    """Under torchrun's elastic agent with restarts left: SIGTERM it (this worker's parent), so that it ends the job
+    with a failure instead of restarting a job no restart can fix."""
+    if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
+        os.kill(os.getppid(), signal.SIGTERM)

@@ -45,12 +45,10 @@ class Restart:
 
 
 def damage(error: BaseException) -> str | None:
-    """The first failing rank's checkpoint-file error (the damaged copy, named), or None for other failures."""
+    """The failure naming the damaged copy (every failing rank's message) when some rank's is a checkpoint-file
+    error, else None (another kind of failure)."""
     if isinstance(error, RankFailure):
-        for r, msg in sorted(error.failures.items()):
-            if msg.startswith(_DAMAGE):
-                return f"rank {r}: {msg}"
-        return None
+        return str(error) if any(m.startswith(_DAMAGE) for m in error.failures.values()) else None
     return str(error) if isinstance(error, CheckpointFileError) else None
 
 

@@ -15,6 +15,9 @@ copied, before the framework's non-tensor state). Host-memory snapshots (``--ten
 ``memory.write`` (a rank's snapshot file half written in node memory), ``memory.replicate`` (replicas being
 received), ``memory.commit`` (before a node's snapshot is renamed into place), ``persist.copy`` (the background
 helper half way through copying a file to durable storage).
+``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
+exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
+benchmark, ``scripts/bench_faults.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +44,12 @@ def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
     if it != "" and iteration is not None and int(it) != iteration:
         return
     kind = kind or "kill"
+    once = os.environ.get("TENPLEX_FAULT_ONCE")
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "enospc":

@@ -53,6 +53,14 @@ def claim(args: Any, prog: str) -> list[str]:
     return mine
 
 
+def fenced(error: BaseException) -> str | None:
+    """The message of a lease fence among a collective failure's (a newer generation owns a directory), else None."""
+    for msg in getattr(error, "failures", {}).values():
+        if msg.startswith("FencedError"):
+            return msg.removeprefix("FencedError: ")
+    return str(error) if isinstance(error, lease.FencedError) else None
+
+
 def release(args: Any) -> None:
     """A clean end: give back the leases this process holds (the next job takes them at once)."""
     for d in getattr(args, "tenplex_leases", None) or ():

@@ -1,11 +1,14 @@
 """Cluster faults with real torchrun agents: a worker dies with its agent (``engine/orphan.py``); one writer per
 checkpoint directory (``storage/lease.py``): a second job is refused at start, a split rendezvous leaves the newest
-generation alone writing, a dead holder's lease is taken over at once."""
+generation alone writing, a dead holder's lease is taken over at once; a damaged checkpoint is skipped
+(``engine/fallback.py``); with torchrun's etcd rendezvous (a real etcd server) losing the first agent's node does
+not end the job."""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,14 +115,15 @@ def _split_agent(port: int, ckpt: str, name: str, tmp_path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "split", "--max-restarts",
-         "0", PRETRAIN, *FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", str(tmp_path / f"{name}.jsonl")],
+         "3", PRETRAIN, *FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", str(tmp_path / f"{name}.jsonl")],
         env=_env(), stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None:
     """Two rounds of one job (run id ``split``) formed apart, both world size 1, one --save: the later round takes
-    a higher generation; the earlier one stops at its next commit with an error saying so, and the later one
-    trains and saves on (every committed checkpoint readable, none lost)."""
+    a higher generation; the earlier one stops at its next commit with an error saying so, and stops its agent
+    (restarts left: a restart would only fence the other), and the later one trains and saves on (every committed
+    checkpoint readable, none lost)."""
     ckpt = str(tmp_path / "ckpt")
     first = _split_agent(_free_port(), ckpt, "first", tmp_path)
     second = None
@@ -142,8 +146,96 @@ def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None
     assert "a newer generation owns the directory" in first_log, first_log[-3000:]
     m = re.search(r"generation (\d+), holder", first_log.split("a newer generation owns the directory", 1)[1])
     assert m and int(m.group(1)) == gen_first + 1
+    assert first_log.count("> tenplex-megatron: layout") == 1, first_log[-3000:]  # its agent did not restart it
     its = directory.committed_iterations(ckpt)
     for it in its:  # every committed checkpoint is whole
         directory.read_metadata(os.path.join(ckpt, directory.iter_dir_name(it)))
     second_ran = [x["iteration"] for x in metrics(str(tmp_path / "second.jsonl"))]
     assert its[-1] == second_ran[-1] and directory.tracker_iteration(ckpt) == its[-1]
+
+
+ETCD = shutil.which("etcd")
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+ETCD_ITERS = 60
+
+
+def start_etcd(data: str) -> tuple[subprocess.Popen, int]:
+    """A real etcd server (Debian's etcd-server: 3.4, with the v2 API torchrun's etcd-v2 backend speaks) on
+    loopback ports; returns it and its client port once it answers."""
+    assert ETCD, "no etcd on PATH: `make etcd` installs Debian's etcd-server (the test never skips)"
+    client, peer = _free_port(), _free_port()
+    p = subprocess.Popen([ETCD, "--enable-v2", "--name", "default", "--data-dir", data,
+                          "--listen-client-urls", f"http://127.0.0.1:{client}",
+                          "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                          "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+                         stdout=open(data + ".log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            import urllib.request
+
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys", timeout=1):
+                return p, client
+        except OSError:
+            time.sleep(0.2)
+    p.kill()
+    raise AssertionError(f"etcd did not answer on port {client}: {open(data + '.log').read()[-2000:]}")
+
+
+def etcd_agent(port: int, ckpt: str, log: str, out: str, name: str, extra: list[str] = ()) -> subprocess.Popen:
+    """A torchrun agent of a 1:2-node job whose rendezvous is in etcd (``--rdzv-backend etcd-v2``). With the
+    rendezvous store shared with the workers (torch 2.13's default), a node joining a later round waits forever
+    for the master address the rank-0 agent wrote in round 0 only: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1."""
+    flags = [*FLAGS[:FLAGS.index("--train-iters")], "--train-iters", str(ETCD_ITERS), "--save-interval", "10"]
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+         "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "etcd-test",
+         "--rdzv-conf", RDZV_CONF, "--max-restarts", "5", "--monitor-interval", "0.5", PRETRAIN, *flags,
+         "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log, *extra],
+        env=dict(_env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"), stdout=open(os.path.join(out, f"{name}.log"), "w"),
+        stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_etcd_rendezvous_survives_losing_the_first_agent(tmp_path) -> None:
+    """Two agents meet in etcd; the one started first (c10d would host the rendezvous store in it) is SIGKILLed
+    alone: its worker exits with it, and the other agent re-forms the rendezvous through etcd and trains on alone
+    to the end, every iteration run."""
+    etcd, port = start_etcd(str(tmp_path / "etcd"))
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    a = etcd_agent(port, ckpt, log, str(tmp_path), "a")
+    time.sleep(2)
+    b = etcd_agent(port, ckpt, log, str(tmp_path), "b")
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline:  # past the first checkpoint at world size 2
+            got = metrics(log) if os.path.exists(log) else []
+            if len(got) >= 12 and got[-1]["layout"]["dp"] == 2:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError((tmp_path / "a.log").read_text()[-3000:])
+        workers = psutil.Process(a.pid).children()
+        t0 = time.time()
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=30)
+        while not all(_gone(w) for w in workers) and time.time() - t0 < 30:
+            time.sleep(0.05)
+        orphan_exit = time.time() - t0
+        lost_at = len(metrics(log))
+        assert b.wait(timeout=400) == 0, (tmp_path / "b.log").read_text()[-4000:]
+    finally:
+        for p in (a, b):
+            if p.poll() is None:
+                for c in psutil.Process(p.pid).children(recursive=True):
+                    c.kill()
+                p.kill()
+        etcd.kill()
+        etcd.wait()
+    got = metrics(log)
+    print(f"first agent's worker exited {orphan_exit:.2f} s after it; {len(got) - lost_at} iterations after")
+    assert orphan_exit < 5
+    assert {m["iteration"] for m in got} == set(range(1, ETCD_ITERS + 1))
+    assert got[-1]["iteration"] == ETCD_ITERS and got[-1]["layout"]["dp"] == 1  # the survivor alone, to the end
+    assert directory.tracker_iteration(ckpt) == ETCD_ITERS

@@ -160,3 +160,46 @@ def test_no_lease_no_fence(tmp_path) -> None:
     _stage(save, 1)
     directory.commit(save, 1, _meta(1), _meta(1)["files"])
     assert directory.committed_iterations(save) == [1]
+
+
+def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp_path, monkeypatch) -> None:
+    """training/lease_flags.claim (both trainers' start-up): rank 0 takes --save's lease, another job is refused
+    with SystemExit naming the directory and the holder; --tenplex-take-over takes it."""
+    from argparse import Namespace
+
+    from tenplex_megatron.training import lease_flags
+
+    save = str(tmp_path / "ckpt")
+    p, _ = _holder(save, "job-a")
+    try:
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+        args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id="job-b",
+                         tenplex_take_over=False, tenplex_lease_ttl=15.0)
+        with pytest.raises(SystemExit, match=f"pretrain_gpt.py: error: {save} is held by job 'job-a'"):
+            lease_flags.claim(args, "pretrain_gpt.py")
+        args.tenplex_take_over = True
+        assert lease_flags.claim(args, "pretrain_gpt.py") == [save] and lease.current(save).job == "job-b"
+        lease_flags.release(args)
+        assert lease.current(save).released
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_job_id_is_the_same_on_every_rank_of_a_launch(monkeypatch) -> None:
+    from argparse import Namespace
+
+    from tenplex_megatron.training import lease_flags
+
+    for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    args = Namespace(tenplex_job_id=None)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert lease_flags.job_id(args) == "10.0.0.1:29500"
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert lease_flags.job_id(args) == "slurm-77"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv")
+    assert lease_flags.job_id(args) == "rdzv"
+    assert lease_flags.job_id(Namespace(tenplex_job_id="mine")) == "mine"

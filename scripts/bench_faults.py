@@ -1,0 +1,394 @@
+#!/usr/bin/env python
+"""Run a training job through a schedule of faults and report, per fault, what it cost.
+
+    python scripts/bench_faults.py [--iters 60] [--save-interval 10] [--faults NAME,...] [--out r.json]
+    python scripts/bench_faults.py --quick          # fewer iterations (the smoke test runs it with --faults)
+
+Every fault hits a fresh run of ``scripts/pretrain_gpt.py --tenplex`` (a tiny GPT, CPU and gloo, or the GPUs where
+present) under real torchrun agents on this machine, and the job must carry on by itself:
+
+* ``kill@<phase>``: a worker SIGKILLed at a phase of the save of iteration 2 x S (``TENPLEX_FAULT``, once): its agent
+  restarts the group, which resumes from the newest complete checkpoint;
+* ``enospc@save.tensors``: a rank's shard write fails with ENOSPC: the save fails on every rank, the agent restarts;
+* ``agent``: two agents (nodes, c10d rendezvous); the one not hosting the rendezvous store is SIGKILLed alone: its
+  worker exits with it (``engine/orphan.py``), the other re-forms the rendezvous and trains on alone;
+* ``etcd-host``: the same with ``--rdzv-backend etcd-v2`` (a real etcd server) and the agent started first killed;
+* ``flip@snapshot`` / ``flip@replica``: two nodes with host-memory snapshots (K=2, persisted every snapshot) stop at
+  iteration 3 x S; a byte of rank 0's file of the newest snapshot is flipped in every node's copy (snapshot) or in
+  the other node's copy only (replica); the restart falls back (``engine/fallback.py``);
+* ``second-job``: a second job (another id) started on the running job's ``--save``: refused at start (the lease).
+
+Per fault: checkpoints lost (durable checkpoints the job reported committed that are missing or fail their
+checksums at the end), iterations lost beyond the save interval (the newest iteration done before the fault minus
+the one resumed from, less S), megabytes rank 0 read from durable storage at the recovery, and the seconds from
+the fault to the first iteration after it (a restart row: from the relaunch, imports included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import psutil  # noqa: E402
+
+from scripts.bench.agents import RDZV_CONF, free_port, kill_tree, wait_listening  # noqa: E402
+from scripts.bench.launch import ROOT, env, write_json  # noqa: E402
+from scripts.bench.report import Column, Table, machine, num  # noqa: E402
+from tenplex_megatron.storage import directory  # noqa: E402
+from tenplex_megatron.storage.verify_ckpt import verify_checkpoint  # noqa: E402
+
+PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--max-position-embeddings", "32", "--vocab-size", "96", "--make-vocab-size-divisible-by", "16",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", "--min-lr", "1e-4",
+         "--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--hidden-dropout", "0", "--attention-dropout", "0",
+         "--mock-data", "--tenplex", "--log-interval", "1"]
+TIMEOUT = 600.0
+SAVED_RE = re.compile(r"> tenplex: saved iteration (\d+) to ")
+PERSISTED_RE = re.compile(r"> tenplex: persisted \S*iter_(\d+)")
+LOADED_RE = re.compile(r"> tenplex: loaded iteration (\d+) from (host memory)?.*?(?:([\d.]+) MB read on rank 0|"
+                       r"(\d+) bytes read from durable storage)")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fault's cost."""
+
+    fault: str
+    checkpoints_lost: int
+    iterations_lost_beyond_interval: int | None  # None: no restart was needed
+    durable_mb_rank0: float | None
+    seconds_to_first_iteration: float | None
+    note: str = ""
+
+
+@dataclass
+class Run:
+    """One fault's working directory: the durable checkpoint, the metrics, the agents' logs."""
+
+    root: str
+    iters: int
+    every: int
+
+    @property
+    def ckpt(self) -> str:
+        return os.path.join(self.root, "ckpt")
+
+    @property
+    def metrics_path(self) -> str:
+        return os.path.join(self.root, "metrics.jsonl")
+
+    def flags(self, extra: list[str] = ()) -> list[str]:
+        return [*MODEL, "--train-iters", str(self.iters), "--save-interval", str(self.every), "--save", self.ckpt,
+                "--load", self.ckpt, "--tenplex-metrics", self.metrics_path, *extra]
+
+    def metrics(self) -> list[dict]:
+        if not os.path.exists(self.metrics_path):
+            return []
+        with open(self.metrics_path) as f:
+            return [json.loads(x) for x in f if x.strip()]
+
+    def logs(self) -> str:
+        return "".join(open(os.path.join(self.root, n)).read() for n in sorted(os.listdir(self.root))
+                       if n.endswith(".log"))
+
+    def agent(self, name: str, nnodes: str, nproc: int, rdzv: list[str], extra: list[str] = (),
+              more_env: dict[str, str] | None = None) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+               *rdzv, "--max-restarts", "3", "--monitor-interval", "0.5", PRETRAIN, *self.flags(extra)]
+        e = dict(env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(more_env or {}))
+        return subprocess.Popen(cmd, env=e, stdout=open(os.path.join(self.root, f"{name}.log"), "a"),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_iters(self, n: int, dp: int | None = None, timeout: float = TIMEOUT) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            got = self.metrics()
+            if len(got) >= n and (dp is None or got[-1]["layout"]["dp"] == dp):
+                return
+            time.sleep(0.2)
+        raise SystemExit(f"bench_faults: {self.root}: fewer than {n} iterations after {timeout:.0f} s\n"
+                         f"{self.logs()[-4000:]}")
+
+    def finish(self, fault: str, t_fault: float | None, done_before: int | None, note: str = "") -> Row:
+        """Measure the run once every agent has exited: ``done_before``: the newest iteration done at the fault."""
+        logs = self.logs()
+        reported = {int(m) for m in SAVED_RE.findall(logs)} | {int(m) for m in PERSISTED_RE.findall(logs)}
+        whole = {it for it in directory.committed_iterations(self.ckpt)
+                 if verify_checkpoint(os.path.join(self.ckpt, directory.iter_dir_name(it)), workers=1).ok}
+        lost = len(reported - whole)
+        got = self.metrics()
+        if {m["iteration"] for m in got} != set(range(1, self.iters + 1)):
+            note = (note + "; " if note else "") + "training did not reach its last iteration"
+        if t_fault is None or done_before is None:
+            return Row(fault, lost, None, None, None, note)
+        after = [m for m in got if m["time"] > t_fault]
+        if not after:
+            return Row(fault, lost, None, None, None, note + "; nothing ran after the fault")
+        resumed = after[0]["iteration"] - 1
+        loads = LOADED_RE.findall(logs)
+        mb = None
+        if loads:
+            _, memory, durable_mb, durable_bytes = loads[-1]
+            mb = float(durable_bytes) / 1e6 if memory else float(durable_mb)
+        return Row(fault, lost, max(0, done_before - resumed - self.every), mb, after[0]["time"] - t_fault, note)
+
+
+def _wait_all(procs: list[subprocess.Popen], what: str, run: Run) -> None:
+    for p in procs:
+        try:
+            rc = p.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            for q in procs:
+                if q.poll() is None:
+                    kill_tree(q)
+            raise SystemExit(f"bench_faults: {what}: an agent ended with {rc}\n{run.logs()[-4000:]}")
+
+
+def _standalone(run: Run, extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    return run.agent("job", "1", 2, ["--standalone"], more_env=extra_env)
+
+
+def worker_fault(point: str, rank: int, kind: str) -> Callable[[Run], Row]:
+    """A worker (``rank``) fails at ``point`` of the save of iteration 2 x S (once)."""
+    def go(run: Run) -> Row:
+        at = 2 * run.every
+        once = os.path.join(run.root, "fault-fired")
+        job = _standalone(run, {"TENPLEX_FAULT": f"{point}@{rank}#{at}:{kind}", "TENPLEX_FAULT_ONCE": once})
+        _wait_all([job], point, run)
+        fired = os.path.getmtime(once) if os.path.exists(once) else None
+        return run.finish(f"{'ENOSPC' if kind == 'enospc' else 'SIGKILL worker'} @ {point}", fired, at,
+                          "" if fired else "the fault never fired")
+    return go
+
+
+def _two_nodes(run: Run, rdzv: list[str], names: tuple[str, str] = ("node0", "node1"), nnodes: str = "1:2",
+               extra: tuple[list[str], list[str]] = ([], [])) -> list[subprocess.Popen]:
+    """Two agents of one node each; the first hosts the c10d store (or, with etcd, simply starts first)."""
+    a = run.agent(names[0], nnodes, 1, rdzv, extra[0])
+    if "c10d" in rdzv:
+        wait_listening(int(rdzv[rdzv.index("--rdzv-endpoint") + 1].rsplit(":", 1)[1]))
+    else:
+        time.sleep(2)
+    return [a, run.agent(names[1], nnodes, 1, rdzv, extra[1])]
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _kill_agent_alone(agents: list[subprocess.Popen], victim: int) -> str:
+    """SIGKILL one agent (not its worker); returns how long its worker outlived it."""
+    workers = psutil.Process(agents[victim].pid).children()
+    t0 = time.time()
+    agents[victim].send_signal(signal.SIGKILL)
+    agents[victim].wait(timeout=60)
+    while any(_alive(w) for w in workers) and time.time() - t0 < 30:
+        time.sleep(0.05)
+    return f"its worker exited {time.time() - t0:.2f} s after it"
+
+
+def agent_loss(backend: str) -> Callable[[Run], Row]:
+    """Two nodes; c10d: the agent not hosting the store is lost; etcd-v2: the agent started first."""
+    def go(run: Run) -> Row:
+        etcd = None
+        if backend == "c10d":
+            rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+        else:
+            etcd, port = start_etcd(os.path.join(run.root, "etcd"))
+            rdzv = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+        rdzv += ["--rdzv-id", "bench-faults", "--rdzv-conf", RDZV_CONF]
+        agents = _two_nodes(run, rdzv)
+        try:
+            run.wait_iters(2 * run.every + 2, dp=2)
+            done = run.metrics()[-1]["iteration"]
+            t = time.time()
+            note = _kill_agent_alone(agents, 1 if backend == "c10d" else 0)
+            survivor = agents[0 if backend == "c10d" else 1]
+            _wait_all([survivor], f"{backend} agent loss", run)
+        finally:
+            for p in agents:
+                if p.poll() is None:
+                    kill_tree(p)
+            if etcd is not None:
+                etcd.kill()
+                etcd.wait()
+        return run.finish("SIGKILL agent (c10d)" if backend == "c10d" else "SIGKILL rendezvous host (etcd)",
+                          t, done, note)
+    return go
+
+
+def start_etcd(data: str) -> tuple[subprocess.Popen, int]:
+    """A real etcd server on loopback ports (``--enable-v2``: the API torchrun's etcd-v2 backend speaks)."""
+    exe = shutil.which("etcd")
+    if exe is None:
+        raise SystemExit("bench_faults: no etcd on PATH (`make etcd` installs Debian's etcd-server)")
+    client, peer = free_port(), free_port()
+    p = subprocess.Popen([exe, "--enable-v2", "--name", "default", "--data-dir", data,
+                          "--listen-client-urls", f"http://127.0.0.1:{client}",
+                          "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                          "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+                         stdout=open(data + ".out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys", timeout=1):
+                return p, client
+        except OSError:
+            time.sleep(0.2)
+    p.kill()
+    raise SystemExit(f"bench_faults: etcd did not start: {open(data + '.out').read()[-2000:]}")
+
+
+def _flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b ^ 0x40]))
+
+
+def flip(where: str) -> Callable[[Run], Row]:
+    """Two nodes with host-memory snapshots stop at 3 x S; a byte of the newest snapshot is flipped; restart."""
+    def go(run: Run) -> Row:
+        stop = 3 * run.every
+        mems = [os.path.join(run.root, f"mem{n}") for n in (0, 1)]
+        rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "bench-flip",
+                "--rdzv-conf", RDZV_CONF]
+        memory = ["--tenplex-replicas", "2", "--tenplex-persist-interval", "1"]
+        first = _two_nodes(run, rdzv, ("first0", "first1"), "2",
+                           ([*memory, "--tenplex-memory", mems[0], "--exit-interval", str(stop)],
+                            [*memory, "--tenplex-memory", mems[1], "--exit-interval", str(stop)]))
+        _wait_all(first, "the run before the flip", run)
+        rank0 = 0 if "> tenplex-megatron: layout" in open(os.path.join(run.root, "first0.log")).read() else 1
+        name = directory.rank_file_name(0)
+        targets = [mems[0], mems[1]] if where == "snapshot" else [mems[1 - rank0]]
+        for m in targets:
+            _flip(os.path.join(m, directory.iter_dir_name(stop), name))
+        t = time.time()
+        rdzv[3] = f"127.0.0.1:{free_port()}"
+        second = _two_nodes(run, rdzv, ("second0", "second1"), "2",
+                            ([*memory, "--tenplex-memory", mems[0]], [*memory, "--tenplex-memory", mems[1]]))
+        _wait_all(second, "the restart after the flip", run)
+        copies = "every node's copy" if where == "snapshot" else "the other node's copy (a replica)"
+        return run.finish(f"flipped byte in a {where}", t, stop, f"{name} of iteration {stop}: {copies}")
+    return go
+
+
+def second_job(run: Run) -> Row:
+    """A second job (another id) on the running job's ``--save``: refused at start, the first runs on untouched.
+    The second is started beforehand with its imports done, held until the first job is past its first checkpoint
+    (a tiny job would otherwise be over before the second's imports are)."""
+    e = dict(env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    held = ("import runpy, sys; import tenplex_megatron.training.pretrain; sys.stdin.readline(); "
+            f"sys.argv = {[PRETRAIN, *run.flags()]!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    second = subprocess.Popen([sys.executable, "-c", held], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    job = _standalone(run)
+    try:
+        run.wait_iters(run.every + 2)
+        t0 = time.time()
+        out, err = second.communicate("go\n", timeout=TIMEOUT)
+        refused = time.time() - t0
+        ok = second.returncode != 0 and "is held by job" in err
+        _wait_all([job], "the first job", run)
+    finally:
+        for p in (job, second):
+            if p.poll() is None:
+                kill_tree(p)
+    return run.finish("second job on the same --save", None, None,
+                      f"refused at start in {refused:.2f} s, naming the holder" if ok else
+                      f"NOT refused: exit {second.returncode}: {err[-300:]}")
+
+
+FAULTS: dict[str, Callable[[Run], Row]] = {
+    "kill@save.gather": worker_fault("save.gather", 1, "kill"),
+    "kill@save.tensors": worker_fault("save.tensors", 1, "kill"),
+    "kill@save.metadata": worker_fault("save.metadata", 0, "kill"),
+    "kill@save.commit": worker_fault("save.commit", 0, "kill"),
+    "enospc@save.tensors": worker_fault("save.tensors", 1, "enospc"),
+    "agent": agent_loss("c10d"),
+    "etcd-host": agent_loss("etcd"),
+    "flip@snapshot": flip("snapshot"),
+    "flip@replica": flip("replica"),
+    "second-job": second_job,
+}
+
+
+def commit_id() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=60, help="training iterations of each run (default 60)")
+    p.add_argument("--save-interval", type=int, default=10, help="S: iterations between checkpoints (default 10)")
+    p.add_argument("--quick", action="store_true", help="30 iterations, S=5")
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of: {', '.join(FAULTS)}")
+    p.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
+    p.add_argument("--keep", default=None, metavar="DIR", help="keep each run's directory under DIR")
+    a = p.parse_args(argv)
+    iters, every = (30, 5) if a.quick else (a.iters, a.save_interval)
+    names = [x for x in a.faults.split(",") if x]
+    unknown = [x for x in names if x not in FAULTS]
+    if unknown:
+        p.error(f"unknown fault(s) {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
+    if iters < 4 * every:
+        p.error(f"--iters {iters} must be at least 4 x --save-interval ({4 * every}): faults strike at 2 x and 3 x S")
+    base = a.keep or tempfile.mkdtemp(prefix="bench_faults.")
+    rows = []
+    for name in names:
+        root = os.path.join(base, name.replace("@", "_"))
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        t0 = time.time()
+        row = FAULTS[name](Run(root, iters, every))
+        rows.append(row)
+        print(f"> bench_faults: {name}: {time.time() - t0:.0f} s", flush=True)
+    if a.keep is None:
+        shutil.rmtree(base, ignore_errors=True)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    info = {**machine(), "commit": commit_id(), "date": when, "iters": iters, "save_interval": every}
+    print(f"fault benchmark: {iters} iterations, a checkpoint every {every}; {info['cpus']} CPUs, torch "
+          f"{info['torch']}, gpu {info['gpu']}; commit {info['commit']}; {when}")
+    t = Table([Column("fault", 34, "<"), Column("ckpts lost", 10), Column("iters lost > S", 14),
+               Column("durable MB (rank 0)", 19), Column("s to 1st iter", 13), Column("note", 0, "<", "  ")])
+    print(t.header())
+    for r in rows:
+        print(t.row(r.fault, str(r.checkpoints_lost), num(r.iterations_lost_beyond_interval, "d"),
+                    num(r.durable_mb_rank0, ".2f"), num(r.seconds_to_first_iteration, ".1f"), r.note))
+    if a.out:
+        write_json(a.out, {"machine": info, "rows": [asdict(r) for r in rows]}, indent=1)
+    bad = [r.fault for r in rows if r.checkpoints_lost or (r.iterations_lost_beyond_interval or 0)]
+    if bad:
+        print(f"bench_faults: target missed (checkpoints or iterations lost) in: {', '.join(bad)}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
