@@ -29,7 +29,7 @@ GROUPS = (
     ("checkpoints", "Checkpoints", "megatron-lm.md", "Megatron-LM"),
     ("layout", "Layout choice and elastic restarts", "elastic.md", "Elastic training"),
     ("memory", "Host-memory checkpoints", "host-memory.md", "Host-memory checkpoints"),
-    ("lease", "One writer per checkpoint directory", "elastic.md", "Elastic training"),
+    ("lease", "One writer per checkpoint directory", "cluster-safety.md", "Safety at cluster scale"),
     ("trainer", "Reference trainer only", "trainer.md", "The reference trainer"),
 )
 
@@ -223,6 +223,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`", "unset",
            "make a rank fail at a named point of a save or load (kinds `kill`, `enospc`, `error`, `typeerror`; "
            "points in `storage/faults.py`): the crash-safety tests' tool", "tests"),
+    EnvVar("TENPLEX_FAULT_ONCE", "a file path", "unset",
+           "with `TENPLEX_FAULT`: the fault fires once, in whichever process reaches it first (it creates the file)",
+           "tests"),
     EnvVar("TENPLEX_OPEN_LOG", "a file path", "unset",
            "append every path a process opens in a memory directory (the node tests check none is another node's)",
            "tests"),
