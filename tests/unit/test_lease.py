@@ -203,3 +203,26 @@ def test_job_id_is_the_same_on_every_rank_of_a_launch(monkeypatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv")
     assert lease_flags.job_id(args) == "rdzv"
     assert lease_flags.job_id(Namespace(tenplex_job_id="mine")) == "mine"
+
+
+def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, monkeypatch) -> None:
+    """--tenplex-memory: the node's first local rank takes the memory directory's lease; the node's other ranks only
+    check it; another job is refused there too."""
+    from argparse import Namespace
+
+    from tenplex_megatron.training import lease_flags
+
+    mem, save = str(tmp_path / "mem"), str(tmp_path / "ckpt")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    args = Namespace(tenplex=True, save=save, tenplex_memory=mem, tenplex_job_id="job-a", tenplex_take_over=False,
+                     tenplex_lease_ttl=15.0)
+    assert lease_flags.claim(args, "pretrain_gpt.py") == [mem]  # rank 1: not --save's; local rank 0: the memory's
+    assert lease.current(mem).job == "job-a" and lease.current(save) is None
+    lease._HELD.clear()  # another process, of another job, on the same node
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    other = Namespace(**{**vars(args), "tenplex_job_id": "job-b", "save": str(tmp_path / "other")})
+    del other.tenplex_leases
+    with pytest.raises(SystemExit, match=f"{mem} is held by job 'job-a'"):
+        lease_flags.claim(other, "pretrain_gpt.py")
