@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -46,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil  # noqa: E402
 
 from scripts.bench.agents import RDZV_CONF, free_port, kill_tree, wait_listening  # noqa: E402
+from scripts.bench.etcd import EtcdError, start_etcd  # noqa: E402
 from scripts.bench.launch import ROOT, env, write_json  # noqa: E402
 from scripts.bench.report import Column, Table, machine, num  # noqa: E402
 from tenplex_megatron.storage import directory  # noqa: E402
@@ -214,7 +214,10 @@ def agent_loss(backend: str) -> Callable[[Run], Row]:
         if backend == "c10d":
             rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
         else:
-            etcd, port = start_etcd(os.path.join(run.root, "etcd"))
+            try:
+                etcd, port = start_etcd(os.path.join(run.root, "etcd"))
+            except EtcdError as e:
+                raise SystemExit(f"bench_faults: {e}") from None
             rdzv = ["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
         rdzv += ["--rdzv-id", "bench-faults", "--rdzv-conf", RDZV_CONF]
         agents = _two_nodes(run, rdzv)
@@ -235,30 +238,6 @@ def agent_loss(backend: str) -> Callable[[Run], Row]:
         return run.finish("SIGKILL agent (c10d)" if backend == "c10d" else "SIGKILL rendezvous host (etcd)",
                           t, done, note)
     return go
-
-
-def start_etcd(data: str) -> tuple[subprocess.Popen, int]:
-    """A real etcd server on loopback ports (``--enable-v2``: the API torchrun's etcd-v2 backend speaks)."""
-    exe = shutil.which("etcd")
-    if exe is None:
-        raise SystemExit("bench_faults: no etcd on PATH (`make etcd` installs Debian's etcd-server)")
-    client, peer = free_port(), free_port()
-    p = subprocess.Popen([exe, "--enable-v2", "--name", "default", "--data-dir", data,
-                          "--listen-client-urls", f"http://127.0.0.1:{client}",
-                          "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                          "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-                         stdout=open(data + ".out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys", timeout=1):
-                return p, client
-        except OSError:
-            time.sleep(0.2)
-    p.kill()
-    raise SystemExit(f"bench_faults: etcd did not start: {open(data + '.out').read()[-2000:]}")
 
 
 def _flip(path: str) -> None:

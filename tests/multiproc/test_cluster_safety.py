@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from scripts.bench.etcd import start_etcd
 from tenplex_megatron.storage import directory, lease
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics
 
@@ -154,34 +154,8 @@ def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None
     assert its[-1] == second_ran[-1] and directory.tracker_iteration(ckpt) == its[-1]
 
 
-ETCD = shutil.which("etcd")
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
 ETCD_ITERS = 60
-
-
-def start_etcd(data: str) -> tuple[subprocess.Popen, int]:
-    """A real etcd server (Debian's etcd-server: 3.4, with the v2 API torchrun's etcd-v2 backend speaks) on
-    loopback ports; returns it and its client port once it answers."""
-    assert ETCD, "no etcd on PATH: `make etcd` installs Debian's etcd-server (the test never skips)"
-    client, peer = _free_port(), _free_port()
-    p = subprocess.Popen([ETCD, "--enable-v2", "--name", "default", "--data-dir", data,
-                          "--listen-client-urls", f"http://127.0.0.1:{client}",
-                          "--advertise-client-urls", f"http://127.0.0.1:{client}",
-                          "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                          "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
-                         stdout=open(data + ".log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            import urllib.request
-
-            with urllib.request.urlopen(f"http://127.0.0.1:{client}/v2/keys", timeout=1):
-                return p, client
-        except OSError:
-            time.sleep(0.2)
-    p.kill()
-    raise AssertionError(f"etcd did not answer on port {client}: {open(data + '.log').read()[-2000:]}")
 
 
 def etcd_agent(port: int, ckpt: str, log: str, out: str, name: str, extra: list[str] = ()) -> subprocess.Popen:
