@@ -93,7 +93,7 @@ class MegatronCoreAdapter:
         return describe_job(self.job)[1]
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
-        if not never_stepped(metadata.get("optimizer")):
+        if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
         # after fp16 steps that the loss scaler all skipped): the job's stays unmade too, as in an uninterrupted run
@@ -147,6 +147,13 @@ def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) 
     opener = (partial(open_legacy, path, job, trust_pickles) if is_legacy_megatron_checkpoint(path)
               else opener_for(path, job, trust_pickles))
     return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
+
+
+def stores_moments(metadata: dict[str, Any]) -> bool:
+    """Whether a tenplex checkpoint's metadata lists Adam moments (a never-stepped optimizer's may, if saved by an
+    older version that allocated them: then the job makes them too, to be filled)."""
+    tensors = (metadata.get("ptc") or {}).get("tensors") or []
+    return any(str(t.get("key", "")).startswith("optimizer.state.exp_avg") for t in tensors if isinstance(t, dict))
 
 
 def current_layout(chunks: list[Any]) -> ParallelLayout:
