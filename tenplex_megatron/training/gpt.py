@@ -91,7 +91,7 @@ class GPTSpec:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DDPOptions:
     """megatron-core DDP's communication settings, as Megatron-LM's flags set them: overlapped grad reduction in
     buckets (``bucket_size`` elements; None: megatron-core's default, max(40M, 1M x DP)) and overlapped param

@@ -37,6 +37,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
+from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
@@ -238,19 +239,14 @@ def virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if per_stage is not None and per_rank is not None:
         parser.error("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
     pp = args.pipeline_model_parallel_size
-    flag = "--num-layers-per-virtual-pipeline-stage" if per_stage is not None else \
-        "--num-virtual-stages-per-pipeline-rank"
+    flag, value = (("--num-layers-per-virtual-pipeline-stage", per_stage) if per_stage is not None
+                   else ("--num-virtual-stages-per-pipeline-rank", per_rank))
     if pp < 2:
         parser.error(f"{flag} needs --pipeline-model-parallel-size >= 2 (here {pp}): interleaving splits each "
                      "pipeline rank's layers into several model chunks")
-    if per_stage is not None:
-        if per_stage < 1 or args.num_layers % (pp * per_stage):
-            parser.error(f"{flag} {per_stage}: PP x it = {pp} x {per_stage} must divide --num-layers "
-                         f"{args.num_layers}")
-        return args.num_layers // (pp * per_stage)
-    if per_rank < 1 or args.num_layers % (pp * per_rank):
-        parser.error(f"{flag} {per_rank}: PP x it = {pp} x {per_rank} must divide --num-layers {args.num_layers}")
-    return per_rank
+    if value < 1 or args.num_layers % (pp * value):
+        parser.error(f"{flag} {value}: PP x it = {pp} x {value} must divide --num-layers {args.num_layers}")
+    return per_rank if per_stage is None else args.num_layers // (pp * per_stage)
 
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
@@ -391,7 +387,8 @@ def run(args: argparse.Namespace) -> None:
             micro_batch_size=args.micro_batch_size,
             global_batch_size=args.global_batch_size,
             padded_vocab=padded,
-            ddp=gpt.DDPOptions(args.overlap_grad_reduce, args.overlap_param_gather, args.ddp_bucket_size),
+            ddp=gpt.DDPOptions(overlap_grad_reduce=args.overlap_grad_reduce,
+                               overlap_param_gather=args.overlap_param_gather, bucket_size=args.ddp_bucket_size),
         )
     except ValueError as e:  # LayoutError included: the message names the flag or constraint
         raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
@@ -516,8 +513,7 @@ def run(args: argparse.Namespace) -> None:
 
 def _loss_scale(job: Any) -> float | None:
     """The fp16 loss scaler's current scale (None without one)."""
-    scaler = getattr(job.optimizer, "grad_scaler", None) or getattr(
-        getattr(job.optimizer, "chained_optimizers", [None])[0], "grad_scaler", None)
+    scaler = next((o.grad_scaler for o in sub_optimizers(job.optimizer) if getattr(o, "grad_scaler", None)), None)
     return float(scaler.scale.item()) if scaler is not None else None
 
 
