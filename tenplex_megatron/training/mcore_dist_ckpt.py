@@ -33,7 +33,7 @@ import torch
 
 from tenplex_megatron.execute.collective import check_all
 from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state, sub_optimizers
-from tenplex_megatron.integrations.megatron_core.sharded import unwrap
+from tenplex_megatron.integrations.megatron_core.sharded import model_keys, unwrap
 from tenplex_megatron.storage.directory import TRACKER_FILE, find_megatron_checkpoint, iter_dir_name
 from tenplex_megatron.training.gpt import GPTJob
 
@@ -64,11 +64,6 @@ def content_metadata(md: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in md.items() if k != "dp_cp_group"}
 
 
-def _model_keys(job: GPTJob) -> list[str]:
-    """Megatron-LM's keys of the model chunks: ``model``, or ``model0``, ``model1``, ... with virtual stages."""
-    return ["model"] if len(job.model) == 1 else [f"model{i}" for i in range(len(job.model))]
-
-
 def saved_args(job: GPTJob) -> argparse.Namespace:
     """What Megatron-LM saves as ``args`` in the common state, as far as a re-shard of it needs: the saving layout
     and the DDP settings that cut the distributed optimizer's buffers into buckets."""
@@ -83,7 +78,7 @@ def saved_args(job: GPTJob) -> argparse.Namespace:
 
 
 def _state_dict(job: GPTJob, md: dict[str, Any], is_loading: bool) -> dict[str, Any]:
-    models = {key: unwrap(m).sharded_state_dict(metadata=md) for key, m in zip(_model_keys(job), job.model)}
+    models = {key: unwrap(m).sharded_state_dict(metadata=md) for key, m in zip(model_keys(len(job.model)), job.model)}
     return {
         **models,
         "optimizer": job.optimizer.sharded_state_dict(models, is_loading=is_loading, metadata=md),
@@ -230,7 +225,7 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
     state = _state_dict(job, md, is_loading=True)
     strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), _dp_group())
     loaded = dist_checkpointing.load(state, ckpt_dir, strategy)
-    for key, m in zip(_model_keys(job), job.model):
+    for key, m in zip(model_keys(len(job.model)), job.model):
         unwrap(m).load_state_dict(loaded[key])
     job.optimizer.load_state_dict(loaded["optimizer"])
     _unshare_steps(job.optimizer)

@@ -58,10 +58,17 @@ def unwrap(module: Any) -> Any:
     return module
 
 
+def model_keys(chunks: int) -> list[str]:
+    """Megatron-LM's keys of the model chunks in a checkpoint: ``model``, or ``model0``, ``model1``, ... with one
+    chunk per virtual pipeline stage."""
+    return ["model"] if chunks == 1 else [f"model{i}" for i in range(chunks)]
+
+
 def model_sharded_state_dict(job: Any) -> dict:
     """Every model chunk's sharded state dict (one chunk per virtual pipeline stage), as Megatron-LM keys them."""
-    chunks = [unwrap(m).sharded_state_dict(metadata={"singleton_local_shards": False}) for m in job.model]
-    return chunks[0] if len(chunks) == 1 else {f"model{i}": sd for i, sd in enumerate(chunks)}
+    chunks = {key: unwrap(m).sharded_state_dict(metadata={"singleton_local_shards": False})
+              for key, m in zip(model_keys(len(job.model)), job.model)}
+    return chunks["model"] if len(chunks) == 1 else chunks
 
 
 def _is_main(replica_id: Any) -> bool:
