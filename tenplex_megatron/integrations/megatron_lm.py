@@ -39,7 +39,9 @@ from typing import Any
 
 from tenplex_megatron import flags
 from tenplex_megatron._optional import require
-from tenplex_megatron.engine import elastic, fallback, memory_load, memory_save, orphan
+from tenplex_megatron.engine import elastic, memory_load, memory_save, orphan
+from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
@@ -47,16 +49,14 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
     MegatronCoreAdapter,
     adopt_megatron_checkpoint,
     current_layout,
-    load_job,
     save_job,
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
-from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, restart_padded_vocab_size
+from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
-from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
 from tenplex_megatron.plan.unsupported import unsupported_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -64,7 +64,6 @@ from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
     read_metadata,
 )
-from tenplex_megatron.training import lease_flags, memory_flags
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _MEMORY: dict[str, memory_save.MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
@@ -98,11 +97,7 @@ def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int)
             raise LayoutError(f"{flag} is not modelled by --tenplex-layout: give the layout explicitly")
     if not getattr(args, "global_batch_size", None):
         raise LayoutError("--global-batch-size is required: the layout choice keeps the global batch fixed")
-    dims = GPTDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size or 50257,
-                   seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, swiglu=bool(args.swiglu),
-                   tied=not args.untie_embeddings_and_output_weights, bf16=bool(args.bf16),
-                   num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None)
+    dims = gpt_dims(args)
     attr = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
             "micro_batch_size": "micro_batch_size"}
     fixed = {k: int(getattr(args, attr[k])) for k, flag in _FIXING_FLAGS.items() if _given(argv, flag)}
@@ -260,52 +255,43 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     args = get_args()
     load_dir = getattr(args, load_arg, None)
     tier = _memory_tier(args) if load_arg == "load" else None
-    choice = memory_load.choose(tier, load_dir) if tier is not None else None
-    tenplex = getattr(args, "tenplex", False) and load_dir
-    ckpt = find_checkpoint(load_dir) if (tenplex and choice is None) else None
-    if choice is not None or ckpt is not None:  # a damaged copy: the next one (engine/fallback.py)
-        return _restart(ddp_model, optimizer, opt_param_scheduler, tier, choice, load_dir, ckpt)
-    mck = find_megatron_checkpoint(load_dir) if (tenplex and ckpt is None) else None
-    no_megatron = not (load_dir and find_megatron_checkpoint(load_dir))
-    if ckpt is None and getattr(args, "tenplex_init_from_hf", None) and no_megatron:
+    tenplex = bool(getattr(args, "tenplex", False) and load_dir)
+    sources = restart_sources.find_sources(tier, load_dir, tenplex=tenplex)
+    if sources.ours:  # a damaged copy: the next one (engine/fallback.py)
+        return _restart(ddp_model, optimizer, opt_param_scheduler, tier, sources, load_dir)
+    mck = sources.megatron if tenplex else None
+    if getattr(args, "tenplex_init_from_hf", None) and sources.megatron is None:
         job = _job(ddp_model, optimizer, opt_param_scheduler)
         run = ModelFacts.from_model_json(job.spec.to_json())
         hf = init_from_hf(job, args.tenplex_init_from_hf, run)
         print_rank_0(f"> tenplex: initialised from Hugging Face checkpoint {args.tenplex_init_from_hf} at layout "
                      f"{job.layout}: {hf.tensors} tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0")
         return 0, 0.0
-    if ckpt is None and mck is None:
+    if mck is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
     # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
     res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
     flops = _resumed(args, job, res)
-    print_rank_0(
-        f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout {ParallelLayout.from_json(res.source_layout)} -> {job.layout}, "
-        f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
-    )
+    print_rank_0(restart_sources.loaded_line(res, job.layout))
     return res.iteration, flops
 
 
 def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: memory_save.MemoryTier | None,
-             choice: memory_load.MemoryChoice | None, load_dir: str, ckpt: str | None) -> tuple[int, float]:
+             sources: restart_sources.Sources, load_dir: str) -> tuple[int, float]:
     """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
     re-sharded; a damaged copy falls back to the next (``engine/fallback.py``)."""
     from megatron.training import get_args, print_rank_0
 
     args = get_args()
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    verify = not args.tenplex_no_verify
-    got = fallback.restart(lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
-                           lambda path: load_job(job, path, verify=verify), tier, choice, load_dir, ckpt)
+    got = restart_sources.restart(job, tier, sources, load_dir, verify=not args.tenplex_no_verify)
     res = got.result
     flops = _resumed(args, job, res)
     if got.memory is not None:
         print_rank_0(memory_flags.describe_memory_load(got.memory, job.layout))
     else:
-        print_rank_0(f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
-                     f"{ParallelLayout.from_json(res.source_layout)} -> {job.layout}, {res.tensors} tensors, "
-                     f"{res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s")
+        print_rank_0(restart_sources.loaded_line(res, job.layout))
     return res.iteration, flops
 
 

@@ -23,25 +23,15 @@ import argparse
 import os
 
 from tenplex_megatron.engine import elastic
+from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
 from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, read_layout_times
-from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
-
-
-def _dims(args: argparse.Namespace) -> GPTDims:
-    return GPTDims(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                   num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                   seq_length=args.seq_length, ffn_hidden_size=args.ffn_hidden_size, swiglu=args.swiglu,
-                   tied=not args.untie_embeddings_and_output_weights, bf16=args.bf16,
-                   num_query_groups=args.num_query_groups if args.group_query_attention else None,
-                   add_bias_linear=args.add_bias_linear, normalization=args.normalization,
-                   position_embedding_type=args.position_embedding_type)
 
 
 def request(args: argparse.Namespace, world: int, local_world: int) -> LayoutRequest:
     """The trainer's flags as a layout request for ``world`` ranks (``local_world`` per node)."""
-    return LayoutRequest(args.tenplex_layout, _dims(args), world, local_world, args.global_batch_size,
+    return LayoutRequest(args.tenplex_layout, gpt_dims(args), world, local_world, args.global_batch_size,
                          memory_gb=elastic.memory_gb(args.tenplex_memory_budget),
                          tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                          micro_batch_size=args.micro_batch_size,

@@ -26,13 +26,13 @@ import torch
 from megatron.core import parallel_state
 
 from tenplex_megatron import flags
-from tenplex_megatron.engine import elastic, fallback, memory_load, memory_save, orphan
+from tenplex_megatron.engine import elastic, memory_save, orphan
+from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
     MegatronCoreAdapter,
     adopt_megatron_checkpoint,
-    load_job,
     save_job,
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
@@ -43,8 +43,6 @@ from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.unsupported import UNSUPPORTED
 from tenplex_megatron.storage.directory import (
-    find_checkpoint,
-    find_megatron_checkpoint,
     is_legacy_megatron_checkpoint,
     read_metadata,
 )
@@ -52,11 +50,9 @@ from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.training import (
     gpt,
     layout_choice,
-    lease_flags,
     legacy_ckpt,
     mcore_dist_ckpt,
     measure,
-    memory_flags,
 )
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
@@ -358,9 +354,8 @@ def run(args: argparse.Namespace) -> None:
                             sp=bool(args.sequence_parallel and tp > 1))
     spec = spec_from_args(args)
     tier = memory_flags.open_memory(args)
-    from_memory = memory_load.choose(tier, args.load) if tier is not None else None
-    ckpt = find_checkpoint(args.load) if (args.load and args.tenplex and from_memory is None) else None
-    mck = find_megatron_checkpoint(args.load) if (args.load and ckpt is None and from_memory is None) else None
+    sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    from_memory, ckpt, mck = sources.memory, sources.tenplex, sources.megatron
     saved_padded = (from_memory.metadata if from_memory else read_metadata(ckpt) if ckpt else {}).get("padded_vocab_size")
     legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
     if legacy and not args.tenplex:
@@ -400,11 +395,8 @@ def run(args: argparse.Namespace) -> None:
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
     restarted = None
-    if from_memory is not None or ckpt is not None:  # a damaged copy: the next one (engine/fallback.py)
-        verify = not args.tenplex_no_verify
-        restarted = fallback.restart(
-            lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
-            lambda path: load_job(job, path, verify=verify), tier, from_memory, args.load, ckpt)
+    if sources.ours:  # a damaged copy: the next one (engine/fallback.py)
+        restarted = restart_sources.restart(job, tier, sources, args.load, verify=not args.tenplex_no_verify)
     if restarted is not None and restarted.memory is not None:
         res = restarted.result
         if getattr(args, "tenplex_timeline", None) is not None:
@@ -419,10 +411,8 @@ def run(args: argparse.Namespace) -> None:
         if getattr(args, "tenplex_timeline", None) is not None:
             args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
         _print0(
-            f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
-            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, "
-            f"{res.tensors} tensors, {res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s"
-            f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+            restart_sources.loaded_line(res, layout)
+            + f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
             + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
                if res.source_format == "megatron" else "")
         )

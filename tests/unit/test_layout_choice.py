@@ -13,7 +13,9 @@ from tenplex_megatron.integrations.megatron_lm import choose_layout_for_args, la
 from tenplex_megatron.plan.autolayout import candidate_key
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.layout_choice import LayoutRequest, choose, rank, to_measure
-from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
+from tenplex_megatron.training.layout_choice import request as trainer_request
+from tenplex_megatron.training.pretrain import parse_args
 
 TINY = GPTDims(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=96, seq_length=32, bf16=False)
 
@@ -98,3 +100,24 @@ def test_measured_times_win_over_the_model_and_only_unmeasured_top_candidates_ar
     assert "measured 0.1 s/iteration" in chosen.why
     assert to_measure(rank(req, measured), measured, 3) == ()  # all measured: no trial on a second start
     assert choose(LayoutRequest("auto", TINY, 2, 2, 8, tp=2)).layout == ParallelLayout(2, 1, 1)
+
+
+LLAMA_FLAGS = ["--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
+               "--untie-embeddings-and-output-weights"]
+
+
+def test_a_llama_style_model_is_sized_the_same_behind_either_door() -> None:
+    """The hook once built the dims without biases, norm and position embedding: a Llama-style model under
+    Megatron-LM was sized as a GPT-style one. Both doors now read them with one function (frontdoor/dims.py)."""
+    trainer = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                          "--seq-length", "32", "--vocab-size", "96", "--ffn-hidden-size", "256",
+                          "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tenplex", "--tenplex-layout",
+                          "auto", *LLAMA_FLAGS])
+    hook = _megatron_args(swiglu=True, normalization="RMSNorm", add_bias_linear=False,
+                          position_embedding_type="rope", untie_embeddings_and_output_weights=True)
+    dims = layout_request(hook, [], 4, 4).dims
+    assert dims == trainer_request(trainer, 4, 4).dims
+    assert (dims.add_bias_linear, dims.normalization, dims.position_embedding_type) == (False, "RMSNorm", "rope")
+    gpt_style = layout_request(_megatron_args(swiglu=True, untie_embeddings_and_output_weights=True), [], 4, 4).dims
+    names = set(gpt_tensors(dims, 96))
+    assert names < set(gpt_tensors(gpt_style, 96))  # no bias, norm bias or position table: fewer tensors

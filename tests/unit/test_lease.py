@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tenplex_megatron.frontdoor import lease_flags
 from tenplex_megatron.storage import directory, lease
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -163,11 +164,10 @@ def test_no_lease_no_fence(tmp_path) -> None:
 
 
 def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp_path, monkeypatch) -> None:
-    """training/lease_flags.claim (both trainers' start-up): rank 0 takes --save's lease, another job is refused
+    """frontdoor/lease_flags.claim (both trainers' start-up): rank 0 takes --save's lease, another job is refused
     with SystemExit naming the directory and the holder; --tenplex-take-over takes it."""
     from argparse import Namespace
 
-    from tenplex_megatron.training import lease_flags
 
     save = str(tmp_path / "ckpt")
     p, _ = _holder(save, "job-a")
@@ -190,7 +190,6 @@ def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp
 def test_job_id_is_the_same_on_every_rank_of_a_launch(monkeypatch) -> None:
     from argparse import Namespace
 
-    from tenplex_megatron.training import lease_flags
 
     for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
@@ -210,7 +209,6 @@ def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, mon
     check it; another job is refused there too."""
     from argparse import Namespace
 
-    from tenplex_megatron.training import lease_flags
 
     mem, save = str(tmp_path / "mem"), str(tmp_path / "ckpt")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

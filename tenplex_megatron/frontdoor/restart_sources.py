@@ -1,0 +1,56 @@
+"""Where a restart loads from, in one order for both front doors, and how it loads (``engine/fallback.py``).
+
+The order: the newest host-memory snapshot (``--tenplex-memory``); else, with ``--tenplex``, tenplex's newest
+complete checkpoint under the load directory; else Megatron's own checkpoint there (adopted with ``--tenplex``);
+else nothing (a fresh start, or ``--tenplex-init-from-hf``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tenplex_megatron.engine import fallback, memory_load
+from tenplex_megatron.engine.load import LoadResult
+from tenplex_megatron.engine.memory_save import MemoryTier
+from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, MegatronCoreAdapter, load_job
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint
+
+
+@dataclass(frozen=True)
+class Sources:
+    """The copies a restart may load, at most one of the first two set: a host-memory snapshot, tenplex's durable
+    checkpoint, and Megatron's own checkpoint (only when neither of the others exists)."""
+
+    memory: memory_load.MemoryChoice | None
+    tenplex: str | None
+    megatron: str | None
+
+    @property
+    def ours(self) -> bool:
+        """Whether tenplex's own state (memory or durable) is there to restart from."""
+        return self.memory is not None or self.tenplex is not None
+
+
+def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool) -> Sources:
+    """The load-source order (module docstring) over ``load_dir`` and the host-memory ``tier``."""
+    memory = memory_load.choose(tier, load_dir) if tier is not None else None
+    ckpt = find_checkpoint(load_dir) if (load_dir and tenplex and memory is None) else None
+    mck = find_megatron_checkpoint(load_dir) if (load_dir and memory is None and ckpt is None) else None
+    return Sources(memory, ckpt, mck)
+
+
+def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: str | None, *,
+            verify: bool) -> fallback.Restart:
+    """Collective: load ``sources``' snapshot or durable checkpoint into ``job``, re-sharded; a damaged copy falls
+    back to the next (``engine/fallback.py``)."""
+    return fallback.restart(
+        lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
+        lambda path: load_job(job, path, verify=verify), tier, sources.memory, load_dir, sources.tenplex)
+
+
+def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:
+    """The line a trainer prints for a restart from a durable checkpoint (tenplex's or Megatron's) at ``layout``."""
+    return (f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
+            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors, "
+            f"{res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s")
