@@ -13,11 +13,11 @@ The model is untouched by a failed attempt: the engine verifies every block it r
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tenplex_megatron import log as tlog
 from tenplex_megatron.engine import memory_load
 from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.engine.memory_load import MemoryChoice, MemoryLoadResult
@@ -26,7 +26,7 @@ from tenplex_megatron.execute.collective import RankFailure, rank
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.files import CheckpointFileError
 
-log = logging.getLogger("tenplex_megatron.fallback")
+log = tlog.get("fallback")
 _DAMAGE = ("CheckpointFileError", "FileNotFoundError", "LeaseError")
 
 

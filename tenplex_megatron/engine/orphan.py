@@ -11,13 +11,14 @@ torchrun nothing is armed (a job started from a shell must survive that shell, u
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import threading
 import time
 
-log = logging.getLogger("tenplex_megatron.orphan")
+from tenplex_megatron import log as tlog
+
+log = tlog.get("orphan")
 
 OFF_ENV = "TENPLEX_ORPHAN_EXIT"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import re
 import socket
@@ -31,9 +30,10 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
+from tenplex_megatron import log as tlog
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir
 
-log = logging.getLogger("tenplex_megatron.lease")
+log = tlog.get("lease")
 
 LEASE_DIR = "tenplex-lease"
 FORMAT = "tenplex-lease"

@@ -12,14 +12,15 @@ stream is synchronised and the buffers are dropped (see :meth:`StagingRing.close
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator
 from types import TracebackType
 
 import torch
 
-LOG = logging.getLogger(__name__)
+from tenplex_megatron import log as tlog
+
+LOG = tlog.get("staging")
 
 MODES = ("copy", "direct", "auto")
 DEFAULT_MB = 256.0

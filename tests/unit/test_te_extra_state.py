@@ -13,6 +13,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+from tenplex_megatron import log
 from tenplex_megatron.integrations.megatron_core import sharded
 
 
@@ -29,10 +30,14 @@ def test_extra_state_keys_found() -> None:
     assert sharded.extra_state_keys({"w": _model_sd()["decoder.layers.self_attention.linear_qkv.weight"]}) == []
 
 
-def test_warned_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_warned_once(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
     monkeypatch.setattr(sharded, "_WARNED", set())
-    with caplog.at_level(logging.WARNING, logger="tenplex_megatron"):
-        sharded.warn_extra_state_dropped(_model_sd())
-        sharded.warn_extra_state_dropped(_model_sd())
-    lines = [r.getMessage() for r in caplog.records]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger(log.ROOT).addHandler(handler)
+    request.addfinalizer(lambda: logging.getLogger(log.ROOT).removeHandler(handler))
+    sharded.warn_extra_state_dropped(_model_sd())
+    sharded.warn_extra_state_dropped(_model_sd())
+    lines = [r.getMessage() for r in records]
     assert len(lines) == 1 and "_extra_state of 1 module(s)" in lines[0] and "re-warm" in lines[0]

@@ -12,7 +12,6 @@ loading writes straight into the model and the optimizer.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,12 +25,13 @@ from megatron.core.dist_checkpointing.mapping import (
     is_main_replica,
 )
 
+from tenplex_megatron import log as tlog
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
 from tenplex_megatron.integrations.megatron_core.optimizer import is_distributed_optimizer, sub_optimizers
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
 
-log = logging.getLogger("tenplex_megatron.megatron_core")
+log = tlog.get("megatron_core")
 _WARNED: set[str] = set()
 
 
@@ -47,7 +47,7 @@ def warn_extra_state_dropped(model_sd: Any) -> None:
     keys = extra_state_keys(model_sd)
     if keys and "extra_state" not in _WARNED:
         _WARNED.add("extra_state")
-        log.warning("tenplex: Transformer Engine's _extra_state of %d module(s) (%s, ...) is not saved or loaded: "
+        log.warning("Transformer Engine's _extra_state of %d module(s) (%s, ...) is not saved or loaded: "
                     "with FP8, the scaling factors and amax history re-warm after a restart", len(keys), keys[0])
 
 

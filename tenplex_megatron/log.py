@@ -1,0 +1,93 @@
+"""The library's one logger, ``tenplex_megatron`` (each module a child of it): one prefix, ``> tenplex:``, and
+rank 0 only below WARNING, so a 1,024-rank job logs a restart once; information to stdout (beside Megatron-LM's
+own lines), warnings and errors to stderr. The CLI and the reference trainer print; the library logs. A program that configures logging itself calls :func:`propagate` to receive the records instead.
+
+The rank is torch.distributed's once a process group exists, else torchrun's ``RANK``; this module imports no
+torch (the planning layer logs too).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+ROOT = "tenplex_megatron"
+PREFIX = "> tenplex: "
+
+
+def rank() -> int:
+    """This process's global rank: torch.distributed's when initialised (torch already imported), else ``RANK``."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch is not None else None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+class RankZeroFilter(logging.Filter):
+    """Records below WARNING from rank 0 only; warnings and errors from every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or rank() == 0
+
+
+class PrefixFormatter(logging.Formatter):
+    """``> tenplex: message``; a warning says so, and a rank other than 0 names itself."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        if record.exc_info:
+            msg += "\n" + self.formatException(record.exc_info)
+        r = rank()
+        where = f"[rank {r}] " if r else ""
+        level = "" if record.levelno < logging.WARNING else f"{record.levelname.lower()}: "
+        return f"{PREFIX}{where}{level}{msg}"
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+def _handler(stream: object, level: int, *filters: logging.Filter) -> logging.Handler:
+    handler = logging.StreamHandler(stream)  # type: ignore[arg-type]
+    handler.setLevel(level)
+    handler.setFormatter(PrefixFormatter())
+    for f in filters:
+        handler.addFilter(f)
+    handler._tenplex = True  # type: ignore[attr-defined]
+    return handler
+
+
+_PROPAGATE: list[bool] = [False]  # set by propagate(): the program's own handlers get the records
+
+
+def _configure() -> logging.Logger:
+    root = logging.getLogger(ROOT)
+    if not _PROPAGATE[0] and not any(getattr(h, "_tenplex", False) for h in root.handlers):
+        root.addHandler(_handler(sys.stdout, logging.INFO, RankZeroFilter(), _Below(logging.WARNING)))
+        root.addHandler(_handler(sys.stderr, logging.WARNING))
+        root.setLevel(logging.INFO)
+        root.propagate = False
+    return root
+
+
+def get(name: str) -> logging.Logger:
+    """The logger of one part of the library, ``tenplex_megatron.<name>``, the package's handler set up once."""
+    _configure()
+    return logging.getLogger(f"{ROOT}.{name}")
+
+
+def propagate(on: bool = True) -> None:
+    """Hand the records to the root logger's handlers (a program that configures logging), without ours."""
+    _PROPAGATE[0] = on
+    root = logging.getLogger(ROOT)
+    for h in [h for h in root.handlers if getattr(h, "_tenplex", False)]:
+        root.removeHandler(h)
+    root.propagate = on
+    _configure()

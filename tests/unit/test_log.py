@@ -1,0 +1,43 @@
+"""The library's one logger (tenplex_megatron/log.py): one prefix, rank 0 only below WARNING, stdout and stderr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = """
+from tenplex_megatron import log
+x = log.get("test")
+x.info("loaded iteration %d", 4)
+x.warning("skipping %s", "a copy")
+"""
+
+
+@pytest.mark.parametrize("rank", ["0", "3"])
+def test_prefix_rank_filter_and_streams(rank: str) -> None:
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True,
+                       env={"RANK": rank, "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    if rank == "0":
+        assert r.stdout == "> tenplex: loaded iteration 4\n"
+        assert r.stderr == "> tenplex: warning: skipping a copy\n"
+    else:  # information from rank 0 only; a warning from any rank, naming it
+        assert r.stdout == ""
+        assert r.stderr == "> tenplex: [rank 3] warning: skipping a copy\n"
+
+
+_PROGRAM = """
+import logging
+logging.basicConfig(format="%(name)s|%(levelname)s|%(message)s")
+from tenplex_megatron import log
+log.propagate(True)
+log.get("test").warning("hello %s", "there")
+"""
+
+
+def test_propagate_hands_records_to_the_programs_handlers() -> None:
+    """A program with its own logging set-up gets each record once, through its handlers, not ours."""
+    r = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, check=True,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    assert r.stdout == "" and r.stderr == "tenplex_megatron.test|WARNING|hello there\n"
