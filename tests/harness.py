@@ -114,6 +114,15 @@ def stored_chunks(ckpt_dir: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def flip(path: str) -> None:
+    """Flip one byte of a rank file's last tensor (its data ends the file): a silent corruption."""
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
 def rewrite_metadata(ckpt_dir: str, edit: Callable[[dict], None]) -> None:
     """Apply ``edit`` to a checkpoint's metadata.json in place (crafting damaged or old-format checkpoints)."""
     path = os.path.join(ckpt_dir, "metadata.json")

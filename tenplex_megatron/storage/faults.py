@@ -3,7 +3,7 @@
 ``TENPLEX_FAULT=<point>[@<rank>][#<iteration>][:<kind>]`` makes rank ``<rank>``
 (every rank if omitted) fail at ``<point>`` (of the save of ``<iteration>``, if
 given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
-``OSError(ENOSPC)``, ``error`` raises ``RuntimeError``, ``typeerror`` raises
+``OSError(ENOSPC)``, ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
 ``TypeError`` (a type no code path expects: the phase runner must still carry
 it to every rank). Points, in the order a save or load passes them:
 ``save.gather`` (chunk lists), ``save.tensors`` (shard file half written),
@@ -14,7 +14,8 @@ rename; rank 0 only), ``load.read`` (planned, files opened), ``load.verify``
 copied, before the framework's non-tensor state). Host-memory snapshots (``--tenplex-memory``):
 ``memory.write`` (a rank's snapshot file half written in node memory), ``memory.replicate`` (replicas being
 received), ``memory.commit`` (before a node's snapshot is renamed into place), ``persist.copy`` (the background
-helper half way through copying a file to durable storage).
+helper half way through copying a file to durable storage). ``lease.link`` (taking a lease generation by
+``link(2)``; with ``eperm``: a filesystem without hard links).
 ``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
 exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
 benchmark, ``scripts/bench_faults.py``).
@@ -29,6 +30,7 @@ import signal
 POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
           "load.read", "load.verify", "load.copy", "load.restore")
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
+LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
 
 
@@ -52,6 +54,8 @@ def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
             return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "eperm":
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM), f"injected at {point}")
     if kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected at {point}")
     if kind == "typeerror":

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir
 
 log = tlog.get("lease")
@@ -184,6 +185,7 @@ def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool 
         tmp = f"{lease.path}.{lease.token}.tmp"
         _write(lease, tmp)
         try:
+            maybe_fail("lease.link", int(os.environ.get("RANK", "0") or 0))
             os.link(tmp, lease.path)
         except FileExistsError:  # another process took this generation first: look again
             continue

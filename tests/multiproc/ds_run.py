@@ -23,6 +23,8 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import deepspeed
@@ -35,6 +37,8 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # CPU: skip comp
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from tenplex_megatron.integrations import deepspeed as tds  # noqa: E402
+from tenplex_megatron.storage import directory  # noqa: E402
+from tests.harness import flip  # noqa: E402
 
 GLOBAL_BATCH = 8
 SEQ = 16
@@ -211,7 +215,52 @@ def bad_inputs(job: Job, args: argparse.Namespace) -> dict[str, str]:
     out["step_file"] = os.path.join(missing, step_dir, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     out["hostile_file"] = os.path.join(hostile, step_dir, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     free(engine, other)
+    out.update(cluster_safety(job, work))
     return out
+
+
+def cluster_safety(job: Job, work: str) -> dict[str, str]:
+    """The DeepSpeed front door's safety: a save into a directory another live job holds is refused naming the
+    holder before anything is written; a damaged newest checkpoint falls back to the previous complete one."""
+    out: dict[str, str] = {}
+    leased, fb = os.path.join(work, "leased"), os.path.join(work, "fallback")
+    holder = None
+    if dist.get_rank() == 0:
+        os.makedirs(leased)
+        shutil.copytree(job.tenplex_dir, fb)
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, leased], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    dist.barrier()
+    engine = build(job)
+    try:
+        tds.save_checkpoint(engine, leased)
+        out["other_job"] = "NO ERROR"
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        out["other_job"] = f"{type(e).__name__}: {e}"
+    out["leased_entries"] = json.dumps(sorted(os.listdir(leased)))
+    if holder is not None:
+        holder.kill()
+        holder.wait()
+    tds.load_checkpoint(engine, fb)
+    train_step(engine, int(engine.global_steps) + 1)
+    newest = tds.save_checkpoint(engine, fb).path
+    if dist.get_rank() == 0:
+        flip(os.path.join(newest, directory.rank_file_name(0)))
+    dist.barrier()
+    fresh = build(job)
+    got = tds.load_checkpoint(fresh, fb)
+    out.update(newest=newest, loaded=got.path, loaded_iteration=str(got.iteration))
+    free(engine, fresh)
+    return out
+
+
+HOLD_LEASE = """
+import sys, time
+from tenplex_megatron.storage import lease
+lease.acquire(sys.argv[1], "another-job")
+print("held", flush=True)
+time.sleep(120)
+"""
 
 
 def main() -> None:

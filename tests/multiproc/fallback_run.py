@@ -14,16 +14,8 @@ from tenplex_megatron.engine import fallback, memory_load, memory_save
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.engine.save import save
 from tenplex_megatron.storage import directory
+from tests.harness import flip
 from tests.multiproc.memory_run import Tiny, snap, tier
-
-
-def flip(path: str) -> None:
-    """Flip one byte of a rank file's last tensor (its data ends the file): a silent corruption."""
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        b = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([b[0] ^ 0x40]))
 
 
 def restart(t: memory_save.MemoryTier | None, ckpt: str) -> tuple[Tiny, fallback.Restart | str]:

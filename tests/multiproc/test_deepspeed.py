@@ -157,7 +157,8 @@ def test_zero_reshard_equals_deepspeed_universal_route(launches, stage, src, dst
 
 def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(launches) -> None:
     """A missing rank file, a pickle naming a foreign class, another model's checkpoint (DeepSpeed's own files
-    and tenplex's): each fails with an error naming the file or parameter, and the engine is left untouched."""
+    and tenplex's): each fails with an error naming the file or parameter, and the engine is left untouched.
+    Then the DeepSpeed front door's cluster safety: another job's lease, a damaged newest checkpoint."""
     _zero_resumed(launches, 1)
     r = _load(os.path.join(_zdir(launches.root, *BAD_INPUT_SOURCE), "bad1.json"))
     assert f"{r['step_file']}: missing (the checkpoint was written by 2 DP ranks)" in r["missing_rank_file"]
@@ -167,6 +168,13 @@ def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(launches) -
         assert "parameter 'transformer.h.0.attn.c_attn.bias' has shape [96] in the checkpoint, [48] in the engine" \
             in r[key], r[key]
     assert r["untouched"] == "True"
+    # one writer per directory: another live job's lease refuses the save, naming the directory and the holder
+    leased = os.path.join(_zdir(launches.root, *BAD_INPUT_SOURCE), "bad1", "leased")
+    assert "LeaseError" in r["other_job"] and f"{leased} is held by job 'another-job'" in r["other_job"], r["other_job"]
+    assert json.loads(r["leased_entries"]) == ["tenplex-lease"]  # nothing written but the other job's lease
+    # a damaged newest checkpoint: the previous complete one is loaded instead
+    assert r["newest"].endswith("iter_0000004") and r["loaded"].endswith("iter_0000003"), r
+    assert r["loaded_iteration"] == "3"
 
 
 # PipelineModule: (PP, ranks) before and after. The PP2 training (with DeepSpeed's own checkpoint, converted

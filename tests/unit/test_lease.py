@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from argparse import Namespace
 
 import pytest
 
@@ -166,9 +167,6 @@ def test_no_lease_no_fence(tmp_path) -> None:
 def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp_path, monkeypatch) -> None:
     """frontdoor/lease_flags.claim (both trainers' start-up): rank 0 takes --save's lease, another job is refused
     with SystemExit naming the directory and the holder; --tenplex-take-over takes it."""
-    from argparse import Namespace
-
-
     save = str(tmp_path / "ckpt")
     p, _ = _holder(save, "job-a")
     try:
@@ -187,8 +185,21 @@ def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp
         p.wait()
 
 
+def test_a_filesystem_without_hard_links_is_refused_at_start(tmp_path, monkeypatch) -> None:
+    """The lease is taken by link(2): where the filesystem refuses it (EPERM, as vfat and some FUSE mounts do;
+    injected here), the trainers stop at start naming the directory, and no lease generation is left behind."""
+    save = str(tmp_path / "ckpt")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TENPLEX_FAULT", "lease.link:eperm")
+    args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id="job-a", tenplex_take_over=False,
+                     tenplex_lease_ttl=15.0)
+    with pytest.raises(SystemExit, match=f"pretrain_gpt.py: error: {save}: the filesystem refuses hard links"):
+        lease_flags.claim(args, "pretrain_gpt.py")
+    assert lease.generations(save) == [] and os.listdir(lease.lease_dir(save)) == []
+    assert lease.held(save) is None
+
+
 def test_job_id_is_the_same_on_every_rank_of_a_launch(monkeypatch) -> None:
-    from argparse import Namespace
 
 
     for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
@@ -207,7 +218,6 @@ def test_job_id_is_the_same_on_every_rank_of_a_launch(monkeypatch) -> None:
 def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, monkeypatch) -> None:
     """--tenplex-memory: the node's first local rank takes the memory directory's lease; the node's other ranks only
     check it; another job is refused there too."""
-    from argparse import Namespace
 
 
     mem, save = str(tmp_path / "mem"), str(tmp_path / "ckpt")

@@ -8,17 +8,27 @@ DeepSpeed's non-tensor state: global steps and samples, the optimizer's
 hyper-parameters and step, the LR scheduler. ``load_checkpoint`` also reads
 DeepSpeed's own ``global_stepN`` checkpoints written at any DP size, in place
 (``native.py`` describes them as a PTC).
+
+Safety at cluster scale, as behind the other front doors: the first save into a directory takes its lease (one
+writer per directory, ``storage/lease.py``: another live job's directory is refused on every rank before anything
+is written); a load of the newest checkpoint falls back past a damaged copy (``engine/fallback.py``); and under
+torchrun a worker dies with its agent (``engine/orphan.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from types import SimpleNamespace
 from typing import Any
 
+from tenplex_megatron.engine import fallback, orphan
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
 from tenplex_megatron.engine.save import SaveResult, save
+from tenplex_megatron.execute.collective import rank, run_phase
+from tenplex_megatron.frontdoor.lease_flags import job_id as launch_job_id
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.zero import (
     DeepSpeedStateError,
@@ -30,6 +40,8 @@ from tenplex_megatron.integrations.deepspeed.zero import (
     tied_copies,
 )
 from tenplex_megatron.plan.ptc import PTC
+from tenplex_megatron.storage import lease
+from tenplex_megatron.storage.directory import find_checkpoint
 
 FRAMEWORK = "deepspeed"
 
@@ -113,9 +125,31 @@ class DeepSpeedAdapter:
             native.refresh_model_weights(self.engine)
 
 
+_CLAIMED: set[str] = set()  # the save directories whose lease this job has claimed (rank 0 holds it)
+
+
+def claim_save_dir(save_dir: str, job_id: str | None = None, take_over: bool = False,
+                   ttl: float = lease.DEFAULT_TTL) -> None:
+    """Collective, once per directory: rank 0 takes ``save_dir``'s lease for ``job_id`` (default: the launch's id,
+    as the trainers derive it), the other ranks check it; another live job's lease is refused on every rank,
+    naming the directory and its holder, before anything is written."""
+    key = os.path.abspath(save_dir)
+    if key in _CLAIMED:
+        return
+    job = job_id or launch_job_id(SimpleNamespace())
+    run_phase(f"lease of {save_dir}", lambda: lease.acquire(save_dir, job, ttl, take_over) if rank() == 0
+              else lease.check(save_dir, job, take_over))
+    _CLAIMED.add(key)
+
+
 def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | None = None,
-                    keep: int | None = None) -> SaveResult:
-    """Collective: write the engine's full state under ``save_dir/iter_NNNNNNN`` (N = global steps) and commit it."""
+                    keep: int | None = None, *, job_id: str | None = None, take_over: bool = False) -> SaveResult:
+    """Collective: write the engine's full state under ``save_dir/iter_NNNNNNN`` (N = global steps) and commit it.
+
+    The first save into ``save_dir`` claims its lease (:func:`claim_save_dir`): ``job_id`` names this job
+    (``--tenplex-job-id``), ``take_over`` takes a lease whose holder may still live (``--tenplex-take-over``)."""
+    orphan.die_with_agent()
+    claim_save_dir(save_dir, job_id, take_over)
     return save(DeepSpeedAdapter(engine, client_state=client_state), save_dir, keep)
 
 
@@ -128,9 +162,14 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, ve
     written at any DP size. ``verify``: check tenplex checksums. ``seed``: for
     the RNG re-seed when the layout changed (always, for DeepSpeed's own files: they carry no RNG state).
     """
+    orphan.die_with_agent()
     adapter = DeepSpeedAdapter(engine, seed, where=load_dir)
     if not native.is_deepspeed_checkpoint_dir(load_dir):
-        return load(adapter, load_dir, iteration, strict=True, verify=verify)
+        newest = find_checkpoint(load_dir) if iteration is None else None
+        if newest is None:  # a given iteration (or nothing to load: the engine's error)
+            return load(adapter, load_dir, iteration, strict=True, verify=verify)
+        return fallback.restart(lambda _: None, lambda path: load(adapter, path, None, strict=True, verify=verify),
+                                None, None, load_dir, newest).result
 
     def opener() -> Any:  # runs before the adapter describes the engine for the load
         opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration), trust_pickles)
