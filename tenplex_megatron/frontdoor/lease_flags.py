@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from tenplex_megatron.frontdoor import elastic
 from tenplex_megatron.storage import lease
 
 
@@ -59,6 +63,22 @@ def fenced(error: BaseException) -> str | None:
         if msg.startswith("FencedError"):
             return msg.removeprefix("FencedError: ")
     return str(error) if isinstance(error, lease.FencedError) else None
+
+
+@contextmanager
+def stop_when_fenced(prog: str) -> Iterator[None]:
+    """Around a job's saves: a writer fenced by a newer generation (``fenced``) prints why, stops its node's
+    torchrun agent (restarting would take the lease back and fence the newer writer in turn) and exits 3."""
+    try:
+        yield
+    except Exception as e:
+        why = fenced(e)
+        if why is None:
+            raise
+        print(f"{prog}: error: {why}", file=sys.stderr, flush=True)
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's agent
+            elastic.stop_agent()
+        raise SystemExit(3) from None
 
 
 def release(args: Any) -> None:

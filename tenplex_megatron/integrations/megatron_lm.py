@@ -39,8 +39,8 @@ from typing import Any
 
 from tenplex_megatron import flags
 from tenplex_megatron._optional import require
-from tenplex_megatron.engine import elastic, memory_load, memory_save, orphan
-from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
+from tenplex_megatron.engine import memory_load, memory_save, orphan
+from tenplex_megatron.frontdoor import elastic, lease_flags, memory_flags, restart_sources
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -112,7 +112,7 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
     """With ``--tenplex-layout``: set ``args``' TP, PP and micro-batch size for torchrun's ``WORLD_SIZE``.
 
     None without the flag. No legal layout: every refused candidate printed, exit 2, and under torchrun's
-    elastic agent the agent is stopped (``engine/elastic.refuse``)."""
+    elastic agent the agent is stopped (``frontdoor/elastic.refuse``)."""
     if not getattr(args, "tenplex_layout", None):
         return None
     world, local_world = elastic.world()
@@ -208,12 +208,13 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     tier = _memory_tier(args)
     if tier is not None and not opened:  # no --load: the job started afresh, older runs' snapshots are left behind
         memory_load.discard_after(tier, None)
-    if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
-        for line in memory_flags.describe_snapshot(memory_save.snapshot(MegatronCoreAdapter(job, extra), tier),
-                                                   iteration):
-            print_rank_0(line)
-        return
-    res = save_job(job, args.save, extra=extra, keep=args.tenplex_keep)
+    with lease_flags.stop_when_fenced("pretrain_gpt.py"):  # a newer generation of this job owns the directory
+        if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
+            snap = memory_save.snapshot(MegatronCoreAdapter(job, extra), tier)
+            for line in memory_flags.describe_snapshot(snap, iteration):
+                print_rank_0(line)
+            return
+        res = save_job(job, args.save, extra=extra, keep=args.tenplex_keep)
     print_rank_0(f"> tenplex: saved iteration {iteration} to {res.path} in {res.seconds:.2f} s")
 
 

@@ -14,7 +14,7 @@ model; a JSON file is a user's table (``plan/layout_files.py``). Explicit
 
 With no legal layout, the error lists every candidate refused and why, and
 under torchrun's elastic agent the worker also asks its agent to stop
-(``engine/elastic.refuse``): restarting cannot make an illegal layout legal.
+(``frontdoor/elastic.refuse``): restarting cannot make an illegal layout legal.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from tenplex_megatron.engine import elastic
+from tenplex_megatron.frontdoor import elastic
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose

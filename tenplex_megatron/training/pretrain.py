@@ -26,7 +26,7 @@ import torch
 from megatron.core import parallel_state
 
 from tenplex_megatron import flags
-from tenplex_megatron.engine import elastic, memory_save, orphan
+from tenplex_megatron.engine import memory_save, orphan
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
@@ -320,16 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     lease_flags.claim(args, "pretrain_gpt.py")  # before any process group: another live job's directory is refused
     gpt.init_distributed()
     args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}
-    try:
+    with lease_flags.stop_when_fenced("pretrain_gpt.py"):  # a newer generation (or a job that took over) writes
         run(args)
-    except Exception as e:  # a fenced writer: a newer generation of this job (or a job that took over) writes
-        why = lease_flags.fenced(e)
-        if why is None:
-            raise
-        print(f"pretrain_gpt.py: error: {why}", file=sys.stderr, flush=True)
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's agent: a restart would fence the other
-            elastic.stop_agent()
-        raise SystemExit(3) from None
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
