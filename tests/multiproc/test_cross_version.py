@@ -56,7 +56,7 @@ def test_checkpoint_crosses_versions(tmp_path, direction: str) -> None:
                      "--tenplex-metrics", f"{ref}/metrics.jsonl"], python=writer)
     assert r.returncode == 0, r.log[-4000:]
     ckpt = f"{ref}/ckpt/iter_{SAVE_AT:07d}"
-    r = torchrun(2, [*BASE, *layout_flags(*dst), "--load", f"{ref}/ckpt", "--tenplex-resave", f"{res}/resave",
+    r = torchrun(2, [*BASE, *layout_flags(*dst), "--load", ckpt, "--tenplex-resave", f"{res}/resave",
                      "--tenplex-metrics", f"{res}/metrics.jsonl", "--exit-interval", str(TRAIN_ITERS)], python=reader)
     assert r.returncode == 0, r.log[-4000:]
     resaved = f"{res}/resave/iter_{SAVE_AT:07d}"
