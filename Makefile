@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-fast test-gpu gpu-check gpu-wheels lint bench venv dist docs clean etcd
+.PHONY: demo test test-compat test-fast test-gpu gpu-check gpu-wheels lint bench venv dist docs clean etcd
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -38,6 +38,27 @@ test: $(VENV)/.installed etcd
 	$(PY) -m ruff check tenplex_megatron scripts tests examples
 	$(PY) -m compileall -q tenplex_megatron scripts tests examples
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
+
+# Both ends of the supported megatron-core range (tenplex_megatron/mcore_versions.py), each in a venv of its own
+# (scripts/compat_venv.sh: the pinned set with that megatron-core in place of 0.16.1): the re-shard matrix's core
+# transitions, the adoption of Megatron's own checkpoints, the public API example, and a checkpoint crossing
+# versions (written on the pinned 0.16.1 in .venv, resumed at another layout on the compat version, and back).
+COMPAT_019 := .venv-compat019
+COMPAT_015 := .venv-compat015
+COMPAT_TESTS := tests/unit/test_mcore_versions.py tests/multiproc/test_reshard_matrix.py::test_transition \
+	tests/multiproc/test_megatron_adopt.py tests/multiproc/test_public_api.py tests/multiproc/test_cross_version.py
+
+$(COMPAT_019)/.installed: requirements.txt scripts/compat_venv.sh
+	PYTHON=$(PYTHON) TORCH_SPEC=$(TORCH_SPEC) bash scripts/compat_venv.sh $(COMPAT_019) 0.19.0
+
+$(COMPAT_015)/.installed: requirements.txt scripts/compat_venv.sh
+	PYTHON=$(PYTHON) TORCH_SPEC=$(TORCH_SPEC) bash scripts/compat_venv.sh $(COMPAT_015) 0.15.3
+
+test-compat: $(VENV)/.installed $(COMPAT_019)/.installed $(COMPAT_015)/.installed
+	$(COMPAT_019)/bin/python -m compileall -q tenplex_megatron scripts tests
+	for venv in $(COMPAT_019) $(COMPAT_015); do \
+	  TENPLEX_CROSS_PYTHON=$(CURDIR)/$(PY) $$venv/bin/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not gpu and not megatron_lm" \
+	    $(COMPAT_TESTS) || exit 1; done
 
 test-fast: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron tests

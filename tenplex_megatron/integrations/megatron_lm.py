@@ -57,7 +57,7 @@ from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
-from tenplex_megatron.plan.unsupported import unsupported_flags
+from tenplex_megatron.plan.unsupported import unsupported_flags, unsupported_job_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -135,7 +135,7 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
     """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
     host-memory flags' checks (refused before any process group starts)."""
-    problems = unsupported_flags(args) if getattr(args, "tenplex", False) else []
+    problems = [*unsupported_flags(args), *unsupported_job_flags(args)] if getattr(args, "tenplex", False) else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
     if problems:
@@ -367,18 +367,32 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
 def install() -> None:
     """Wrap Megatron-LM's checkpoint, data-loader, vocabulary-padding and argument-checking functions (idempotent)."""
     train_mod = require("megatron.training.training", "megatron-lm", needed_by=__name__,
-                        note="megatron.training is Megatron-LM's, from a core_v0.16.x checkout on PYTHONPATH")
+                        note="megatron.training is Megatron-LM's, from a core_v0.15.x-0.19.x checkout on PYTHONPATH")
+    import importlib
+
+    import megatron.training.arguments as args_mod
     import megatron.training.checkpointing as ckpt_mod
     import megatron.training.initialize as init_mod
-    import megatron.training.tokenizer.tokenizer as tok_mod
 
     if _ORIGINALS:
         return
     orphan.die_with_agent()  # in the worker: it exits when its torchrun agent dies (no save, no commit)
-    _ORIGINALS["validate_args"] = init_mod.validate_args
-    init_mod.validate_args = _validate_args
-    _ORIGINALS["_vocab_size_with_padding"] = tok_mod._vocab_size_with_padding
-    tok_mod._vocab_size_with_padding = _vocab_size_with_padding
+    # core_v0.18+: pretrain_gpt.py checks its flags in arguments.parse_and_validate_args; before, initialize_megatron
+    # calls the validate_args it imported by name
+    checks = args_mod if hasattr(args_mod, "parse_and_validate_args") else init_mod
+    _ORIGINALS["validate_args"] = checks.validate_args
+    checks.validate_args = _validate_args
+    # the vocabulary padding: megatron.training's tokenizer up to core_v0.16, megatron.core's tokenizers from 0.17
+    for module, name in (("megatron.training.tokenizer.tokenizer", "_vocab_size_with_padding"),
+                         ("megatron.core.tokenizers.utils.build_tokenizer", "vocab_size_with_padding")):
+        try:
+            tok_mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        if hasattr(tok_mod, name):
+            _ORIGINALS["_vocab_size_with_padding"] = getattr(tok_mod, name)
+            setattr(tok_mod, name, _vocab_size_with_padding)
+            break
     _ORIGINALS["save_checkpoint"] = ckpt_mod.save_checkpoint
     _ORIGINALS["load_checkpoint"] = ckpt_mod.load_checkpoint
     _ORIGINALS["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader

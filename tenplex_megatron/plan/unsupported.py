@@ -34,3 +34,23 @@ def check_saved_args(path: str, args: Any) -> None:
     problems = unsupported_flags(args) if args is not None else []
     if problems:
         raise ValueError(f"{path}: saved args: " + "; ".join(problems))
+
+
+#: Flags refused in a running job's own args only (a checkpoint Megatron saved with them is adopted as usual).
+JOB_ONLY: tuple[tuple[str, Any, str, str], ...] = (
+    ("async_save", False, "--async-save",
+     "tenplex's save takes over Megatron-LM's checkpointing and is a collective, synchronous save, so Megatron's "
+     "async save (torch or nvrx) would silently block; drop --async-save, or add --tenplex-memory for a "
+     "non-blocking snapshot into host memory that a helper process persists in the background"),
+)
+
+
+def unsupported_job_flags(args: Any) -> list[str]:
+    """One line per flag of a running job (Megatron-LM's parsed flags) that tenplex refuses there, beyond
+    :func:`unsupported_flags`."""
+    out = []
+    for attr, off, flag, why in JOB_ONLY:
+        value = args.get(attr, off) if isinstance(args, dict) else getattr(args, attr, off)
+        if value is not None and value is not False and value != off:
+            out.append(f"{flag}: {why}")
+    return out

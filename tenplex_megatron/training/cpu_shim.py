@@ -95,9 +95,19 @@ def _keep_pipeline_outputs() -> None:
     kept: list[torch.Tensor] = []
     deallocate = schedules.deallocate_output_tensor
 
+    def keep(out: Any) -> None:  # a tensor; 0.19 also passes lists and dicts of them (multi-module pipelines)
+        if isinstance(out, dict):
+            for value in out.values():
+                keep(value)
+        elif isinstance(out, list | tuple):
+            for value in out:
+                keep(value)
+        elif isinstance(out, torch.Tensor):
+            kept.append(out.data)
+
     def keep_then_deallocate(out: Any, deallocate_pipeline_outputs: bool = False) -> None:
         if out is not None and deallocate_pipeline_outputs:
-            kept.append(out.data)
+            keep(out)
         deallocate(out, deallocate_pipeline_outputs)
 
     def releasing(schedule: Any) -> Any:

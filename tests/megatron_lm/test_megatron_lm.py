@@ -36,7 +36,19 @@ from tests.harness import ROOT
 
 pytestmark = pytest.mark.megatron_lm
 MLM = os.environ.get("MEGATRON_LM_PATH")
-PATCH = os.path.join(ROOT, "patches", "megatron-lm-core_v0.16.x.patch")
+
+
+
+def patch_for(checkout: str) -> str:
+    """patches/megatron-lm-core_vX.Y.x.patch for the release line of the checkout's megatron/core/package_info.py."""
+    from tenplex_megatron import mcore_versions
+
+    text = mcore_versions._from_package_info(os.path.join(checkout, "megatron", "core", "package_info.py"))
+    assert text, f"{checkout}: no megatron/core/package_info.py (not a Megatron-LM checkout?)"
+    major, minor, _ = mcore_versions.parse(text)
+    path = os.path.join(ROOT, "patches", f"megatron-lm-core_v{major}.{minor}.x.patch")
+    assert os.path.isfile(path), f"{checkout} is Megatron-LM core_v{text}: no patch for that release line ({path})"
+    return path
 RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
 
 # --eval-interval: Megatron-LM divides by it even with --eval-iters 0.
@@ -79,7 +91,7 @@ def patched_script(tmp_path: pathlib.Path) -> str:
     for name in os.listdir(MLM):
         if name.endswith(".py"):
             shutil.copy(os.path.join(MLM, name), work / name)
-    subprocess.run(["git", "apply", PATCH], cwd=work, check=True)
+    subprocess.run(["git", "apply", patch_for(MLM)], cwd=work, check=True)
     return str(work / "pretrain_gpt.py")
 
 
@@ -129,7 +141,7 @@ def _reference(script: str, vocab: int) -> dict[int, float]:
 # NullTokenizer adds an EOD token to --vocab-size. 95 -> 96 rows: no padding at TP 1 or 2. 96 -> 97 rows: padded
 # to 128 at TP=2 and, by Megatron's rule, to 112 at TP=1; Megatron's softmax covers the padding rows, so the hook
 # keeps the checkpoint's 128 (--tenplex-vocab-padding keep) for the restart to continue exactly.
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("vocab", [95, 96])
 def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script: str, vocab: int) -> None:
     ref = _reference(script, vocab)
@@ -175,7 +187,7 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script
 
 # Megatron-LM's own save (no --tenplex): torch_dist with the distributed optimizer (dp_reshardable, its default), or
 # the legacy torch format (one model_optim_rng.pt and one distrib_optim.pt per rank).
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: str, fmt: str) -> None:
     ref = _reference(script, 95)
@@ -252,7 +264,7 @@ def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp
     return "\n".join(logs)
 
 
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_node(tmp_path, script: str) -> None:
     """Megatron-LM's own loop with --tenplex-memory on two nodes (K=2): snapshots at 2, 4, 6 (4 persisted too;
     replication paced by --tenplex-replication-rate auto, hurried at the exit), exit at 6; node b is lost and node c joins with empty memory; the restart at TP1 x DP2 loads snapshot 6 from node a's
@@ -323,7 +335,7 @@ GPU_FLAGS = {
 }
 
 
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.16.x checkout")
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("name", list(GPU_FLAGS))
 def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, name: str) -> None:
     """Sequence parallelism, an interleaved pipeline and fp16 with loss scaling under Megatron-LM: train at A and

@@ -208,8 +208,14 @@ class Runs:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    return Runs(str(tmp_path_factory.mktemp("reshard")), SCENARIOS)
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """The shared runs; when only ``test_transition`` is selected (``make test-compat``), only its scenarios (the
+    references of one world size share a launch, so the others' references would run for nothing)."""
+    selected = {getattr(item, "originalname", "") for item in request.session.items
+                if getattr(item, "module", None) is not None and item.module.__name__ == __name__}
+    scenarios = SCENARIOS if selected - {"test_transition"} else {
+        n: sc for n, sc in SCENARIOS.items() if n in {f"{t}-{v.tag()}" for t in TRANSITIONS for v in (V_DIST, V_PLAIN)}}
+    return Runs(str(tmp_path_factory.mktemp("reshard")), scenarios)
 
 
 def _ckpt(ref: str, it: int = SAVE_AT) -> str:

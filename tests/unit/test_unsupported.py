@@ -39,3 +39,16 @@ def test_saved_args_name_the_file() -> None:
     with pytest.raises(ValueError, match=r"^ckpt/iter_0000004/common.pt: saved args: --context-parallel-size 2: .*; "
                                          r"--use-torch-fsdp2: "):
         check_saved_args("ckpt/iter_0000004/common.pt", _args(context_parallel_size=2, use_torch_fsdp2=True))
+
+
+def test_async_save_is_refused_in_a_job_but_not_in_a_saved_checkpoint() -> None:
+    """Megatron-LM's --async-save with --tenplex: refused at start naming the flag (tenplex's save would silently
+    block it); a checkpoint Megatron saved with it is still adopted (its saved args are not refused)."""
+    from argparse import Namespace
+
+    from tenplex_megatron.plan.unsupported import check_saved_args, unsupported_job_flags
+
+    (problem,) = unsupported_job_flags(Namespace(async_save=True, tenplex=True))
+    assert problem.startswith("--async-save:") and "--tenplex-memory" in problem
+    assert unsupported_job_flags(Namespace(async_save=False)) == [] and unsupported_job_flags({}) == []
+    check_saved_args("ckpt/iter_0000003/common.pt", {"async_save": True})

@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron.core import parallel_state
 
+from tenplex_megatron import mcore_versions
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.save import SaveResult, save
@@ -93,6 +94,8 @@ class MegatronCoreAdapter:
         return describe_job(self.job)[1]
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+        # before anything is allocated or loaded: a state layout this megatron-core does not reproduce is refused
+        mcore_versions.check_checkpoint(metadata.get("megatron_core"), "metadata.json")
         if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
@@ -109,6 +112,7 @@ class MegatronCoreAdapter:
             "optimizer": optimizer_state_json(job.optimizer),
             "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None,
             "extra": self.extra,
+            "megatron_core": mcore_versions.record(),  # its version and state layout (a load checks them)
         }
 
     def restore(self, metadata: dict[str, Any]) -> None:
