@@ -58,6 +58,9 @@ class _NullStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, *_a: Any) -> None:  # megatron-core's alltoall MoE dispatcher records one
+        return None
+
 
 def _sequence_parallel_norm() -> None:
     """Let megatron-core's ``WrappedTorchNorm`` (the norm without apex or TE) run with sequence parallelism.
@@ -113,6 +116,15 @@ def _keep_pipeline_outputs() -> None:
         setattr(schedules, name, releasing(getattr(schedules, name)))
 
 
+def _moe_without_te() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a try that fails without Transformer
+    Engine, then tests it against None: define it as None (the router's plain matmul is then used)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA calls to the CPU for this process (idempotent)."""
     global _INSTALLED
@@ -138,5 +150,6 @@ def install() -> None:
     mrandom._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
     _sequence_parallel_norm()
     _keep_pipeline_outputs()
+    _moe_without_te()
     _CpuDeviceMode().__enter__()
     _INSTALLED = True

@@ -158,7 +158,7 @@ def stores_moments(metadata: dict[str, Any]) -> bool:
 
 def current_layout(chunks: list[Any]) -> ParallelLayout:
     """The running job's layout from megatron-core's parallel state: TP, PP, DP, VPP (one model chunk per virtual
-    stage) and sequence parallelism (from the model's config)."""
+    stage), sequence parallelism (from the model's config), EP and expert TP."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(chunks) != vpp:
         raise ValueError(f"tenplex: {len(chunks)} model chunks, but megatron-core's virtual pipeline size is {vpp}: "
@@ -167,7 +167,9 @@ def current_layout(chunks: list[Any]) -> ParallelLayout:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return ParallelLayout(tp, parallel_state.get_pipeline_model_parallel_world_size(),
                           parallel_state.get_data_parallel_world_size(), vpp=vpp,
-                          sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1)
+                          sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1,
+                          ep=parallel_state.get_expert_model_parallel_world_size() or 1,
+                          etp=parallel_state.get_expert_tensor_parallel_world_size() or tp)
 
 
 def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,

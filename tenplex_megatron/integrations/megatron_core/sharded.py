@@ -37,9 +37,10 @@ _WARNED: set[str] = set()
 
 def extra_state_keys(model_sd: Any) -> list[str]:
     """The keys of Transformer Engine's ``_extra_state`` objects (FP8 scaling factors and amax history) in a model's
-    sharded state dict: megatron-core describes them as ``ShardedObject``s, which tenplex does not save."""
+    sharded state dict: megatron-core describes them as ``ShardedObject``s, which tenplex does not save. megatron-core's
+    own linear layers (the MoE experts' included) yield them too, holding None: nothing is lost there."""
     return sorted({v.key for v in nested_values(model_sd) if isinstance(v, ShardedObject)
-                   and v.key.endswith("_extra_state")})
+                   and v.key.endswith("_extra_state") and v.data is not None})
 
 
 def warn_extra_state_dropped(model_sd: Any) -> None:
