@@ -188,6 +188,10 @@ def build_job(
         raise ValueError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
                          "(each TP rank holds a slice of the sequence)")
     num_microbatches(global_batch_size, micro_batch_size, layout.dp)  # raises naming the valid choices
+    if spec.num_experts and spec.add_bias_linear and layout.ep == 1 and layout.expert_tp == 1:
+        raise ValueError("--num-experts with biases at --expert-model-parallel-size 1 and expert TP 1: megatron-core's "
+                         "expert MLP adds its bias in place to the output of a one-rank all-reduce, which autograd "
+                         "refuses; give --disable-bias-linear (as MoE recipes do) or EP > 1")
     if ddp.overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's shards)")
     if padded_vocab is None:

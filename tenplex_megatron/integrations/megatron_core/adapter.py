@@ -93,6 +93,7 @@ class MegatronCoreAdapter:
         return describe_job(self.job)[1]
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+        check_moe_record(metadata, self.job.spec.to_json())  # before anything is allocated or read
         if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
@@ -147,6 +148,27 @@ def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) 
     opener = (partial(open_legacy, path, job, trust_pickles) if is_legacy_megatron_checkpoint(path)
               else opener_for(path, job, trust_pickles))
     return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
+
+
+#: (model record field, what it is, its default): a checkpoint whose experts or router differ from the model's
+MOE_FIELDS = (("num_experts", "routed experts per MoE layer", None),
+              ("moe_router_enable_expert_bias", "the router's expert bias (aux-loss-free balancing)", False),
+              ("moe_router_score_function", "the router's score function", "softmax"))
+
+
+def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose experts or router are of another kind than the model's, naming the router tensor
+    and both values (before any state is touched; a record without MoE fields is a dense model's)."""
+    saved = metadata.get("model") or {}
+    if not (saved.get("num_experts") or model.get("num_experts")):
+        return
+    tensors = [str(t.get("key", "")) for t in ((metadata.get("ptc") or {}).get("tensors") or []) if isinstance(t, dict)]
+    router = next((k for k in tensors if k.endswith("mlp.router.weight")), "decoder.layers.mlp.router.weight")
+    for field_name, what, default in MOE_FIELDS:
+        a, b = saved.get(field_name, default), model.get(field_name, default)
+        if (a or default) != (b or default):
+            raise ValueError(f"tensor {router!r}: the checkpoint's {what} ({field_name}) is {a}, the model's is {b}: "
+                             "a checkpoint of another mixture-of-experts model")
 
 
 def stores_moments(metadata: dict[str, Any]) -> bool:
