@@ -152,8 +152,8 @@ def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) 
 
 #: (model record field, what it is, its default): a checkpoint whose experts or router differ from the model's
 MOE_FIELDS = (("num_experts", "routed experts per MoE layer", None),
-              ("moe_router_enable_expert_bias", "the router's expert bias (aux-loss-free balancing)", False),
-              ("moe_router_score_function", "the router's score function", "softmax"))
+              ("moe_router_enable_expert_bias", "router's expert bias (aux-loss-free balancing)", False),
+              ("moe_router_score_function", "router's score function", "softmax"))
 
 
 def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
