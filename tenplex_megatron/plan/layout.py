@@ -1,4 +1,5 @@
-"""Parallel layouts (TP, PP, VPP, DP, sequence parallelism) and the checks that a layout can hold a model. Pure Python."""
+"""Parallel layouts (TP, PP, VPP, DP, sequence parallelism, expert parallelism and expert TP) and the checks that a
+layout can hold a model. Pure Python."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ class ModelShape:
     vocab_size: int
     make_vocab_size_divisible_by: int = 128
     num_query_groups: int | None = None  # grouped-query attention; None: one group per head
+    num_experts: int | None = None  # mixture of experts: routed experts per MoE layer; None: a dense model
+    moe_ffn_hidden_size: int | None = None  # each expert's FFN width (expert TP splits it)
 
     @classmethod
     def from_record(cls, model: dict[str, Any]) -> ModelShape:
@@ -31,7 +34,17 @@ class ModelShape:
             vocab_size=int(model["vocab_size"]),
             make_vocab_size_divisible_by=int(model.get("make_vocab_size_divisible_by") or 128),
             num_query_groups=record_query_groups(model),
+            num_experts=int(model["num_experts"]) if model.get("num_experts") else None,
+            moe_ffn_hidden_size=_moe_ffn(model),
         )
+
+
+def _moe_ffn(model: dict[str, Any]) -> int | None:
+    """An MoE record's expert FFN width: ``moe_ffn_hidden_size``, else ``ffn_hidden_size`` (megatron's default)."""
+    if not model.get("num_experts"):
+        return None
+    value = model.get("moe_ffn_hidden_size") or model.get("ffn_hidden_size")
+    return int(value) if value else None
 
 
 def record_query_groups(model: dict[str, Any]) -> int | None:
@@ -45,16 +58,24 @@ def record_query_groups(model: dict[str, Any]) -> int | None:
 @dataclass(frozen=True)
 class ParallelLayout:
     """Tensor-, pipeline- and data-parallel degrees of a job, its virtual pipeline stages per rank (``vpp``,
-    Megatron's interleaved schedule) and whether sequence parallelism is on (``sp``: no tensor changes, recorded)."""
+    Megatron's interleaved schedule), whether sequence parallelism is on (``sp``: no tensor changes, recorded), and
+    for mixture-of-experts models the expert-parallel size (``ep``) and the experts' own TP (``etp``; 0: the same as
+    ``tp``, megatron-core's default). The experts' data-parallel size follows: world / (ETP x EP x PP)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     vpp: int = 1
     sp: bool = False
+    ep: int = 1
+    etp: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "vpp"):
+        if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 0:
+            raise LayoutError(f"etp={self.etp!r}: the expert tensor-parallel size is an integer >= 1 (0: TP's)")
+        if self.etp == self.tp:
+            object.__setattr__(self, "etp", 0)  # one spelling of "expert TP = TP", so equal layouts compare equal
+        for name in ("tp", "pp", "dp", "vpp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name}={value!r}: every parallel degree must be an integer >= 1")
@@ -64,6 +85,20 @@ class ParallelLayout:
             raise LayoutError(f"vpp={self.vpp} needs pp >= 2 (Megatron's interleaved schedule; here pp={self.pp})")
         if self.sp and self.tp < 2:
             raise LayoutError("sp (sequence parallelism) needs tp >= 2")
+        expert_mp = self.expert_tp * self.ep * self.pp
+        if self.world_size % expert_mp:
+            raise LayoutError(f"expert TP x EP x PP = {self.expert_tp} x {self.ep} x {self.pp} = {expert_mp} does not "
+                              f"divide the world size TP x PP x DP = {self.world_size}")
+
+    @property
+    def expert_tp(self) -> int:
+        """The experts' tensor-parallel size (megatron-core's ``expert_tensor_parallel_size``; default TP)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The experts' data-parallel size: world / (expert TP x EP x PP)."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     @property
     def world_size(self) -> int:
@@ -76,11 +111,11 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",vpp={self.vpp}" if self.vpp > 1 else "") + (
-            ",sp" if self.sp else "")
+            ",sp" if self.sp else "") + (f",ep={self.ep}" if self.ep > 1 else "") + (f",etp={self.etp}" if self.etp else "")
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
-        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1), with optional ``vpp=N`` and ``sp``."""
+        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1), with optional ``vpp=N``, ``sp``, ``ep=N``, ``etp=N``."""
         values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, sep, num = part.partition("=")
@@ -88,8 +123,9 @@ class ParallelLayout:
             if name == "sp" and (not sep or num.strip() in ("1", "true", "on")):
                 values["sp"] = True
                 continue
-            if not sep or name not in ("tp", "pp", "dp", "vpp"):
-                raise LayoutError(f"cannot parse layout {text!r}: expected e.g. tp=2,pp=2,dp=1 (optionally vpp=2, sp)")
+            if not sep or name not in ("tp", "pp", "dp", "vpp", "ep", "etp"):
+                raise LayoutError(f"cannot parse layout {text!r}: expected e.g. tp=2,pp=2,dp=1 (optionally vpp=2, sp, "
+                                  "ep=2, etp=1)")
             try:
                 values[name] = int(num)
             except ValueError:
@@ -97,18 +133,23 @@ class ParallelLayout:
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
-        """``tp``, ``pp``, ``dp``; ``vpp`` and ``sp`` only when set (records written before they existed match)."""
+        """``tp``, ``pp``, ``dp``; ``vpp``, ``sp``, ``ep`` and ``etp`` only when set (records written before they
+        existed match)."""
         out: dict[str, Any] = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         if self.vpp > 1:
             out["vpp"] = self.vpp
         if self.sp:
             out["sp"] = True
+        if self.ep > 1:
+            out["ep"] = self.ep
+        if self.etp:
+            out["etp"] = self.etp
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ParallelLayout:
         return cls(tp=int(d["tp"]), pp=int(d["pp"]), dp=int(d["dp"]), vpp=int(d.get("vpp") or 1),
-                   sp=bool(d.get("sp", False)))
+                   sp=bool(d.get("sp", False)), ep=int(d.get("ep") or 1), etp=int(d.get("etp") or 0))
 
     def rank_coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order (tp-dp-pp)."""
@@ -136,6 +177,15 @@ class ParallelLayout:
                             f"({shape.num_layers})")
         elif shape.num_layers % self.pp:
             problems.append(f"PP={self.pp} does not divide the number of layers ({shape.num_layers})")
+        if shape.num_experts is None and (self.ep > 1 or self.etp):
+            problems.append(f"EP={self.ep} / expert TP={self.expert_tp} need a mixture-of-experts model "
+                            "(--num-experts)")
+        if shape.num_experts is not None and shape.num_experts % self.ep:
+            problems.append(f"--expert-model-parallel-size {self.ep} does not divide --num-experts "
+                            f"{shape.num_experts} (each EP rank holds whole experts)")
+        if shape.moe_ffn_hidden_size is not None and shape.moe_ffn_hidden_size % self.expert_tp:
+            problems.append(f"--expert-tensor-parallel-size {self.expert_tp} does not divide the experts' FFN "
+                            f"hidden size ({shape.moe_ffn_hidden_size})")
         if world_size is not None and world_size != self.world_size:
             problems.append(
                 f"world size {world_size} != TP x PP x DP = {self.tp} x {self.pp} x {self.dp} = {self.world_size}"

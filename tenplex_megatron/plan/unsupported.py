@@ -13,8 +13,8 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
      "Megatron FSDP shards parameters in its own buffers, which tenplex does not describe"),
     ("use_torch_fsdp2", False, "--use-torch-fsdp2",
      "torch FSDP2 shards parameters as DTensors, which tenplex does not describe"),
-    ("num_experts", None, "--num-experts", "mixture-of-experts models are not re-sharded yet"),
-    ("expert_model_parallel_size", 1, "--expert-model-parallel-size", "expert parallelism is not re-sharded yet"),
+    ("moe_grouped_gemm", False, "--moe-grouped-gemm",
+     "the grouped-GEMM experts (GroupedMLP, TEGroupedMLP) are not described yet: give SequentialMLP's experts"),
 )
 
 

@@ -51,12 +51,28 @@ class _CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NullEvent:
+    """A recorded CUDA event on the CPU: everything already happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_a: Any) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class _NullStream:
     def wait_stream(self, *_a: Any) -> None:
         return None
 
     def synchronize(self) -> None:
         return None
+
+    def record_event(self, *_a: Any) -> _NullEvent:  # megatron-core's alltoall MoE dispatcher records and syncs one
+        return _NullEvent()
 
 
 def _sequence_parallel_norm() -> None:
@@ -123,6 +139,26 @@ def _keep_pipeline_outputs() -> None:
         setattr(schedules, name, releasing(getattr(schedules, name)))
 
 
+def _moe_without_te() -> None:
+    """megatron-core 0.16.1's ``moe_utils`` imports ``te_general_gemm`` inside a try that fails without Transformer
+    Engine, then tests it against None: define it as None (the router's plain matmul is then used). And the alltoall
+    dispatcher's split sizes: on a GPU ``maybe_move_tensor_to_cpu(..., as_numpy=True)`` turns them into NumPy arrays
+    (what ``all_to_all_single`` takes); a tensor already on the CPU was returned as is, so it is converted here."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA calls to the CPU for this process (idempotent)."""
     global _INSTALLED
@@ -148,5 +184,6 @@ def install() -> None:
     mrandom._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
     _sequence_parallel_norm()
     _keep_pipeline_outputs()
+    _moe_without_te()
     _CpuDeviceMode().__enter__()
     _INSTALLED = True

@@ -65,6 +65,18 @@ class GPTSpec:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     seed: int = 1234
+    # mixture of experts, named as Megatron-LM's flags (None experts: a dense model; old records lack them)
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_token_dispatcher_type: str = "allgather"
+    moe_aux_loss_coeff: float = 0.0
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_score_function: str = "softmax"
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_z_loss_coeff: float | None = None
 
     @property
     def query_groups(self) -> int | None:
@@ -80,7 +92,14 @@ class GPTSpec:
             vocab_size=self.vocab_size,
             make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
             num_query_groups=self.query_groups,
+            num_experts=self.num_experts,
+            moe_ffn_hidden_size=self.expert_ffn_hidden_size if self.num_experts else None,
         )
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each routed expert's FFN width: ``moe_ffn_hidden_size``, else the dense FFN's (megatron-core's default)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -169,6 +188,10 @@ def build_job(
         raise ValueError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
                          "(each TP rank holds a slice of the sequence)")
     num_microbatches(global_batch_size, micro_batch_size, layout.dp)  # raises naming the valid choices
+    if spec.num_experts and spec.add_bias_linear and layout.ep == 1 and layout.expert_tp == 1:
+        raise ValueError("--num-experts with biases at --expert-model-parallel-size 1 and expert TP 1: megatron-core's "
+                         "expert MLP adds its bias in place to the output of a one-rank all-reduce, which autograd "
+                         "refuses; give --disable-bias-linear (as MoE recipes do) or EP > 1")
     if ddp.overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's shards)")
     if padded_vocab is None:
@@ -179,6 +202,7 @@ def build_job(
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.expert_tp,
     )
     model_parallel_cuda_manual_seed(spec.seed)
     torch.manual_seed(spec.seed)
@@ -218,8 +242,12 @@ def build_job(
         layernorm_epsilon=spec.norm_epsilon,
         add_bias_linear=spec.add_bias_linear,
         num_query_groups=spec.query_groups,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        **moe_config(spec),
     )
-    spec_layers = get_gpt_layer_local_spec(normalization=spec.normalization)
+    spec_layers = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                           normalization=spec.normalization)
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks = []
     for stage in range(layout.vpp):  # one model chunk per virtual stage (Megatron-LM's get_model)
@@ -302,6 +330,26 @@ def build_job(
         global_batch_size=global_batch_size,
         padded_vocab_size=padded_vocab,
         ddp=ddp,
+    )
+
+
+def moe_config(spec: GPTSpec) -> dict[str, Any]:
+    """megatron-core's ``TransformerConfig`` fields for a mixture-of-experts spec (none for a dense one). The experts
+    are megatron-core's ``SequentialMLP`` (the local spec); the grouped GEMM needs a GPU and is not built here."""
+    if not spec.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_token_dispatcher_type=spec.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=spec.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=spec.moe_router_load_balancing_type,
+        moe_router_score_function=spec.moe_router_score_function,
+        moe_router_enable_expert_bias=spec.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=spec.moe_router_bias_update_rate,
+        moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+        moe_z_loss_coeff=spec.moe_z_loss_coeff,
     )
 
 

@@ -125,6 +125,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-gather the distributed optimizer's updated weights overlapped with the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per bucket with --overlap-grad-reduce (default: max(40M, 1M x DP))")
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense MLPs)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN width (default: "
+                   "--ffn-hidden-size)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=["allgather", "alltoall"])
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="the load-balancing loss's weight")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert routing bias updated from the tokens each expert got")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN width of the shared experts every token also goes through (default: none)")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="expert parallelism (EP): ranks the "
+                   "experts are divided among; must divide --num-experts")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=None, help="required unless --tenplex-layout chooses it")
     g.add_argument("--global-batch-size", type=int, required=True)
@@ -265,6 +285,26 @@ def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
         parser.error(f"--rotary-base {args.rotary_base} must be >= 1")
     if not args.norm_epsilon > 0.0:
         parser.error(f"--norm-epsilon {args.norm_epsilon} must be > 0")
+    check_moe_flags(parser, args, given)
+
+
+def check_moe_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, given: set[str]) -> None:
+    """The mixture-of-experts flags' own rules, before any process group starts: errors name the flag."""
+    if args.num_experts is None:
+        moe = sorted(f for f in given if f.startswith("--moe-") or f in ("--expert-tensor-parallel-size",)
+                     or (f == "--expert-model-parallel-size" and args.expert_model_parallel_size != 1))
+        if moe:
+            parser.error(f"{', '.join(moe)} needs --num-experts (a mixture-of-experts model)")
+        return
+    if args.num_experts < 1:
+        parser.error(f"--num-experts {args.num_experts} must be >= 1")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        parser.error(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
+    if args.expert_model_parallel_size < 1 or args.num_experts % args.expert_model_parallel_size:
+        parser.error(f"--expert-model-parallel-size {args.expert_model_parallel_size} does not divide --num-experts "
+                     f"{args.num_experts} (each EP rank holds whole experts)")
+    if args.expert_tensor_parallel_size is not None and args.expert_tensor_parallel_size < 1:
+        parser.error(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} must be >= 1")
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:
@@ -306,6 +346,17 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
         adam_beta1=args.adam_beta1,
         adam_beta2=args.adam_beta2,
         seed=args.seed,
+        num_experts=args.num_experts,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
     )
 
 
@@ -342,8 +393,14 @@ def run(args: argparse.Namespace) -> None:
             f"pretrain_gpt.py: error: world size {world} is not divisible by "
             f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp} x {pp}"
         )
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    if world % (etp * ep * pp):
+        raise SystemExit(
+            f"pretrain_gpt.py: error: world size {world} is not divisible by --expert-tensor-parallel-size x "
+            f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp} x {ep} x {pp}"
+        )
     layout = ParallelLayout(tp, pp, world // (tp * pp), vpp=args.virtual_pipeline_model_parallel_size,
-                            sp=bool(args.sequence_parallel and tp > 1))
+                            sp=bool(args.sequence_parallel and tp > 1), ep=ep, etp=etp)
     spec = spec_from_args(args)
     tier = memory_flags.open_memory(args)
     sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)

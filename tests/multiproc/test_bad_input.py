@@ -22,6 +22,7 @@ from tests.harness import ROOT, TINY_GPT, Run, layout_flags, run_scenarios
 pytestmark = pytest.mark.dist
 
 MODEL = ["--vocab-size", "96", "--swiglu", "--use-distributed-optimizer", "--train-iters", "4"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--expert-model-parallel-size", "2"]
 
 
 def _digest(path: str) -> dict[str, str]:
@@ -73,7 +74,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         _job("layout", [*odd_heads, *layout_flags(2, 1), "--load", empty]),
         _job("context_parallel", [*TINY_GPT, *MODEL, "--context-parallel-size", "2"]),
         _job("no_such_flag", [*TINY_GPT, *MODEL, "--no-such-flag"]),
+        _job("moe_ckpt", [*TINY_GPT, *MODEL, *MOE, "--save", os.path.join(root, "moe"), "--exit-interval", "1"]),
+        _job("moe_ep_divides", [*TINY_GPT, *MODEL, *MOE[:-1], "3"]),
     ], os.path.join(root, "first"))
+    assert runs["moe_ckpt"].returncode == 0, runs["moe_ckpt"].log[-3000:]
+    moe = os.path.join(root, "moe")
+    moe_before = _digest(moe)
     assert runs["ckpt"].returncode == 0, runs["ckpt"].log[-3000:]
     before = _digest(ckpt)
     other_model = [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--load", ckpt, "--save", os.path.join(root, "out")]
@@ -101,7 +107,11 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         _job("missing", [*at_tp2, "--load", missing]),
         _job("truncated", [*at_tp2, "--load", truncated]),
         _job("outside", [*at_tp2, "--load", outside]),
+        _job("moe_experts", [*TINY_GPT, *MODEL, *MOE[:1], "8", *MOE[2:], "--load", moe]),
+        _job("moe_router", [*TINY_GPT, *MODEL, *MOE, "--moe-router-score-function", "sigmoid",
+                            "--moe-router-enable-expert-bias", "--load", moe]),
     ], os.path.join(root, "second")))
+    assert _digest(moe) == moe_before
     return Results(root, ckpt, before, runs)
 
 
@@ -193,3 +203,23 @@ def test_unsupported_megatron_flag_is_refused(results: Results) -> None:
                                   "context parallelism is not re-sharded yet") in r.log
     r = results.runs["no_such_flag"]
     assert r.returncode != 0 and "unknown or unsupported flag(s): --no-such-flag" in r.log
+
+
+def test_moe_checkpoint_of_other_experts_or_router_is_refused(results: Results) -> None:
+    """A mixture-of-experts checkpoint with another expert count, or another kind of router, is refused naming the
+    router tensor and both values before any state is touched (the checkpoint's digest is unchanged: fixture)."""
+    r = results.runs["moe_experts"]
+    assert r.returncode != 0
+    assert ("tensor 'decoder.layers.mlp.router.weight': the checkpoint's routed experts per MoE layer (num_experts) "
+            "is 4, the model's is 8") in r.log
+    assert "planning failed on 2 rank(s)" in r.log
+    r = results.runs["moe_router"]
+    assert r.returncode != 0
+    assert ("the checkpoint's router's expert bias (aux-loss-free balancing) (moe_router_enable_expert_bias) is "
+            "False, the model's is True") in r.log
+
+
+def test_moe_expert_parallel_size_must_divide_experts(results: Results) -> None:
+    r = results.runs["moe_ep_divides"]
+    assert r.returncode != 0
+    assert "--expert-model-parallel-size 3 does not divide --num-experts 4 (each EP rank holds whole experts)" in r.log

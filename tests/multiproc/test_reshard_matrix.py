@@ -69,12 +69,13 @@ class Variant:
     layers: int = 2  # 4: PP2 x VPP2 has one layer per model chunk
     fp16: str = ""  # FP16_SCALERS' key: fp16 weights and the loss scaler's regime
     overlap: bool = False  # OVERLAP_DDP: overlapped grad reduce and param gather in 4,000-element buckets
+    moe: str = ""  # MOE_FLAGS' key: a mixture-of-experts model (4 experts, top-2, load balancing on)
 
     def tag(self) -> str:
         return f"{'dist' if self.distopt else 'plain'}_v{self.vocab}{'_untied' if self.untie else ''}" \
                f"{'_bf16' if self.bf16 else ''}{'_llama' if self.llama else ''}{'_sp' if self.sp else ''}" \
                f"{f'_l{self.layers}' if self.layers != 2 else ''}{f'_fp16{self.fp16}' if self.fp16 else ''}" \
-               f"{'_overlap' if self.overlap else ''}"
+               f"{'_overlap' if self.overlap else ''}{f'_moe{self.moe}' if self.moe else ''}"
 
     def flags(self) -> list[str]:
         f = ["--vocab-size", str(self.vocab), "--swiglu", "--train-iters", str(TRAIN_ITERS),
@@ -93,6 +94,8 @@ class Variant:
             f.append("--untie-embeddings-and-output-weights")
         if self.bf16:
             f.append("--bf16")
+        if self.moe:
+            f.extend(MOE_FLAGS[self.moe])
         return f
 
 
@@ -114,8 +117,13 @@ def _world(layout: tuple[int, ...]) -> int:
 
 
 def _layout_flags(layout: tuple[int, ...]) -> list[str]:
-    """(TP, PP, DP) or (TP, PP, DP, VPP) as the trainer's flags."""
-    return layout_flags(layout[0], layout[1], layout[3] if len(layout) > 3 else 1)
+    """(TP, PP, DP), (TP, PP, DP, VPP) or (TP, PP, DP, VPP, EP, expert TP; 0: TP's) as the trainer's flags."""
+    flags = layout_flags(layout[0], layout[1], layout[3] if len(layout) > 3 else 1)
+    if len(layout) > 4:
+        flags += ["--expert-model-parallel-size", str(layout[4])]
+    if len(layout) > 5 and layout[5]:
+        flags += ["--expert-tensor-parallel-size", str(layout[5])]
+    return flags
 
 
 class Runs:
@@ -294,6 +302,30 @@ V_OVERLAP = Variant(bf16=True, overlap=True)
 #: bf16 with overlapped DDP in many buckets, as a GPU run at scale sets it; each side of a TP <-> DP change
 OVERLAP_TRANSITIONS = {"overlap-DP2-TP2": ((1, 1, 2), (2, 1, 1)), "overlap-TP2-DP2": ((2, 1, 1), (1, 1, 2))}
 FP16_TRANSITIONS = {f"fp16-{regime}": ((2, 1, 1), (1, 1, 2), Variant(fp16=regime)) for regime in FP16_SCALERS}
+#: Mixture-of-experts models (Mixtral-style: SwiGLU experts, no biases; top-2 routing with the load-balancing loss
+#: on): "mixtral" with the allgather dispatcher; "deepseek" with sigmoid scores, the aux-loss-free expert bias (router
+#: state that is not a parameter) and the alltoall dispatcher.
+MOE_BASE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear")
+MOE_FLAGS = {"mixtral": (*MOE_BASE, "--moe-aux-loss-coeff", "0.01"),
+             "deepseek": (*MOE_BASE, "--moe-aux-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
+                          "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
+                          "--moe-token-dispatcher-type", "alltoall")}
+V_MOE, V_MOE_SP, V_MOE_DS = Variant(moe="mixtral"), Variant(moe="mixtral", sp=True), Variant(moe="deepseek")
+EP2, EP1_DP2 = (1, 1, 2, 1, 2, 0), (1, 1, 2, 1, 1, 0)
+#: name -> (source: a reference (layout, variant) or another scenario's re-save, destination, variant, extra flags of
+#: the destination, what it covers); layouts are (TP, PP, DP, VPP, EP, expert TP; 0: TP's)
+MOE_TRANSITIONS: dict[str, tuple] = {
+    "moe-EP2-EP1DP2": ((EP2, V_MOE), EP1_DP2, V_MOE, (), "EP2 -> EP1 x DP2: the experts' own sub-optimizer joins "
+                       "the dense one, same world size"),
+    "moe-EP1DP2-EP2": ("moe-EP2-EP1DP2", EP2, V_MOE, (), "EP1 x DP2 -> EP2 (back: bit-exact round trip)"),
+    "moe-EP2-PP2": ((EP2, V_MOE), (1, 2, 1, 1, 1, 0), V_MOE, (), "EP2 -> PP2 x EP1: each stage's layers' experts"),
+    "moe-EP2-TP2": ((EP2, V_MOE), (2, 1, 1, 1, 1, 0), V_MOE, ("--sequence-parallel",),
+                    "EP2 -> TP2 x EP1 (with SP, which megatron-core needs for MoE at TP > 1): experts cut by TP"),
+    "moe-ETP2-ETP1": (((2, 1, 1, 1, 1, 0), V_MOE_SP), (2, 1, 1, 1, 2, 1), V_MOE_SP, (),
+                      "TP2 + SP, expert TP2 x EP1 -> expert TP1 x EP2: experts whole again, spread over EP"),
+    "moe-EP2DP2-EP4": (((1, 1, 4, 1, 2, 0), V_MOE_DS), (1, 1, 4, 1, 4, 0), V_MOE_DS, (),
+                       "EP2 x expert DP2 -> EP4 on 4 ranks, alltoall dispatcher, expert bias"),
+}
 MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
 SCENARIOS: dict[str, Scenario] = {
     **{f"{n}-{v.tag()}": Scenario((a, v), b, v) for n, (a, b) in TRANSITIONS.items() for v in (V_DIST, V_PLAIN)},
@@ -312,6 +344,8 @@ SCENARIOS: dict[str, Scenario] = {
     "rt-back-(2, 2, 1)-(1, 1, 4)": Scenario("rt-there-(2, 2, 1)-(1, 1, 4)", (2, 2, 1), V_DIST, iters=SAVE_AT),
     "rt-there-(1, 1, 2)-(1, 1, 1)": Scenario(((1, 1, 2), V_PLAIN), (1, 1, 1), V_PLAIN, iters=SAVE_AT),
     "rt-back-(1, 1, 2)-(1, 1, 1)": Scenario("rt-there-(1, 1, 2)-(1, 1, 1)", (1, 1, 2), V_PLAIN, iters=SAVE_AT),
+    **{n: Scenario(src, dst, v, extra=extra) for n, (src, dst, v, extra, _) in MOE_TRANSITIONS.items()},
+    "moe-rng-same": Scenario((EP2, V_MOE), EP2, V_MOE, iters=SAVE_AT),
     "rng-same": Scenario(((2, 1, 1), V_DIST), (2, 1, 1), V_DIST, iters=SAVE_AT),
     "rng-changed-a": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT),
     "rng-changed-b": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT, solo=True),
@@ -526,3 +560,46 @@ def test_overlapped_ddp_in_buckets(runs: Runs, name: str) -> None:
     d = runs.resume(name)
     assert_tensors_equal(_ckpt(ref), _resaved(d), V_OVERLAP.vocab)
     assert_losses_continue(ref, d, BF16_LOSS_RTOL)
+
+
+def _moe_ref(name: str) -> tuple[tuple[int, ...], Variant]:
+    """The reference run a MoE scenario continues: its own source, or its source scenario's."""
+    src = MOE_TRANSITIONS[name][0]
+    return MOE_TRANSITIONS[src][0] if isinstance(src, str) else src
+
+
+@pytest.mark.parametrize("name", list(MOE_TRANSITIONS))
+def test_mixture_of_experts(runs: Runs, name: str) -> None:
+    """A mixture-of-experts GPT restarted at another EP, expert TP, TP or PP: the layout (EP, expert TP) recorded,
+    every expert present once at full size and equal to the original element by element (router, expert bias and
+    the chained dense + expert optimizer's moments and main weights included), and the losses (top-2 routing with
+    the load-balancing loss on) continue the uninterrupted run's."""
+    _, dst, v, extra, _ = MOE_TRANSITIONS[name]
+    ref_layout, ref_v = _moe_ref(name)
+    ref = runs.reference(ref_layout, ref_v)
+    d = runs.resume(name)
+    recorded = _recorded_layout(_resaved(d))
+    assert (recorded.ep, recorded.expert_tp) == (dst[4], dst[5] or dst[0])
+    full = read_full_tensors(_resaved(d))
+    fc1 = full["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert fc1.shape[:2] == (2, 4)  # (layers, experts, ...): all four experts of both layers
+    assert "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight" in full
+    assert "decoder.layers.mlp.router.weight" in full
+    if v.moe == "deepseek":
+        bias = full["decoder.layers.mlp.router.expert_bias"]
+        assert bias.shape == (2, 4) and bool(bias.abs().sum() > 0)  # the balancing state moved: it is compared
+    assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
+    assert_losses_continue(ref, d, LOSS_RTOL)
+
+
+def test_mixture_of_experts_rng(runs: Runs) -> None:
+    """The expert-parallel RNG stream comes back exactly at the same layout (every rank's), and is re-seeded from
+    (seed, iteration) at a new one, as the dense streams are."""
+    ref = runs.reference(EP2, V_MOE)
+    same = runs.resume("moe-rng-same")
+    saved = _rng(_ckpt(ref))
+    assert "expert-parallel-rng" in saved["0"]["tracker"]
+    assert _rng(_resaved(same)) == saved
+    assert saved["0"]["tracker"]["expert-parallel-rng"] != saved["1"]["tracker"]["expert-parallel-rng"]
+    changed = _rng(_resaved(runs.resume("moe-EP2-EP1DP2")))
+    assert changed["1"]["tracker"]["expert-parallel-rng"] != saved["1"]["tracker"]["expert-parallel-rng"]

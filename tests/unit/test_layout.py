@@ -208,3 +208,45 @@ def test_layout_model_interleaves_layers_over_virtual_stages() -> None:
     layers = {r: [boxes[0][0][0] for boxes in local_param_boxes(t, ParallelLayout(1, 2, 1, vpp=2), 0, r)]
               for r in (0, 1)}
     assert layers == {0: [0, 1, 4, 5], 1: [2, 3, 6, 7]}
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("dp=2,ep=2", ParallelLayout(1, 1, 2, ep=2)),
+        ("tp=2,dp=2,ep=2,etp=1", ParallelLayout(2, 1, 2, ep=2, etp=1)),
+        ("tp=2,dp=2,ep=2,etp=2", ParallelLayout(2, 1, 2, ep=2)),  # expert TP = TP is the default: one spelling
+    ],
+)
+def test_parse_ep_and_etp(text: str, expected: ParallelLayout) -> None:
+    got = ParallelLayout.parse(text)
+    assert got == expected
+    assert ParallelLayout.parse(str(got)) == got
+    assert ParallelLayout.from_json(got.to_json()) == got
+
+
+def test_dense_layout_json_unchanged() -> None:
+    """A dense layout's record keeps the keys written before EP existed (so same-layout RNG restores match)."""
+    assert ParallelLayout(2, 2, 1).to_json() == {"tp": 2, "pp": 2, "dp": 1}
+    assert ParallelLayout(2, 1, 2, ep=2).to_json() == {"tp": 2, "pp": 1, "dp": 2, "ep": 2}
+
+
+def test_expert_degrees() -> None:
+    layout = ParallelLayout(2, 1, 4, ep=4, etp=1)
+    assert (layout.expert_tp, layout.expert_dp) == (1, 2)
+    assert ParallelLayout(2, 1, 2).expert_tp == 2
+
+
+def test_expert_layout_constraints_named() -> None:
+    with pytest.raises(LayoutError, match=r"expert TP x EP x PP = 1 x 4 x 1 = 4 does not divide the world size"):
+        ParallelLayout(1, 1, 2, ep=4)
+    moe = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=100, num_experts=6,
+                     moe_ffn_hidden_size=48)
+    with pytest.raises(LayoutError, match=r"--expert-model-parallel-size 4 does not divide --num-experts 6"):
+        ParallelLayout(1, 1, 4, ep=4).check_fits(moe)
+    with pytest.raises(LayoutError, match=r"--expert-tensor-parallel-size 5 does not divide .* \(48\)"):
+        ParallelLayout(1, 1, 5, etp=5).check_fits(moe)
+    dense = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=8, vocab_size=100)
+    with pytest.raises(LayoutError, match=r"need a mixture-of-experts model"):
+        ParallelLayout(1, 1, 2, ep=2).check_fits(dense)
+    ParallelLayout(1, 1, 2, ep=2).check_fits(moe)

@@ -22,7 +22,9 @@ def _model_sd() -> dict:
     extra = ShardedObject("decoder.layers.self_attention.linear_qkv._extra_state", b"fp8 meta", (2,), (0,))
     return {"decoder.layers.self_attention.linear_qkv.weight": weight,
             "decoder.layers.self_attention.linear_qkv._extra_state": extra,
-            "other": ShardedObject("decoder.layers.something_else", b"", (1,), (0,))}
+            "other": ShardedObject("decoder.layers.something_else", b"", (1,), (0,)),
+            # megatron-core's own linear layers (SequentialMLP's experts) describe an empty one: nothing to warn of
+            "local": ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state", None, (2,), (0,))}
 
 
 def test_extra_state_keys_found() -> None:

@@ -12,7 +12,7 @@ from tenplex_megatron.plan.unsupported import check_saved_args, unsupported_flag
 
 def _args(**kw: object) -> argparse.Namespace:
     base = {"context_parallel_size": 1, "use_megatron_fsdp": False, "use_torch_fsdp2": False, "num_experts": None,
-            "expert_model_parallel_size": 1}
+            "expert_model_parallel_size": 1, "moe_grouped_gemm": False}
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -26,13 +26,17 @@ def test_defaults_pass() -> None:
     ({"context_parallel_size": 2}, "--context-parallel-size 2: context parallelism is not re-sharded yet"),
     ({"use_megatron_fsdp": True}, "--use-megatron-fsdp: Megatron FSDP"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2: torch FSDP2"),
-    ({"num_experts": 4}, "--num-experts 4: mixture-of-experts"),
-    ({"expert_model_parallel_size": 2}, "--expert-model-parallel-size 2: expert parallelism"),
+    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm: the grouped-GEMM experts"),
 ])
 def test_each_feature_named(kw: dict, needle: str) -> None:
     (line,) = unsupported_flags(_args(**kw))
     assert line.startswith(needle)
     assert unsupported_flags(dict(vars(_args(**kw)))) == [line]  # saved args may be a dict
+
+
+def test_moe_with_sequential_experts_passes() -> None:
+    """Mixture of experts and expert parallelism are re-sharded (SequentialMLP's experts): not refused."""
+    assert unsupported_flags(_args(num_experts=8, expert_model_parallel_size=4)) == []
 
 
 def test_saved_args_name_the_file() -> None:

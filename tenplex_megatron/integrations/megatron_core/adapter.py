@@ -94,8 +94,10 @@ class MegatronCoreAdapter:
         return describe_job(self.job)[1]
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
-        # before anything is allocated or loaded: a state layout this megatron-core does not reproduce is refused
+        # before anything is allocated or loaded: a state layout this megatron-core does not reproduce is refused,
+        # and so is another mixture of experts (expert count, router kind)
         mcore_versions.check_checkpoint(metadata.get("megatron_core"), "metadata.json")
+        check_moe_record(metadata, self.job.spec.to_json())
         if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
@@ -153,6 +155,27 @@ def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) 
     return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
 
 
+#: (model record field, what it is, its default): a checkpoint whose experts or router differ from the model's
+MOE_FIELDS = (("num_experts", "routed experts per MoE layer", None),
+              ("moe_router_enable_expert_bias", "router's expert bias (aux-loss-free balancing)", False),
+              ("moe_router_score_function", "router's score function", "softmax"))
+
+
+def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose experts or router are of another kind than the model's, naming the router tensor
+    and both values (before any state is touched; a record without MoE fields is a dense model's)."""
+    saved = metadata.get("model") or {}
+    if not (saved.get("num_experts") or model.get("num_experts")):
+        return
+    tensors = [str(t.get("key", "")) for t in ((metadata.get("ptc") or {}).get("tensors") or []) if isinstance(t, dict)]
+    router = next((k for k in tensors if k.endswith("mlp.router.weight")), "decoder.layers.mlp.router.weight")
+    for field_name, what, default in MOE_FIELDS:
+        a, b = saved.get(field_name, default), model.get(field_name, default)
+        if (a or default) != (b or default):
+            raise ValueError(f"tensor {router!r}: the checkpoint's {what} ({field_name}) is {a}, the model's is {b}: "
+                             "a checkpoint of another mixture-of-experts model")
+
+
 def stores_moments(metadata: dict[str, Any]) -> bool:
     """Whether a tenplex checkpoint's metadata lists Adam moments (a never-stepped optimizer's may, if saved by an
     older version that allocated them: then the job makes them too, to be filled)."""
@@ -162,7 +185,7 @@ def stores_moments(metadata: dict[str, Any]) -> bool:
 
 def current_layout(chunks: list[Any]) -> ParallelLayout:
     """The running job's layout from megatron-core's parallel state: TP, PP, DP, VPP (one model chunk per virtual
-    stage) and sequence parallelism (from the model's config)."""
+    stage), sequence parallelism (from the model's config), EP and expert TP."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(chunks) != vpp:
         raise ValueError(f"tenplex: {len(chunks)} model chunks, but megatron-core's virtual pipeline size is {vpp}: "
@@ -171,7 +194,9 @@ def current_layout(chunks: list[Any]) -> ParallelLayout:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return ParallelLayout(tp, parallel_state.get_pipeline_model_parallel_world_size(),
                           parallel_state.get_data_parallel_world_size(), vpp=vpp,
-                          sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1)
+                          sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1,
+                          ep=parallel_state.get_expert_model_parallel_world_size() or 1,
+                          etp=parallel_state.get_expert_tensor_parallel_world_size() or tp)
 
 
 def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,

@@ -65,14 +65,41 @@ def never_stepped(saved: dict[str, Any] | None) -> bool:
     return bool(subs) and all(int(entry.get("step", 0)) == 0 for entry in subs)
 
 
+def _identifier_any_expert(i: int, group: dict[str, Any]) -> tuple:
+    """A param group's identifier without ``is_expert_parallel``: at EP 1 the experts share the dense groups."""
+    return tuple(v for k, v in zip(param_group_identifier_keys, _identifier(i, group)) if k != "is_expert_parallel")
+
+
+def pooled_entry(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """One sub-optimizer record from several: every param group, the common step, the first loss scaler.
+
+    megatron-core gives expert parameters a sub-optimizer of their own only at EP > 1 (at EP 1 they are reduced
+    over DP with the rest), so an EP change changes the number of sub-optimizers; they all step together."""
+    steps = {int(e.get("step", 0)) for e in entries}
+    if len(steps) > 1:
+        raise ValueError(f"checkpoint's sub-optimizers are at different steps {sorted(steps)}: cannot merge them")
+    out: dict[str, Any] = {"param_groups": [g for e in entries for g in e["param_groups"]], "step": steps.pop()}
+    scaler = next((e["grad_scaler"] for e in entries if "grad_scaler" in e), None)
+    if scaler is not None:
+        out["grad_scaler"] = scaler
+    return out
+
+
 def restore_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:
-    """Set hyper-parameters and step from :func:`optimizer_state_json` output (tensors untouched)."""
+    """Set hyper-parameters and step from :func:`optimizer_state_json` output (tensors untouched).
+
+    Same number of sub-optimizers: each from its own record; otherwise (an EP change moved the experts into or out
+    of a sub-optimizer of their own) every sub-optimizer from all records pooled, groups matched ignoring
+    ``is_expert_parallel``."""
     subs = sub_optimizers(optimizer)
     entries = saved["sub_optimizers"]
-    if len(entries) != len(subs):
-        raise ValueError(f"checkpoint has {len(entries)} sub-optimizers, the job has {len(subs)}")
-    for opt, entry in zip(subs, entries):
-        restore_optimizer(opt.optimizer, entry, key=_identifier)
+    if len(entries) == len(subs):
+        pairs = [(opt, entry, _identifier) for opt, entry in zip(subs, entries)]
+    else:
+        pooled = pooled_entry(entries)
+        pairs = [(opt, pooled, _identifier_any_expert) for opt in subs]
+    for opt, entry, key in pairs:
+        restore_optimizer(opt.optimizer, entry, key=key)
         if "grad_scaler" in entry and getattr(opt, "grad_scaler", None) is not None:
             opt.grad_scaler.load_state_dict(grad_scaler_state(entry["grad_scaler"]))
 

@@ -37,9 +37,10 @@ _WARNED: set[str] = set()
 
 def extra_state_keys(model_sd: Any) -> list[str]:
     """The keys of Transformer Engine's ``_extra_state`` objects (FP8 scaling factors and amax history) in a model's
-    sharded state dict: megatron-core describes them as ``ShardedObject``s, which tenplex does not save."""
+    sharded state dict: megatron-core describes them as ``ShardedObject``s, which tenplex does not save. megatron-core's
+    own linear layers (the MoE experts' included) yield them too, holding None: nothing is lost there."""
     return sorted({v.key for v in nested_values(model_sd) if isinstance(v, ShardedObject)
-                   and v.key.endswith("_extra_state")})
+                   and v.key.endswith("_extra_state") and v.data is not None})
 
 
 def warn_extra_state_dropped(model_sd: Any) -> None:
@@ -82,6 +83,7 @@ class _Ctx:
     padded_vocab: int
     vocab_size: int
     tp: int
+    etp: int  # the experts' TP (megatron-core's expert_tensor_parallel_size)
     stages: dict[int, str]  # id(param) -> "first" / "last" for non-layer parameters
     tied: int | None  # id of the word embedding shared with the output layer
 
@@ -94,7 +96,10 @@ def _meta(sh: Any, dtype: torch.dtype, param: torch.Tensor, ctx: _Ctx, param_key
     tp_parts = 1
     if getattr(param, "tensor_model_parallel", False) and getattr(param, "partition_dim", -1) >= 0:
         tp_axis = param.partition_dim + sh.prepend_axis_num
-        tp_parts = max(sh.axis_fragmentations[tp_axis] // ctx.tp, 1)
+        # a routed expert's tensor has two prepended axes (layer, expert: SequentialMLP's global expert index), and
+        # is split by the experts' own TP
+        tp = ctx.etp if sh.prepend_axis_num >= 2 else ctx.tp
+        tp_parts = max(sh.axis_fragmentations[tp_axis] // tp, 1)
     stage = "layers" if sh.prepend_axis_num else ctx.stages.get(id(param), "")
     return TensorMeta(
         key=sh.key,
@@ -217,7 +222,7 @@ def _context(job: Any) -> _Ctx:
             out = model.shared_embedding_or_output_weight()
             stages[id(out)] = "first"  # the last stage's copy of the word embedding
             tied = id(out)
-    return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, stages, tied)
+    return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, job.layout.expert_tp, stages, tied)
 
 
 def model_chunks(job: Any) -> list[LocalChunk]:
