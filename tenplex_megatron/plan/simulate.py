@@ -438,8 +438,6 @@ class _Run:
         self.visited.add(new.world)
         self.cur, self.ready = new, t + base + reshard + trial
         self.modelled |= not new.measured
-        if new.key not in self.used:
-            self.used.append(new.key)
 
     def _change(self, t: float, before: int, gpus: int, first: bool) -> None:
         new = self.sim.choose(self.policy, gpus)
@@ -510,6 +508,8 @@ class _Run:
 
     def _segment(self, t0: float, t1: float, state: str, alloc: int, training: int, rate: float,
                  layout: str | None = None) -> None:
+        if layout is not None and layout not in self.used:
+            self.used.append(layout)
         if t1 > t0:
             self.segments.append(Segment(t0, t1, state, alloc, training, rate, layout))
 
