@@ -437,7 +437,6 @@ class _Run:
         trial = new.trial_s if new.world not in self.visited else 0.0
         self.visited.add(new.world)
         self.cur, self.ready = new, t + base + reshard + trial
-        self.modelled |= not new.measured
 
     def _change(self, t: float, before: int, gpus: int, first: bool) -> None:
         new = self.sim.choose(self.policy, gpus)
@@ -485,6 +484,7 @@ class _Run:
         it, k, save = cur.seconds, self.c.save_every, self.sim.save_seconds(cur)
         at_target = self._iteration_done(start, p0, self.target, it, k, save)
         rate = self.gbs * k / (k * it + save)
+        self.modelled |= not cur.measured  # only layouts that train count (a folded restart's choice does not)
         if at_target <= nxt:
             self.reached = at_target
             self.done = self.target
