@@ -10,10 +10,11 @@ nodes (agents and workers, no notice: the survivors detect the failure and resta
 checkpoint); a grow starts agents (the running ones SIGTERM their workers, which save the current iteration,
 and everyone restarts at the new world size). The same trace, model and target iteration run once per policy:
 
-* ``tenplex``: ``--tenplex-layout auto``: the layout chosen for every world size;
+* ``tenplex``: ``--tenplex-layout auto`` (or ``measure`` with ``--tenplex-layout measure``): the layout chosen for
+  every world size;
 * ``dp_only``: the Tenplex paper's baseline: the model-parallel degree (TP x PP) of the table's layout at the
   start stays fixed and only DP scales; at a GPU count that is not a multiple of TP x PP the job runs on the
-  largest multiple (none: it waits);
+  largest multiple (none: it waits); ``--dp-only-mp TP,PP`` fixes another;
 * ``table``: ``--tenplex-layout FILE.json``: a fixed user table (``--table``; by default one that keeps PP=2
   wherever the world size is even).
 
@@ -22,6 +23,9 @@ breakdown (detect, rendezvous and spawn, imports and process group, build, plan 
 parsed from the trainer's timeline lines and the workers' lifetimes) and the largest relative loss deviation
 from an uninterrupted run's (the loss curves in a PNG). ``RATIO time_to_target <trace> tenplex/<peer>``
 lines (below 1: tenplex reached the target sooner) and ``RATIO samples_per_s ...`` (above 1: tenplex faster).
+Then the simulator (``plan/simulate.py``), fed each policy's measured iteration times and restart costs
+(``scripts/bench/elastic_sim.py``), predicts its time to target: ``RATIO sim_over_measured <trace> <policy>``.
+``--memory-budget GB`` gives every policy ``--tenplex-memory-budget`` (the layouts that fit it).
 """
 
 from __future__ import annotations
@@ -48,9 +52,11 @@ from scripts.bench.elastic_analysis import (  # noqa: E402
     throughput,
     timelines,
 )
+from scripts.bench.elastic_sim import predict  # noqa: E402
 from scripts.bench.launch import ROOT, torchrun, write_json  # noqa: E402
 from scripts.bench.report import Column, Table, machine, num, ratio_key, ratio_line  # noqa: E402
-from tenplex_megatron.plan.layout_files import load_layout_table  # noqa: E402
+from tenplex_megatron.plan.layout import ParallelLayout  # noqa: E402
+from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, load_layout_table, read_layout_times  # noqa: E402
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims  # noqa: E402
 from tenplex_megatron.plan.trace import Trace, load_trace  # noqa: E402
 
@@ -60,7 +66,7 @@ COMMON = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--lr-de
           "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tenplex", "--log-interval", "10",
           "--make-vocab-size-divisible-by", "16"]
 # name: (layers, hidden, heads, seq, vocab, global batch)
-MODELS = {"tiny": (2, 64, 4, 32, 96, 8), "small": (4, 256, 8, 128, 1024, 16)}
+MODELS = {"tiny": (2, 64, 4, 32, 96, 8), "small": (4, 256, 8, 128, 1024, 16), "six": (6, 384, 6, 128, 1024, 12)}
 COLORS = {"tenplex": "tab:blue", "dp_only": "tab:orange", "table": "tab:green"}
 
 
@@ -74,7 +80,7 @@ def model_flags(name: str) -> list[str]:
 def dims(name: str) -> GPTDims:
     layers, hidden, heads, seq, vocab, _ = MODELS[name]
     return GPTDims(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, vocab_size=vocab,
-                   seq_length=seq)
+                   seq_length=seq, bf16=False)  # as the trainer describes itself for its layout choice (fp32 here)
 
 
 def default_table(trace: Trace, model: str, path: str) -> str:
@@ -151,7 +157,9 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
                 texts.append(f.read())
     lines = timelines(texts)
     spans = list(cluster.workers.values())
-    return {"policy": policy, "t0": t0, "time_to_target": None if reached is None else reached - t0,
+    times_file = os.path.join(ckpt, LAYOUT_TIMES_FILE)  # --tenplex-layout measure's trials
+    measured = {str(w): t for w, t in read_layout_times(times_file).items()} if os.path.exists(times_file) else {}
+    return {"policy": policy, "t0": t0, "starts": [x["process_start"] for x in lines], "layout_times": measured, "time_to_target": None if reached is None else reached - t0,
             "iterations": max((m["iteration"] for m in metrics), default=0), "metrics": metrics,
             "repeated": repeated_iterations(metrics),
             "layouts": sorted({",".join(f"{k}={v}" for k, v in m["layout"].items()) for m in metrics}),
@@ -220,6 +228,29 @@ def report(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, flo
     return out
 
 
+def simulated(runs: list[dict[str, Any]], a: argparse.Namespace, trace: Trace, table: str,
+              mp: tuple[int, int]) -> list[str]:
+    """The simulator's time to target per policy, fed the policy's own measured iteration times and restart costs."""
+    *_, gbs = MODELS[a.model]
+    t = load_layout_table(table, dims(a.model), gpus_per_node=trace.gpus_per_node, global_batch_size=gbs)
+    print("\nsimulated (plan/simulate.py fed each policy's measured iteration times and restart costs):")
+    out = []
+    for r in runs:
+        kind = a.tenplex_layout if r["policy"] == "tenplex" else r["policy"]
+        r["simulated"] = sim = predict(r, kind, trace, dims(a.model), gbs, a.train_iters, a.time_scale,
+                                       a.clock == "first-iteration", a.save_interval, t, mp, 16, a.memory_budget,
+                                       {int(w): x for w, x in r.get("layout_times", {}).items()})
+        print(f"  {r['policy']:<8} simulated {num(sim['time_to_target'], '.1f')} s, measured "
+              f"{num(r['time_to_target'], '.1f')} s; layouts {' '.join(sim['layouts'])}; restarts {sim['restarts']}, "
+              f"redone {sim['redone_iterations']}")
+        if sim["time_to_target"] and r["time_to_target"]:
+            out.append(ratio_line(f"sim_over_measured {trace.name} {r['policy']}",
+                                  sim["time_to_target"] / r["time_to_target"]))
+    for line in out:
+        print(line)
+    return out
+
+
 def plot(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, float]], trace: Trace, path: str) -> None:
     plt = plots.pyplot()
     if plt is None:
@@ -264,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", choices=sorted(MODELS), default="tiny")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--table", default=None, help="the table policy's --tenplex-layout FILE.json")
+    p.add_argument("--tenplex-layout", choices=["auto", "measure"], default="auto", help="the tenplex policy's")
+    p.add_argument("--memory-budget", type=float, default=None,
+                   help="GiB per rank for every policy's layout choice (--tenplex-memory-budget)")
+    p.add_argument("--dp-only-mp", default=None, help="dp_only's fixed TP,PP (default: the table's at the start)")
     p.add_argument("--train-iters", type=int, default=None, help="the target iteration")
     p.add_argument("--save-interval", type=int, default=10)
     p.add_argument("--time-scale", type=float, default=1.0, help="wall seconds per trace second")
@@ -291,14 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     work = a.workdir or tempfile.mkdtemp(prefix="bench_elastic_")
     os.makedirs(work, exist_ok=True)
     flags = [*model_flags(a.model), "--train-iters", str(a.train_iters), "--save-interval", str(a.save_interval)]
+    if a.memory_budget is not None:
+        flags += ["--tenplex-memory-budget", str(a.memory_budget)]
     table = a.table or default_table(trace, a.model, os.path.join(work, "user_table.json"))
     gbs = MODELS[a.model][-1]
     start = load_layout_table(table, dims(a.model), gpus_per_node=trace.gpus_per_node,
                               global_batch_size=gbs).row(trace.events[0].gpus).layout
+    if a.dp_only_mp:
+        tp, pp = (int(x) for x in a.dp_only_mp.split(","))
+        start = ParallelLayout(tp, pp, max(1, trace.events[0].gpus // (tp * pp)))
     print(f"bench_elastic: trace {trace.name} ({' -> '.join(str(e.gpus) for e in trace.events)} GPUs, "
           f"x{a.time_scale:g} time), model {a.model}, target iteration {a.train_iters}, save every "
           f"{a.save_interval}; dp_only keeps TP x PP = {start.tp} x {start.pp}; table {table}; work {work}")
-    per_policy = {"tenplex": ["--tenplex-layout", "auto"], "table": ["--tenplex-layout", table],
+    per_policy = {"tenplex": ["--tenplex-layout", a.tenplex_layout], "table": ["--tenplex-layout", table],
                   "dp_only": ["--tenplex-layout", "auto", "--tensor-model-parallel-size", str(start.tp),
                               "--pipeline-model-parallel-size", str(start.pp)]}
     runs = []
@@ -312,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmachine: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} "
           "(other processes share the cores: compare policies within one run)\n")
     ratios = report(runs, refs, trace, gbs, a.window)
+    ratios += simulated(runs, a, trace, table, (start.tp, start.pp))
     png = a.plot or os.path.join(os.path.dirname(os.path.abspath(a.out)) if a.out else (a.workdir or "."),
                                  f"bench_elastic_{trace.name}.png")
     plot(runs, refs, trace, png)

@@ -8,6 +8,8 @@ torch (tested).
     python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
     python -m tenplex_megatron layouts --model gpt3-1.3b --gpus 12 --gpus-per-node 4 [--memory-gb 80] [--json]
     python -m tenplex_megatron export-hf CKPT OUT [--dtype bf16|fp32] [--max-shard-size 5GB] [--force]
+    python -m tenplex_megatron simulate --trace TRACE --model NAME --global-batch-size N --target-iteration N
+        [--times FILE] [--policies auto,dp_only,table,measure] [--out r.json] [--plot r.png]
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from tenplex_megatron import __version__
+from tenplex_megatron import __version__, cli_simulate
 from tenplex_megatron._optional import require
 from tenplex_megatron.plan.autolayout import (
     GIB,
@@ -567,6 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
                                              "left in a node's memory directory")
     cm.add_argument("directory")
     cm.set_defaults(fn=cmd_clean_memory)
+    cli_simulate.add_parser(sub)
     return p
 
 
@@ -574,6 +577,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except CLIError as e:
+    except (CLIError, cli_simulate.SimulateError) as e:
         print(f"tenplex_megatron: error: {e}", file=sys.stderr)
         return 2

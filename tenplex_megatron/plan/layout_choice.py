@@ -17,6 +17,9 @@ from tenplex_megatron.plan.layout_files import load_layout_table
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
 
 RANKED_SPECS = ("auto", "measure")
+#: ``measure`` at a new world size: the candidates timed, and the iterations each (untimed warm-up, then timed).
+MEASURE_TRIALS = 3
+MEASURE_WARMUP, MEASURE_TIMED = 1, 3
 
 
 @dataclass(frozen=True)

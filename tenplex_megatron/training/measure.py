@@ -27,15 +27,15 @@ from megatron.core import parallel_state
 
 from tenplex_megatron.integrations.megatron_core.adapter import load_job
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.plan.layout_choice import choose, rank, to_measure
+from tenplex_megatron.plan.layout_choice import MEASURE_TIMED, MEASURE_TRIALS, MEASURE_WARMUP, choose, rank, to_measure
 from tenplex_megatron.plan.layout_files import read_layout_times, with_measurement, write_layout_times
 from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
 from tenplex_megatron.training import gpt, layout_choice
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.synthetic_data import microbatches
 
-TRIALS = 3  # candidates timed at a new world size
-WARMUP, TIMED = 1, 3  # iterations per candidate: not timed, timed
+TRIALS = MEASURE_TRIALS  # candidates timed at a new world size (plan/simulate.py counts their cost too)
+WARMUP, TIMED = MEASURE_WARMUP, MEASURE_TIMED  # iterations per candidate: not timed, timed
 
 
 def _print0(msg: str) -> None:

@@ -529,7 +529,8 @@ def run(args: argparse.Namespace) -> None:
             ]
             metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": lr, "samples": samples,
                                       "skipped": skipped, "loss_scale": _loss_scale(job),
-                                      "layout": layout.to_json(), "time": time.time()}) + "\n")
+                                      "layout": layout.to_json(), "micro_batch_size": job.micro_batch_size,
+                                      "time": time.time()}) + "\n")
             metrics.flush()
         if args.save and args.save_interval and job.iteration % args.save_interval == 0:
             _save(job, args, tier)

@@ -48,3 +48,27 @@ def test_breakdown_splits_a_change_into_its_phases() -> None:
                                "plan+re-shard": 0.5, "first step": 0.5, "total": 18.0})
     assert breakdown(Change(10.0, 2, 1), spans, lines, next_change=25.0) is None  # superseded before its first step
     assert breakdown(Change(30.0, 1, 2), spans, lines) is None  # no restart after it
+
+
+def _ml(it: int, t: float, dp: int, mbs: int) -> dict:
+    return {"iteration": it, "time": t, "layout": {"tp": 1, "pp": 1, "dp": dp}, "micro_batch_size": mbs}
+
+
+def test_the_simulator_s_inputs_from_a_replay_skip_gaps_across_restarts_and_sort_changes_by_kind() -> None:
+    from scripts.bench.elastic_sim import iteration_times, restart_costs
+
+    # two processes at DP=2 (0.5 s and 0.7 s per iteration) with a restart between, then DP=1 at 1.0 s
+    metrics = [_ml(1, 10.0, 2, 4), _ml(2, 10.5, 2, 4), _ml(3, 11.0, 2, 4),
+               _ml(3, 40.0, 2, 4), _ml(4, 40.7, 2, 4), _ml(5, 60.0, 1, 8), _ml(6, 61.0, 1, 8)]
+    times = iteration_times(metrics, starts=[20.0, 50.0])
+    assert times == {2: {"tp=1,pp=1,dp=2,mbs=4": pytest.approx((0.5 + 0.5 + 0.7) / 3)},
+                     1: {"tp=1,pp=1,dp=1,mbs=8": pytest.approx(1.0)}}
+    b = {"detect": 2.0, "total": 12.0}
+    changes = [{"before": 0, "after": 2, "breakdown": {"detect": 0.0, "total": 20.0}},
+               {"before": 2, "after": 1, "breakdown": None},  # folded into the next change
+               {"before": 1, "after": 2, "breakdown": b},
+               {"before": 2, "after": 1, "breakdown": {"detect": 4.0, "total": 16.0}}]
+    c = restart_costs(changes, iteration_s=1.0, save_every=5)
+    assert (c.start_s, c.detect_notice_s, c.detect_failure_s) == (19.0, 2.0, 4.0)
+    assert c.restart_s == pytest.approx(((12 - 2 - 1) + (16 - 4 - 1)) / 2)
+    assert c.save_every == 5 and c.save_s == 0.0

@@ -24,11 +24,12 @@ else:
 import tenplex_megatron.plan as plan
 names = sorted(m.name for m in pkgutil.iter_modules(plan.__path__))
 for required in ("layout", "ptc", "geometry", "planner", "writers", "data_position", "autolayout", "layout_files",
-                 "trace", "json_pos"):
+                 "trace", "json_pos", "simulate"):
     assert required in names, (required, names)
 for n in names:
     importlib.import_module(f"tenplex_megatron.plan.{n}")
 import tenplex_megatron.cli  # noqa: F401
+import tenplex_megatron.cli_simulate  # noqa: F401
 import tenplex_megatron.storage.files  # noqa: F401
 import tenplex_megatron.storage.directory  # noqa: F401
 import tenplex_megatron.storage.confine  # noqa: F401

@@ -27,6 +27,8 @@ def test_every_shipped_trace_parses_and_fits_a_cpu_machine() -> None:
         trace = load_trace(p)
         assert trace.name == os.path.splitext(os.path.basename(p))[0]
         assert trace.events[0].t == 0 and trace.max_gpus <= 4, p
+    for p in sorted(glob.glob(os.path.join(TRACES, "sim", "*.json"))):  # for the simulator only: any size
+        assert load_trace(p).events[0].t == 0, p
 
 
 def test_shrink_grow_is_4_2_4() -> None:
