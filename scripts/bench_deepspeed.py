@@ -95,8 +95,8 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     from bench import ds_engine
     from bench.measure import gathered, rotated, timed
 
-    from tenplex_megatron.engine import memory_save
     from tenplex_megatron.integrations import deepspeed as tds
+    from tenplex_megatron.memory import background
 
     r = dist.get_rank()
     shape = MODELS[a.model]
@@ -108,12 +108,12 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     first = []  # a job's first two snapshots write fresh tmpfs pages; later ones write over a retired one's
     for _ in range(2):
         first.append(gathered(timed(lambda: tds.save_snapshot(engine, tier))[1]))
-        memory_save.drain(tier)
+        background.drain(tier)
     for i in range(a.reps):
         for system in rotated(["ds", "tenplex", "memory"], i):
             if system == "memory":
                 res, rec = timed(lambda: tds.save_snapshot(engine, tier))
-                memory_save.drain(tier)  # its replication, before the next save is timed
+                background.drain(tier)  # its replication, before the next save is timed
                 reps["tenplex_memory"].append(gathered({**rec, "bytes_written": res.bytes_written}))
                 continue
             path = os.path.join(a.workdir, system if i == 0 else f"{system}_rep{i}")
@@ -151,8 +151,8 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     from bench import ds_engine
     from bench.measure import gathered, timed
 
-    from tenplex_megatron.engine.memory_load import MemoryLoadResult
     from tenplex_megatron.integrations import deepspeed as tds
+    from tenplex_megatron.memory.restart import MemoryLoadResult
 
     engine = ds_engine.build(MODELS[a.model], a.stage, GLOBAL_BATCH, universal=a.method == "ds_universal")
     ds_dir, tp_dir = os.path.join(a.workdir, "ds"), os.path.join(a.workdir, "tenplex")

@@ -50,6 +50,7 @@ writes JSON (--out). The measuring (timed call between barriers, max over ranks,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -89,18 +90,20 @@ def worker(a: argparse.Namespace) -> None:
     from bench.measure import gathered, rotated, timed
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from tenplex_megatron.engine import memory_load, memory_save
     from tenplex_megatron.execute.collective import all_gather_json
     from tenplex_megatron.integrations.megatron_core.adapter import MegatronCoreAdapter, load_job, save_job
     from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
     from tenplex_megatron.integrations.megatron_core.sharded import describe_job
+    from tenplex_megatron.memory import background, restart, state
+    from tenplex_megatron.memory.settings import MemorySettings
+    from tenplex_megatron.memory.snapshot import snapshot
     from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
     job = gpt_job.build(a.spec, a.layout, a.gbs, a.padded)
     rank = dist.get_rank()
     durable, mcore_dir = os.path.join(a.dir, "durable"), os.path.join(a.dir, "mcore")
-    tier = memory_save.open_tier(os.path.join(a.memdir, f"mem_{rank}"), durable, durable, persist_interval=10**9,
-                                 replicas=2, keep=1)
+    tier = state.open_tier(MemorySettings(os.path.join(a.memdir, f"mem_{rank}"), durable, durable,
+                                          persist_interval=10**9, replicas=2, keep=1))
     out: dict[str, Any] = {"phase": a.phase, "reps": {}}
     adapter = MegatronCoreAdapter(job)
 
@@ -117,9 +120,9 @@ def worker(a: argparse.Namespace) -> None:
             # a job's first two snapshots write fresh tmpfs pages (from the third on, each writes over the spare
             # that the snapshot before the last left): measured apart, so the repetitions are the steady state
             for _ in range(2):
-                res, r = timed(lambda: memory_save.snapshot(adapter, tier, persist=False))
+                res, r = timed(lambda: snapshot(adapter, tier, persist=False))
                 r["stall"] = res.seconds
-                memory_save.drain(tier)
+                background.drain(tier)
                 rec("snapshot_first", r)
             for rep in range(a.reps):
                 for system in rotated(list(SAVE_SYSTEMS), rep):
@@ -130,13 +133,13 @@ def worker(a: argparse.Namespace) -> None:
                         _, r = timed(copy)
                     elif system == "snapshot":
                         def snap() -> Any:
-                            return memory_save.snapshot(adapter, tier, persist=False)
+                            return snapshot(adapter, tier, persist=False)
                         if a.profile == system and rep == a.reps - 1:
                             snap = _profiled(snap, os.path.join(a.profile_dir, f"profile_{system}_rank{rank}.pstats"))
                         res, r = timed(snap)
                         r["stall"] = res.seconds
                         r["phases"] = dict(res.phases)
-                        memory_save.drain(tier)  # replicas in place before the next system runs
+                        background.drain(tier)  # replicas in place before the next system runs
                     elif system == "tenplex_sync":
                         _, r = timed(lambda rep=rep: save_job(job, os.path.join(durable + "_sync", f"rep{rep}")))
                     else:
@@ -158,24 +161,25 @@ def worker(a: argparse.Namespace) -> None:
                     times.append(time.perf_counter() - t0)
                 return times
 
-            def window(rate: float, persist: bool = True, pace: float = 0.0) -> dict[str, Any]:
+            def window(rate: float | str, persist: bool = True) -> dict[str, Any]:
                 """The steps begun while a snapshot's background work (replication at ``rate`` MB/s, 0: unlimited,
-                or ``pace``d by the time since the last snapshot, then the durable copy if ``persist``, in the
+                or ``auto``: paced by the time since the last snapshot, then the durable copy if ``persist``, in the
                 helper processes) runs: until it is done, at least 1, at most 8x --steps."""
-                tier.replication_rate, tier.replication_pace = rate, pace
+                tier.settings = dataclasses.replace(tier.settings, replication_rate=rate)
                 job.iteration = it0
                 cpu0 = _helper_cpu(tier)
                 t_bg = time.perf_counter()
                 since = None if tier.last_snapshot_at is None else t_bg - tier.last_snapshot_at  # what auto paces by
-                res = memory_save.snapshot(adapter, tier, persist=persist)
+                res = snapshot(adapter, tier, persist=persist)
                 times: list[float] = []
-                while not times or (len(times) < 8 * a.steps and memory_save.busy(tier)):
+                while not times or (len(times) < 8 * a.steps and background.busy(tier)):
                     times += steps(1)  # at least one step: a background done before the first still counts
-                finished = not memory_save.busy(tier)
-                memory_save.drain(tier)
+                finished = not background.busy(tier)
+                background.drain(tier)
                 return {"during": times, "background": time.perf_counter() - t_bg, "finished": finished,
-                        "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds, "rate": rate,
-                        "pace": pace, "persist": persist, "since_last_snapshot": since}
+                        "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds,
+                        "rate": tier.settings.rate_cap,
+                        "pace": tier.settings.pace, "persist": persist, "since_last_snapshot": since}
 
             alone = steps()
             # unlimited with the durable copy; the same without it (the snapshots between two persists, with
@@ -183,14 +187,14 @@ def worker(a: argparse.Namespace) -> None:
             # (--tenplex-replication-rate auto: paced by the time since the window before's snapshot). Each kind
             # --windows times (default --reps), round-robin, each window right after a step alone ("before"): its
             # pair, so that the slowdown is read against the steps around it, not against one baseline a drift moves
-            kinds = [(0.0, True, 0.0), (0.0, False, 0.0)] + (
-                [(a.replication_rate, True, 0.0)] if a.replication_rate else []) + [(0.0, True, memory_save.AUTO_PACE)]
+            kinds: list[tuple[float | str, bool]] = [(0.0, True), (0.0, False)] + (
+                [(a.replication_rate, True)] if a.replication_rate else []) + [("auto", True)]
             windows = []
             for rep in range(a.windows or a.reps):
                 for k in rotated(list(range(len(kinds))), rep):
                     before = steps(1)
                     windows.append({**window(*kinds[k]), "kind": k, "before": before})
-            tier.replication_rate = tier.replication_pace = 0.0  # the final snapshot below: as fast as it can
+            tier.settings = dataclasses.replace(tier.settings, replication_rate=0.0)  # the final snapshot: at once
             job.iteration = it0
             alone += steps()  # the baseline on both sides of the windows: drift does not count as slowdown
             job.iteration = it0
@@ -200,8 +204,8 @@ def worker(a: argparse.Namespace) -> None:
             out["steps"] = all_gather_json({"alone": alone, "windows": windows, "during_mcore": during_mcore})
         # the final state, saved by every system, and the losses the loads must reproduce
         job.iteration = it0
-        memory_save.snapshot(adapter, tier, persist=False)
-        memory_save.drain(tier)
+        snapshot(adapter, tier, persist=False)
+        background.drain(tier)
         save_job(job, durable)
         if not a.restart_only:
             mcore_dist_ckpt.save_checkpoint(job, mcore_dir, check=False)
@@ -236,10 +240,10 @@ def worker(a: argparse.Namespace) -> None:
                 cached = resident_bytes(target)
             if base == "memory":
                 def call() -> dict[str, Any]:
-                    choice = memory_load.choose(tier, durable)
+                    choice = restart.choose(tier, durable)
                     if choice is None:
                         raise RuntimeError("no complete snapshot in live memory")
-                    m = memory_load.load_snapshot(adapter, tier, choice)
+                    m = restart.load_snapshot(adapter, tier, choice)
                     return {"from_durable": m.bytes_from_durable, "received": m.bytes_received}
             elif base == "durable":
                 def call() -> dict[str, Any]:
@@ -259,7 +263,7 @@ def worker(a: argparse.Namespace) -> None:
         # source, so one step measured once stands for every system's
         _, r = timed(lambda: gpt.train_step(job, gpt_job.data(job, job.consumed_samples)))
         out["first_step"] = max(all_gather_json(r["seconds"]))
-    memory_save.close(tier)
+    state.close(tier)
     if rank == 0:
         launch.write_json(a.result, out)
     dist.barrier()

@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402 (after the path set-up)
 from bench.report import ratio_key, ratio_line  # noqa: E402
 
+from tenplex_megatron.memory.direct_copy import copy_direct  # noqa: E402
+from tenplex_megatron.memory.mounts import mount_of  # noqa: E402
 from tenplex_megatron.storage.checksum import crc32  # noqa: E402
-from tenplex_megatron.storage.direct_copy import copy_direct  # noqa: E402
-from tenplex_megatron.storage.memory_tier import mount_of  # noqa: E402
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 OPS = ("write_fresh", "write_over", "map_write", "map_write_pop", "map_crc", "unmap", "unlink", "persist_direct",

@@ -13,7 +13,7 @@ hundred bytes per buffer to the default) and per piece (``direct``), and per pie
 reference); every load must give the same bytes. The loaded device tensors are then saved
 (``write_safetensors``) through the ring and directly; the files must equal the one written from the CPU
 copies, checksums included. ``snapshot``: the same share on the device written as a host-memory rank file
-(``storage/shm_write.write_tensors``, into /dev/shm when it has room) through the pinned ring (``auto``) and by
+(``memory/shm_write.write_tensors``, into /dev/shm when it has room) through the pinned ring (``auto``) and by
 ``.to("cpu")`` (``direct``), against the CPU's file. GB/s are bytes over the best of ``--reps`` timed runs.
 """
 
@@ -36,8 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from scripts.bench_gpu_reshard import Share, parse_device, tenplex_load, write_share  # noqa: E402
+from tenplex_megatron.memory import shm_write  # noqa: E402
 from tenplex_megatron.plan.layout import ParallelLayout  # noqa: E402
-from tenplex_megatron.storage import shm_write  # noqa: E402
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors  # noqa: E402
 
 GB = 1e9

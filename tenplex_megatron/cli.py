@@ -24,6 +24,7 @@ from typing import Any
 
 from tenplex_megatron import __version__, cli_simulate
 from tenplex_megatron._optional import require
+from tenplex_megatron.memory import node_dir
 from tenplex_megatron.plan.autolayout import (
     GIB,
     Hardware,
@@ -46,7 +47,6 @@ from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
-from tenplex_megatron.storage import memory_tier
 from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -499,9 +499,9 @@ def cmd_clean_memory(args: argparse.Namespace) -> int:
     """Remove the snapshots a finished job left in a memory directory (its node id stays)."""
     if not os.path.isdir(args.directory):
         raise CLIError(f"{args.directory}: no such directory")
-    if not os.path.isfile(os.path.join(args.directory, memory_tier.NODE_FILE)):
-        raise CLIError(f"{args.directory}: not a tenplex memory directory (no {memory_tier.NODE_FILE}); nothing removed")
-    removed = memory_tier.clean(args.directory)
+    if not os.path.isfile(os.path.join(args.directory, node_dir.NODE_FILE)):
+        raise CLIError(f"{args.directory}: not a tenplex memory directory (no {node_dir.NODE_FILE}); nothing removed")
+    removed = node_dir.clean(args.directory)
     for path in removed:
         print(f"removed {path}")
     print(f"clean-memory: {len(removed)} entr{'y' if len(removed) == 1 else 'ies'} removed from {args.directory}")

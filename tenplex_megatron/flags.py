@@ -33,7 +33,7 @@ GROUPS = (
     ("trainer", "Reference trainer only", "trainer.md", "The reference trainer"),
 )
 
-MEMORY_DIR_DEFAULT = "/dev/shm/tenplex-$USER"  # how the docs write memory_tier.default_dir()
+MEMORY_DIR_DEFAULT = "/dev/shm/tenplex-$USER"  # how the docs write memory.node_dir.default_dir()
 
 
 def replication_rate_arg(value: str) -> float | str:
@@ -99,9 +99,9 @@ class Flag:
 
 
 def _memory_dir() -> str:
-    from tenplex_megatron.storage import memory_tier  # not at import time: the docs generator needs no storage
+    from tenplex_megatron.memory import node_dir  # not at import time: the docs generator needs no storage
 
-    return memory_tier.default_dir()
+    return node_dir.default_dir()
 
 
 FLAGS: tuple[Flag, ...] = (

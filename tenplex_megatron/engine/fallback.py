@@ -18,11 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.engine import memory_load
 from tenplex_megatron.engine.load import LoadResult
-from tenplex_megatron.engine.memory_load import MemoryChoice, MemoryLoadResult
-from tenplex_megatron.engine.memory_save import MemoryTier
 from tenplex_megatron.execute.collective import RankFailure, rank
+from tenplex_megatron.memory import restart as memory_restart
+from tenplex_megatron.memory.restart import MemoryLoadResult
+from tenplex_megatron.memory.state import MemoryTier
+from tenplex_megatron.plan.restart_policy import Choice
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.files import CheckpointFileError
 
@@ -69,8 +70,8 @@ def _skip(what: str, why: str, skipped: list[str]) -> None:
         log.warning("skipping a damaged copy, %s: %s (trying the next copy)", what, why)
 
 
-def restart(load_memory: Callable[[MemoryChoice], MemoryLoadResult], load_durable: Callable[[str], LoadResult],
-            tier: MemoryTier | None, choice: MemoryChoice | None, load_dir: str | None,
+def restart(load_memory: Callable[[Choice], MemoryLoadResult], load_durable: Callable[[str], LoadResult],
+            tier: MemoryTier | None, choice: Choice | None, load_dir: str | None,
             durable: str | None) -> Restart:
     """Collective: load ``choice`` (host memory) or else ``durable``, falling back in the module's order."""
     skipped: list[str] = []
@@ -86,11 +87,11 @@ def restart(load_memory: Callable[[MemoryChoice], MemoryLoadResult], load_durabl
             if why is None:
                 raise
             _skip(what, why, skipped)
-        bad = set(memory_load.damaged_copies(tier, choice)) - excluded
+        bad = set(memory_restart.damaged_copies(tier, choice)) - excluded
         if not bad:  # nothing damaged in the nodes' memory: the durable files it mixed in, or what travelled
             break
         excluded |= bad
-        choice = memory_load.choose(tier, load_dir, exclude=excluded)
+        choice = memory_restart.choose(tier, load_dir, exclude=excluded)
     first = durable if durable is not None else directory.find_checkpoint(load_dir) if load_dir else None
     for path in durable_candidates(load_dir, first) if load_dir else ([first] if first else []):
         try:
@@ -102,7 +103,7 @@ def restart(load_memory: Callable[[MemoryChoice], MemoryLoadResult], load_durabl
             _skip(f"durable checkpoint {path}", why, skipped)
             continue
         if tier is not None and skipped:  # snapshots newer than what was loaded: a timeline left behind
-            memory_load.discard_after(tier, res.iteration)
+            memory_restart.discard_after(tier, res.iteration)
         return Restart(res, None, tuple(skipped))
     raise NoGoodCopyError("no complete copy of the job's state is left to restart from; copies tried:\n  "
                           + "\n  ".join(skipped))

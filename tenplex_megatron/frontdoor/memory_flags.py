@@ -13,10 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from tenplex_megatron import flags
-from tenplex_megatron.engine import memory_save
-from tenplex_megatron.engine.memory_load import MemoryLoadResult
+from tenplex_megatron.memory import background, mounts
+from tenplex_megatron.memory.restart import MemoryLoadResult
+from tenplex_megatron.memory.settings import MemorySettings
+from tenplex_megatron.memory.snapshot import SnapshotResult
+from tenplex_megatron.memory.state import MemoryTier, open_tier
 from tenplex_megatron.plan.layout import ParallelLayout
-from tenplex_megatron.storage import memory_tier
 
 
 def add_memory_args(g: Any) -> None:
@@ -28,39 +30,40 @@ def check_memory_args(args: Any) -> str | None:
     """The first problem with the host-memory flags (naming the flag), or None."""
     if args.tenplex_memory is not None and not args.tenplex:
         return "--tenplex-memory needs --tenplex"
-    for flag in ("persist_interval", "replicas", "memory_keep"):
-        if getattr(args, f"tenplex_{flag}") < 1:
-            return f"--tenplex-{flag.replace('_', '-')} must be >= 1, got {getattr(args, f'tenplex_{flag}')}"
-    if args.tenplex_replication_rate != "auto" and args.tenplex_replication_rate < 0:
-        return f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {args.tenplex_replication_rate}"
-    if args.tenplex_memory_limit is not None and args.tenplex_memory_limit <= 0:
-        return f"--tenplex-memory-limit must be > 0 (GB), got {args.tenplex_memory_limit}"
+    try:
+        memory_settings(args)
+    except ValueError as e:
+        return str(e)
     return None
 
 
-def open_memory(args: argparse.Namespace | Any) -> memory_save.MemoryTier | None:
-    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it), its helper processes started.
-    The job's identity is its durable directory: another job's snapshots are never loaded."""
+def memory_settings(args: argparse.Namespace | Any) -> MemorySettings:
+    """The tier's settings from the flags (validated there: a bad value is a ValueError naming its flag). The
+    job's identity is its durable directory: another job's snapshots are never loaded."""
+    mem = args.tenplex_memory or ""
+    save = getattr(args, "save", None)  # Megatron-LM's own flags: absent where only the hook's are parsed
+    limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
+    return MemorySettings(mem, os.path.abspath(save or getattr(args, "load", None) or mem), save,
+                          persist_interval=args.tenplex_persist_interval, replicas=args.tenplex_replicas,
+                          keep=args.tenplex_memory_keep, limit=limit, fallback=args.tenplex_memory_fallback,
+                          durable_keep=args.tenplex_keep, replication_rate=args.tenplex_replication_rate)
+
+
+def open_memory(args: argparse.Namespace | Any) -> MemoryTier | None:
+    """Collective: the host-memory tier of ``--tenplex-memory`` (None without it), its helper processes started."""
     if not (args.tenplex and args.tenplex_memory):
         return None
-    job = os.path.abspath(args.save or args.load or args.tenplex_memory)
-    limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
-    memory_tier.say_huge_pages_hint(args.tenplex_memory)
-    return memory_save.open_tier(args.tenplex_memory, job, args.save, start_helpers=True,
-                                 persist_interval=args.tenplex_persist_interval,
-                                 replicas=args.tenplex_replicas, keep=args.tenplex_memory_keep, limit=limit,
-                                 fallback=args.tenplex_memory_fallback, durable_keep=args.tenplex_keep,
-                                 **memory_save.replication_options(args.tenplex_replication_rate))
+    mounts.say_huge_pages_hint(args.tenplex_memory)
+    return open_tier(memory_settings(args), start_helpers_now=True)
 
 
-
-def finish(tier: memory_save.MemoryTier, over: bool, say: Callable[[str], None]) -> None:
-    """Collective, when the job stops: :func:`memory_save.finish`, each durable checkpoint it committed said."""
-    for path in memory_save.finish(tier, over):
+def finish(tier: MemoryTier, over: bool, say: Callable[[str], None]) -> None:
+    """Collective, when the job stops: :func:`background.finish`, each durable checkpoint it committed said."""
+    for path in background.finish(tier, over):
         say(f"> tenplex: persisted {path} (background)")
 
 
-def describe_snapshot(snap: memory_save.SnapshotResult, iteration: int) -> list[str]:
+def describe_snapshot(snap: SnapshotResult, iteration: int) -> list[str]:
     """The lines a trainer prints for a save through the memory tier."""
     if snap.fallback is not None:
         return [f"> tenplex: snapshot did not fit in memory: saved iteration {iteration} to {snap.path} "

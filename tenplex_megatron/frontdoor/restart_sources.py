@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenplex_megatron.engine import fallback, memory_load
+from tenplex_megatron.engine import fallback
 from tenplex_megatron.engine.load import LoadResult
-from tenplex_megatron.engine.memory_save import MemoryTier
 from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, MegatronCoreAdapter, load_job
+from tenplex_megatron.memory import restart as memory_restart
+from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.restart_policy import Choice
 from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint
 
 
@@ -22,7 +24,7 @@ class Sources:
     """The copies a restart may load, at most one of the first two set: a host-memory snapshot, tenplex's durable
     checkpoint, and Megatron's own checkpoint (only when neither of the others exists)."""
 
-    memory: memory_load.MemoryChoice | None
+    memory: Choice | None
     tenplex: str | None
     megatron: str | None
 
@@ -34,7 +36,7 @@ class Sources:
 
 def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool) -> Sources:
     """The load-source order (module docstring) over ``load_dir`` and the host-memory ``tier``."""
-    memory = memory_load.choose(tier, load_dir) if tier is not None else None
+    memory = memory_restart.choose(tier, load_dir) if tier is not None else None
     ckpt = find_checkpoint(load_dir) if (load_dir and tenplex and memory is None) else None
     mck = find_megatron_checkpoint(load_dir) if (load_dir and memory is None and ckpt is None) else None
     return Sources(memory, ckpt, mck)
@@ -45,7 +47,7 @@ def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: s
     """Collective: load ``sources``' snapshot or durable checkpoint into ``job``, re-sharded; a damaged copy falls
     back to the next (``engine/fallback.py``)."""
     return fallback.restart(
-        lambda c: memory_load.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
+        lambda c: memory_restart.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
         lambda path: load_job(job, path, verify=verify), tier, sources.memory, load_dir, sources.tenplex)
 
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from tenplex_megatron import flags
 from tenplex_megatron._optional import require
-from tenplex_megatron.engine import memory_load, memory_save, orphan
+from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import elastic, lease_flags, memory_flags, restart_sources
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.integrations.hf.load import init_from_hf
@@ -53,6 +53,10 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
+from tenplex_megatron.memory import state
+from tenplex_megatron.memory.restart import discard_after
+from tenplex_megatron.memory.snapshot import snapshot
+from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
@@ -66,7 +70,7 @@ from tenplex_megatron.storage.directory import (
 )
 
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
-_MEMORY: dict[str, memory_save.MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
+_MEMORY: dict[str, MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
 
 
 def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -211,18 +215,17 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     opened = "tier" in _MEMORY
     tier = _memory_tier(args)
     if tier is not None and not opened:  # no --load: the job started afresh, older runs' snapshots are left behind
-        memory_load.discard_after(tier, None)
+        discard_after(tier, None)
     with lease_flags.stop_when_fenced("pretrain_gpt.py"):  # a newer generation of this job owns the directory
         if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
-            snap = memory_save.snapshot(MegatronCoreAdapter(job, extra), tier)
-            for line in memory_flags.describe_snapshot(snap, iteration):
+            for line in memory_flags.describe_snapshot(snapshot(MegatronCoreAdapter(job, extra), tier), iteration):
                 print_rank_0(line)
             return
         res = save_job(job, args.save, extra=extra, keep=args.tenplex_keep)
     print_rank_0(f"> tenplex: saved iteration {iteration} to {res.path} in {res.seconds:.2f} s")
 
 
-def _memory_tier(args: Any) -> memory_save.MemoryTier | None:
+def _memory_tier(args: Any) -> MemoryTier | None:
     """Collective at first use (the first save or load, reached by every rank): the ``--tenplex-memory`` tier."""
     if not (getattr(args, "tenplex", False) and getattr(args, "tenplex_memory", None)):
         return None
@@ -236,7 +239,7 @@ def _close_memory() -> None:
     """At exit: stop this node's helper process (local: the collective end is :func:`maybe_finalize_async_save`)."""
     tier = _MEMORY.get("tier")
     if tier is not None:
-        memory_save.close(tier)
+        state.close(tier)
 
 
 def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *a: Any, **kw: Any) -> Any:
@@ -282,7 +285,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     return res.iteration, flops
 
 
-def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: memory_save.MemoryTier | None,
+def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: MemoryTier | None,
              sources: restart_sources.Sources, load_dir: str) -> tuple[int, float]:
     """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
     re-sharded; a damaged copy falls back to the next (``engine/fallback.py``)."""

@@ -9,15 +9,43 @@ ranks have sent the fewest bytes so far (ties: the lowest rank).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, order=True)
+class PeerKey:
+    """A stored item peers send: one tensor (``name``) of one rank file (``file``)."""
+
+    file: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.name}"
+
+
+@dataclass(frozen=True)
+class PeerRequest:
+    """Bytes ``[lo, hi)`` of item ``key`` that a rank needs from a peer (what ranks gather, as JSON)."""
+
+    key: PeerKey
+    lo: int
+    hi: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.key.file, "name": self.key.name, "lo": self.lo, "hi": self.hi}
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> PeerRequest:
+        return PeerRequest(PeerKey(str(d["file"]), str(d["name"])), int(d["lo"]), int(d["hi"]))
 
 
 @dataclass(frozen=True)
 class Transfer:
-    """``hi - lo`` bytes of stored item ``key`` (a rank file's tensor) from ``sender`` to ``receiver``."""
+    """``hi - lo`` bytes of stored item ``key`` from ``sender`` to ``receiver``."""
 
     sender: int
     receiver: int
-    key: str
+    key: PeerKey
     lo: int
     hi: int
 
@@ -26,19 +54,19 @@ class Transfer:
         return self.hi - self.lo
 
 
-def schedule(requests: dict[int, list[tuple[str, int, int]]], senders: dict[str, list[int]]) -> list[Transfer]:
-    """Transfers serving every request: ``requests[rank]`` = (key, lo, hi) byte ranges it needs; ``senders[key]``:
-    the ranks able to send ``key`` (on a node that holds it). Raises ValueError naming a key no rank can send."""
+def schedule(requests: dict[int, list[PeerRequest]], senders: dict[PeerKey, list[int]]) -> list[Transfer]:
+    """Transfers serving every request: ``requests[rank]``: the byte ranges it needs; ``senders[key]``: the ranks
+    able to send ``key`` (on a node that holds it). Raises ValueError naming a key no rank can send."""
     load: dict[int, int] = {}
     out = []
     for receiver in sorted(requests):
-        for key, lo, hi in requests[receiver]:
-            who = [s for s in senders.get(key, []) if s != receiver]
+        for req in requests[receiver]:
+            who = [s for s in senders.get(req.key, []) if s != receiver]
             if not who:
-                raise ValueError(f"{key}: no live rank holds it to send to rank {receiver}")
+                raise ValueError(f"{req.key}: no live rank holds it to send to rank {receiver}")
             s = min(who, key=lambda r: (load.get(r, 0), r))
-            load[s] = load.get(s, 0) + hi - lo
-            out.append(Transfer(s, receiver, key, lo, hi))
+            load[s] = load.get(s, 0) + req.hi - req.lo
+            out.append(Transfer(s, receiver, req.key, req.lo, req.hi))
     return out
 
 

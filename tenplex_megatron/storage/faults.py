@@ -19,6 +19,9 @@ helper half way through copying a file to durable storage). ``lease.link`` (taki
 ``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
 exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
 benchmark, ``scripts/bench_faults.py``).
+
+The other test hook is :func:`log_open`: with ``TENPLEX_OPEN_LOG`` naming a file, every host-memory path a
+process opens is appended there (the tests check that a restart reads only its own node's memory).
 """
 
 from __future__ import annotations
@@ -32,6 +35,15 @@ POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadat
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
+OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
+
+
+def log_open(path: str) -> None:
+    """Record a path this process opens in a memory directory (only when ``TENPLEX_OPEN_LOG`` names a file)."""
+    log = os.environ.get(OPEN_LOG_ENV)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\t{os.path.abspath(path)}\n")
 
 
 def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:

@@ -26,7 +26,7 @@ import torch
 from megatron.core import parallel_state
 
 from tenplex_megatron import flags
-from tenplex_megatron.engine import memory_save, orphan
+from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
@@ -38,6 +38,9 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
+from tenplex_megatron.memory import state
+from tenplex_megatron.memory.snapshot import snapshot
+from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
@@ -544,7 +547,7 @@ def run(args: argparse.Namespace) -> None:
         _save(job, args, tier)
     if tier is not None:  # over: training is, and its last state goes to --save
         memory_flags.finish(tier, bool(args.save) and job.iteration >= args.train_iters, _print0)
-        memory_save.close(tier)
+        state.close(tier)
     if metrics is not None:
         metrics.close()
     lease_flags.release(args)
@@ -557,11 +560,11 @@ def _loss_scale(job: Any) -> float | None:
     return float(scaler.scale.item()) if scaler is not None else None
 
 
-def _save(job: Any, args: argparse.Namespace, tier: memory_save.MemoryTier | None = None,
+def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
           persist: bool | None = None) -> None:
     gpt.sync_params(job)
     if tier is not None:
-        snap = memory_save.snapshot(MegatronCoreAdapter(job), tier, persist)
+        snap = snapshot(MegatronCoreAdapter(job), tier, persist)
         for line in memory_flags.describe_snapshot(snap, job.iteration):
             _print0(line)
         return

@@ -21,10 +21,11 @@ import torch
 
 from tenplex_megatron.execute.executor import SourceFiles, execute_plan
 from tenplex_megatron.execute.staged import execute_staged
+from tenplex_megatron.memory import shm_write
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import plan_reshard
 from tenplex_megatron.plan.sim.sharding import layout_chunks
-from tenplex_megatron.storage import shm_write, staged_write
+from tenplex_megatron.storage import staged_write
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, write_safetensors
 from tenplex_megatron.storage.staging import StagingRing
 from tests.staging_support import damage_last_byte_read, staging_tensors, write_source
@@ -126,7 +127,7 @@ def test_nccl_collectives_carry_json(tmp_path) -> None:
 
 @pytest.mark.parametrize("mb", ["0.01", "256"])
 def test_snapshot_file_from_cuda_through_the_pinned_ring(tmp_path, monkeypatch, mb) -> None:
-    """A host-memory snapshot's rank file (``storage/shm_write.py``) written from CUDA tensors (``auto``: through
+    """A host-memory snapshot's rank file (``memory/shm_write.py``) written from CUDA tensors (``auto``: through
     the pinned ring on a side stream) is the same file, with the same checksums, as one written from the CPU."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
     host = {"a": torch.randn(300_001), "b": torch.randn(1000, 77).to(torch.bfloat16), "c": torch.zeros(0),

@@ -20,9 +20,10 @@ import os
 import torch
 import torch.distributed as dist
 
-from tenplex_megatron.engine.memory_load import MemoryLoadResult
 from tenplex_megatron.integrations import deepspeed as tds
-from tenplex_megatron.storage import memory_tier
+from tenplex_megatron.memory import node_dir
+from tenplex_megatron.memory.restart import MemoryLoadResult
+from tenplex_megatron.storage.faults import OPEN_LOG_ENV
 from tests.multiproc.ds_run import Job, build, free, full_state, train_step
 
 STEPS = 6
@@ -36,7 +37,7 @@ def node_of(mode: str, rank: int) -> int:
 def run(mode: str, job: Job) -> dict:
     r = dist.get_rank()
     mem = os.path.join(job.dir, f"mem_{node_of(mode, r)}")
-    os.environ[memory_tier.OPEN_LOG_ENV] = os.path.join(job.dir, f"open_{mode}.rank{r}.log")  # helpers inherit it
+    os.environ[OPEN_LOG_ENV] = os.path.join(job.dir, f"open_{mode}.rank{r}.log")  # helpers inherit it
     ckpt = os.path.join(job.dir, "ckpt")
     out: dict = {"mem": os.path.abspath(mem), "losses": {}}
     engine = build(job)
@@ -61,12 +62,12 @@ def run(mode: str, job: Job) -> dict:
     if mode == "resume":
         tds.save_snapshot(engine, tier)
     out["persisted"] = list(tds.finish_memory(tier, over=mode == "resume"))
-    out["files"] = {it: sorted(os.listdir(memory_tier.snapshot_dir(tier.mem, it)))
-                    for it in (4, 6) if os.path.isdir(memory_tier.snapshot_dir(tier.mem, it))}
+    out["files"] = {it: sorted(os.listdir(node_dir.snapshot_dir(tier.mem, it)))
+                    for it in (4, 6) if os.path.isdir(node_dir.snapshot_dir(tier.mem, it))}
     if mode == "resume":  # every node's memory lost (a reboot): the durable checkpoint persisted at the end
         final = full_state(engine)
         rebooted = build(job)
-        os.environ[memory_tier.OPEN_LOG_ENV] = os.path.join(job.dir, f"open_rebooted.rank{r}.log")
+        os.environ[OPEN_LOG_ENV] = os.path.join(job.dir, f"open_rebooted.rank{r}.log")
         again = tds.open_memory(mem + "_rebooted", ckpt)
         res = tds.load_latest(rebooted, again, ckpt)
         out["rebooted"] = [type(res).__name__, getattr(res, "iteration", None),

@@ -10,21 +10,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tenplex_megatron.engine import fallback, memory_load, memory_save
+from tenplex_megatron.engine import fallback
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.engine.save import save
+from tenplex_megatron.memory import background, state
+from tenplex_megatron.memory import restart as memory_restart
 from tenplex_megatron.storage import directory
 from tests.harness import flip
 from tests.multiproc.memory_run import Tiny, snap, tier
 
 
-def restart(t: memory_save.MemoryTier | None, ckpt: str) -> tuple[Tiny, fallback.Restart | str]:
+def restart(t: state.MemoryTier | None, ckpt: str) -> tuple[Tiny, fallback.Restart | str]:
     """What a trainer does: the memory choice (or the newest durable checkpoint), loaded with the fallback, at
     another layout (columns instead of rows)."""
     back = Tiny(0.0, axis=1)
-    choice = memory_load.choose(t, ckpt) if t is not None else None
+    choice = memory_restart.choose(t, ckpt) if t is not None else None
     try:
-        got = fallback.restart(lambda c: memory_load.load_snapshot(back, t, c), lambda p: load(back, p), t, choice,
+        got = fallback.restart(lambda c: memory_restart.load_snapshot(back, t, c), lambda p: load(back, p), t, choice,
                                ckpt, None if choice is not None else directory.find_checkpoint(ckpt))
     except fallback.NoGoodCopyError as e:
         return back, str(e)
@@ -54,19 +56,19 @@ def cases(out: str) -> dict[str, Any]:
     t = tier(out, persist_interval=1000)
     # a bad replica: node 0's copy of rank 1's file; node 1's copy is good
     snap(t, 1.0, 1)
-    memory_save.drain(t)
+    background.drain(t)
     barrier_then(me, lambda: flip(os.path.join(out, "mem_0", "iter_0000001", directory.rank_file_name(1))))
     res["bad_replica"] = report(*restart(t, ckpt))
     # a bad snapshot file (every copy of rank 1's file) and a durable checkpoint of the same iteration
     snap(t, 2.0, 2)
-    memory_save.drain(t)
+    background.drain(t)
     a = Tiny(2.0)
     a.it = 2
     save(a, ckpt)
     barrier_then(me, lambda: [flip(os.path.join(out, f"mem_{n}", "iter_0000002", directory.rank_file_name(1)))
                               for n in (0, 1)])
     res["bad_snapshot"] = report(*restart(t, ckpt))
-    memory_save.close(t)
+    state.close(t)
     # the durable checkpoint only: the newest damaged, the previous complete iteration loads; then none is left
     a = Tiny(3.0)
     a.it = 3

@@ -14,22 +14,26 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import logging
 import os
 import shutil
 import signal
 import sys
-import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tenplex_megatron.engine import memory_load, memory_save
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.execute.collective import RankFailure
+from tenplex_megatron.memory import background, node_dir, restart, state
+from tenplex_megatron.memory.settings import MemorySettings
+from tenplex_megatron.memory.snapshot import snapshot
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
-from tenplex_megatron.storage import directory, memory_tier
+from tenplex_megatron.storage import directory
 
 ROWS, COLS = 8, 6
 
@@ -84,16 +88,39 @@ class Tiny:
                     and torch.equal(self.b, torch.full((self.cols,), value)))
 
 
-def tier(out: str, **options: Any) -> memory_save.MemoryTier:
+def tier(out: str, **options: Any) -> state.MemoryTier:
     job = options.pop("job", os.path.join(out, "ckpt"))
-    return memory_save.open_tier(os.path.join(out, f"mem_{dist.get_rank()}"), job, os.path.join(out, "ckpt"),
-                                 **options)
+    return state.open_tier(MemorySettings(os.path.join(out, f"mem_{dist.get_rank()}"), job, os.path.join(out, "ckpt"),
+                                          **options))
 
 
-def snap(t: memory_save.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def warnings_logged() -> Iterator[list[str]]:
+    """The warnings the library logs meanwhile (a handler on its logger, whatever its own handlers show)."""
+    handler = _Records()
+    logger = logging.getLogger("tenplex_megatron")
+    logger.addHandler(handler)
+    got: list[str] = []
+    try:
+        yield got
+    finally:
+        logger.removeHandler(handler)
+        got.extend(r.getMessage() for r in handler.records if r.levelno >= logging.WARNING)
+
+
+def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:
     a = Tiny(value)
     a.it = it
-    return memory_save.snapshot(a, t, persist)
+    return snapshot(a, t, persist)
 
 
 def error_of(fn: Any) -> str | None:
@@ -109,17 +136,17 @@ def scenarios(out: str) -> dict[str, Any]:
     res: dict[str, Any] = {}
     t = tier(out, persist_interval=1000)
     s = snap(t, 1.0, 1)
-    memory_save.drain(t)  # the helper processes copy the replicas in the background
+    background.drain(t)  # the helper processes copy the replicas in the background
     res["files"] = sorted(os.listdir(s.path))
     res["replicated"] = s.bytes_replicated
     dist.barrier()
     if me == 0:  # node 1 loses its memory (its id stays: a node with empty memory)
         shutil.rmtree(os.path.join(out, "mem_1", "iter_0000001"))
     dist.barrier()
-    choice = memory_load.choose(t, None)
+    choice = restart.choose(t, None)
     res["chosen"] = choice.iteration if choice else None
     back = Tiny(0.0, axis=1)  # another layout: columns instead of rows
-    loaded = memory_load.load_snapshot(back, t, choice)
+    loaded = restart.load_snapshot(back, t, choice)
     res["new_layout_equal"] = back.matches(1.0)
     res["received"], res["from_durable"] = loaded.bytes_received, loaded.bytes_from_durable
     res["verified"] = loaded.result.bytes_verified
@@ -134,57 +161,54 @@ def scenarios(out: str) -> dict[str, Any]:
     res["fallback"] = r.fallback is not None and os.path.isdir(os.path.join(out, "ckpt", "iter_0000003"))
 
     other = tier(out, job="/some/other/job")
-    res["other_job"] = error_of(lambda: memory_load.choose(other, None))
+    res["other_job"] = error_of(lambda: restart.choose(other, None))
     wide = Tiny(0.0, cols=COLS + 2)
-    res["other_model"] = error_of(lambda: memory_load.load_snapshot(wide, t, choice))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        memory_save.close(tier(out, replicas=3))
-    res["replica_warning"] = [str(w.message) for w in caught if "replicas" in str(w.message)]
+    res["other_model"] = error_of(lambda: restart.load_snapshot(wide, t, choice))
+    with warnings_logged() as caught:
+        state.close(tier(out, replicas=3))
+    res["replica_warning"] = [w for w in caught if "replicas" in w]
 
     k = tier(out, keep=1, persist_interval=1000)
     for it in (4, 5, 6):
         snap(k, float(it), it)
         res.setdefault("kept_while_replicating", []).append(directory.committed_iterations(k.mem))
-        memory_save.drain(k)
-        replica = os.path.join(memory_tier.snapshot_dir(k.mem, it), directory.rank_file_name(1 - me))
+        background.drain(k)
+        replica = os.path.join(node_dir.snapshot_dir(k.mem, it), directory.rank_file_name(1 - me))
         res.setdefault("replica_inodes", []).append(os.stat(replica).st_ino)  # the other node's file, received
     res["kept"] = directory.committed_iterations(k.mem)
-    memory_save.close(k)
+    state.close(k)
 
     rep = tier(out, persist_interval=1000)
     os.environ["TENPLEX_FAULT"] = "memory.replicate@1"  # the helpers start now: node 1's dies storing a replica
     snap(rep, 9.0, 9)
     del os.environ["TENPLEX_FAULT"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        memory_save.drain(rep)
-    res["replicate_killed_warning"] = [str(w.message) for w in caught if "replication" in str(w.message)]
+    with warnings_logged() as caught:
+        background.drain(rep)
+    res["replicate_killed_warning"] = [w for w in caught if "replication" in w]
     res["after_killed_replication"] = sorted(os.listdir(os.path.join(rep.mem, "iter_0000009")))
     snap(rep, 10.0, 10)  # the restarted helpers replicate the next snapshot
-    memory_save.drain(rep)
+    background.drain(rep)
     res["after_restart"] = sorted(os.listdir(os.path.join(rep.mem, "iter_0000010")))
-    memory_save.close(rep)
+    state.close(rep)
 
     p = tier(out, persist_interval=1)
     os.environ["TENPLEX_FAULT"] = "persist.copy"  # the helper starts now and inherits it: killed half way
     snap(p, 11.0, 11)
     del os.environ["TENPLEX_FAULT"]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res["persisted_killed"] = list(memory_save.drain(p))  # the helper's death is reported, nothing committed
-    res["persist_killed_warning"] = [str(w.message) for w in caught if "persist" in str(w.message)]
+    with warnings_logged() as caught:
+        res["persisted_killed"] = list(background.drain(p))  # the helper's death is reported, nothing committed
+    res["persist_killed_warning"] = [w for w in caught if "persist" in w]
     r = snap(p, 12.0, 12)  # persisted by a new helper; the killed persist's staging directory is removed
     res["persist_cleaned"] = [x for x in r.removed if x.endswith(".tenplex-partial")]
-    res["persisted_after"] = list(memory_save.drain(p))
-    memory_save.close(p)
+    res["persisted_after"] = list(background.drain(p))
+    state.close(p)
     back = Tiny(0.0)
     load(back, os.path.join(out, "ckpt"))
     res["durable_after"] = [back.it, back.matches(12.0)]
 
     res["mixed"] = mixed(os.path.join(out, "mixed"))
     for x in (t, small, fb, other):
-        memory_save.close(x)
+        state.close(x)
     return res
 
 
@@ -194,15 +218,15 @@ def mixed(out: str) -> dict[str, Any]:
     me = dist.get_rank()
     m = tier(out, replicas=1, persist_interval=1)
     snap(m, 13.0, 13)
-    persisted = [os.path.basename(x) for x in memory_save.drain(m)]
+    persisted = [os.path.basename(x) for x in background.drain(m)]
     dist.barrier()
     if me == 0:
         shutil.rmtree(os.path.join(out, "mem_1", "iter_0000013"))
     dist.barrier()
-    c = memory_load.choose(m, os.path.join(out, "ckpt"))
+    c = restart.choose(m, os.path.join(out, "ckpt"))
     back = Tiny(0.0, axis=1)
-    got = memory_load.load_snapshot(back, m, c)
-    memory_save.close(m)
+    got = restart.load_snapshot(back, m, c)
+    state.close(m)
     return {"persisted": persisted, "chosen": c.iteration, "durable": list(c.durable), "equal": back.matches(13.0),
             "from_durable": got.bytes_from_durable, "received": got.bytes_received}
 
@@ -210,7 +234,7 @@ def mixed(out: str) -> dict[str, Any]:
 def crash(point: str, out: str) -> None:
     t = tier(out, persist_interval=1000)
     snap(t, 1.0, 1, persist=True)
-    memory_save.drain(t)
+    background.drain(t)
     os.environ["TENPLEX_FAULT"] = f"{point}@1"
     snap(t, 2.0, 2)  # rank 1 is killed; rank 0 fails in the next collective
 
@@ -219,15 +243,15 @@ def check(outs: list[str]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     for out in outs:
         t = tier(out, persist_interval=1000)
-        choice = memory_load.choose(t, os.path.join(out, "ckpt"))
+        choice = restart.choose(t, os.path.join(out, "ckpt"))
         a = Tiny(0.0, axis=1)
-        memory_load.load_snapshot(a, t, choice)
+        restart.load_snapshot(a, t, choice)
         d = Tiny(0.0)
         load(d, os.path.join(out, "ckpt"))
         s = snap(t, 3.0, 3)
         res[out] = {"memory": [a.it, a.matches(float(a.it))], "durable": [d.it, d.matches(1.0)],
                     "cleaned": [x for x in s.removed if x.endswith(".tenplex-partial")]}
-        memory_save.close(t)
+        state.close(t)
     return res
 
 

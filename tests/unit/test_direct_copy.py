@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from tenplex_megatron.storage import persist_helper
-from tenplex_megatron.storage.direct_copy import ALIGN, copy_direct
+from tenplex_megatron.memory import helper
+from tenplex_megatron.memory.direct_copy import ALIGN, copy_direct
 
 
 @pytest.mark.parametrize("size", [0, 100, ALIGN, 3 * ALIGN + 123, (1 << 20) + 1])
@@ -40,5 +40,5 @@ def test_helper_copy_file_either_way(tmp_path, monkeypatch, direct):
     src, dst = tmp_path / "src", tmp_path / "dst"
     data = os.urandom(5 * ALIGN + 999)
     src.write_bytes(data)
-    assert persist_helper.copy_file(str(src), str(dst), 1) == len(data)
+    assert helper.copy_file(str(src), str(dst), 1) == len(data)
     assert dst.read_bytes() == data

@@ -20,13 +20,17 @@ def test_replication_rate_is_parsed_and_unlimited_by_default() -> None:
 
 
 def test_replication_rate_becomes_the_tiers_cap_or_its_pace() -> None:
-    from tenplex_megatron.engine.memory_save import AUTO_PACE, replication_options
+    from tenplex_megatron.memory.settings import AUTO_PACE, MemorySettings
 
-    assert replication_options(25.0) == {"replication_rate": 25.0}
-    assert replication_options("auto") == {"replication_rate": 0.0, "replication_pace": AUTO_PACE}
+    capped = MemorySettings("/dev/shm/job", "job", None, replication_rate=25.0)
+    assert (capped.rate_cap, capped.pace) == (25.0, 0.0)
+    auto = MemorySettings("/dev/shm/job", "job", None, replication_rate="auto")
+    assert (auto.rate_cap, auto.pace) == (0.0, AUTO_PACE)
     for bad in ("fast", -1.0, float("nan")):  # DeepSpeed's open_memory(replication_rate=...) has no parser first
-        with pytest.raises(ValueError, match="replication_rate: expected MB/s"):
-            replication_options(bad)
+        with pytest.raises(ValueError, match="--tenplex-replication-rate"):
+            MemorySettings("/dev/shm/job", "job", None, replication_rate=bad)
+    with pytest.raises(ValueError, match="--tenplex-replicas must be >= 1, got 0"):
+        MemorySettings("/dev/shm/job", "job", None, replicas=0)
 
 
 @pytest.mark.parametrize("flags, message", [

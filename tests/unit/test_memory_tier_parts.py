@@ -3,22 +3,62 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
 import torch
 
 from tenplex_megatron.cli import main as cli_main
-from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
-from tenplex_megatron.storage import directory, memory_tier
+from tenplex_megatron.memory import mounts, node_dir
+from tenplex_megatron.memory.helper import Helper
+from tenplex_megatron.memory.protocol import (
+    Copy,
+    Hurry,
+    Persist,
+    ProtocolError,
+    Receive,
+    Remove,
+    Replicate,
+    Reply,
+    Send,
+    decode_reply,
+    decode_request,
+    encode,
+)
+from tenplex_megatron.memory.shm_write import write_tensors
+from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, merge_ranges, schedule
+from tenplex_megatron.plan.restart_policy import DurableListing, ForeignSnapshotError, Snapshot
+from tenplex_megatron.plan.restart_policy import pick_snapshot as choose
+from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.memory_tier import Snapshot, choose
-from tenplex_megatron.storage.persist_helper import PersistHelper
 from tenplex_megatron.storage.safetensors_io import write_safetensors
-from tenplex_megatron.storage.shm_write import write_tensors
 
 FILES = {"rank_00000.safetensors": 100, "rank_00001.safetensors": 200}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@contextmanager
+def logged() -> Iterator[list[logging.LogRecord]]:
+    """The records the library logs meanwhile, from a handler on its ``tenplex_megatron`` logger."""
+    handler = _Records()
+    logger = logging.getLogger("tenplex_megatron")
+    logger.addHandler(handler)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
 
 
 def snap(node: str, it: int, present: dict[str, int], job: str = "job", digest: str = "d") -> Snapshot:
@@ -42,51 +82,55 @@ def test_newest_complete_snapshot_wins_and_an_incomplete_one_never() -> None:
 def test_a_snapshot_incomplete_in_memory_is_completed_from_the_durable_checkpoint_of_its_iteration() -> None:
     a0 = {"rank_00000.safetensors": 100}
     held = [snap("A", 4, FILES), snap("A", 8, a0)]  # node B lost its memory, and with K=1 its file of 8
-    whole = memory_tier.DurableListing(8, "d", dict(FILES))
+    whole = DurableListing(8, "d", dict(FILES))
     got = choose(held, "job", 8, whole)
     assert got is not None and got.iteration == 8 and got.durable == ("rank_00001.safetensors",)
     assert got.holders == {"rank_00000.safetensors": ("A",)}  # the memory first, the durable checkpoint last
     assert choose(held, "job", 8) is None  # without the listing: the durable load (as before)
-    assert choose(held, "job", 8, memory_tier.DurableListing(8, "other", dict(FILES))) is None  # another snapshot
-    short = memory_tier.DurableListing(8, "d", {"rank_00000.safetensors": 100, "rank_00001.safetensors": 199})
+    assert choose(held, "job", 8, DurableListing(8, "other", dict(FILES))) is None  # another snapshot
+    short = DurableListing(8, "d", {"rank_00000.safetensors": 100, "rank_00001.safetensors": 199})
     assert choose(held, "job", 8, short) is None  # its copy of the missing file is not the recorded size
-    older = memory_tier.DurableListing(4, "d", dict(FILES))  # the durable checkpoint is of another iteration
+    older = DurableListing(4, "d", dict(FILES))  # the durable checkpoint is of another iteration
     assert choose(held, "job", 4, older).iteration == 4  # 8 cannot be completed: the older whole snapshot
     assert choose([snap("A", 8, FILES)], "job", 8, whole).durable == ()  # whole in memory: nothing durable
 
 
 def test_another_jobs_snapshot_is_an_error_naming_it() -> None:
-    with pytest.raises(CheckpointFileError, match="job 'other'.*never loaded"):
+    with pytest.raises(ForeignSnapshotError, match="job 'other'.*never loaded"):
         choose([snap("A", 6, FILES, job="other")], "job", None)
 
 
 def test_schedule_balances_senders_and_sends_each_range_once_per_receiver() -> None:
-    reqs = {2: [("f\tw", 0, 100), ("g\tw", 0, 50)], 3: [("f\tw", 0, 100)]}
-    got = schedule(reqs, {"f\tw": [0, 1], "g\tw": [0, 1]})
-    assert [(t.receiver, t.key) for t in got] == [(2, "f\tw"), (2, "g\tw"), (3, "f\tw")]
-    assert {t.sender for t in got if t.key == "f\tw"} == {0, 1}  # the second copy comes from the idle sender
-    with pytest.raises(ValueError, match="no live rank holds it"):
-        schedule({1: [("h\tw", 0, 8)]}, {"h\tw": [1]})
+    f, g, h = PeerKey("f", "w"), PeerKey("g", "w"), PeerKey("h", "w")
+    reqs = {2: [PeerRequest(f, 0, 100), PeerRequest(g, 0, 50)], 3: [PeerRequest(f, 0, 100)]}
+    got = schedule(reqs, {f: [0, 1], g: [0, 1]})
+    assert [(t.receiver, t.key) for t in got] == [(2, f), (2, g), (3, f)]
+    assert {t.sender for t in got if t.key == f} == {0, 1}  # the second copy comes from the idle sender
+    with pytest.raises(ValueError, match="h:w: no live rank holds it"):
+        schedule({1: [PeerRequest(h, 0, 8)]}, {h: [1]})
+    assert PeerRequest.from_json(PeerRequest(f, 3, 9).to_json()) == PeerRequest(f, 3, 9)  # what ranks gather
     assert merge_ranges([(8, 12), (0, 4), (4, 6), (20, 24)]) == [(0, 6), (8, 12), (20, 24)]
 
 
 def test_node_id_is_made_once_and_kept(tmp_path) -> None:
     mem = str(tmp_path / "mem")
-    first = memory_tier.node_id(mem)
-    assert memory_tier.node_id(mem) == first and len(first) == 32
-    with open(os.path.join(mem, memory_tier.NODE_FILE), "w") as f:
+    first = node_dir.node_id(mem)
+    assert node_dir.node_id(mem) == first and len(first) == 32
+    with open(os.path.join(mem, node_dir.NODE_FILE), "w") as f:
         json.dump({"format": "something else"}, f)
-    with pytest.raises(CheckpointFileError, match=memory_tier.NODE_FILE):
-        memory_tier.node_id(mem)
+    with pytest.raises(CheckpointFileError, match=node_dir.NODE_FILE):
+        node_dir.node_id(mem)
 
 
 def test_not_memory_backed_warns_naming_the_directory(tmp_path) -> None:
-    if memory_tier.filesystem_type(str(tmp_path)) in memory_tier.MEMORY_FILESYSTEMS:
+    if mounts.filesystem_type(str(tmp_path)) in mounts.MEMORY_FILESYSTEMS:
         pytest.skip("the temporary directory is on tmpfs here")
-    with pytest.warns(UserWarning, match=f"{tmp_path}.*not memory-backed"):
-        memory_tier.warn_if_not_memory(str(tmp_path))
+    with logged() as records:
+        assert not mounts.warn_if_not_memory(str(tmp_path))
+    assert [r.levelno for r in records] == [logging.WARNING]
+    assert str(tmp_path) in records[0].getMessage() and "not memory-backed" in records[0].getMessage()
     if os.path.isdir("/dev/shm"):
-        assert memory_tier.filesystem_type("/dev/shm") in memory_tier.MEMORY_FILESYSTEMS
+        assert mounts.filesystem_type("/dev/shm") in mounts.MEMORY_FILESYSTEMS
 
 
 MOUNTS = """/dev/vda / ext4 rw,relatime 0 0
@@ -98,29 +142,29 @@ tmpfs /mnt/huge/inner\\040dir tmpfs rw,relatime 0 0
 
 
 def test_huge_pages_hint_names_a_tmpfs_without_them() -> None:
-    assert memory_tier.mount_of("/mnt/huge/job1", MOUNTS) == (
+    assert mounts.mount_of("/mnt/huge/job1", MOUNTS) == (
         "/mnt/huge", "tmpfs", ("rw", "relatime", "size=4g", "huge=within_size"))
-    assert memory_tier.huge_pages_hint("/mnt/huge/job1", MOUNTS) is None
-    assert memory_tier.huge_pages_hint("/mnt/always/x", MOUNTS) is None
-    assert memory_tier.huge_pages_hint("/opt/ckpt", MOUNTS) is None  # not a tmpfs: warn_if_not_memory's case
-    hint = memory_tier.huge_pages_hint("/dev/shm/job1", MOUNTS)
+    assert mounts.huge_pages_hint("/mnt/huge/job1", MOUNTS) is None
+    assert mounts.huge_pages_hint("/mnt/always/x", MOUNTS) is None
+    assert mounts.huge_pages_hint("/opt/ckpt", MOUNTS) is None  # not a tmpfs: warn_if_not_memory's case
+    hint = mounts.huge_pages_hint("/dev/shm/job1", MOUNTS)
     assert hint is not None and "/dev/shm/job1" in hint and "huge=within_size" in hint
-    inner = memory_tier.huge_pages_hint("/mnt/huge/inner dir/job", MOUNTS)  # the longest mount point wins
+    inner = mounts.huge_pages_hint("/mnt/huge/inner dir/job", MOUNTS)  # the longest mount point wins
     assert inner is not None and "/mnt/huge/inner dir is a tmpfs" in inner
 
 
-def test_huge_pages_hint_is_said_once_per_node(monkeypatch: pytest.MonkeyPatch,
-                                               capsys: pytest.CaptureFixture[str]) -> None:
-    real = memory_tier.huge_pages_hint
-    monkeypatch.setattr(memory_tier, "huge_pages_hint", lambda path: real(path, MOUNTS))  # the mounts above
-    monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's first rank: silent
-    memory_tier.say_huge_pages_hint("/dev/shm/job1")
-    assert capsys.readouterr().out == ""
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    memory_tier.say_huge_pages_hint("/mnt/huge/job1")  # huge pages: nothing to say
-    assert capsys.readouterr().out == ""
-    memory_tier.say_huge_pages_hint("/dev/shm/job1")
-    assert capsys.readouterr().out.startswith("> tenplex: --tenplex-memory /dev/shm/job1: /dev/shm is a tmpfs")
+def test_huge_pages_hint_is_said_once_per_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = mounts.huge_pages_hint
+    monkeypatch.setattr(mounts, "huge_pages_hint", lambda path: real(path, MOUNTS))  # the mounts above
+    with logged() as records:
+        monkeypatch.setenv("LOCAL_RANK", "1")  # not the node's first rank: silent
+        mounts.say_huge_pages_hint("/dev/shm/job1")
+        monkeypatch.setenv("LOCAL_RANK", "0")
+        mounts.say_huge_pages_hint("/mnt/huge/job1")  # huge pages: nothing to say
+        assert records == []
+        mounts.say_huge_pages_hint("/dev/shm/job1")
+    assert [(r.name, r.levelno) for r in records] == [("tenplex_megatron.memory", logging.INFO)]
+    assert records[0].getMessage().startswith("--tenplex-memory /dev/shm/job1: /dev/shm is a tmpfs")
 
 
 def _fake_snapshot(mem: str, it: int, **commit: Any) -> None:
@@ -133,17 +177,17 @@ def _fake_snapshot(mem: str, it: int, **commit: Any) -> None:
 
 def test_retention_protects_the_snapshot_being_persisted_and_clean_memory_removes_all(tmp_path, capsys) -> None:
     mem = str(tmp_path / "mem")
-    memory_tier.node_id(mem)
+    node_dir.node_id(mem)
     for it in (1, 2, 3):
         _fake_snapshot(mem, it)
-    assert [os.path.basename(p) for p in memory_tier.retain(mem, 1, protect=(2,))] == ["iter_0000001"]
+    assert [os.path.basename(p) for p in node_dir.retain(mem, 1, protect=(2,))] == ["iter_0000001"]
     assert directory.committed_iterations(mem) == [2, 3]
-    assert [s.iteration for s in memory_tier.list_snapshots(mem, "n")] == [2, 3]
+    assert [s.iteration for s in node_dir.list_snapshots(mem, "n")] == [2, 3]
     directory.prepare_partial(mem, 4)  # a snapshot killed half way
     os.makedirs(tmp_path / "mem" / "mine")  # not ours: left alone
     assert cli_main(["clean-memory", mem]) == 0
     assert "4 entries removed" in capsys.readouterr().out.splitlines()[-1]  # staging, 2, 3, the tracker
-    assert sorted(os.listdir(mem)) == ["mine", memory_tier.NODE_FILE]
+    assert sorted(os.listdir(mem)) == ["mine", node_dir.NODE_FILE]
     assert cli_main(["clean-memory", str(tmp_path)]) == 2  # not a memory directory: nothing removed
 
 
@@ -151,29 +195,34 @@ def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path)
     src, dst = tmp_path / "a.bin", tmp_path / "out" / "a.bin"
     src.write_bytes(os.urandom(3 << 20))
     os.makedirs(dst.parent)
-    helper = PersistHelper()
+    helper = Helper()
     try:
         assert helper.proc.pid != os.getpid()
-        helper.request("remove", 1, paths=[])  # answered once the helper is up, its priority set
-        assert helper.poll("remove", 1, 60.0) == {"op": "remove", "iteration": 1, "ok": True, "bytes": 0}
+        helper.request(Remove((), 1))  # answered once the helper is up, its priority set
+        assert helper.poll("remove", 1, 60.0) == Reply("remove", 1, 0)
         # a background citizen: the idle CPU class (a training thread that wakes takes the core at once), nice 19
         assert os.sched_getscheduler(helper.proc.pid) == os.SCHED_IDLE
         assert os.getpriority(os.PRIO_PROCESS, helper.proc.pid) == 19
-        helper.request("persist", 5, copies=[[str(src), str(dst)]])
+        helper.request(Persist(5, (Copy(str(src), str(dst)),)))
         got = None
         for _ in range(120):
             got = helper.poll("persist", 5, 0.5)
             if got is not None:
                 break
-        assert got is not None and got["ok"] and got["bytes"] == 3 << 20
+        assert got is not None and got.ok and got.bytes == 3 << 20
         assert dst.read_bytes() == src.read_bytes()
         assert helper.poll("persist", 5) == got  # every node is polled until all answered: the answer stays
-        helper.request("persist", 6, copies=[[str(tmp_path / "missing"), str(dst)]])
+        helper.request(Persist(6, (Copy(str(tmp_path / "missing"), str(dst)),)))
         for _ in range(120):
             got = helper.poll("persist", 6, 0.5)
             if got is not None:
                 break
-        assert got is not None and "missing" in got["error"]
+        assert got is not None and not got.ok and "missing" in str(got.error)
+        assert helper.proc.stdin is not None  # a line that is no request: refused with its name, the helper goes on
+        helper.proc.stdin.write(b'{"format": "tenplex-memory-helper", "version": 1, "op": "explode", "iteration": 9}\n')
+        helper.proc.stdin.flush()
+        refused = _answer(helper, "explode", 9)
+        assert not refused.ok and "unknown op 'explode'" in str(refused.error) and helper.alive
     finally:
         helper.close()
     assert not helper.alive
@@ -181,30 +230,30 @@ def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path)
 
 def test_retired_snapshots_leave_the_listing_at_once_and_are_deleted_by_the_helper(tmp_path) -> None:
     mem = str(tmp_path / "mem")
-    memory_tier.node_id(mem)
+    node_dir.node_id(mem)
     for it in (1, 2):
         _fake_snapshot(mem, it)
     handed: list[str] = []
-    assert [os.path.basename(p) for p in memory_tier.retain(mem, 1, dispose=handed.append)] == ["iter_0000001"]
-    assert directory.committed_iterations(mem) == [2] and handed == memory_tier.retired(mem)
+    assert [os.path.basename(p) for p in node_dir.retain(mem, 1, dispose=handed.append)] == ["iter_0000001"]
+    assert directory.committed_iterations(mem) == [2] and handed == node_dir.retired(mem)
     assert [os.path.basename(p) for p in handed] == ["iter_0000001" + directory.OLD_SUFFIX]
     _fake_snapshot(mem, 2, dispose=handed.append)  # the same iteration again: the replaced one is handed over too
-    assert len(memory_tier.retired(mem)) == 2
-    helper = PersistHelper()
+    assert len(node_dir.retired(mem)) == 2
+    helper = Helper()
     try:
-        helper.request("remove", 0, paths=memory_tier.retired(mem))
+        helper.request(Remove(tuple(node_dir.retired(mem))))
         got = None
         for _ in range(120):
             got = helper.poll("remove", 0, 0.5)
             if got is not None:
                 break
-        assert got is not None and got["ok"] and got["bytes"] == 2
+        assert got is not None and got.ok and got.bytes == 2
     finally:
         helper.close()
-    assert memory_tier.retired(mem) == [] and directory.committed_iterations(mem) == [2]
+    assert node_dir.retired(mem) == [] and directory.committed_iterations(mem) == [2]
     _fake_snapshot(mem, 3)
-    memory_tier.retain(mem, 1, dispose=lambda path: None)  # its deleter died: clean-memory removes it
-    assert cli_main(["clean-memory", mem]) == 0 and memory_tier.retired(mem) == []
+    node_dir.retain(mem, 1, dispose=lambda path: None)  # its deleter died: clean-memory removes it
+    assert cli_main(["clean-memory", mem]) == 0 and node_dir.retired(mem) == []
 
 
 def test_snapshot_file_is_the_safetensors_file_a_durable_save_writes_with_the_same_checksums(tmp_path) -> None:
@@ -231,30 +280,30 @@ def test_a_spare_file_is_written_over_and_truncated_to_the_same_bytes_as_a_fresh
 
 def test_retired_snapshots_leave_their_own_rank_files_as_spares_and_clean_memory_removes_them(tmp_path, capsys) -> None:
     mem = str(tmp_path / "mem")
-    memory_tier.node_id(mem)
+    node_dir.node_id(mem)
     for it in (1, 2):
         _fake_snapshot(mem, it)
     retired: list[str] = []
-    memory_tier.retain(mem, 1, dispose=retired.append)
+    node_dir.retain(mem, 1, dispose=retired.append)
     old = retired[0]
     with open(os.path.join(old, "rank_00007.safetensors"), "wb") as f:  # a replica of another node's rank
         f.write(b"r" * 5)
-    assert memory_tier.keep_spares(old, mem, [0, 1]) == 1  # rank 0's file; rank 1 had none here
+    assert node_dir.keep_spares(old, mem, [0, 1]) == 1  # rank 0's file; rank 1 had none here
     assert sorted(os.listdir(old)) == sorted(["rank_00007.safetensors", directory.METADATA_FILE])  # left to delete
-    assert open(memory_tier.spare_path(mem, 0), "rb").read() == b"x" * 10
-    assert memory_tier.spare_bytes(mem, [0, 1]) == 10 and memory_tier.spare_bytes(mem, [1]) == 0
-    assert memory_tier.list_snapshots(mem, "n")[-1].iteration == 2  # spares are never listed as a snapshot
+    assert open(node_dir.spare_path(mem, 0), "rb").read() == b"x" * 10
+    assert node_dir.spare_bytes(mem, [0, 1]) == 10 and node_dir.spare_bytes(mem, [1]) == 0
+    assert node_dir.list_snapshots(mem, "n")[-1].iteration == 2  # spares are never listed as a snapshot
     _fake_snapshot(mem, 3)
-    memory_tier.retain(mem, 1, dispose=retired.append)
-    assert memory_tier.keep_spares(retired[-1], mem, [0]) == 0  # rank 0's spare waits already: this one goes
-    assert memory_tier.drop_spares(mem, [0]) == []  # the node's own ranks' spares are kept
-    assert [os.path.basename(p) for p in memory_tier.drop_spares(mem, [3])] == ["rank_00000.safetensors"]
-    os.replace(os.path.join(retired[-1], "rank_00000.safetensors"), memory_tier.spare_path(mem, 0))
+    node_dir.retain(mem, 1, dispose=retired.append)
+    assert node_dir.keep_spares(retired[-1], mem, [0]) == 0  # rank 0's spare waits already: this one goes
+    assert node_dir.drop_spares(mem, [0]) == []  # the node's own ranks' spares are kept
+    assert [os.path.basename(p) for p in node_dir.drop_spares(mem, [3])] == ["rank_00000.safetensors"]
+    os.replace(os.path.join(retired[-1], "rank_00000.safetensors"), node_dir.spare_path(mem, 0))
     assert cli_main(["clean-memory", mem]) == 0
-    assert memory_tier.SPARE_DIR not in os.listdir(mem)
+    assert node_dir.SPARE_DIR not in os.listdir(mem)
 
 
-def _answer(helper: PersistHelper, op: str, it: int) -> dict[str, Any]:
+def _answer(helper: Helper, op: str, it: int) -> Reply:
     for _ in range(240):
         got = helper.poll(op, it, 0.5)
         if got is not None:
@@ -269,7 +318,7 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
 
     import torch.distributed as dist
 
-    from tenplex_megatron.storage.persist_helper import SLICE
+    from tenplex_megatron.memory.helper import SLICE
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     sizes = (2 * SLICE + 12345, SLICE // 3)  # node 0's file: 3 rounds of slices; node 1's: one
@@ -280,7 +329,7 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
         path = d / directory.rank_file_name(i)
         path.write_bytes(os.urandom(n))
         files.append(path)
-    helpers = [PersistHelper((f"127.0.0.1:{store.port}", "t", i, 2)) for i in range(2)]
+    helpers = [Helper((f"127.0.0.1:{store.port}", "t", i, 2)) for i in range(2)]
     try:
         spares = [nodes[i] / "spare" for i in range(2)]  # retired replicas: node 0's larger, node 1's smaller
         for i, n in enumerate((sizes[1] + 5000, sizes[0] // 2)):
@@ -291,9 +340,10 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
             t0 = time.monotonic()
             for i, h in enumerate(helpers):
                 other = 1 - i
-                spare = [str(spares[i])] if it == 2 else []  # the second replication: over the spare's pages
-                h.request("replicate", it, rate=rate, sends=[[str(files[i]), other, i]],
-                          recvs=[[other, sizes[other], str(nodes[i] / f"r{it}_{other}"), other, *spare]])
+                spare = str(spares[i]) if it == 2 else None  # the second replication: over the spare's pages
+                h.request(Replicate(it, (Send(str(files[i]), other, i),),
+                                    (Receive(other, sizes[other], str(nodes[i] / f"r{it}_{other}"), other, spare),),
+                                    rate))
             if it == 3:
                 time.sleep(1.0)
                 assert all(h.poll("replicate", 3) is None for h in helpers)  # still pacing
@@ -301,7 +351,7 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
                     h.hurry()
             got = [_answer(h, "replicate", it) for h in helpers]
             elapsed = time.monotonic() - t0
-            assert all(g["ok"] for g in got), got
+            assert all(g.ok for g in got), got
             for i in range(2):
                 other = 1 - i
                 assert (nodes[i] / f"r{it}_{other}").read_bytes() == files[other].read_bytes()
@@ -317,7 +367,8 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
 
 
 def test_auto_replication_rate_spreads_a_replication_over_part_of_the_snapshot_interval() -> None:
-    from tenplex_megatron.engine.memory_save import AUTO_PACE, replication_rate
+    from tenplex_megatron.memory.replication import replication_rate
+    from tenplex_megatron.memory.settings import AUTO_PACE
 
     assert replication_rate(0.0, 0.0, 30.0, 10**9) == 0.0  # unlimited: all at once
     assert replication_rate(25.0, 0.0, 30.0, 10**9) == 25e6  # a cap alone
@@ -329,19 +380,23 @@ def test_auto_replication_rate_spreads_a_replication_over_part_of_the_snapshot_i
 
 
 def test_the_helpers_inbox_reads_without_blocking_and_takes_a_hurry_out_of_turn() -> None:
-    from tenplex_megatron.storage.persist_helper import Inbox
+    from tenplex_megatron.memory.helper import Inbox, Refused
 
     r, w = os.pipe()
     try:
         box = Inbox(r)
         assert box.read(block=False) and box.queue == []  # nothing there: no wait
-        os.write(w, b'{"op": "remove", "iteration": 1, "paths": []}\n{"op": "hurry", "iteration": 0}\n{"op": "per')
+        persist = encode(Persist(2, ()))
+        os.write(w, encode(Remove((), 1)) + encode(Hurry()) + persist[:20])
         assert box.read(block=False)
-        assert box.hurry and [q["op"] for q in box.queue] == ["remove"]  # the partial line waits for its end
-        os.write(w, b'sist", "iteration": 2, "copies": []}\n')
+        assert box.hurry and box.queue == [Remove((), 1)]  # the partial line waits for its end
+        os.write(w, persist[20:] + b'{"format": "tenplex-memory-helper", "version": 1, "op": "explode", "iteration": 3}\n')
         os.close(w)
         w = -1
-        assert [(q["op"], q["iteration"]) for q in box.requests()] == [("remove", 1), ("persist", 2)]
+        got = list(box.requests())
+        assert got[:2] == [Remove((), 1), Persist(2, ())]
+        assert isinstance(got[2], Refused) and (got[2].op, got[2].iteration) == ("explode", 3)  # refused, not run
+        assert "unknown op 'explode'" in got[2].reason
     finally:
         os.close(r)
         if w >= 0:
@@ -350,24 +405,47 @@ def test_the_helpers_inbox_reads_without_blocking_and_takes_a_hurry_out_of_turn(
 
 def test_a_node_holds_its_own_ranks_and_those_it_keeps_replicas_of() -> None:
     """The ranks whose files a node keeps as spares: its own and the previous K-1 nodes' in the ring."""
-    from tenplex_megatron.engine.memory_save import MemoryTier
+    from tenplex_megatron.memory.settings import MemorySettings
+    from tenplex_megatron.memory.state import MemoryTier
 
     nodes = {"a": [0, 1], "b": [2, 3], "c": [4, 5]}
-    assert MemoryTier("m", "j", None, node="b", nodes=nodes).held_ranks() == [0, 1, 2, 3]  # K=2: a's replicas
-    assert MemoryTier("m", "j", None, node="a", nodes=nodes, replicas=3).held_ranks() == [0, 1, 2, 3, 4, 5]
-    assert MemoryTier("m", "j", None, node="c", nodes=nodes, replicas=1).held_ranks() == [4, 5]
+
+    def tier(node: str, replicas: int) -> MemoryTier:
+        return MemoryTier(MemorySettings("m", "j", None, replicas=replicas), node=node, nodes=nodes)
+
+    assert tier("b", 2).held_ranks() == [0, 1, 2, 3]  # K=2: a's replicas
+    assert tier("a", 3).held_ranks() == [0, 1, 2, 3, 4, 5]
+    assert tier("c", 1).held_ranks() == [4, 5] and not tier("c", 1).replicates and tier("c", 2).replicates
 
 
 def test_snapshots_newer_than_the_restart_point_are_discarded(tmp_path) -> None:
     """A restart that went back to iteration 1 retires snapshots 2 and 3 (a timeline it left); from scratch, all."""
     mem = str(tmp_path / "mem")
-    memory_tier.node_id(mem)
+    node_dir.node_id(mem)
     for it in (1, 2, 3):
         _fake_snapshot(mem, it)
     went: list[str] = []
-    removed = memory_tier.discard_newer(mem, 1, went.append)
+    removed = node_dir.discard_newer(mem, 1, went.append)
     assert [os.path.basename(p) for p in removed] == ["iter_0000002", "iter_0000003"]
     assert [os.path.basename(p) for p in went] == ["iter_0000002.tenplex-old", "iter_0000003.tenplex-old"]
-    assert directory.committed_iterations(mem) == [1] and memory_tier.list_snapshots(mem, "n")[-1].iteration == 1
-    assert memory_tier.discard_newer(mem, 1, went.append) == []
-    assert len(memory_tier.discard_newer(mem, None, went.append)) == 1 and directory.committed_iterations(mem) == []
+    assert directory.committed_iterations(mem) == [1] and node_dir.list_snapshots(mem, "n")[-1].iteration == 1
+    assert node_dir.discard_newer(mem, 1, went.append) == []
+    assert len(node_dir.discard_newer(mem, None, went.append)) == 1 and directory.committed_iterations(mem) == []
+
+
+def test_helper_messages_are_versioned_json_and_a_bad_line_is_refused_naming_what_is_wrong() -> None:
+    """Every request and reply survives its line; another version, an unknown op, a missing field are refused."""
+    msgs = [Persist(5, (Copy("/m/a", "/d/a"),)), Remove(("/m/old",), 0), Hurry(),
+            Replicate(7, (Send("/m/f", 1, 3),), (Receive(1, 10, "/m/g", 2, None), Receive(0, 0, "/m/h", 4, "/s")), 2.5)]
+    for m in msgs:
+        assert decode_request(encode(m)) == m
+    for reply in (Reply("persist", 5, 123), Reply("replicate", 7, error="OSError: gone")):
+        assert decode_reply(encode(reply)) == reply
+    line = json.loads(encode(Remove(("/x",), 1)))
+    for bad, why in (({**line, "version": 2}, "version 2"), ({**line, "op": "explode"}, "unknown op 'explode'"),
+                     ({k: v for k, v in line.items() if k != "paths"}, "'paths'"),
+                     ({**line, "format": "other"}, "not a tenplex-memory-helper message")):
+        with pytest.raises(ProtocolError, match=why):
+            decode_request(json.dumps(bad))
+    with pytest.raises(ProtocolError, match="not JSON"):
+        decode_request(b"[path, peer, tag]")

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tenplex_megatron.memory.shm_write import write_tensors
 from tenplex_megatron.storage.safetensors_io import block_crc32
-from tenplex_megatron.storage.shm_write import write_tensors
 
 BLOCK = 1 << 12
 

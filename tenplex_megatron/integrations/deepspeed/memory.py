@@ -1,6 +1,6 @@
 """Host-memory checkpoints for DeepSpeed engines: the calls beside ``save_checkpoint`` / ``load_checkpoint``.
 
-The same tier as ``--tenplex-memory`` (``engine/memory_save.py``, ``engine/memory_load.py``): a snapshot copies
+The same tier as ``--tenplex-memory`` (``tenplex_megatron/memory/``): a snapshot copies
 each rank's ZeRO partitions into node-local shared memory, the nodes' helper processes replicate it to peers'
 memory and persist it to the durable directory in the background, and a restart at any DP size loads the newest
 snapshot that is whole in the live nodes' memory, receiving from peers what its own node lacks.
@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from tenplex_megatron.engine import memory_load, memory_save
 from tenplex_megatron.engine.load import LoadResult
-from tenplex_megatron.engine.memory_load import MemoryLoadResult
-from tenplex_megatron.engine.memory_save import MemoryTier, SnapshotResult
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter, load_checkpoint
-from tenplex_megatron.storage import memory_tier
+from tenplex_megatron.memory import background, mounts, restart, state
+from tenplex_megatron.memory.restart import MemoryLoadResult
+from tenplex_megatron.memory.settings import MemorySettings
+from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
+from tenplex_megatron.memory.state import MemoryTier
 
 
 def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **options: Any) -> MemoryTier:
@@ -26,13 +27,11 @@ def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **op
     ``save_dir``: where snapshots are persisted (None: never). ``job``: the job's identity, by default its durable
     directory (another job's snapshots are never loaded). ``options``: those of ``--tenplex-memory``
     (``persist_interval``, ``replicas``, ``keep``, ``limit`` in bytes, ``fallback``, ``durable_keep``,
-    ``replication_rate`` in MB/s or ``"auto"``).
+    ``replication_rate`` in MB/s or ``"auto"``): :class:`MemorySettings`, which checks them.
     """
-    identity = os.path.abspath(job or save_dir or mem_dir)
-    if "replication_rate" in options:
-        options.update(memory_save.replication_options(options["replication_rate"]))
-    memory_tier.say_huge_pages_hint(mem_dir)
-    return memory_save.open_tier(mem_dir, identity, save_dir, start_helpers=True, **options)
+    settings = MemorySettings(mem_dir, os.path.abspath(job or save_dir or mem_dir), save_dir, **options)
+    mounts.say_huge_pages_hint(mem_dir)
+    return state.open_tier(settings, start_helpers_now=True)
 
 
 def save_snapshot(engine: Any, tier: MemoryTier, client_state: dict[str, Any] | None = None,
@@ -41,7 +40,7 @@ def save_snapshot(engine: Any, tier: MemoryTier, client_state: dict[str, Any] | 
 
     ``persist``: True forces a durable copy of this snapshot, False skips it, None follows ``persist_interval``.
     """
-    return memory_save.snapshot(DeepSpeedAdapter(engine, client_state=client_state), tier, persist)
+    return snapshot(DeepSpeedAdapter(engine, client_state=client_state), tier, persist)
 
 
 def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, verify: bool = True,
@@ -49,10 +48,10 @@ def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, verify: boo
     """Collective: load the newest state into ``engine``, re-sharded to its DP size: the newest snapshot whole in
     the live nodes' memory, else the durable checkpoint under ``load_dir`` (tenplex's or DeepSpeed's own); None
     when there is neither (and every older snapshot is discarded: the job starts afresh)."""
-    choice = memory_load.choose(tier, load_dir)
+    choice = restart.choose(tier, load_dir)
     if choice is not None:
-        return memory_load.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify)
-    if not load_dir or (memory_load.durable_iteration(load_dir) is None
+        return restart.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify=verify)
+    if not load_dir or (restart.durable_iteration(load_dir) is None
                         and not native.is_deepspeed_checkpoint_dir(load_dir)):
         return None
     return load_checkpoint(engine, load_dir, verify=verify, seed=seed)
@@ -62,6 +61,6 @@ def finish_memory(tier: MemoryTier, over: bool) -> tuple[str, ...]:
     """Collective, when the job stops: the last snapshot replicated to its peers and, when training is ``over``,
     persisted; then the helpers stop. Returns the durable checkpoints committed meanwhile."""
     try:
-        return memory_save.finish(tier, over)
+        return background.finish(tier, over)
     finally:
-        memory_save.close(tier)
+        state.close(tier)

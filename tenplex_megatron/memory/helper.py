@@ -1,33 +1,26 @@
 """The background helper of a node: a separate process that replicates and persists memory snapshots.
 
-One per node, started by the node's first rank (:class:`PersistHelper`), so
-training never waits on its work or its GIL. It reads one JSON request a line
-on stdin and answers one JSON line on stdout (``{"op": ..., "iteration": N,
-"ok": true}`` or ``{..., "error": "..."}``):
+One per node, started by the node's first rank (:class:`Helper`), so training never waits on its work or its
+GIL. It reads one request a line on stdin and answers one line on stdout, in the typed, versioned messages of
+``memory/protocol.py``:
 
-- ``persist``: copy files (``copies``: [[src, dst], ...]) of a snapshot in this
-  node's memory to the durable checkpoint's staging directory (``O_DIRECT``
-  from the file's map where the filesystem takes it, else kernel-side:
-  ``copy_file_range``), each fsynced; the job commits it (``directory.commit``) once
-  every node's helper has answered.
-- ``replicate``: send this node's files of a snapshot to the helpers of the
-  nodes that keep replicas (``sends``: [[path, peer, tag]]) and receive theirs
-  (``recvs``: [[peer, size, path, tag, spare]]) point to point over a gloo process
-  group of the helpers alone (set up through the job's TCP store); a received
-  file is written under a temporary name (over the pages of ``spare``, a retired
-  replica of the same rank file, where one waits) and renamed into the committed
-  snapshot directory, so a node never lists a partial replica. Files are sent
-  from and received into memory maps: no copy of them in this process. With
-  ``rate`` (bytes/s, ``--tenplex-replication-rate``) the messages go in
-  rounds of 8 MB slices, paced so that the node sends no faster.
-- ``remove``: delete retired snapshots (``paths``, already renamed out of the
-  listing), so freeing their memory does not stall training.
-- ``hurry`` (no answer): from now on, send as fast as possible; a paced replication under way stops pacing at
-  its next round (the job is stopping: no training left to protect). Read between rounds.
+- ``Persist``: copy files of a snapshot in this node's memory to the durable checkpoint's staging directory
+  (``O_DIRECT`` from the file's map where the filesystem takes it, else kernel-side: ``copy_file_range``), each
+  fsynced; the job commits it (``directory.commit``) once every node's helper has answered.
+- ``Replicate``: send this node's files of a snapshot to the helpers of the nodes that keep replicas and receive
+  theirs, point to point over a gloo process group of the helpers alone (set up through the job's TCP store); a
+  received file is written under a temporary name (over the pages of a retired replica of the same rank file,
+  where one waits) and renamed into the committed snapshot directory, so a node never lists a partial replica.
+  Files are sent from and received into memory maps: no copy of them in this process. With a ``rate`` (bytes/s,
+  ``--tenplex-replication-rate``) the messages go in rounds of 8 MB slices, paced so that the node sends no faster.
+- ``Remove``: delete retired snapshots (already renamed out of the listing), so freeing their memory does not
+  stall training.
+- ``Hurry`` (no answer): from now on, send as fast as possible; a paced replication under way stops pacing at its
+  next round (the job is stopping: no training left to protect). Read between rounds.
 
-It runs as a background citizen (:func:`background_priority`: the idle CPU
-class, nice 19, the idle I/O class, one torch thread), blocks on its stdin between requests, and
-lives and dies with the training process (:func:`bound_to_parent`).
+A line that is not a known message is answered with an error naming it. The helper runs as a background citizen
+(:func:`background_priority`: the idle CPU class, nice 19, the idle I/O class, one torch thread), blocks on its
+stdin between requests, and lives and dies with the training process (:func:`bound_to_parent`).
 """
 
 from __future__ import annotations
@@ -41,12 +34,25 @@ import select
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from tenplex_megatron.storage.direct_copy import copy_direct
-from tenplex_megatron.storage.faults import maybe_fail
+from tenplex_megatron.memory.direct_copy import copy_direct
+from tenplex_megatron.memory.protocol import (
+    Hurry,
+    Persist,
+    ProtocolError,
+    Remove,
+    Replicate,
+    Reply,
+    Request,
+    decode_reply,
+    decode_request,
+    encode,
+)
+from tenplex_megatron.storage.faults import log_open, maybe_fail
 from tenplex_megatron.storage.files import fsync_dir
-from tenplex_megatron.storage.memory_tier import log_open
 
 CHUNK = 64 << 20
 SLICE = 8 << 20  # bytes of each message per round of a paced replication (``rate``)
@@ -80,7 +86,7 @@ def background_priority() -> list[str]:
     return missed
 
 
-PARENT_ENV = "TENPLEX_HELPER_PARENT"  # the training process's pid, set by PersistHelper
+PARENT_ENV = "TENPLEX_HELPER_PARENT"  # the training process's pid, set by Helper
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -133,24 +139,25 @@ def copy_file(src: str, dst: str, iteration: int) -> int:
     return done
 
 
-def persist(req: dict[str, Any]) -> int:
+def persist(req: Persist) -> int:
+    """Copy the request's files to durable storage, each and their directories fsynced; returns the bytes."""
     total = 0
-    for src, dst in req["copies"]:
-        total += copy_file(src, dst, int(req["iteration"]))
-    for d in {os.path.dirname(dst) for _, dst in req["copies"]}:
+    for c in req.copies:
+        total += copy_file(c.src, c.dst, req.iteration)
+    for d in {os.path.dirname(c.dst) for c in req.copies}:
         fsync_dir(d)
     return total
 
 
-def remove(req: dict[str, Any]) -> int:
-    """Delete retired snapshot directories (``paths``), off the training path; returns how many went."""
-    for path in req["paths"]:
+def remove(req: Remove) -> int:
+    """Delete retired snapshot directories, off the training path; returns how many went."""
+    for path in req.paths:
         log_open(path)
         shutil.rmtree(path, ignore_errors=True)
-    return len(req["paths"])
+    return len(req.paths)
 
 
-def replicate(req: dict[str, Any], group: Any) -> int:
+def replicate(req: Replicate, group: Any) -> int:
     """Send and receive a snapshot's replicas (all at once), then store what came in."""
     import torch
     import torch.distributed as dist
@@ -159,25 +166,25 @@ def replicate(req: dict[str, Any], group: Any) -> int:
     ops: list[Any] = []
     received: list[Any] = []
     maps: list[mmap.mmap] = []  # kept open until the sends are done
-    for path, peer, tag in req["sends"]:  # sent from a read-only map of the file: no copy in this process
-        log_open(path)
-        with open(path, "rb") as f:
+    for s in req.sends:  # sent from a read-only map of the file: no copy in this process
+        log_open(s.path)
+        with open(s.path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         maps.append(mm)
         t = torch.frombuffer(memoryview(mm), dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
-        ops.append(dist.P2POp(dist.isend, t, int(peer), group, int(tag)))
-    for peer, size, path, tag, *spare in req["recvs"]:  # received straight into the replica's file, mapped
-        tmp = path + REPLICA_TMP
+        ops.append(dist.P2POp(dist.isend, t, s.peer, group, s.tag))
+    for r in req.recvs:  # received straight into the replica's file, mapped
+        tmp = r.path + REPLICA_TMP
         log_open(tmp)
-        with open(tmp, "rb+" if _take_spare(spare[0] if spare else None, tmp) else "wb+") as f:
-            f.truncate(int(size))
-            mm = mmap.mmap(f.fileno(), int(size)) if int(size) else None
+        with open(tmp, "rb+" if _take_spare(r.spare, tmp) else "wb+") as f:
+            f.truncate(r.size)
+            mm = mmap.mmap(f.fileno(), r.size) if r.size else None
         if mm is not None:
             _populate_for_write(mm)
         buf = torch.frombuffer(mm, dtype=torch.uint8) if mm is not None else torch.empty(0, dtype=torch.uint8)
-        received.append((path, tmp, mm, buf))
-        ops.append(dist.P2POp(dist.irecv, buf, int(peer), group, int(tag)))
-    rate = float(req.get("rate") or 0)
+        received.append((r.path, tmp, mm, buf))
+        ops.append(dist.P2POp(dist.irecv, buf, r.peer, group, r.tag))
+    rate = req.rate
     if rate <= 0:
         if ops:
             for w in dist.batch_isend_irecv(ops):
@@ -186,7 +193,7 @@ def replicate(req: dict[str, Any], group: Any) -> int:
         _paced(ops, rate)
     total = 0
     for path, tmp, mm, buf in received:
-        maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), int(req["iteration"]))
+        maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), req.iteration)
         if mm is not None:
             mm.flush()
         with open(tmp, "rb") as f:
@@ -223,13 +230,22 @@ def _take_spare(spare: str | None, tmp: str) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A line that is not a request of the protocol: answered with an error naming it, never carried out."""
+
+    op: str
+    iteration: int
+    reason: str
+
+
 class Inbox:
-    """The requests read from stdin (one JSON line each), readable without blocking between a paced replication's
-    rounds: a ``hurry`` there ends its pacing, and the other requests wait their turn, in order."""
+    """The requests read from stdin (one line each), readable without blocking between a paced replication's
+    rounds: a ``Hurry`` there ends its pacing, and the other requests wait their turn, in order."""
 
     def __init__(self, fd: int = 0) -> None:
         self.fd = fd
-        self.queue: list[dict[str, Any]] = []
+        self.queue: list[Request | Refused] = []
         self.hurry = False
         self._buf = b""
 
@@ -245,20 +261,35 @@ class Inbox:
             line, self._buf = self._buf.split(b"\n", 1)
             if not line.strip():
                 continue
-            req = json.loads(line)
-            if req.get("op") == "hurry":
+            try:
+                req = decode_request(line)
+            except ProtocolError as e:
+                self.queue.append(_refused(line, str(e)))
+                continue
+            if isinstance(req, Hurry):
                 self.hurry = True
             else:
                 self.queue.append(req)
         return True
 
-    def requests(self) -> Any:
+    def requests(self) -> Iterator[Request | Refused]:
         """The requests in order, until stdin closes."""
         while True:
             while not self.queue:
                 if not self.read(block=True):
                     return
             yield self.queue.pop(0)
+
+
+def _refused(line: bytes, reason: str) -> Refused:
+    """What to answer a line that is not a request: its op and iteration where it names them, and why."""
+    try:
+        d = json.loads(line)
+    except ValueError:
+        d = {}
+    d = d if isinstance(d, dict) else {}
+    op, it = d.get("op"), d.get("iteration")
+    return Refused(op if isinstance(op, str) else "?", it if isinstance(it, int) else -1, reason)
 
 
 INBOX = Inbox()
@@ -317,18 +348,30 @@ def serve(argv: list[str] | None = None) -> None:
     background_priority()
     group = _group(a)
     for req in INBOX.requests():
-        op, it = req["op"], int(req["iteration"])
-        try:
-            total = persist(req) if op == "persist" else remove(req) if op == "remove" else replicate(req, group)
-            reply: dict[str, Any] = {"op": op, "iteration": it, "ok": True, "bytes": total}
-        except Exception as e:  # noqa: BLE001 - reported to the job, which decides
-            reply = {"op": op, "iteration": it, "error": f"{type(e).__name__}: {e}"}
-        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.buffer.write(encode(answer(req, group)))
         sys.stdout.flush()
 
 
-class PersistHelper:
-    """The training side of a node's helper process: start it, send requests, poll answers without blocking.
+def answer(req: Request | Refused, group: Any) -> Reply:
+    """Carry out one request; the reply says the bytes it handled or the error that ended it (the job decides)."""
+    if isinstance(req, Refused):
+        return Reply(req.op, req.iteration, error=f"ProtocolError: {req.reason}")
+    try:
+        if isinstance(req, Persist):
+            total = persist(req)
+        elif isinstance(req, Remove):
+            total = remove(req)
+        elif isinstance(req, Replicate):
+            total = replicate(req, group)
+        else:
+            raise ProtocolError(f"{req.op!r} has no reply")
+    except Exception as e:  # noqa: BLE001 - reported to the job, which decides
+        return Reply(req.op, req.iteration, error=f"{type(e).__name__}: {e}")
+    return Reply(req.op, req.iteration, total)
+
+
+class Helper:
+    """The training side of a node's helper process: start it, send requests, poll replies without blocking.
 
     ``group``: (store "host:port", prefix, this node's index, number of nodes) for replication, or None.
     """
@@ -336,33 +379,34 @@ class PersistHelper:
     def __init__(self, group: tuple[str, str, int, int] | None = None) -> None:
         args = [] if group is None else ["--store", group[0], "--prefix", group[1], "--rank", str(group[2]),
                                          "--world", str(group[3])]
-        self.proc = subprocess.Popen([sys.executable, "-m", "tenplex_megatron.storage.persist_helper", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "tenplex_megatron.memory.helper", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
         self._buf = b""
-        self.answers: dict[tuple[str, int], dict[str, Any]] = {}
+        self.answers: dict[tuple[str, int], Reply] = {}
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def request(self, op: str, iteration: int, **fields: Any) -> None:
+    def request(self, req: Request) -> None:
+        """Send ``req``; an earlier reply to the same op and iteration (a snapshot saved again) is forgotten."""
         assert self.proc.stdin is not None
-        self.answers.pop((op, iteration), None)  # an earlier request of the same snapshot (saved again)
-        self.proc.stdin.write((json.dumps({"op": op, "iteration": iteration, **fields}) + "\n").encode())
+        self.answers.pop((req.op, req.iteration), None)
+        self.proc.stdin.write(encode(req))
         self.proc.stdin.flush()
 
     def hurry(self) -> None:
         """Tell the helper to stop pacing (the job is stopping); no answer comes."""
         if self.alive and self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
-                self.request("hurry", 0)
+                self.request(Hurry())
             except BrokenPipeError:  # it died meanwhile: the next poll reports that
                 pass
 
-    def poll(self, op: str, iteration: int, timeout: float = 0.0) -> dict[str, Any] | None:
-        """The answer to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
-        helper died. An answer stays until the next request of the same kind and iteration: the job polls every
+    def poll(self, op: str, iteration: int, timeout: float = 0.0) -> Reply | None:
+        """The reply to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
+        helper died. A reply stays until the next request of the same kind and iteration: the job polls every
         node until all have answered, so a node that answered early answers the same again."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
@@ -373,13 +417,12 @@ class PersistHelper:
             data = os.read(fd, 1 << 16)
             if not data:
                 code = self.proc.wait()
-                return {"op": op, "iteration": iteration,
-                        "error": f"the helper process exited with status {code}"}
+                return Reply(op, iteration, error=f"the helper process exited with status {code}")
             self._buf += data
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
-                got = json.loads(line)
-                self.answers[(got["op"], int(got["iteration"]))] = got
+                got = decode_reply(line)
+                self.answers[(got.op, got.iteration)] = got
         return self.answers[(op, iteration)]
 
     def close(self) -> None:

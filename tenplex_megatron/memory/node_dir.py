@@ -1,4 +1,4 @@
-"""Node-local host-memory snapshots: the memory directory, its node id, listing, choice, retention and cleaning.
+"""A node's memory directory: its node id, its snapshots listed, retention, spare files and cleaning.
 
 A memory directory (``--tenplex-memory``, under /dev/shm by default) stands
 for one node: it holds ``tenplex-node.json`` (an id made once, so a node is
@@ -9,8 +9,8 @@ nodes'), committed with ``directory.commit``. A snapshot is complete on a set
 of nodes when their files together cover the metadata's ``files``. A retired
 snapshot leaves its own ranks' files in ``tenplex-spare/``: the next snapshot
 writes over their pages instead of allocating fresh ones.
-Everything here is local file work or a pure function: the collectives are in
-``engine/memory_save.py`` and ``engine/memory_load.py``.
+Everything here is local file work: which snapshot a restart loads is
+``plan/restart_policy.py`` (pure), the collectives are the other modules of ``memory/``.
 """
 
 from __future__ import annotations
@@ -21,88 +21,24 @@ import json
 import os
 import re
 import uuid
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.plan.restart_policy import DurableListing, Snapshot
 from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
 
 NODE_FILE = "tenplex-node.json"
 NODE_FORMAT = "tenplex-memory-node"
 NODE_VERSION = 1
-MEMORY_FILESYSTEMS = ("tmpfs", "ramfs", "hugetlbfs")
 SPARE_DIR = "tenplex-spare"  # retired snapshots' own rank files, overwritten by the next snapshot
 _SPARE_RE = re.compile(r"rank_\d{5}\.safetensors")
-OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
 
 
 def default_dir() -> str:
     """The default memory directory: per user under /dev/shm (node-local shared memory)."""
     return os.path.join("/dev/shm", f"tenplex-{getpass.getuser()}")
-
-
-def log_open(path: str) -> None:
-    """Record a path this process opens in a memory directory (only when ``TENPLEX_OPEN_LOG`` names a file)."""
-    log = os.environ.get(OPEN_LOG_ENV)
-    if log:
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\t{os.path.abspath(path)}\n")
-
-
-def mount_of(path: str, mounts: str | None = None) -> tuple[str, str, tuple[str, ...]]:
-    """The mount holding ``path``: its mount point, filesystem type and options (from ``mounts``, the text of
-    /proc/self/mounts, read when not given; empty where unknown)."""
-    real = os.path.realpath(path)
-    best: tuple[str, str, tuple[str, ...]] = ("", "", ())
-    if mounts is None:
-        try:
-            with open("/proc/self/mounts") as f:
-                mounts = f.read()
-        except OSError:
-            return best
-    for line in mounts.splitlines():
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        mnt = parts[1].replace("\\040", " ")
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-            best = (mnt, parts[2], tuple(parts[3].split(",")))
-    return best
-
-
-def filesystem_type(path: str) -> str:
-    """The filesystem type of the mount holding ``path`` (from /proc/self/mounts; "" where unknown)."""
-    return mount_of(path)[1]
-
-
-def huge_pages_hint(path: str, mounts: str | None = None) -> str | None:
-    """A line for a memory directory on a tmpfs mounted without huge pages (``huge=within_size`` or ``always``):
-    its files then have 4 KiB pages, which a restart maps and a helper receives into at about 3x the cost."""
-    mnt, kind, options = mount_of(path, mounts)
-    if kind != "tmpfs" or any(o in ("huge=always", "huge=within_size") for o in options):
-        return None
-    return (f"--tenplex-memory {path}: {mnt} is a tmpfs without huge pages; one mounted with huge=within_size "
-            "restarts faster and replicates with half the CPU (docs/host-memory.md: Huge pages for the memory directory)")
-
-
-def say_huge_pages_hint(path: str) -> None:
-    """Print :func:`huge_pages_hint` for ``path``, once per node (its first rank: nodes may mount differently)."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        hint = huge_pages_hint(path)
-        if hint:
-            print(f"> tenplex: {hint}", flush=True)
-
-
-def warn_if_not_memory(path: str) -> bool:
-    """Warn (naming it) when ``path`` is not on a memory-backed filesystem; returns whether it is."""
-    kind = filesystem_type(path)
-    if kind in MEMORY_FILESYSTEMS:
-        return True
-    warnings.warn(f"--tenplex-memory {path}: on a {kind or 'unknown'} filesystem, not memory-backed (tmpfs): "
-                  "snapshots there are disk writes, not memory copies", stacklevel=2)
-    return False
 
 
 def node_id(mem: str) -> str:
@@ -130,27 +66,6 @@ def node_id(mem: str) -> str:
     if not isinstance(got, dict) or got.get("format") != NODE_FORMAT or not isinstance(got.get("node"), str):
         raise CheckpointFileError(f"{path}: not a {NODE_FORMAT} file")
     return got["node"]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """A committed snapshot as one node holds it: iteration, job, metadata digest, files expected and present."""
-
-    node: str
-    iteration: int
-    job: str
-    digest: str
-    expected: dict[str, int]  # every rank file of the snapshot (from its metadata) -> size
-    present: dict[str, int]  # the rank files this node holds -> size
-
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "iteration": self.iteration, "job": self.job, "digest": self.digest,
-                "expected": self.expected, "present": self.present}
-
-    @staticmethod
-    def from_json(d: dict[str, Any]) -> Snapshot:
-        return Snapshot(d["node"], int(d["iteration"]), d["job"], d["digest"], dict(d["expected"]),
-                        dict(d["present"]))
 
 
 def snapshot_dir(mem: str, iteration: int) -> str:
@@ -181,33 +96,6 @@ def _digest_and_metadata(path: str) -> tuple[str, dict[str, Any]]:
     return digest, directory.read_metadata(path)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The snapshot a restart loads from memory: its iteration, for each rank file the live nodes holding it, and
-    the rank files no live node holds, read from the durable checkpoint of the same iteration instead."""
-
-    iteration: int
-    holders: dict[str, tuple[str, ...]]
-    expected: dict[str, int]
-    durable: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class DurableListing:
-    """The newest durable checkpoint as a restart sees it: iteration, metadata digest, rank files present -> size."""
-
-    iteration: int
-    digest: str
-    present: dict[str, int]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "digest": self.digest, "present": self.present}
-
-    @staticmethod
-    def from_json(d: dict[str, Any] | None) -> DurableListing | None:
-        return None if d is None else DurableListing(int(d["iteration"]), str(d["digest"]), dict(d["present"]))
-
-
 def durable_listing(path: str) -> DurableListing:
     """A committed durable checkpoint directory's listing (its metadata's digest: a snapshot persisted there has the
     same metadata bytes, so the same digest)."""
@@ -218,43 +106,6 @@ def durable_listing(path: str) -> DurableListing:
         if os.path.isfile(p) and not os.path.islink(p):
             present[str(name)] = os.path.getsize(p)
     return DurableListing(int(meta["iteration"]), digest, present)
-
-
-def choose(held: list[Snapshot], job: str, durable_iteration: int | None,
-           durable: DurableListing | None = None) -> Choice | None:
-    """The newest snapshot complete on the live nodes (every file with a live copy of the recorded size), if it is
-    at least as new as the durable checkpoint; None otherwise. Pure: the same answer on every rank.
-
-    With ``durable`` (the newest durable checkpoint's listing), a snapshot of that same iteration and metadata that
-    the live nodes hold only in part is chosen too: the rank files they lack are read from the durable checkpoint
-    (the sources in order: the live nodes' memory, the durable checkpoint last). A snapshot of another job is an
-    error (never loaded); nodes whose metadata differ for one iteration make that iteration incomplete.
-    """
-    for s in held:
-        if s.job != job:
-            raise CheckpointFileError(
-                f"the memory directory of node {s.node} holds iteration {s.iteration} of job {s.job!r}, not of this "
-                f"job ({job!r}): never loaded; remove it with `python -m tenplex_megatron clean-memory DIR`")
-    for it in sorted({s.iteration for s in held}, reverse=True):
-        if durable_iteration is not None and it < durable_iteration:
-            return None
-        mine = [s for s in held if s.iteration == it]
-        if len({s.digest for s in mine}) != 1:
-            continue
-        expected = mine[0].expected
-        holders: dict[str, list[str]] = {}
-        for s in sorted(mine, key=lambda s: s.node):
-            for name, size in s.present.items():
-                if expected.get(name) == size and s.node not in holders.setdefault(name, []):
-                    holders[name].append(s.node)
-        live = {k: tuple(v) for k, v in holders.items() if k in expected and v}
-        missing = tuple(sorted(name for name in expected if name not in live))
-        if expected and not missing:
-            return Choice(it, live, expected)
-        if (live and durable is not None and durable.iteration == it and durable.digest == mine[0].digest
-                and all(durable.present.get(name) == expected[name] for name in missing)):
-            return Choice(it, live, expected, missing)
-    return None
 
 
 def free_bytes(mem: str) -> int:

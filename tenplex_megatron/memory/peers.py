@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from tenplex_megatron.plan.peer_schedule import Transfer
+from tenplex_megatron.plan.peer_schedule import PeerKey, Transfer
 
 _GROUPS: dict[str, object] = {}
 
@@ -24,8 +24,8 @@ def cpu_group() -> object:
     return _GROUPS["gloo"]
 
 
-def exchange(transfers: list[Transfer], me: int, source: Callable[[str], torch.Tensor],
-             target: Callable[[str], torch.Tensor], group: object) -> tuple[int, int]:
+def exchange(transfers: list[Transfer], me: int, source: Callable[[PeerKey], torch.Tensor],
+             target: Callable[[PeerKey], torch.Tensor], group: object) -> tuple[int, int]:
     """Collective over the ranks named in ``transfers``: send what ``me`` sends (``source(key)``: a flat uint8
     tensor of the item) and receive into ``target(key)``'s byte ranges; returns (bytes sent, bytes received)."""
     ops = []

@@ -1,14 +1,12 @@
-"""Collective restart from host-memory snapshots at any layout: own node by mmap, other nodes point-to-point.
+"""Restart sources in host memory: choose the snapshot to restart from, and load it at any layout.
 
-Every rank lists its node's snapshots; the lists are all-gathered and the
-newest snapshot complete on the live nodes (every rank file with a live copy)
-wins over an older durable checkpoint (``memory_tier.choose``, the same answer
-on every rank); one the live nodes hold only in part is completed from the
-durable checkpoint of the same iteration (the rank files they lack). The plan is the engine's; its source chunks on this node are
-read through a memory map, the rest is received over torch.distributed from
-ranks of the nodes that hold them (whole checksum blocks covering what each
-piece reads, once per receiving rank, senders balanced) and verified against
-the recorded block CRC-32s before anything is copied into the model.
+Every rank lists its node's snapshots; the lists are all-gathered and the newest snapshot complete on the live
+nodes (every rank file with a live copy) wins over an older durable checkpoint (``plan/restart_policy.py``, the
+same answer on every rank); one the live nodes hold only in part is completed from the durable checkpoint of the
+same iteration (the rank files they lack). The plan is the engine's; its source chunks on this node are read
+through a memory map, the rest is received over torch.distributed from ranks of the nodes that hold them (whole
+checksum blocks covering what each piece reads, once per receiving rank, senders balanced: :func:`fetch_from_peers`)
+and verified against the recorded block CRC-32s before anything is copied into the model.
 """
 
 from __future__ import annotations
@@ -22,31 +20,22 @@ import torch
 
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
-from tenplex_megatron.engine.memory_save import MemoryTier
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
 from tenplex_megatron.execute.executor import SourceFiles
-from tenplex_megatron.execute.peer import cpu_group, exchange
 from tenplex_megatron.execute.verify import piece_runs, touched_blocks
-from tenplex_megatron.plan.peer_schedule import merge_ranges, schedule
+from tenplex_megatron.memory import node_dir
+from tenplex_megatron.memory.peers import cpu_group, exchange
+from tenplex_megatron.memory.state import MemoryTier
+from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, merge_ranges, schedule
 from tenplex_megatron.plan.ptc import PTC, StoredChunk, dtype_size
-from tenplex_megatron.storage import directory, memory_tier
+from tenplex_megatron.plan.restart_policy import Choice, DurableListing, ForeignSnapshotError, Snapshot, pick_snapshot
+from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.confine import confine_all
+from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
 from tenplex_megatron.storage.source import Opened
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
-
-
-@dataclass(frozen=True)
-class MemoryChoice:
-    """The snapshot a restart loads: its iteration, metadata, which live nodes hold each rank file, and the rank
-    files no live node holds, read from the durable checkpoint of the same iteration (``durable_dir``)."""
-
-    iteration: int
-    metadata: dict[str, Any]
-    holders: dict[str, tuple[str, ...]]
-    durable: tuple[str, ...] = ()
-    durable_dir: str | None = None
 
 
 def durable_iteration(load_dir: str | None) -> int | None:
@@ -62,23 +51,22 @@ def durable_iteration(load_dir: str | None) -> int | None:
 
 
 def choose(tier: MemoryTier, load_dir: str | None,
-           exclude: set[tuple[int, str, str]] | frozenset[tuple[int, str, str]] = frozenset()) -> MemoryChoice | None:
+           exclude: set[tuple[int, str, str]] | frozenset[tuple[int, str, str]] = frozenset()) -> Choice | None:
     """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh). Every
     node's snapshots newer than the restart point (incomplete on the live nodes: a node that held part of them was
     lost) are discarded, so that the job never jumps back to that timeline when the node returns. ``exclude``:
     (iteration, rank file, node) copies found damaged (:func:`damaged_copies`), counted as absent."""
     def local() -> dict[str, Any]:
-        held = memory_tier.list_snapshots(tier.mem, tier.node) if tier.leader else []
+        held = node_dir.list_snapshots(tier.mem, tier.node) if tier.leader else []
         return {"held": [s.to_json() for s in held], "durable": durable_iteration(load_dir) if rank() == 0 else None}
 
     got = gather_phase(f"--tenplex-memory {tier.mem}: listing snapshots", local)
-    held = [memory_tier.Snapshot.from_json(s) for g in got for s in g["held"]]
+    held = [Snapshot.from_json(s) for g in got for s in g["held"]]
     if exclude:
         held = [dataclasses.replace(s, present={f: n for f, n in s.present.items()
                                                 if (s.iteration, f, s.node) not in exclude}) for s in held]
     newest_durable = got[0]["durable"]
-    picked = run_phase("choosing the snapshot to restart from",
-                       lambda: memory_tier.choose(held, tier.job, newest_durable))
+    picked = run_phase("choosing the snapshot to restart from", lambda: _pick(held, tier.settings.job, newest_durable))
     durable_dir = None if not load_dir or newest_durable is None else os.path.join(
         load_dir, directory.iter_dir_name(newest_durable))
     if picked is None and durable_dir is not None and any(s.iteration == newest_durable for s in held):
@@ -88,14 +76,13 @@ def choose(tier: MemoryTier, load_dir: str | None,
             if rank() != 0:
                 return None
             try:
-                return memory_tier.durable_listing(durable_dir).to_json()
+                return node_dir.durable_listing(durable_dir).to_json()
             except (OSError, ValueError, CheckpointFileError):  # unreadable: no mixing, the durable load decides
                 return None
 
-        found = memory_tier.DurableListing.from_json(
-            broadcast_json(run_phase("listing the durable checkpoint", listing), 0))
+        found = DurableListing.from_json(broadcast_json(run_phase("listing the durable checkpoint", listing), 0))
         picked = run_phase("choosing the snapshot to restart from",
-                           lambda: memory_tier.choose(held, tier.job, newest_durable, found))
+                           lambda: _pick(held, tier.settings.job, newest_durable, found))
     discard_after(tier, picked.iteration if picked is not None else newest_durable)  # None: from scratch
     if picked is None:
         return None
@@ -104,20 +91,29 @@ def choose(tier: MemoryTier, load_dir: str | None,
     def read_meta() -> dict[str, Any] | None:
         if rank() != src:
             return None
-        path = memory_tier.snapshot_dir(tier.mem, picked.iteration)
-        memory_tier.log_open(os.path.join(path, directory.METADATA_FILE))
+        path = node_dir.snapshot_dir(tier.mem, picked.iteration)
+        log_open(os.path.join(path, directory.METADATA_FILE))
         return directory.read_metadata(path)
 
     meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
-    return MemoryChoice(picked.iteration, meta, picked.holders, picked.durable,
-                        durable_dir if picked.durable else None)  # picked.durable: of the durable iteration
+    return dataclasses.replace(picked, metadata=meta,  # picked.durable: files of the durable iteration
+                               durable_dir=durable_dir if picked.durable else None)
 
 
-def damaged_copies(tier: MemoryTier, choice: MemoryChoice) -> list[tuple[int, str, str]]:
+def _pick(held: list[Snapshot], job: str, durable_iteration: int | None,
+          durable: DurableListing | None = None) -> Choice | None:
+    """:func:`pick_snapshot`, another job's snapshot reported as a checkpoint-file error naming it."""
+    try:
+        return pick_snapshot(held, job, durable_iteration, durable)
+    except ForeignSnapshotError as e:
+        raise CheckpointFileError(str(e)) from None
+
+
+def damaged_copies(tier: MemoryTier, choice: Choice) -> list[tuple[int, str, str]]:
     """Collective, after a failed load only: the (iteration, rank file, node) copies of the chosen snapshot that fail their
     checksums, each node's leader checking every file its memory holds of it (``verify_checkpoint``)."""
     def local() -> list[list[str]]:
-        path = memory_tier.snapshot_dir(tier.mem, choice.iteration)
+        path = node_dir.snapshot_dir(tier.mem, choice.iteration)
         if not tier.leader or not os.path.isdir(path):
             return []
         held = {f for f in choice.metadata.get("files", {}) if os.path.isfile(os.path.join(path, f))}
@@ -131,19 +127,19 @@ def discard_after(tier: MemoryTier, start: int | None) -> list[str]:
     """Collective: retire every node's snapshots newer than ``start``, the iteration the job (re)started from
     (every one for None: it started afresh), a timeline it left; returns this node's."""
     return run_phase("discarding the snapshots newer than the restart point",
-                     lambda: memory_tier.discard_newer(tier.mem, start, tier.dispose) if tier.leader else [])
+                     lambda: node_dir.discard_newer(tier.mem, start, tier.dispose) if tier.leader else [])
 
 
 class MemorySource(SourceFiles):
     """A snapshot's chunks: the rank files this node holds, memory-mapped; the rank files no live node holds, from
     the durable checkpoint of the same iteration; the others, as received from peers."""
 
-    def __init__(self, tier: MemoryTier, choice: MemoryChoice, verify: bool):
+    def __init__(self, tier: MemoryTier, choice: Choice, verify: bool):
         meta = choice.metadata
         ptc = PTC.from_json(meta["ptc"])
         local = [f for f, nodes in choice.holders.items() if tier.node in nodes]
         durable = list(choice.durable)
-        super().__init__(memory_tier.snapshot_dir(tier.mem, choice.iteration),
+        super().__init__(node_dir.snapshot_dir(tier.mem, choice.iteration),
                          {k: m.dtype for k, m in ptc.tensors.items()},
                          {f: meta["files"][f] for f in [*local, *durable]}, verify, require_checksums=True,
                          names=local)
@@ -172,7 +168,7 @@ class MemorySource(SourceFiles):
         if not self.stored(sc.location.file):
             return self.buffer(sc).view(TORCH_DTYPES[self.dtypes[sc.chunk.key]])
         if sc.location.file in self.local and sc.location.file not in self.readers:
-            memory_tier.log_open(os.path.join(self.ckpt_dir, sc.location.file))
+            log_open(os.path.join(self.ckpt_dir, sc.location.file))
         return super().flat(sc)
 
     def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Any, todo: list, source: int = -1) -> None:
@@ -183,22 +179,22 @@ class MemorySource(SourceFiles):
             self.bytes_from_durable += sum(b.data.numel() for b in todo[n:])
 
 
-def _key(sc: StoredChunk) -> str:
-    return f"{sc.location.file}\t{sc.location.name}"
+def _key(sc: StoredChunk) -> PeerKey:
+    return PeerKey(sc.location.file, sc.location.name)
 
 
-def held_everywhere(tier: MemoryTier, choice: MemoryChoice) -> bool:
+def held_everywhere(tier: MemoryTier, choice: Choice) -> bool:
     """Whether every live node holds every rank file of the snapshot (the common case with every node alive and
     K at least the node count): then no rank receives anything, known alike on every rank without a collective."""
     return all(set(tier.nodes) <= set(nodes) for nodes in choice.holders.values())
 
 
-def fetch_from_peers(tier: MemoryTier, choice: MemoryChoice) -> Any:
+def fetch_from_peers(tier: MemoryTier, choice: Choice) -> Any:
     """The load's ``fetch`` step: receive the whole checksum blocks of remote chunks that this rank's pieces read."""
     stats = {"sent": 0, "received": 0}
 
     def fetch(plan: Any, sources: tuple[StoredChunk, ...], files: MemorySource) -> None:
-        def requests() -> list[list[Any]]:
+        def requests() -> list[dict[str, Any]]:
             wanted: dict[int, list[tuple[int, int]]] = {}
             for p in plan.pieces:
                 sc = sources[p.source]
@@ -208,31 +204,32 @@ def fetch_from_peers(tier: MemoryTier, choice: MemoryChoice) -> Any:
                 bb = sc.location.block_bytes or size
                 blocks = touched_blocks(*piece_runs(p), dtype_size(files.dtypes[sc.chunk.key]), bb)
                 wanted.setdefault(p.source, []).extend((b * bb, min((b + 1) * bb, size)) for b in blocks)
-            return [[_key(sources[s]), lo, hi] for s, rs in wanted.items() for lo, hi in merge_ranges(rs)]
+            return [PeerRequest(_key(sources[s]), lo, hi).to_json() for s, rs in wanted.items()
+                    for lo, hi in merge_ranges(rs)]
 
-        asked = gather_phase("load from memory: gathering what each rank receives from peers", requests)
+        asked = [[PeerRequest.from_json(q) for q in reqs] for reqs in
+                 gather_phase("load from memory: gathering what each rank receives from peers", requests)]
         by_key = {_key(sc): sc for sc in sources}
 
         def plan_transfers() -> list[Any]:
-            senders: dict[str, list[int]] = {}
+            senders: dict[PeerKey, list[int]] = {}
             for reqs in asked:
-                for key, _, _ in reqs:
-                    if key not in senders:
-                        file = key.split("\t", 1)[0]
-                        senders[key] = sorted(x for n in choice.holders.get(file, ()) for x in tier.nodes.get(n, []))
-            return schedule({r: [tuple(q) for q in reqs] for r, reqs in enumerate(asked) if reqs}, senders)
+                for q in reqs:
+                    if q.key not in senders:
+                        holders = choice.holders.get(q.key.file, ())
+                        senders[q.key] = sorted(x for n in holders for x in tier.nodes.get(n, []))
+            return schedule({r: reqs for r, reqs in enumerate(asked) if reqs}, senders)
 
         transfers = run_phase("load from memory: scheduling peer transfers", plan_transfers)
         me = rank()
-        readers: dict[str, torch.Tensor] = {}
+        readers: dict[PeerKey, torch.Tensor] = {}
 
         def open_sends() -> None:
             for t in transfers:
                 if t.sender == me and t.key not in readers:
                     sc = by_key.get(t.key)
                     if sc is None:  # another rank's source: find its chunk in the full PTC
-                        file, name = t.key.split("\t", 1)
-                        sc = next(c for c in files.ptc.chunks if c.location.file == file and c.location.name == name)
+                        sc = next(c for c in files.ptc.chunks if _key(c) == t.key)
                     readers[t.key] = files.flat(sc).view(torch.uint8)
             for t in transfers:
                 if t.receiver == me:
@@ -258,7 +255,7 @@ class MemoryLoadResult:
     bytes_from_durable: int  # of the rank files no live node holds (none when the snapshot is whole in memory)
 
 
-def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: MemoryChoice, verify: bool = True) -> MemoryLoadResult:
+def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: Choice, *, verify: bool = True) -> MemoryLoadResult:
     """Collective: load the chosen snapshot into the adapter, re-sharded to its layout."""
     label = f"memory:{tier.mem}/{directory.iter_dir_name(choice.iteration)}"
 
@@ -270,6 +267,7 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: MemoryChoice, veri
         return Opened(label, choice.metadata, src.ptc, src)
 
     fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice)
-    res = load(adapter, label, None, True, verify, opener, host=f"memory-node:{tier.node}", fetch=fetch)
+    res = load(adapter, label, None, strict=True, verify=verify, opener=opener, host=f"memory-node:{tier.node}",
+               fetch=fetch)
     got = fetch.stats if fetch is not None else {"received": 0, "sent": 0}
     return MemoryLoadResult(res, tier.node, got["received"], got["sent"], opened[-1].bytes_from_durable)

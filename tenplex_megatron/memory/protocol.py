@@ -1,0 +1,185 @@
+"""The messages between a training process and its node's helper process: one versioned JSON object a line.
+
+The training process sends requests on the helper's stdin (:class:`Persist`, :class:`Replicate`,
+:class:`Remove`, :class:`Hurry`); the helper answers each but ``Hurry`` with one :class:`Reply` on its stdout.
+Every line carries ``format`` and ``version``; a line that is not a known message of this version is refused
+(:class:`ProtocolError`, answered as an error naming it), never guessed at.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+FORMAT = "tenplex-memory-helper"
+VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A line that is not a message of this protocol (unknown op, other version, missing or mistyped field)."""
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One file of a persist: ``src`` (in node memory) to ``dst`` (the durable checkpoint's staging directory)."""
+
+    src: str
+    dst: str
+
+
+@dataclass(frozen=True)
+class Send:
+    """A snapshot file this node sends to the helper of node ``peer`` (its index in the helpers' group) as ``tag``."""
+
+    path: str
+    peer: int
+    tag: int
+
+
+@dataclass(frozen=True)
+class Receive:
+    """A replica this node receives from node ``peer`` as ``tag``: ``size`` bytes into ``path``, over the pages of
+    ``spare`` (a retired replica of the same rank file) where one waits."""
+
+    peer: int
+    size: int
+    path: str
+    tag: int
+    spare: str | None = None
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Copy a snapshot's own files to durable storage, each fsynced (the job commits it once all nodes answered)."""
+
+    op: ClassVar[str] = "persist"
+    iteration: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Send this node's files of a snapshot and receive its replicas of others', at most ``rate`` bytes/s (0: all
+    at once)."""
+
+    op: ClassVar[str] = "replicate"
+    iteration: int
+    sends: tuple[Send, ...]
+    recvs: tuple[Receive, ...]
+    rate: float = 0.0
+
+
+@dataclass(frozen=True)
+class Remove:
+    """Delete retired snapshot directories (already renamed out of the listing)."""
+
+    op: ClassVar[str] = "remove"
+    paths: tuple[str, ...]
+    iteration: int = 0
+
+
+@dataclass(frozen=True)
+class Hurry:
+    """From now on send as fast as possible (the job is stopping); no reply."""
+
+    op: ClassVar[str] = "hurry"
+    iteration: int = 0
+
+
+Request = Persist | Replicate | Remove | Hurry
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The helper's answer to one request: the bytes it handled, or the error that ended it."""
+
+    op: str
+    iteration: int
+    bytes: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def _line(op: str, body: dict[str, Any]) -> bytes:
+    return (json.dumps({"format": FORMAT, "version": VERSION, "op": op, **body}) + "\n").encode()
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """One message as its line (a newline-terminated JSON object)."""
+    if isinstance(msg, Reply):
+        return _line(msg.op, {"iteration": msg.iteration, "bytes": msg.bytes, "error": msg.error})
+    body: dict[str, Any] = {"iteration": msg.iteration}
+    if isinstance(msg, Persist):
+        body["copies"] = [{"src": c.src, "dst": c.dst} for c in msg.copies]
+    elif isinstance(msg, Replicate):
+        body["sends"] = [{"path": s.path, "peer": s.peer, "tag": s.tag} for s in msg.sends]
+        body["recvs"] = [{"peer": r.peer, "size": r.size, "path": r.path, "tag": r.tag, "spare": r.spare}
+                         for r in msg.recvs]
+        body["rate"] = msg.rate
+    elif isinstance(msg, Remove):
+        body["paths"] = list(msg.paths)
+    return _line(msg.op, body)
+
+
+def _parse(line: bytes | str) -> dict[str, Any]:
+    try:
+        d = json.loads(line)
+    except ValueError as e:
+        raise ProtocolError(f"not JSON ({e}): {line[:80]!r}") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise ProtocolError(f"not a {FORMAT} message: {line[:80]!r}")
+    if d.get("version") != VERSION:
+        raise ProtocolError(f"{FORMAT} version {d.get('version')!r}, this helper speaks version {VERSION}")
+    return d
+
+
+def _field(d: dict[str, Any], name: str, kind: type) -> Any:
+    v = d.get(name)
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise ProtocolError(f"{d.get('op')!r} message: field {name!r} must be {kind.__name__}, got {v!r}")
+    return v
+
+
+def _items(d: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    got = _field(d, name, list)
+    if not all(isinstance(x, dict) for x in got):
+        raise ProtocolError(f"{d.get('op')!r} message: field {name!r} must be a list of objects")
+    return got
+
+
+def decode_request(line: bytes | str) -> Request:
+    """A request line as its message; :class:`ProtocolError` naming what is wrong otherwise."""
+    d = _parse(line)
+    op, it = d.get("op"), _field(d, "iteration", int)
+    if op == Persist.op:
+        return Persist(it, tuple(Copy(_field(c, "src", str), _field(c, "dst", str)) for c in _items(d, "copies")))
+    if op == Replicate.op:
+        sends = tuple(Send(_field(s, "path", str), _field(s, "peer", int), _field(s, "tag", int))
+                      for s in _items(d, "sends"))
+        recvs = tuple(Receive(_field(r, "peer", int), _field(r, "size", int), _field(r, "path", str),
+                              _field(r, "tag", int), r.get("spare") if isinstance(r.get("spare"), str) else None)
+                      for r in _items(d, "recvs"))
+        return Replicate(it, sends, recvs, _field(d, "rate", float))
+    if op == Remove.op:
+        paths = _field(d, "paths", list)
+        if not all(isinstance(p, str) for p in paths):
+            raise ProtocolError("'remove' message: field 'paths' must be a list of strings")
+        return Remove(tuple(paths), it)
+    if op == Hurry.op:
+        return Hurry(it)
+    raise ProtocolError(f"unknown op {op!r} (known: persist, replicate, remove, hurry)")
+
+
+def decode_reply(line: bytes | str) -> Reply:
+    """A reply line as its message; :class:`ProtocolError` naming what is wrong otherwise."""
+    d = _parse(line)
+    error = d.get("error")
+    if error is not None and not isinstance(error, str):
+        raise ProtocolError(f"reply: field 'error' must be a string or null, got {error!r}")
+    return Reply(_field(d, "op", str), _field(d, "iteration", int), _field(d, "bytes", int), error)
