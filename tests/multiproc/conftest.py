@@ -10,5 +10,15 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TENPLEX_STAGING", "copy")
-os.environ.setdefault("TENPLEX_STAGING_MB", "0.25")
+import pytest
+
+STAGING = {"TENPLEX_STAGING": "copy", "TENPLEX_STAGING_MB": "0.25"}
+
+
+@pytest.fixture(autouse=True)
+def staged_copy_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each multi-process test's launches inherit the staged copy mode (unless the environment sets it); set per
+    test, not at import, so the unit tests sharing a pytest process with these keep the default path."""
+    for name, value in STAGING.items():
+        if name not in os.environ:
+            monkeypatch.setenv(name, value)

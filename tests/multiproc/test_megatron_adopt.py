@@ -150,9 +150,22 @@ def test_adopted_state_equals_saved_and_losses_continue(adopted: tuple[str, str]
 
 
 def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> None:
-    _, log = adopted
-    errors = [line for line in log.splitlines() if line.startswith("> adopt_run: error ")]
-    assert len(errors) == 7, log[-3000:]
+    """Each bad checkpoint fails on every rank with the message naming the file or tensor, and every rank's job
+    (weights, optimizer state, iteration) is exactly as before the attempt."""
+    tmp, _ = adopted
+    with open(os.path.join(tmp, "adopters.json")) as f:
+        tasks = json.load(f)
+    bad = {str(i): t for i, t in enumerate(tasks) if "error" in t}
+    assert len(bad) == 7
+    for r in range(2):
+        with open(os.path.join(tmp, f"adopters.json.rank{r}.json")) as f:
+            results = json.load(f)
+        assert sorted(results) == sorted(bad), results
+        for i, task in bad.items():
+            got = results[i]
+            assert got["error"] is not None, f"rank {r}: adopting {task['load']} did not fail"
+            assert task["error"] in got["error"], (r, task["error"], got["error"])
+            assert got["unchanged"], f"rank {r}: the job's state changed before the error for {task['load']}"
 
 
 def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:
