@@ -32,7 +32,7 @@ import sysconfig
 import pytest
 
 from tenplex_megatron.storage import directory
-from tests.harness import ROOT
+from tests.harness import ROOT, flip
 
 pytestmark = pytest.mark.megatron_lm
 MLM = os.environ.get("MEGATRON_LM_PATH")
@@ -358,3 +358,24 @@ def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, n
     rel = 1e-4 if "--fp16" in a else 1e-5
     for it, loss in resumed.items():
         assert loss == pytest.approx(ref[it], rel=rel, abs=5e-6), (it, loss, ref[it], table)
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+def test_megatron_lm_falls_back_past_a_damaged_checkpoint(tmp_path, script: str) -> None:
+    """Megatron-LM with the hook: the newest checkpoint's rank file has a flipped byte, so the restart (at another
+    layout) skips it with one warning naming the file, loads the previous complete one, and continues the
+    uninterrupted run's losses from there (Megatron-LM #5281 looped on NaN instead)."""
+    ref = _reference(script, 95)
+    ckpt = tmp_path / "ckpt"
+    log = _run(script, 2, 95, ["--save", str(ckpt), "--save-interval", "2", "--exit-interval", "4"])
+    assert "> tenplex: saved iteration 2" in log and "> tenplex: saved iteration 4" in log, log[-3000:]
+    bad = ckpt / "iter_0000004" / directory.rank_file_name(1)
+    flip(str(bad))
+    log = _run(script, 1, 95, ["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4"])
+    assert log.count("skipping a damaged copy") == 1 and str(bad) in log, log[-3000:]
+    assert re.search(r"> tenplex: loaded iteration 2 from \S+iter_0000002: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2",
+                     log), log[-3000:]
+    resumed = _losses(log)
+    assert sorted(resumed) == [3, 4, 5, 6, 7, 8], log[-3000:]
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it])
