@@ -33,6 +33,7 @@ from tenplex_megatron.plan.autolayout import (
     rank_layouts,
     total_parameters,
 )
+from tenplex_megatron.plan.experts import expert_summary
 from tenplex_megatron.plan.hf_map import HFMapError, parse_size
 from tenplex_megatron.plan.layout import (
     LayoutError,
@@ -146,6 +147,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         "bytes": ptc.total_bytes(),
         "files": meta.get("files", {}),
     }
+    experts = expert_summary(ptc, meta.get("layout"))
+    summary["experts"] = experts.to_json() if experts is not None else None
     if args.json:
         if args.tensors:
             summary["tensor_table"] = {k: {"shape": list(t.global_shape), "dtype": t.dtype, "chunks": per_tensor[k][0],
@@ -155,8 +158,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     lay = summary["layout"] or {}
     print(f"checkpoint   {ckpt}")
     print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
-    print(f"layout       tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')}  "
-          f"distributed optimizer: {summary['distributed_optimizer']}")
+    print(f"layout       tp={lay.get('tp')} pp={lay.get('pp')} dp={lay.get('dp')}"
+          + (f" ep={lay.get('ep', 1)} expert-tp={experts.expert_tp}" if experts is not None else "")
+          + f"  distributed optimizer: {summary['distributed_optimizer']}")
+    if experts is not None:
+        print(f"experts      {experts.line()}")
     print(f"tensors      {summary['tensors']} ({model_params:,} model parameters), {summary['chunks']} stored chunks")
     print(f"bytes        {_fmt_bytes(summary['bytes'])} in {len(summary['files'])} files")
     if args.tensors:
@@ -445,10 +451,14 @@ def _print_report(r: CheckReport) -> None:
             f"({r.gb_per_s:.2f} GB/s, {r.threads} threads)")
     if r.ok:
         print(f"OK       {r.path}: {what}")
+        if r.experts is not None:
+            print(f"  experts: {r.experts.line()}")
         return
     print(f"DAMAGED  {r.path}: {len(r.damage)} problem{'s' if len(r.damage) != 1 else ''} ({what})")
     for d in r.damage:
         print(f"  {d.why}")
+    if r.experts is not None:
+        print(f"  experts: {r.experts.line()}")
     print(f"  damaged files:   {', '.join(r.damaged_files())}")
     if r.damaged_tensors():
         print(f"  damaged tensors: {', '.join(r.damaged_tensors())}")

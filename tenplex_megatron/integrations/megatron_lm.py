@@ -80,10 +80,9 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 _FIXING_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-                 "micro_batch_size": "--micro-batch-size"}
+                 "ep": "--expert-model-parallel-size", "micro_batch_size": "--micro-batch-size"}
 # Megatron-LM features the layout choice does not model: refused with --tenplex-layout rather than ignored
 _UNMODELLED = (("context_parallel_size", 1, "--context-parallel-size"),
-               ("expert_model_parallel_size", 1, "--expert-model-parallel-size"),
                ("virtual_pipeline_model_parallel_size", None, "--num-layers-per-virtual-pipeline-stage"))
 
 
@@ -99,15 +98,18 @@ def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int)
     for name, default, flag in _UNMODELLED:
         if getattr(args, name, default) not in (default, None):
             raise LayoutError(f"{flag} is not modelled by --tenplex-layout: give the layout explicitly")
+    if _given(argv, "--expert-tensor-parallel-size"):  # EP is chosen; the experts' TP stays TP's
+        raise LayoutError("--expert-tensor-parallel-size is not modelled by --tenplex-layout: give the layout "
+                          "explicitly")
     if not getattr(args, "global_batch_size", None):
         raise LayoutError("--global-batch-size is required: the layout choice keeps the global batch fixed")
     dims = gpt_dims(args)
     attr = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-            "micro_batch_size": "micro_batch_size"}
+            "ep": "expert_model_parallel_size", "micro_batch_size": "micro_batch_size"}
     fixed = {k: int(getattr(args, attr[k])) for k, flag in _FIXING_FLAGS.items() if _given(argv, flag)}
     return LayoutRequest(args.tenplex_layout, dims, world, local_world, int(args.global_batch_size),
                          memory_gb=elastic.memory_gb(args.tenplex_memory_budget), tp=fixed.get("tp"),
-                         pp=fixed.get("pp"), micro_batch_size=fixed.get("micro_batch_size"),
+                         pp=fixed.get("pp"), micro_batch_size=fixed.get("micro_batch_size"), ep=fixed.get("ep"),
                          distributed_optimizer=bool(args.use_distributed_optimizer),
                          make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by))
 
@@ -129,6 +131,7 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
         elastic.refuse("pretrain_gpt.py", args.tenplex_layout, world, e)
     args.tensor_model_parallel_size = chosen.layout.tp
     args.pipeline_model_parallel_size = chosen.layout.pp
+    args.expert_model_parallel_size = chosen.layout.ep
     args.micro_batch_size = chosen.micro_batch_size
     if getattr(args, "rank", 0) == 0:
         print(f"> tenplex: --tenplex-layout {args.tenplex_layout}: {chosen.layout}, micro-batch "

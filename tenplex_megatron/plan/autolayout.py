@@ -1,6 +1,8 @@
-"""Choose TP, PP, DP and the micro-batch size for a world size: legal, fits memory, fastest. Pure Python.
+"""Choose TP, PP, DP (EP for a mixture of experts) and the micro-batch size for a world size: legal, fits memory,
+fastest. Pure Python.
 
-Every (TP, PP, DP) with TP x PP x DP = world size is a candidate, with every
+Every (TP, PP, DP) with TP x PP x DP = world size is a candidate, for a mixture of experts with every EP that
+divides the experts and, with the experts' TP (megatron-core's default: TP) and PP, the world size, and with every
 micro-batch size offered; each is legal or refused with every reason, gets a
 per-rank memory estimate and a modelled iteration time, and the candidates are
 ranked: legal and fitting first, fastest first, a measured time (where one is
@@ -21,10 +23,14 @@ The estimates are models, documented here, not measurements:
   stays whole on every TP rank, so this is optimistic there), doubled for
   fp32 (with ``flash_attention`` - FlashAttention or selective recomputation,
   which keep no seq x seq scores - the 5 x heads x seq / hidden term drops), times the layers on the stage, times the micro-batches the 1F1B
-  schedule keeps in flight on stage s: min(PP - s, micro-batches). Logits,
+  schedule keeps in flight on stage s: min(PP - s, micro-batches). A routed expert's parameters are divided over
+  expert TP x EP instead of TP, and its optimizer state over expert DP (world / (expert TP x EP x PP)). Logits,
   temporary buffers, the CUDA context and allocator fragmentation are left out:
   give the budget less than the device's memory to leave room for them.
-* Iteration time: compute 6 x params x tokens / (world x FLOP/s per GPU); the
+* Iteration time: compute 6 x params x tokens / (world x FLOP/s per GPU) (for a mixture of experts the active
+  parameters: the dense ones and top-k of the experts); EP sends each micro-batch's routed tokens (top-k copies of
+  its hidden states) to other EP ranks and back, forward and backward, per layer ((EP - 1) / EP of them leave the
+  rank, over the intra-node link when expert TP x EP fits a node); the
   pipeline bubble adds compute x (PP - 1) / micro-batches; TP costs four ring
   all-reduces of one micro-batch's activations per layer and micro-batch
   (2 (TP - 1) / TP of the bytes over the intra-node link: it grows with the TP
@@ -45,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, padded_vocab_size
-from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors, is_expert
 
 GIB = 1 << 30
 #: Micro-batch sizes tried when the caller offers none.
@@ -91,10 +97,11 @@ class TimeEstimate:
     pp_comm: float
     dp_comm: float
     overhead: float
+    ep_comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.overhead
+        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.overhead + self.ep_comm
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,13 @@ def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
             out.append(f"TP={tp} does not divide the {what} ({size})")
     if dims.num_layers % pp:
         out.append(f"PP={pp} does not divide the {dims.num_layers} layers")
+    if dims.num_experts:
+        if dims.num_experts % layout.ep:
+            out.append(f"EP={layout.ep} does not divide the {dims.num_experts} experts")
+        if dims.expert_ffn % layout.expert_tp:
+            out.append(f"expert TP={layout.expert_tp} does not divide the experts' FFN hidden size ({dims.expert_ffn})")
+    elif layout.ep > 1:
+        out.append(f"EP={layout.ep} needs a mixture-of-experts model")
     if world_size is not None and layout.world_size != world_size:
         out.append(f"TP x PP x DP = {tp} x {pp} x {dp} = {layout.world_size} is not the world size {world_size}")
     if micro_batch_size < 1:
@@ -208,12 +222,19 @@ def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     return out
 
 
-def stage_parameters(dims: GPTDims, layout: ParallelLayout, make_vocab_size_divisible_by: int = 128) -> list[int]:
-    """Parameters held by one rank of each pipeline stage (the tied embedding counted on both ends)."""
+def stage_parameters(dims: GPTDims, layout: ParallelLayout, make_vocab_size_divisible_by: int = 128,
+                     experts: bool | None = None) -> list[int]:
+    """Parameters held by one rank of each pipeline stage (the tied embedding counted on both ends); a routed
+    expert's divided over expert TP x EP. ``experts`` True / False: only the routed experts' / only the others."""
     padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, layout.tp)
     per = [0] * layout.pp
     for t in gpt_tensors(dims, padded, optimizer=False).values():
-        n = t.numel // layout.tp if t.tp_axis is not None else t.numel
+        if experts is not None and is_expert(t) != experts:
+            continue
+        if is_expert(t):
+            n = t.numel // layout.ep // (layout.expert_tp if t.tp_axis is not None else 1)
+        else:
+            n = t.numel // layout.tp if t.tp_axis is not None else t.numel
         if t.stage == "layers":
             for s in range(layout.pp):
                 per[s] += n // layout.pp
@@ -244,12 +265,14 @@ def estimate_memory(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     per_layer = activation_bytes_per_layer(dims, micro_batch_size, layout.tp, flash_attention)
     layers = dims.num_layers // layout.pp
     best: MemoryEstimate | None = None
+    expert = stage_parameters(dims, layout, make_vocab_size_divisible_by, experts=True)
     for s, n in enumerate(stage_parameters(dims, layout, make_vocab_size_divisible_by)):
-        optim = optim_b * n
+        dense_optim, expert_optim = optim_b * (n - expert[s]), optim_b * expert[s]
         est = MemoryEstimate(
             weights=weight_b * n,
             gradients=4 * n,
-            optimizer=math.ceil(optim / layout.dp) if distributed_optimizer else optim,
+            optimizer=(math.ceil(dense_optim / layout.dp) + math.ceil(expert_optim / layout.expert_dp)
+                       if distributed_optimizer else dense_optim + expert_optim),
             activations=math.ceil(per_layer * layers * min(layout.pp - s, m)),
             stage=s,
         )
@@ -265,6 +288,16 @@ def total_parameters(dims: GPTDims, make_vocab_size_divisible_by: int = 128) -> 
     return sum(t.numel for t in gpt_tensors(dims, padded, optimizer=False).values())
 
 
+def active_parameters(dims: GPTDims, make_vocab_size_divisible_by: int = 128) -> int:
+    """The parameters one token goes through: all of a dense model's; a mixture of experts' dense ones and top-k of
+    its routed experts."""
+    padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, 1)
+    total = 0
+    for t in gpt_tensors(dims, padded, optimizer=False).values():
+        total += t.numel * dims.moe_router_topk // int(dims.num_experts or 1) if is_expert(t) else t.numel
+    return total
+
+
 def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int,
                   gpus_per_node: int, *, hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
                   make_vocab_size_divisible_by: int = 128) -> TimeEstimate:
@@ -273,7 +306,7 @@ def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, 
     world = layout.world_size
     m = global_batch_size // (dp * micro_batch_size)
     tokens = global_batch_size * dims.seq_length
-    compute = 6 * total_parameters(dims, make_vocab_size_divisible_by) * tokens / (world * hardware.flops_per_gpu)
+    compute = 6 * active_parameters(dims, make_vocab_size_divisible_by) * tokens / (world * hardware.flops_per_gpu)
     bubble = compute * (pp - 1) / m
     act_width = 2 if dims.bf16 else 4
     act = dims.seq_length * micro_batch_size * dims.hidden_size * act_width  # one micro-batch's hidden states
@@ -284,21 +317,38 @@ def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, 
     pp_comm = 2 * m * act / pp_bw if pp > 1 else 0.0
     # a DP group is tp apart within a block of tp x dp consecutive ranks (megatron-core's tp-dp-pp order)
     dp_bw = hardware.intra_node_bandwidth if one_node or gpus_per_node % (tp * dp) == 0 else hardware.inter_node_bandwidth
-    params = max(stage_parameters(dims, layout, make_vocab_size_divisible_by))
-    share = (dp - 1) / dp
+    stages = stage_parameters(dims, layout, make_vocab_size_divisible_by)
+    expert = stage_parameters(dims, layout, make_vocab_size_divisible_by, experts=True)
+    busiest = max(range(pp), key=lambda s: stages[s])
     weight_b = 2 if dims.bf16 else 4
-    dp_bytes = share * params * (4 + weight_b) if distributed_optimizer else 2 * share * params * 4
+
+    def reduce_bytes(params: int, group: int) -> float:
+        share = (group - 1) / group
+        return share * params * (4 + weight_b) if distributed_optimizer else 2 * share * params * 4
+
+    dp_bytes = reduce_bytes(stages[busiest] - expert[busiest], dp) + reduce_bytes(expert[busiest], layout.expert_dp)
+    ep_comm = 0.0
+    if dims.num_experts and layout.ep > 1:
+        ep_bw = hardware.intra_node_bandwidth if layout.expert_tp * layout.ep <= gpus_per_node else \
+            hardware.inter_node_bandwidth
+        ep_comm = m * layers * 4 * dims.moe_router_topk * act * (layout.ep - 1) / layout.ep / ep_bw
     return TimeEstimate(compute=compute, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm,
-                        dp_comm=dp_bytes / dp_bw, overhead=(m + pp - 1) * hardware.slot_overhead_s)
+                        dp_comm=dp_bytes / dp_bw, overhead=(m + pp - 1) * hardware.slot_overhead_s, ep_comm=ep_comm)
 
 
-def _factorizations(world_size: int) -> Iterable[ParallelLayout]:
+def _factorizations(world_size: int, num_experts: int | None = None) -> Iterable[ParallelLayout]:
+    """Every TP x PP x DP = world size; for a mixture of experts each with every EP dividing the experts for which
+    expert TP (= TP) x EP x PP divides the world size."""
     for tp in range(1, world_size + 1):
         if world_size % tp:
             continue
         for pp in range(1, world_size // tp + 1):
-            if (world_size // tp) % pp == 0:
-                yield ParallelLayout(tp, pp, world_size // (tp * pp))
+            if (world_size // tp) % pp:
+                continue
+            dp = world_size // (tp * pp)
+            for ep in range(1, (num_experts or 1) + 1):
+                if (num_experts or 1) % ep == 0 and world_size % (tp * ep * pp) == 0:
+                    yield ParallelLayout(tp, pp, dp, ep=ep)
 
 
 def _check_inputs(world_size: int, gpus_per_node: int, global_batch_size: int, memory_gb: float | None,
@@ -349,7 +399,7 @@ def _rank_key(c: LayoutCandidate) -> tuple:
         group, score = 2, float(c.memory.total if c.memory else 0)
     else:
         group, score = 3, 0.0
-    return group, score, c.layout.tp, c.layout.pp, c.micro_batch_size
+    return group, score, c.layout.tp, c.layout.pp, c.layout.ep, c.micro_batch_size
 
 
 def rank_layouts(dims: GPTDims, world_size: int, gpus_per_node: int, global_batch_size: int, *,
@@ -366,12 +416,12 @@ def rank_layouts(dims: GPTDims, world_size: int, gpus_per_node: int, global_batc
     no stored attention scores (FlashAttention or selective recomputation).
     """
     _check_inputs(world_size, gpus_per_node, global_batch_size, memory_gb, micro_batch_sizes)
-    unknown = set(fixed or {}) - {"tp", "pp", "dp", "micro_batch_size"}
+    unknown = set(fixed or {}) - {"tp", "pp", "dp", "ep", "micro_batch_size"}
     if unknown:
-        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp and micro_batch_size")
+        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp, ep and micro_batch_size")
     measured = dict(measured or {})
     out = []
-    for layout in _factorizations(world_size):
+    for layout in _factorizations(world_size, dims.num_experts):
         for mbs in sorted(set(micro_batch_sizes)):
             key = candidate_key(layout, mbs)
             out.append(evaluate(dims, layout, mbs, global_batch_size, world_size=world_size,

@@ -158,6 +158,12 @@ class ParallelLayout:
         pp_rank = rank // (self.tp * self.dp)
         return tp_rank, pp_rank, dp_rank
 
+    def expert_rank_coords(self, rank: int) -> tuple[int, int, int]:
+        """(expert TP rank, EP rank, expert DP rank) of a global rank in megatron-core's expert order (tp-ep-dp-pp with
+        the experts' TP and DP sizes; the pipeline rank is the dense one)."""
+        etp, ep = self.expert_tp, self.ep
+        return rank % etp, (rank // etp) % ep, (rank // (etp * ep)) % self.expert_dp
+
     def check_fits(self, shape: ModelShape, world_size: int | None = None) -> None:
         """Raise :class:`LayoutError` naming every constraint the layout breaks."""
         problems = []

@@ -3,7 +3,7 @@
 A trainer (``training/layout_choice.py``, the Megatron-LM hook) turns its flags into a :class:`LayoutRequest`
 for the world size torchrun gave it; :func:`choose` answers with the layout and micro-batch size: a user's
 table row, or the top of the ranking (``plan/autolayout.py``) where measured iteration times (``measure``)
-rank ahead of modelled ones. Explicitly given TP, PP or micro-batch size fix that degree.
+rank ahead of modelled ones. Explicitly given TP, PP, EP or micro-batch size fix that degree.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class LayoutRequest:
     pp: int | None = None
     micro_batch_size: int | None = None
     distributed_optimizer: bool = False
+    ep: int | None = None  # a mixture of experts' EP, when given (else chosen among the EPs dividing the experts)
     make_vocab_size_divisible_by: int = 128
 
 
@@ -52,7 +53,7 @@ def rank(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> Lay
     """The ranked candidates for ``req`` (``measured``: seconds per iteration by candidate key at this world size).
 
     :class:`LayoutError` listing every refused candidate when none is usable."""
-    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp)) if v is not None}
+    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep)) if v is not None}
     mbs = (req.micro_batch_size,) if req.micro_batch_size is not None else DEFAULT_MICRO_BATCH_SIZES
     return choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
                          memory_gb=req.memory_gb, micro_batch_sizes=mbs, fixed=fixed or None, measured=measured,

@@ -252,10 +252,17 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
     model's weights are not fp32 themselves)."""
     check_model(ck, live)
     saved = ck.tensors()
+    chained = sorted(k for k in saved if k.startswith("chained_"))
+    if chained:
+        raise MegatronCheckpointError(
+            f"{ck.path}: {chained[0]}: a chained (dense + expert) distributed optimizer saved dp_reshardable is not "
+            "adopted yet: save the mixture of experts with --dist-ckpt-optim-fully-reshardable, or with --tenplex")
     tp = _saved_tp(ck, live)
     groups = {int(m.group(1)) for k in saved if (m := _BUCKET.fullmatch(k))}
     pp = max(len(groups) // tp, 1) if groups else 1
-    layout = ParallelLayout(tp, pp, max(ck.world() // (tp * pp), 1))
+    ep = int(getattr(ck.common.get("args"), "expert_model_parallel_size", None) or 1)
+    dp = max(ck.world() // (tp * pp), 1)
+    layout = ParallelLayout(tp, pp, dp, ep=ep if (tp * pp * dp) % (tp * ep * pp) == 0 else 1)
     model = {k: t for k, t in live.items() if t.param is None}
     metas = {k: replace(t, global_shape=saved[k].size, dtype=saved[k].dtype) for k, t in model.items()}
     tensors: dict[str, TensorMeta] = dict(metas)

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.plan.experts import ExpertSummary, expert_summary
 from tenplex_megatron.plan.planner import partition_errors
 from tenplex_megatron.plan.ptc import PTC, PTCError, StoredChunk, dtype_size
 from tenplex_megatron.storage.checksum import crc32
@@ -68,6 +69,7 @@ class CheckReport:
     seconds: float
     threads: int
     damage: tuple[Damage, ...]
+    experts: ExpertSummary | None = None  # a mixture of experts' count, EP / expert TP / expert DP, missing experts
 
     @property
     def ok(self) -> bool:
@@ -89,7 +91,8 @@ class CheckReport:
                 "bytes_checked": self.bytes_checked, "blocks": self.blocks, "seconds": self.seconds,
                 "gb_per_s": self.gb_per_s, "threads": self.threads,
                 "damaged_files": self.damaged_files(), "damaged_tensors": self.damaged_tensors(),
-                "damage": [d.to_json() for d in self.damage]}
+                "damage": [d.to_json() for d in self.damage],
+                "experts": self.experts.to_json() if self.experts is not None else None}
 
 
 @dataclass(frozen=True)
@@ -238,9 +241,9 @@ def verify_checkpoint(path: str, workers: int | None = None,
     ck = _Checker(path)
 
     def report(files: int = 0, tensors: int = 0, chunks: int = 0, stored: int = 0, checked: int = 0,
-               blocks: int = 0, iteration: int | None = None) -> CheckReport:
+               blocks: int = 0, iteration: int | None = None, experts: ExpertSummary | None = None) -> CheckReport:
         return CheckReport(path, iteration, files, tensors, chunks, stored, checked, blocks,
-                           time.perf_counter() - t0, workers, tuple(ck.damage))
+                           time.perf_counter() - t0, workers, tuple(ck.damage), experts)
 
     try:
         meta = read_metadata(path)
@@ -252,6 +255,12 @@ def verify_checkpoint(path: str, workers: int | None = None,
     recorded: dict[str, int] = meta.get("files", {})
     for key, why in partition_errors(ptc).items():
         ck.bad(METADATA_FILE, (key,), why)
+    experts = expert_summary(ptc, meta.get("layout"))
+    for key, pairs in (experts.missing if experts is not None else {}).items():
+        if pairs:
+            shown = ", ".join(f"layer {layer} expert {e}" for layer, e in pairs[:8])
+            ck.bad(METADATA_FILE, (key,), f"tensor {key!r}: {len(pairs)} routed expert(s) not stored in full: {shown}"
+                   + (", ..." if len(pairs) > 8 else ""))
 
     by_file: dict[str, list[StoredChunk]] = defaultdict(list)
     for sc in ptc.chunks:
@@ -305,7 +314,7 @@ def verify_checkpoint(path: str, workers: int | None = None,
         for m in maps.values():
             m.close()
     ck.damage.sort(key=lambda d: (d.file, d.why))
-    return report(len(names), len(ptc.tensors), len(ptc.chunks), stored, done, blocks, iteration)
+    return report(len(names), len(ptc.tensors), len(ptc.chunks), stored, done, blocks, iteration, experts)
 
 
 def checkpoints_in(path: str, every: bool) -> list[str]:

@@ -10,7 +10,8 @@ throughput model; ``measure`` ranks iteration times measured at this world
 size (``training/measure.py`` times the best few first, once) ahead of the
 model; a JSON file is a user's table (``plan/layout_files.py``). Explicit
 ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` /
-``--micro-batch-size`` still win: they fix that degree.
+``--expert-model-parallel-size`` / ``--micro-batch-size`` still win: they fix that degree. For a mixture of
+experts EP is chosen too (expert TP stays TP's: ``--expert-tensor-parallel-size`` is refused with it).
 
 With no legal layout, the error lists every candidate refused and why, and
 under torchrun's elastic agent the worker also asks its agent to stop
@@ -34,7 +35,7 @@ def request(args: argparse.Namespace, world: int, local_world: int) -> LayoutReq
     return LayoutRequest(args.tenplex_layout, gpt_dims(args), world, local_world, args.global_batch_size,
                          memory_gb=elastic.memory_gb(args.tenplex_memory_budget),
                          tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                         micro_batch_size=args.micro_batch_size,
+                         micro_batch_size=args.micro_batch_size, ep=args.expert_model_parallel_size,
                          distributed_optimizer=args.use_distributed_optimizer,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
 
@@ -66,6 +67,9 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     world, local_world = elastic.world()
     args.tenplex_layout_request = None
     try:
+        if args.expert_tensor_parallel_size is not None:
+            raise LayoutError("--expert-tensor-parallel-size is not modelled by --tenplex-layout: give the layout "
+                              "explicitly")
         req = request(args, world, local_world)
         chosen = choose(req, measured_times(args, world))
     except (LayoutError, OSError, ValueError) as e:
@@ -73,5 +77,6 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     args.tenplex_layout_request = req  # measure: the candidates to time are ranked from it
     args.tensor_model_parallel_size = chosen.layout.tp
     args.pipeline_model_parallel_size = chosen.layout.pp
+    args.expert_model_parallel_size = chosen.layout.ep
     args.micro_batch_size = chosen.micro_batch_size
     return chosen

@@ -66,7 +66,8 @@ def content_metadata(md: dict[str, Any]) -> dict[str, Any]:
 
 def saved_args(job: GPTJob) -> argparse.Namespace:
     """What Megatron-LM saves as ``args`` in the common state, as far as a re-shard of it needs: the saving layout
-    and the DDP settings that cut the distributed optimizer's buffers into buckets."""
+    and the DDP settings that cut the distributed optimizer's buffers into buckets; a mixture of experts' EP, expert
+    TP and router kind."""
     return argparse.Namespace(
         tensor_model_parallel_size=job.layout.tp, pipeline_model_parallel_size=job.layout.pp,
         data_parallel_size=job.layout.dp, virtual_pipeline_model_parallel_size=job.layout.vpp if job.layout.vpp > 1
@@ -74,7 +75,10 @@ def saved_args(job: GPTJob) -> argparse.Namespace:
         overlap_grad_reduce=job.ddp.overlap_grad_reduce, overlap_param_gather=job.ddp.overlap_param_gather,
         ddp_bucket_size=job.ddp.bucket_size, ddp_num_buckets=None, ddp_pad_buckets_for_high_nccl_busbw=False,
         consumed_train_samples=job.consumed_samples, padded_vocab_size=job.padded_vocab_size, seed=job.spec.seed,
-        ckpt_format="torch_dist")
+        ckpt_format="torch_dist", expert_model_parallel_size=job.layout.ep,
+        expert_tensor_parallel_size=job.layout.expert_tp, num_experts=job.spec.num_experts,
+        moe_router_enable_expert_bias=job.spec.moe_router_enable_expert_bias,
+        moe_router_score_function=job.spec.moe_router_score_function)
 
 
 def _state_dict(job: GPTJob, md: dict[str, Any], is_loading: bool) -> dict[str, Any]:

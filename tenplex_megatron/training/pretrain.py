@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN width of the shared experts every token also goes through (default: none)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
-    g.add_argument("--expert-model-parallel-size", type=int, default=1, help="expert parallelism (EP): ranks the "
-                   "experts are divided among; must divide --num-experts")
+    g.add_argument("--expert-model-parallel-size", type=int, default=None, help="expert parallelism (EP): ranks "
+                   "the experts are divided among; must divide --num-experts (default 1, or chosen by --tenplex-layout)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
     g = p.add_argument_group("training")
@@ -241,6 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--micro-batch-size is required (or let --tenplex-layout choose it)")
     args.tensor_model_parallel_size = args.tensor_model_parallel_size or 1
     args.pipeline_model_parallel_size = args.pipeline_model_parallel_size or 1
+    args.expert_model_parallel_size = args.expert_model_parallel_size or 1
     if args.tensor_model_parallel_size == 1:  # Megatron-LM's rule: a restart at TP 1 keeps its command line
         args.sequence_parallel = False
     args.virtual_pipeline_model_parallel_size = virtual_stages(parser, args)
@@ -295,7 +296,7 @@ def check_moe_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, g
     """The mixture-of-experts flags' own rules, before any process group starts: errors name the flag."""
     if args.num_experts is None:
         moe = sorted(f for f in given if f.startswith("--moe-") or f in ("--expert-tensor-parallel-size",)
-                     or (f == "--expert-model-parallel-size" and args.expert_model_parallel_size != 1))
+                     or (f == "--expert-model-parallel-size" and args.expert_model_parallel_size not in (None, 1)))
         if moe:
             parser.error(f"{', '.join(moe)} needs --num-experts (a mixture-of-experts model)")
         return
@@ -303,7 +304,8 @@ def check_moe_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, g
         parser.error(f"--num-experts {args.num_experts} must be >= 1")
     if not 1 <= args.moe_router_topk <= args.num_experts:
         parser.error(f"--moe-router-topk {args.moe_router_topk} must be between 1 and --num-experts {args.num_experts}")
-    if args.expert_model_parallel_size < 1 or args.num_experts % args.expert_model_parallel_size:
+    if args.expert_model_parallel_size is not None and (
+            args.expert_model_parallel_size < 1 or args.num_experts % args.expert_model_parallel_size):
         parser.error(f"--expert-model-parallel-size {args.expert_model_parallel_size} does not divide --num-experts "
                      f"{args.num_experts} (each EP rank holds whole experts)")
     if args.expert_tensor_parallel_size is not None and args.expert_tensor_parallel_size < 1:

@@ -317,6 +317,9 @@ def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_
         assert opened and all(p.startswith(str(tmp_path / f"mem_{node}") + os.sep) for p in opened), (node, opened)
 
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+       "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
+
 #: What GPU runs turn on, through Megatron-LM's own loop and parser: name -> (flags of the uninterrupted run and of
 #: the save, flags of the restart). The restart keeps --sequence-parallel on its command line at TP 1 (Megatron-LM
 #: turns it off there); the interleaved run has one layer per virtual stage (4 layers, PP2 x VPP2); fp16's scaler
@@ -332,14 +335,19 @@ GPU_FLAGS = {
                          "--loss-scale-window", "2", "--no-masked-softmax-fusion"],
                         ["--tensor-model-parallel-size", "1", "--fp16", "--initial-loss-scale", "1024",
                          "--loss-scale-window", "2", "--no-masked-softmax-fusion"]),
+    # a mixture of experts (4 experts, top-2, the load-balancing loss on) at EP2 restarted at EP1 x DP2: the experts'
+    # own sub-optimizer joins the dense one. The bias-activation fusions need a GPU; megatron-core's expert MLP
+    # cannot add biases at EP1 x expert TP1, so none (as MoE recipes do).
+    "moe-EP2-EP1DP2": ([*MOE, "--expert-model-parallel-size", "2"], [*MOE, "--expert-model-parallel-size", "1"]),
 }
 
 
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("name", list(GPU_FLAGS))
 def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, name: str) -> None:
-    """Sequence parallelism, an interleaved pipeline and fp16 with loss scaling under Megatron-LM: train at A and
-    save at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the uninterrupted run at A."""
+    """Sequence parallelism, an interleaved pipeline, fp16 with loss scaling and a mixture of experts at a new EP under
+    Megatron-LM: train at A and save at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the
+    uninterrupted run at A."""
     a, b = GPU_FLAGS[name]
     ref = _losses(_run(script, None, 95, a))
     assert sorted(ref) == list(range(1, 9)) and all(loss == loss for loss in ref.values()), ref  # no NaN
@@ -349,6 +357,13 @@ def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, n
     meta = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())
     assert meta["layout"].get("sp", False) == ("--sequence-parallel" in a)
     assert meta["layout"].get("vpp", 1) == (2 if "--num-layers-per-virtual-pipeline-stage" in a else 1)
+    ep = int(a[a.index("--expert-model-parallel-size") + 1]) if "--expert-model-parallel-size" in a else 1
+    assert meta["layout"].get("ep", 1) == ep
+    if ep > 1:  # every expert saved once, whole, from the two EP ranks
+        assert meta["model"]["num_experts"] == 4
+        fc1 = [c for c in meta["ptc"]["chunks"] if c["key"] == "decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+        assert sorted((c["offsets"][0], c["offsets"][1]) for c in fc1) == [(la, e) for la in range(2) for e in range(4)]
+        assert {c["at"]["rank"] for c in fc1} == {0, 1}
     log = _run(script, None, 95, [*b, "--load", str(ckpt)])
     assert re.search(r"> tenplex: loaded iteration 4 from \S+", log), log[-3000:]
     resumed = _losses(log)

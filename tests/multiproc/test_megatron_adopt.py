@@ -28,6 +28,7 @@ pytestmark = pytest.mark.dist
 RUNNER = os.path.join(ROOT, "tests", "multiproc", "megatron_adopt_run.py")
 MODEL = [a for a in TINY_GPT if a != "--tenplex"] + ["--vocab-size", "96", "--swiglu", "--train-iters", "6"]
 DIST = ["--use-distributed-optimizer"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
 # name: (training flags, saving layout, extra flags of the writer only, adopting layout)
 SCENARIOS = {
     "tp2_dp_reshardable": (DIST, layout_flags(2, 1), [], layout_flags(1, 1)),  # TP2 -> TP1 x DP2
@@ -45,6 +46,10 @@ SCENARIOS = {
     # Float16Optimizer with its fp32 main params), PP2's last stage holding the tied output layer's copy
     "tp2_plain_legacy_torch": ([], layout_flags(2, 1), ["--ckpt-format", "torch"], layout_flags(1, 1)),
     "pp2_bf16_plain_legacy_torch": (["--bf16"], layout_flags(1, 2), ["--ckpt-format", "torch"], layout_flags(1, 1)),
+    # a mixture of experts saved at EP2 by megatron-core (fully_reshardable: the chained dense + expert optimizer's
+    # state in model space), adopted at EP1 x DP2 (the experts' sub-optimizer joins the dense one)
+    "ep2_moe_fully_reshardable": ([*DIST, *MOE], [*layout_flags(1, 1), "--expert-model-parallel-size", "2"],
+                                  ["--dist-ckpt-optim-fully-reshardable"], layout_flags(1, 1)),
 }
 
 
@@ -83,6 +88,10 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
                                   "--exit-interval", "3"]})
         writers.append({"flags": [*MODEL, *train, *saving, "--tenplex", "--save", f"{tmp}/{name}/ref",
                                   "--save-interval", "3", "--tenplex-metrics", f"{tmp}/{name}/ref.jsonl"]})
+    # Megatron's dp_reshardable save of a mixture of experts (refused below, naming what to save instead)
+    moe_ep2 = SCENARIOS["ep2_moe_fully_reshardable"]
+    writers.append({"flags": [*MODEL, *moe_ep2[0], *moe_ep2[1], "--save", f"{tmp}/moe_dp_reshardable",
+                              "--exit-interval", "3"]})
     _run(tmp, "writers", writers)
     base = f"{tmp}/tp2_dp_reshardable/mc/iter_0000003"
     bad = {}
@@ -124,6 +133,9 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
          "error": "mp_rank_01/model_optim_rng.pt: missing (the checkpoint was written at TP2 PP1)"},
         {"flags": [*MODEL, *layout_flags(1, 1)], "load": bad["plain"],
          "error": "mp_rank_00/model_optim_rng.pt: optimizer state ['exp_avg', 'momentum_buffer', 'step'] of"},
+        {"flags": [*MODEL, *DIST, *MOE, *layout_flags(1, 1)], "load": f"{tmp}/moe_dp_reshardable/iter_0000003",
+         "error": "a chained (dense + expert) distributed optimizer saved dp_reshardable is not adopted yet: save "
+                  "the mixture of experts with --dist-ckpt-optim-fully-reshardable, or with --tenplex"},
     ]
     return tmp, _run(tmp, "adopters", adopters)
 
@@ -156,7 +168,7 @@ def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> No
     with open(os.path.join(tmp, "adopters.json")) as f:
         tasks = json.load(f)
     bad = {str(i): t for i, t in enumerate(tasks) if "error" in t}
-    assert len(bad) == 7
+    assert len(bad) == 8
     for r in range(2):
         with open(os.path.join(tmp, f"adopters.json.rank{r}.json")) as f:
             results = json.load(f)
@@ -214,6 +226,12 @@ def test_plan_on_megatron_checkpoints_without_torch(adopted: tuple[str, str]) ->
         tp, pp = (int(adopting[adopting.index(f) + 1]) for f in ("--tensor-model-parallel-size",
                                                                    "--pipeline-model-parallel-size"))
         to = f"tp={tp},pp={pp},dp={2 // (tp * pp)}"
+        if "moe" in name:  # plan does not describe Megatron's own MoE checkpoints yet: refused, naming the tensor
+            p = subprocess.run([sys.executable, "-c", code, "plan", f"{tmp}/{name}/mc", "--to", to], capture_output=True,
+                               text=True, env=env, timeout=120)
+            assert p.returncode == 2 and "tensor 'decoder.layers.mlp.router.weight': not a parameter" in p.stderr, \
+                p.stderr[-2000:]
+            continue
         got = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/mc", "--to", to, "--json"))
         want = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/ref", "--to", to, "--json"))
         assert got["from"] == want["from"] and got["to"] == want["to"], (got, want)

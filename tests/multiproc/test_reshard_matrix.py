@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tenplex_megatron.plan.experts import expert_summary
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
@@ -368,7 +369,7 @@ def test_transition(runs: Runs, name: str, distopt: bool) -> None:
     assert_layout_model_matches(_resaved(d), dst, distopt)
 
 
-def assert_layout_model_matches(ckpt_dir: str, layout: tuple[int, int, int], distopt: bool) -> None:
+def assert_layout_model_matches(ckpt_dir: str, layout: tuple[int, int, int] | ParallelLayout, distopt: bool) -> None:
     """The pure layout model (used by the dry-run planner) puts chunks exactly where megatron-core did.
 
     Under the distributed optimizer only model tensors are compared: its flat
@@ -378,7 +379,8 @@ def assert_layout_model_matches(ckpt_dir: str, layout: tuple[int, int, int], dis
 
     with open(os.path.join(ckpt_dir, "metadata.json")) as f:
         ptc = PTC.from_json(json.load(f)["ptc"])
-    predicted = {c for cs in layout_chunks(ptc.tensors, ParallelLayout(*layout), distopt).values() for c in cs}
+    lay = layout if isinstance(layout, ParallelLayout) else ParallelLayout(*layout)
+    predicted = {c for cs in layout_chunks(ptc.tensors, lay, distopt).values() for c in cs}
     stored = {sc.chunk for sc in ptc.chunks}
     if distopt:
         predicted = {c for c in predicted if ptc.tensors[c.key].param is None}
@@ -590,6 +592,16 @@ def test_mixture_of_experts(runs: Runs, name: str) -> None:
         assert bias.shape == (2, 4) and bool(bias.abs().sum() > 0)  # the balancing state moved: it is compared
     assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
     assert_losses_continue(ref, d, LOSS_RTOL)
+    # the pure layout model behind `plan --model` describes and places the experts as megatron-core did, and the
+    # expert check (inspect, verify) finds every expert stored in full
+    with open(os.path.join(_resaved(d), "metadata.json")) as f:
+        meta = json.load(f)
+    ptc = PTC.from_json(meta["ptc"])
+    assert gpt_tensors(GPTDims.from_record(meta["model"]), meta["padded_vocab_size"]) == ptc.tensors
+    assert_layout_model_matches(_resaved(d), recorded, v.distopt)
+    summary = expert_summary(ptc, meta["layout"])
+    assert summary is not None and summary.complete
+    assert (summary.num_experts, summary.ep, summary.expert_tp) == (4, recorded.ep, recorded.expert_tp)
 
 
 def test_mixture_of_experts_rng(runs: Runs) -> None:

@@ -164,12 +164,16 @@ MOE_FIELDS = (("num_experts", "routed experts per MoE layer", None),
 def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
     """Refuse a checkpoint whose experts or router are of another kind than the model's, naming the router tensor
     and both values (before any state is touched; a record without MoE fields is a dense model's)."""
-    saved = metadata.get("model") or {}
+    saved = metadata.get("model")
+    if saved is None:  # a Megatron checkpoint without saved args: its tensors are checked against the model's
+        return
     if not (saved.get("num_experts") or model.get("num_experts")):
         return
     tensors = [str(t.get("key", "")) for t in ((metadata.get("ptc") or {}).get("tensors") or []) if isinstance(t, dict)]
     router = next((k for k in tensors if k.endswith("mlp.router.weight")), "decoder.layers.mlp.router.weight")
     for field_name, what, default in MOE_FIELDS:
+        if field_name not in saved:  # a record written before the field existed
+            continue
         a, b = saved.get(field_name, default), model.get(field_name, default)
         if (a or default) != (b or default):
             raise ValueError(f"tensor {router!r}: the checkpoint's {what} ({field_name}) is {a}, the model's is {b}: "

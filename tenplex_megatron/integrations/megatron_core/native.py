@@ -106,7 +106,8 @@ def read_object(ck: TorchDistCheckpoint, key: str, files: DistcpFiles, trust: bo
 
 def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) -> dict[str, Any]:
     """Param groups (without params) and step in ``optimizer_state_json``'s form: ``dp_reshardable`` keeps them in
-    a sharded object per DP group, ``fully_reshardable`` and plain optimizers in ``common.pt``."""
+    a sharded object per DP group, ``fully_reshardable`` and plain optimizers in ``common.pt`` (a mixture of experts'
+    chained optimizer: one record per sub-optimizer, keyed 0, 1, ...)."""
     if ck.sharding_type == "dp_reshardable":
         key = next((k for k, _ in ck.storage if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_0\.optimizer"
                                                              r"/shard_0_\d+", k)), None)
@@ -116,7 +117,10 @@ def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) ->
         states = obj if isinstance(obj, list) else [obj]
     else:
         opt = ck.common.get("optimizer") or {}
-        states = [opt.get("optimizer", opt) if "param_groups" not in opt else opt]
+        if opt and all(isinstance(k, int) for k in opt):  # megatron-core's chained optimizer (dense, then experts)
+            states = [sub.get("optimizer", sub) if isinstance(sub, dict) else sub for _, sub in sorted(opt.items())]
+        else:
+            states = [opt.get("optimizer", opt) if "param_groups" not in opt else opt]
     subs = []
     for sd in states:
         if not isinstance(sd, dict) or "param_groups" not in sd:
@@ -156,6 +160,9 @@ def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
         "extra": {"num_floating_point_operations_so_far": float(common.get("num_floating_point_operations_so_far", 0.0) or 0.0)},
         "source_format": f"megatron torch_dist ({ck.sharding_type or 'model-space optimizer'})",
     }
+    if args is not None:  # the saved args' experts and router, for the mixture-of-experts check before any load
+        meta["model"] = {k: getattr(args, k) for k in ("num_experts", "moe_router_enable_expert_bias",
+                                                       "moe_router_score_function") if hasattr(args, k)}
     return Opened(path, meta, ptc, source)
 
 

@@ -3,11 +3,13 @@
 The source is what a tenplex save at the old layout would write (``shard_layout``);
 the destination chunks come as runs, and a run that several ranks hold alike (the
 DP replicas of a model-parallel rank) is planned once and counted for each of them,
-so a 1024-GPU plan of GPT-3 175B takes a fraction of a second.
+so a 1024-GPU plan of GPT-3 175B takes a fraction of a second. Routed experts are described in boxes of
+consecutive layers and experts that both layouts' stages and EP ranks hold whole (the same bytes as one box per expert, in fewer chunks).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -58,10 +60,11 @@ def _dry_run(
     div = make_vocab_size_divisible_by
     saved_vocab = padded_vocab_size(dims.vocab_size, div, src.tp)
     tensors = gpt_tensors(dims, saved_vocab)
-    source = source_from_layout(tensors, src, distributed_optimizer)
+    group = expert_group(dims, src, dst)
+    source = source_from_layout(tensors, src, distributed_optimizer, group)
     padded = restart_padded_vocab_size(dims.vocab_size, div, dst.tp, saved_vocab)
     dst_tensors = resize_vocab(tensors, padded)
-    runs = _distinct_runs(layout_runs(dst_tensors, dst, distributed_optimizer))
+    runs = _distinct_runs(layout_runs(dst_tensors, dst, distributed_optimizer, group))
     t1 = time.perf_counter()
 
     planner = Planner(source, dst_tensors)
@@ -79,6 +82,15 @@ def _dry_run(
         describe_seconds=t1 - t0,
         plan_seconds=time.perf_counter() - t1,
     )
+
+
+def expert_group(dims: GPTDims, src: ParallelLayout, dst: ParallelLayout) -> tuple[int, int]:
+    """(layers, experts) per routed-expert box for a dry run: the most that both layouts' pipeline stages and EP ranks
+    hold whole ((1, 1) for a dense model)."""
+    if not dims.num_experts:
+        return 1, 1
+    return (math.gcd(dims.num_layers // src.stages, dims.num_layers // dst.stages),
+            math.gcd(dims.num_experts // src.ep, dims.num_experts // dst.ep))
 
 
 def _distinct_runs(runs: dict[int, tuple[Run, ...]]) -> list[tuple[tuple[Chunk, ...], list[int]]]:

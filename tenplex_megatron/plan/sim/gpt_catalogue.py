@@ -10,7 +10,8 @@ is checked against live jobs in tests/multiproc/test_reshard_matrix.py).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Any
 
@@ -28,7 +29,9 @@ class GPTDims:
     ``num_query_groups`` (grouped-query attention) None means one group per head;
     ``add_bias_linear`` False is ``--disable-bias-linear``; ``normalization``
     ``RMSNorm`` has no bias; ``position_embedding_type`` ``rope`` has no
-    position-embedding table.
+    position-embedding table. ``num_experts`` makes every layer's MLP a mixture of experts (megatron-core's
+    ``SequentialMLP``, ``--moe-layer-freq 1``): a router, that many routed experts of width ``moe_ffn_hidden_size``
+    (default ``ffn_hidden_size``) and optionally shared experts; ``moe_router_topk`` changes no tensor.
     """
 
     num_layers: int
@@ -44,10 +47,20 @@ class GPTDims:
     add_bias_linear: bool = True
     normalization: str = "LayerNorm"
     position_embedding_type: str = "learned_absolute"
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int = 2
+    moe_shared_expert_intermediate_size: int | None = None
+    moe_router_enable_expert_bias: bool = False
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def expert_ffn(self) -> int:
+        """Each routed expert's FFN width: ``moe_ffn_hidden_size``, else the dense FFN's (megatron-core's default)."""
+        return self.moe_ffn_hidden_size or self.ffn
 
     @property
     def query_groups(self) -> int:
@@ -64,7 +77,8 @@ class GPTDims:
     def shape(self, make_vocab_size_divisible_by: int = 128) -> ModelShape:
         """The dimensions a parallel layout must divide (``ParallelLayout.check_fits``)."""
         return ModelShape(self.num_layers, self.hidden_size, self.num_attention_heads, self.vocab_size,
-                          make_vocab_size_divisible_by, self.num_query_groups)
+                          make_vocab_size_divisible_by, self.num_query_groups, self.num_experts,
+                          self.expert_ffn if self.num_experts else None)
 
     @classmethod
     def from_record(cls, model: dict[str, Any]) -> GPTDims:
@@ -85,6 +99,11 @@ class GPTDims:
             add_bias_linear=bool(model.get("add_bias_linear", True)),
             normalization=str(model.get("normalization") or "LayerNorm"),
             position_embedding_type=str(model.get("position_embedding_type") or "learned_absolute"),
+            num_experts=int(model["num_experts"]) if model.get("num_experts") else None,
+            moe_ffn_hidden_size=model.get("moe_ffn_hidden_size"),
+            moe_router_topk=int(model.get("moe_router_topk") or 2),
+            moe_shared_expert_intermediate_size=model.get("moe_shared_expert_intermediate_size"),
+            moe_router_enable_expert_bias=bool(model.get("moe_router_enable_expert_bias", False)),
         )
 
 
@@ -107,9 +126,21 @@ def load_model(name: str, path: str | None = None) -> GPTDims:
     return GPTDims(**{k: v for k, v in models[name].items() if k in fields})
 
 
-# the TP-split axis of a transformer layer's parameters (stacked layers on axis 0); the others are replicated over TP
+# the TP-split axis of a transformer layer's parameters (stacked layers on axis 0); the others are replicated over TP.
+# Routed experts stack (layer, expert) on axes 0 and 1 and are split by the experts' own TP.
 LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
-                 "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2}
+                 "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2,
+                 "mlp.shared_experts.linear_fc1.weight": 1, "mlp.shared_experts.linear_fc2.weight": 2,
+                 "mlp.experts.experts.linear_fc1.weight": 2, "mlp.experts.experts.linear_fc1.bias": 2,
+                 "mlp.experts.experts.linear_fc2.weight": 3}
+#: What names a routed expert's tensor (megatron-core's SequentialMLP: ``...mlp.experts.experts.linear_fc1.weight``).
+EXPERTS = ".mlp.experts."
+
+
+def is_expert(t: TensorMeta) -> bool:
+    """Whether ``t`` (a parameter or its optimizer state) is a routed expert's: axis 1 counts experts, EP splits it
+    whole and the experts' own TP (and their own data-parallel group) applies."""
+    return EXPERTS in (t.param or t.key)
 
 
 def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[str, TensorMeta]:
@@ -128,6 +159,7 @@ def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[s
         params.append(TensorMeta("embedding.position_embeddings.weight", (d.seq_length, h), dt, stage="first"))
     norm_bias = d.normalization == "LayerNorm"
     bias = d.add_bias_linear
+    moe = bool(d.num_experts)
     layers = [
         (layer("self_attention.linear_qkv.layer_norm_weight", (h,)), True),
         (layer("self_attention.linear_qkv.layer_norm_bias", (h,)), norm_bias),
@@ -137,10 +169,11 @@ def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[s
         (layer("self_attention.linear_proj.bias", (h,)), bias),
         (layer("mlp.linear_fc1.layer_norm_weight", (h,)), True),
         (layer("mlp.linear_fc1.layer_norm_bias", (h,)), norm_bias),
-        (layer("mlp.linear_fc1.weight", (f1, h), parts), True),
-        (layer("mlp.linear_fc1.bias", (f1,), parts), bias),
-        (layer("mlp.linear_fc2.weight", (h, f)), True),
-        (layer("mlp.linear_fc2.bias", (h,)), bias),
+        (layer("mlp.linear_fc1.weight", (f1, h), parts), not moe),
+        (layer("mlp.linear_fc1.bias", (f1,), parts), bias and not moe),
+        (layer("mlp.linear_fc2.weight", (h, f)), not moe),
+        (layer("mlp.linear_fc2.bias", (h,)), bias and not moe),
+        *(_moe_layers(d, layer, dt, parts) if moe else []),
         (TensorMeta("decoder.final_layernorm.weight", (h,), dt, stage="last"), True),
         (TensorMeta("decoder.final_layernorm.bias", (h,), dt, stage="last"), norm_bias),
     ]
@@ -151,7 +184,34 @@ def gpt_tensors(d: GPTDims, padded_vocab: int, optimizer: bool = True) -> dict[s
     if optimizer:
         states = ["exp_avg", "exp_avg_sq"] + (["fp32_param"] if d.bf16 else [])
         for t in params:
+            if t.key.endswith(EXPERT_BIAS):  # a buffer the router updates itself: no optimizer state
+                continue
             for s in states:
                 k = f"optimizer.state.{s}.{t.key}"
                 out[k] = TensorMeta(k, t.global_shape, "float32", t.vocab_rows, t.tp_axis, t.tp_parts, t.stage, t.tied, t.key)
     return out
+
+
+#: The router's per-expert bias (aux-loss-free balancing): a float32 buffer, not a parameter.
+EXPERT_BIAS = "mlp.router.expert_bias"
+
+
+def _moe_layers(d: GPTDims, layer: Callable[..., TensorMeta], dt: str, parts: int) -> list[tuple[TensorMeta, bool]]:
+    """A mixture-of-experts MLP's tensors (every layer's): router, its expert bias, the routed experts stacked as
+    (layer, expert, ...), shared experts (megatron-core 0.16's keys and shapes for SequentialMLP)."""
+    h, e, ef = d.hidden_size, int(d.num_experts or 0), d.expert_ffn
+    ef1 = 2 * ef if d.swiglu else ef
+    sf = d.moe_shared_expert_intermediate_size
+    sf1 = (2 * sf if d.swiglu else sf) if sf else 0
+    bias = d.add_bias_linear
+    return [
+        (layer("mlp.router.weight", (e, h)), True),
+        (layer("mlp.router.bias", (e,)), bias),
+        (replace(layer(EXPERT_BIAS, (e,)), dtype="float32"), d.moe_router_enable_expert_bias),
+        (layer("mlp.experts.experts.linear_fc1.weight", (e, ef1, h), parts), True),
+        (layer("mlp.experts.experts.linear_fc1.bias", (e, ef1), parts), bias),
+        (layer("mlp.experts.experts.linear_fc2.weight", (e, h, ef)), True),
+        (layer("mlp.experts.experts.linear_fc2.bias", (e, h)), bias),
+        (layer("mlp.shared_experts.linear_fc1.weight", (sf1, h), parts), bool(sf)),
+        (layer("mlp.shared_experts.linear_fc2.weight", (h, sf or 0)), bool(sf)),
+    ]

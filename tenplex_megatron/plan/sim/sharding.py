@@ -5,6 +5,9 @@ building the model: TP splits ``tp_axis`` in ``tp_parts`` groups (SwiGLU's fc1
 is two), PP x VPP splits the layer axis evenly (pipeline rank r holds virtual
 stages r, r + PP, ...), the embedding lives on the first
 stage (and, tied, on the last), the final norm and output layer on the last.
+A routed expert's tensor (layer, expert, ...) is split whole along the expert axis by EP (EP rank r holds experts
+r E/EP to (r + 1) E/EP - 1, one box per expert as megatron-core's SequentialMLP describes them) and by the experts' own
+TP; at EP > 1 the experts have a replica group (expert DP) and an optimizer buffer of their own.
 Under the distributed optimizer each model-parallel rank's parameters are laid
 end to end in one buffer, padded to a multiple of DP, and each DP rank owns a
 contiguous 1/DP of it. Megatron-core orders and pads its buckets its own way,
@@ -21,6 +24,7 @@ from dataclasses import dataclass, replace
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta, dtype_size
+from tenplex_megatron.plan.sim.gpt_catalogue import is_expert
 from tenplex_megatron.plan.writers import assign_grouped
 
 
@@ -64,8 +68,11 @@ def _tp_boxes(t: TensorMeta, offsets: list[int], shape: list[int], tp: int, tp_r
     return boxes
 
 
-def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: int) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """This model-parallel rank's parameters of tensor ``t``: one list of part boxes per parameter."""
+def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0,
+                  expert_group: tuple[int, int] = (1, 1)) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """This model-parallel rank's parameters of tensor ``t``: one list of part boxes per parameter. For a routed
+    expert's tensor ``tp_rank`` is the expert TP rank and each of the EP rank's experts is a parameter of its own
+    (``expert_group`` (layers, experts): one box spans that many consecutive layers and experts, for dry runs)."""
     shape = list(t.global_shape)
     zeros = [0] * len(shape)
     if t.stage == "layers":  # PP x VPP stages of equal size; pipeline rank r holds stages r, r + PP, r + 2 PP, ...
@@ -73,22 +80,36 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
         if layers % layout.stages:
             raise LayoutError(f"PP x VPP = {layout.pp} x {layout.vpp} does not divide the number of layers ({layers})")
         per = layers // layout.stages
+        expert = is_expert(t)
+        group_layers, group_experts = expert_group if expert else (1, 1)
+        if expert and shape[1] % (layout.ep * group_experts):
+            raise LayoutError(f"tensor {t.key!r}: EP={layout.ep} does not divide its {shape[1]} experts"
+                              + (f" in groups of {group_experts}" if group_experts > 1 else ""))
+        if per % group_layers:
+            raise LayoutError(f"tensor {t.key!r}: a stage's {per} layers do not split into groups of {group_layers}")
+        local = shape[1] // layout.ep if expert else 0
+        tp = layout.expert_tp if expert else layout.tp
         out = []
         for stage in range(pp_rank, layout.stages, layout.pp):
-            for layer in range(stage * per, (stage + 1) * per):
-                off = [layer, *zeros[1:]]
-                out.append(_tp_boxes(t, off, [1, *shape[1:]], layout.tp, tp_rank))
+            for layer in range(stage * per, (stage + 1) * per, group_layers):
+                if not expert:
+                    out.append(_tp_boxes(t, [layer, *zeros[1:]], [1, *shape[1:]], tp, tp_rank))
+                    continue
+                for e in range(ep_rank * local, (ep_rank + 1) * local, group_experts):
+                    out.append(_tp_boxes(t, [layer, e, *zeros[2:]], [group_layers, group_experts, *shape[2:]], tp,
+                                         tp_rank))
         return out
     if not _stage_holds(t, pp_rank, layout.pp):
         return []
     return [_tp_boxes(t, zeros, shape, layout.tp, tp_rank)]
 
 
-def local_param_boxes(t: TensorMeta, layout: ParallelLayout, tp_rank: int,
-                      pp_rank: int) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-    """The parameters of tensor ``t`` that model-parallel rank (``tp_rank``, ``pp_rank``) holds at ``layout``:
-    one list of part boxes (offsets, shape) per parameter, parts in the parameter's memory order."""
-    return _local_params(t, layout, tp_rank, pp_rank)
+def local_param_boxes(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: int,
+                      ep_rank: int = 0) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
+    """The parameters of tensor ``t`` that model-parallel rank (``tp_rank``, ``pp_rank``; for a routed expert's
+    tensor the expert TP rank and ``ep_rank``) holds at ``layout``: one list of part boxes (offsets, shape) per
+    parameter, parts in the parameter's memory order."""
+    return _local_params(t, layout, tp_rank, pp_rank, ep_rank)
 
 
 @dataclass(frozen=True)
@@ -104,12 +125,14 @@ class Run:
 
 
 class _ModelParallelRank:
-    """What one (TP, PP) rank holds, worked out once for all of its DP replicas."""
+    """What one (TP, PP) rank holds, worked out once for all of its DP replicas; or, for the routed experts when they
+    have a replica group of their own, what one (expert TP, EP, PP) rank holds for all of its expert DP replicas."""
 
     def __init__(self, tensors: dict[str, TensorMeta], states: dict[str, list[TensorMeta]], layout: ParallelLayout,
-                 tp_rank: int, pp_rank: int, distributed_optimizer: bool):
+                 tp_rank: int, pp_rank: int, distributed_optimizer: bool, ep_rank: int = 0,
+                 expert_group: tuple[int, int] = (1, 1)):
         params = sorted((k, t) for k, t in tensors.items() if t.param is None)
-        local = {k: _local_params(t, layout, tp_rank, pp_rank) for k, t in params}
+        local = {k: _local_params(t, layout, tp_rank, pp_rank, ep_rank, expert_group) for k, t in params}
         tied_copy = layout.pp > 1 and pp_rank == layout.pp - 1
 
         def main(t: TensorMeta) -> bool:  # before the DP-replica condition
@@ -161,13 +184,17 @@ class _ModelParallelRank:
 
 
 def layout_runs(
-    tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool
+    tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool, expert_group: tuple[int, int] = (1, 1)
 ) -> dict[int, tuple[Run, ...]]:
     """Every rank's chunks at ``layout`` (megatron-core's rank order) as runs, with megatron's main-replica flags.
 
     First the DP-replicated run (parameters; optimizer state too without the distributed
-    optimizer), one object for all DP ranks but rank 0; then, under the distributed
-    optimizer, the rank's own flat ranges of the optimizer state. Main: DP rank 0 for
+    optimizer), one object for all DP ranks but rank 0, and, when the experts have a replica
+    group of their own, the expert-DP-replicated run of the rank's experts; then, under the
+    distributed optimizer, the rank's own flat ranges of the optimizer state (and of the experts').
+    ``expert_group`` (layers, experts): one box per that many consecutive layers and experts instead of one per
+    layer and expert (megatron-core's); the same elements and bytes in fewer chunks, which keeps a 256-expert dry run
+    fast (flat distributed-optimizer boundaries move, as the module's docstring allows). Main: DP rank 0 for
     DP-replicated chunks, TP rank 0 for TP-replicated ones, never the last stage's copy
     of a tied embedding.
     """
@@ -175,17 +202,38 @@ def layout_runs(
     for t in tensors.values():
         if t.param is not None:
             states.setdefault(t.param, []).append(t)
+    own = separate_experts(layout)  # the experts' replica group (and optimizer buffer) apart from the dense one
+    dense = {k: t for k, t in tensors.items() if not (own and is_expert(t))}
+    experts = {k: t for k, t in tensors.items() if own and is_expert(t)}
     mp: dict[tuple[int, int], _ModelParallelRank] = {}
+    xp: dict[tuple[int, int, int], _ModelParallelRank] = {}
     out: dict[int, tuple[Run, ...]] = {}
     for rank in range(layout.world_size):
         tp_rank, pp_rank, dp_rank = layout.rank_coords(rank)
         m = mp.get((tp_rank, pp_rank))
         if m is None:
-            m = mp[(tp_rank, pp_rank)] = _ModelParallelRank(tensors, states, layout, tp_rank, pp_rank,
-                                                             distributed_optimizer)
-        replicated = m.replicated if dp_rank == 0 else m.replica
-        out[rank] = (replicated, m.dist_opt_run(layout.dp, dp_rank)) if distributed_optimizer else (replicated,)
+            m = mp[(tp_rank, pp_rank)] = _ModelParallelRank(dense, states, layout, tp_rank, pp_rank,
+                                                            distributed_optimizer, 0, expert_group)
+        runs = [m.replicated if dp_rank == 0 else m.replica]
+        opt = [m.dist_opt_run(layout.dp, dp_rank)] if distributed_optimizer else []
+        if experts:
+            etp_rank, ep_rank, edp_rank = layout.expert_rank_coords(rank)
+            x = xp.get((etp_rank, ep_rank, pp_rank))
+            if x is None:
+                x = xp[(etp_rank, ep_rank, pp_rank)] = _ModelParallelRank(experts, states, layout, etp_rank, pp_rank,
+                                                                          distributed_optimizer, ep_rank,
+                                                                          expert_group)
+            runs.append(x.replicated if edp_rank == 0 else x.replica)
+            if distributed_optimizer:
+                opt.append(x.dist_opt_run(layout.expert_dp, edp_rank))
+        out[rank] = (*runs, *opt)
     return out
+
+
+def separate_experts(layout: ParallelLayout) -> bool:
+    """Whether the routed experts have their own replica group (expert DP) and distributed-optimizer buffer: at
+    EP > 1 (megatron-core marks them ``allreduce=False`` then) or with an expert TP other than TP."""
+    return layout.ep > 1 or layout.expert_tp != layout.tp
 
 
 def layout_holdings(
@@ -211,11 +259,13 @@ def run_chunks(runs: tuple[Run, ...]) -> list[Chunk]:
     return out
 
 
-def source_from_layout(tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool) -> PTC:
-    """The PTC a tenplex save at ``layout`` would write: each main chunk once, writers balanced."""
+def source_from_layout(tensors: dict[str, TensorMeta], layout: ParallelLayout, distributed_optimizer: bool,
+                       expert_group: tuple[int, int] = (1, 1)) -> PTC:
+    """The PTC a tenplex save at ``layout`` would write: each main chunk once, writers balanced (``expert_group``:
+    as in :func:`layout_runs`)."""
     # each distinct chunk tuple once (DP replicas share theirs), with the ranks holding it and any main flag
     held: dict[int, list] = {}
-    for rank, runs in layout_runs(tensors, layout, distributed_optimizer).items():
+    for rank, runs in layout_runs(tensors, layout, distributed_optimizer, expert_group).items():
         for run in runs:
             got = held.get(id(run.chunks))
             if got is None:

@@ -1,0 +1,90 @@
+"""What a checkpoint holds of a mixture of experts: the expert count, EP / expert TP / expert DP, and which routed
+experts are stored incompletely (an expert-parallel save that dropped experts). Pure Python.
+
+A routed expert's tensor stacks (layer, expert) on its first two axes (megatron-core's ``SequentialMLP``:
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape (layers, experts, ...)), so each (layer, expert)
+pair's elements can be counted from the stored chunks alone, without a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
+from tenplex_megatron.plan.ptc import PTC
+from tenplex_megatron.plan.sim.gpt_catalogue import EXPERTS
+
+
+@dataclass(frozen=True)
+class ExpertSummary:
+    """A mixture-of-experts checkpoint's experts: count per layer, the layout's EP, expert TP and expert DP, the
+    routed-expert tensors, and per tensor the (layer, expert) pairs not stored in full (empty: every expert present)."""
+
+    num_experts: int
+    ep: int
+    expert_tp: int
+    expert_dp: int
+    tensors: tuple[str, ...]
+    missing: dict[str, tuple[tuple[int, int], ...]]
+
+    @property
+    def complete(self) -> bool:
+        return not any(self.missing.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_experts": self.num_experts, "ep": self.ep, "expert_tp": self.expert_tp,
+                "expert_dp": self.expert_dp, "expert_tensors": len(self.tensors), "complete": self.complete,
+                "missing": {k: [list(p) for p in v] for k, v in self.missing.items() if v}}
+
+    def line(self) -> str:
+        """One line for ``inspect`` and ``verify``."""
+        what = "every expert stored in full" if self.complete else (
+            f"{sum(len(v) for v in self.missing.values())} (layer, expert) parts missing")
+        return (f"{self.num_experts} routed experts per layer, EP={self.ep} expert TP={self.expert_tp} "
+                f"expert DP={self.expert_dp}, {len(self.tensors)} expert tensors: {what}")
+
+
+def is_expert_key(key: str, param: str | None = None) -> bool:
+    """Whether a tensor (or the optimizer state of ``param``) is a routed expert's."""
+    return EXPERTS in (param or key)
+
+
+def missing_experts(ptc: PTC) -> dict[str, tuple[tuple[int, int], ...]]:
+    """Per routed-expert tensor, the (layer, expert) pairs whose elements are not all stored. Overlaps are the
+    partition check's (``planner.partition_errors``); this names which experts a save left out."""
+    per: dict[str, dict[tuple[int, int], int]] = defaultdict(lambda: defaultdict(int))
+    for sc in ptc.chunks:
+        t = ptc.tensors.get(sc.chunk.key)
+        if t is None or not is_expert_key(t.key, t.param) or len(t.global_shape) < 3:
+            continue
+        c = sc.chunk
+        (l0, e0), (nl, ne) = c.offsets[:2], c.shape[:2]
+        each = c.numel // (nl * ne) if nl * ne else 0  # a flat range lies in a one-expert box (megatron's)
+        for layer in range(l0, l0 + nl):
+            for e in range(e0, e0 + ne):
+                per[t.key][(layer, e)] += each
+    out = {}
+    for key, t in ptc.tensors.items():
+        if not is_expert_key(key, t.param) or len(t.global_shape) < 3:
+            continue
+        want = math.prod(t.global_shape[2:])
+        got = per.get(key, {})
+        out[key] = tuple((layer, e) for layer in range(t.global_shape[0]) for e in range(t.global_shape[1])
+                         if got.get((layer, e), 0) < want)
+    return out
+
+
+def expert_summary(ptc: PTC, layout: dict[str, Any] | None) -> ExpertSummary | None:
+    """The experts of a checkpoint (None for a dense model): counted from its routed-expert tensors' shapes."""
+    tensors = tuple(sorted(k for k, t in ptc.tensors.items() if is_expert_key(k, t.param) and len(t.global_shape) >= 3))
+    if not tensors:
+        return None
+    try:
+        lay = ParallelLayout.from_json(layout or {"tp": 1, "pp": 1, "dp": 1})
+    except (KeyError, TypeError, ValueError, LayoutError):
+        lay = ParallelLayout()
+    return ExpertSummary(num_experts=ptc.tensors[tensors[0]].global_shape[1], ep=lay.ep, expert_tp=lay.expert_tp,
+                         expert_dp=lay.expert_dp, tensors=tensors, missing=missing_experts(ptc))
