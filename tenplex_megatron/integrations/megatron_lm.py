@@ -83,6 +83,9 @@ _FIXING_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-p
                  "ep": "--expert-model-parallel-size", "micro_batch_size": "--micro-batch-size"}
 # Megatron-LM features the layout choice does not model: refused with --tenplex-layout rather than ignored
 _UNMODELLED = (("context_parallel_size", 1, "--context-parallel-size"),
+               # the choice decides VPP itself (1 or an interleaving): a given one is refused, not ignored
+               ("num_layers_per_virtual_pipeline_stage", None, "--num-layers-per-virtual-pipeline-stage"),
+               ("num_virtual_stages_per_pipeline_rank", None, "--num-virtual-stages-per-pipeline-rank"),
                ("virtual_pipeline_model_parallel_size", None, "--num-layers-per-virtual-pipeline-stage"))
 
 
@@ -133,6 +136,8 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
     args.pipeline_model_parallel_size = chosen.layout.pp
     args.expert_model_parallel_size = chosen.layout.ep
     args.micro_batch_size = chosen.micro_batch_size
+    if chosen.layout.vpp > 1:  # an interleaved pipeline: Megatron-LM's validate_args derives VPP from it
+        args.num_virtual_stages_per_pipeline_rank = chosen.layout.vpp
     if getattr(args, "rank", 0) == 0:
         print(f"> tenplex: --tenplex-layout {args.tenplex_layout}: {chosen.layout}, micro-batch "
               f"{chosen.micro_batch_size} ({chosen.why})", flush=True)

@@ -23,7 +23,8 @@ The estimates are models, documented here, not measurements:
   stays whole on every TP rank, so this is optimistic there), doubled for
   fp32 (with ``flash_attention`` - FlashAttention or selective recomputation,
   which keep no seq x seq scores - the 5 x heads x seq / hidden term drops), times the layers on the stage, times the micro-batches the 1F1B
-  schedule keeps in flight on stage s: min(PP - s, micro-batches). A routed expert's parameters are divided over
+  schedule keeps in flight on stage s: min(PP - s, micro-batches); an interleaved pipeline (VPP virtual stages
+  per rank) keeps 1 + (PP - 1) / (PP x VPP) times that. A routed expert's parameters are divided over
   expert TP x EP instead of TP, and its optimizer state over expert DP (world / (expert TP x EP x PP)). Logits,
   temporary buffers, the CUDA context and allocator fragmentation are left out:
   give the budget less than the device's memory to leave room for them.
@@ -31,7 +32,8 @@ The estimates are models, documented here, not measurements:
   parameters: the dense ones and top-k of the experts); EP sends each micro-batch's routed tokens (top-k copies of
   its hidden states) to other EP ranks and back, forward and backward, per layer ((EP - 1) / EP of them leave the
   rank, over the intra-node link when expert TP x EP fits a node); the
-  pipeline bubble adds compute x (PP - 1) / micro-batches; TP costs four ring
+  pipeline bubble adds compute x (PP - 1) / (micro-batches x VPP) (an interleaved pipeline's smaller bubble, for
+  VPP times the stage-to-stage sends and pipeline slots); TP costs four ring
   all-reduces of one micro-batch's activations per layer and micro-batch
   (2 (TP - 1) / TP of the bytes over the intra-node link: it grows with the TP
   degree); PP sends activations and their gradients between stages (intra-node
@@ -201,6 +203,8 @@ def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
             out.append(f"TP={tp} does not divide the {what} ({size})")
     if dims.num_layers % pp:
         out.append(f"PP={pp} does not divide the {dims.num_layers} layers")
+    elif layout.vpp > 1 and dims.num_layers % (pp * layout.vpp):
+        out.append(f"PP x VPP = {pp} x {layout.vpp} does not divide the {dims.num_layers} layers")
     if dims.num_experts:
         if dims.num_experts % layout.ep:
             out.append(f"EP={layout.ep} does not divide the {dims.num_experts} experts")
@@ -219,6 +223,9 @@ def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     elif global_batch_size % (dp * micro_batch_size):
         out.append(f"DP x micro-batch = {dp} x {micro_batch_size} = {dp * micro_batch_size} does not divide "
                    f"the global batch size {global_batch_size}")
+    elif layout.vpp > 1 and (global_batch_size // (dp * micro_batch_size)) % pp:
+        out.append(f"VPP={layout.vpp}: megatron-core's interleaved schedule needs the "
+                   f"{global_batch_size // (dp * micro_batch_size)} micro-batches to be a multiple of PP={pp}")
     return out
 
 
@@ -264,6 +271,7 @@ def estimate_memory(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     optim_b = 12 if dims.bf16 else 8
     per_layer = activation_bytes_per_layer(dims, micro_batch_size, layout.tp, flash_attention)
     layers = dims.num_layers // layout.pp
+    interleave = 1 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp > 1 else 1.0
     best: MemoryEstimate | None = None
     expert = stage_parameters(dims, layout, make_vocab_size_divisible_by, experts=True)
     for s, n in enumerate(stage_parameters(dims, layout, make_vocab_size_divisible_by)):
@@ -273,7 +281,7 @@ def estimate_memory(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
             gradients=4 * n,
             optimizer=(math.ceil(dense_optim / layout.dp) + math.ceil(expert_optim / layout.expert_dp)
                        if distributed_optimizer else dense_optim + expert_optim),
-            activations=math.ceil(per_layer * layers * min(layout.pp - s, m)),
+            activations=math.ceil(per_layer * layers * min(layout.pp - s, m) * interleave),
             stage=s,
         )
         if best is None or est.total > best.total:
@@ -307,14 +315,15 @@ def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, 
     m = global_batch_size // (dp * micro_batch_size)
     tokens = global_batch_size * dims.seq_length
     compute = 6 * active_parameters(dims, make_vocab_size_divisible_by) * tokens / (world * hardware.flops_per_gpu)
-    bubble = compute * (pp - 1) / m
+    vpp = layout.vpp
+    bubble = compute * (pp - 1) / (m * vpp)
     act_width = 2 if dims.bf16 else 4
     act = dims.seq_length * micro_batch_size * dims.hidden_size * act_width  # one micro-batch's hidden states
     layers = dims.num_layers // pp
     tp_comm = m * layers * 4 * 2 * (tp - 1) / tp * act / hardware.intra_node_bandwidth
     one_node = world <= gpus_per_node
     pp_bw = hardware.intra_node_bandwidth if one_node else hardware.inter_node_bandwidth
-    pp_comm = 2 * m * act / pp_bw if pp > 1 else 0.0
+    pp_comm = 2 * m * vpp * act / pp_bw if pp > 1 else 0.0
     # a DP group is tp apart within a block of tp x dp consecutive ranks (megatron-core's tp-dp-pp order)
     dp_bw = hardware.intra_node_bandwidth if one_node or gpus_per_node % (tp * dp) == 0 else hardware.inter_node_bandwidth
     stages = stage_parameters(dims, layout, make_vocab_size_divisible_by)
@@ -333,12 +342,22 @@ def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, 
             hardware.inter_node_bandwidth
         ep_comm = m * layers * 4 * dims.moe_router_topk * act * (layout.ep - 1) / layout.ep / ep_bw
     return TimeEstimate(compute=compute, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm,
-                        dp_comm=dp_bytes / dp_bw, overhead=(m + pp - 1) * hardware.slot_overhead_s, ep_comm=ep_comm)
+                        dp_comm=dp_bytes / dp_bw, overhead=(m * vpp + pp - 1) * hardware.slot_overhead_s,
+                        ep_comm=ep_comm)
 
 
-def _factorizations(world_size: int, num_experts: int | None = None) -> Iterable[ParallelLayout]:
-    """Every TP x PP x DP = world size; for a mixture of experts each with every EP dividing the experts for which
-    expert TP (= TP) x EP x PP divides the world size."""
+def _virtual_stages(pp: int, num_layers: int | None) -> Iterable[int]:
+    """1, and at PP > 1 every interleaving (VPP) that splits each rank's layers into equal model chunks."""
+    yield 1
+    if pp > 1 and num_layers and num_layers % pp == 0:
+        yield from (v for v in range(2, num_layers // pp + 1) if (num_layers // pp) % v == 0)
+
+
+def _factorizations(world_size: int, num_experts: int | None = None,
+                    num_layers: int | None = None) -> Iterable[ParallelLayout]:
+    """Every TP x PP x DP = world size, with every VPP that divides a rank's ``num_layers`` (when given); for a
+    mixture of experts each with every EP dividing the experts for which expert TP (= TP) x EP x PP divides the
+    world size."""
     for tp in range(1, world_size + 1):
         if world_size % tp:
             continue
@@ -348,7 +367,8 @@ def _factorizations(world_size: int, num_experts: int | None = None) -> Iterable
             dp = world_size // (tp * pp)
             for ep in range(1, (num_experts or 1) + 1):
                 if (num_experts or 1) % ep == 0 and world_size % (tp * ep * pp) == 0:
-                    yield ParallelLayout(tp, pp, dp, ep=ep)
+                    for vpp in _virtual_stages(pp, num_layers):
+                        yield ParallelLayout(tp, pp, dp, vpp=vpp, ep=ep)
 
 
 def _check_inputs(world_size: int, gpus_per_node: int, global_batch_size: int, memory_gb: float | None,
@@ -399,7 +419,7 @@ def _rank_key(c: LayoutCandidate) -> tuple:
         group, score = 2, float(c.memory.total if c.memory else 0)
     else:
         group, score = 3, 0.0
-    return group, score, c.layout.tp, c.layout.pp, c.layout.ep, c.micro_batch_size
+    return group, score, c.layout.tp, c.layout.pp, c.layout.vpp, c.layout.ep, c.micro_batch_size
 
 
 def rank_layouts(dims: GPTDims, world_size: int, gpus_per_node: int, global_batch_size: int, *,
@@ -416,12 +436,12 @@ def rank_layouts(dims: GPTDims, world_size: int, gpus_per_node: int, global_batc
     no stored attention scores (FlashAttention or selective recomputation).
     """
     _check_inputs(world_size, gpus_per_node, global_batch_size, memory_gb, micro_batch_sizes)
-    unknown = set(fixed or {}) - {"tp", "pp", "dp", "ep", "micro_batch_size"}
+    unknown = set(fixed or {}) - {"tp", "pp", "dp", "vpp", "ep", "micro_batch_size"}
     if unknown:
-        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp, ep and micro_batch_size")
+        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp, vpp, ep and micro_batch_size")
     measured = dict(measured or {})
     out = []
-    for layout in _factorizations(world_size, dims.num_experts):
+    for layout in _factorizations(world_size, dims.num_experts, dims.num_layers):
         for mbs in sorted(set(micro_batch_sizes)):
             key = candidate_key(layout, mbs)
             out.append(evaluate(dims, layout, mbs, global_batch_size, world_size=world_size,

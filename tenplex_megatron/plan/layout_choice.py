@@ -37,6 +37,7 @@ class LayoutRequest:
     micro_batch_size: int | None = None
     distributed_optimizer: bool = False
     ep: int | None = None  # a mixture of experts' EP, when given (else chosen among the EPs dividing the experts)
+    vpp: int | None = None  # virtual pipeline stages per rank, when given (else chosen: 1 or an interleaving)
     make_vocab_size_divisible_by: int = 128
 
 
@@ -53,7 +54,7 @@ def rank(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> Lay
     """The ranked candidates for ``req`` (``measured``: seconds per iteration by candidate key at this world size).
 
     :class:`LayoutError` listing every refused candidate when none is usable."""
-    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep)) if v is not None}
+    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep), ("vpp", req.vpp)) if v is not None}
     mbs = (req.micro_batch_size,) if req.micro_batch_size is not None else DEFAULT_MICRO_BATCH_SIZES
     return choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
                          memory_gb=req.memory_gb, micro_batch_sizes=mbs, fixed=fixed or None, measured=measured,

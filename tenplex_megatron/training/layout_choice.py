@@ -58,7 +58,7 @@ def choose_for(args: argparse.Namespace, world: int, local_world: int) -> Chosen
 
 
 def apply(args: argparse.Namespace) -> Chosen | None:
-    """Set ``args``' TP, PP and micro-batch size from the chosen layout (None: no ``--tenplex-layout``).
+    """Set ``args``' TP, PP, EP, VPP and micro-batch size from the chosen layout (None: no ``--tenplex-layout``).
 
     Raises SystemExit naming every refused candidate; under torchrun's elastic agent it also stops the agent.
     """
@@ -67,9 +67,11 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     world, local_world = elastic.world()
     args.tenplex_layout_request = None
     try:
-        if args.expert_tensor_parallel_size is not None:
-            raise LayoutError("--expert-tensor-parallel-size is not modelled by --tenplex-layout: give the layout "
-                              "explicitly")
+        for flag in ("expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                     "num_virtual_stages_per_pipeline_rank"):  # the choice decides VPP itself (1 or interleaved)
+            if getattr(args, flag) is not None:
+                raise LayoutError(f"--{flag.replace('_', '-')} is not modelled by --tenplex-layout: give the layout "
+                                  "explicitly")
         req = request(args, world, local_world)
         chosen = choose(req, measured_times(args, world))
     except (LayoutError, OSError, ValueError) as e:
@@ -78,5 +80,7 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     args.tensor_model_parallel_size = chosen.layout.tp
     args.pipeline_model_parallel_size = chosen.layout.pp
     args.expert_model_parallel_size = chosen.layout.ep
+    if chosen.layout.vpp > 1:  # an interleaved pipeline (read by virtual_stages, as if given on the command line)
+        args.num_virtual_stages_per_pipeline_rank = chosen.layout.vpp
     args.micro_batch_size = chosen.micro_batch_size
     return chosen

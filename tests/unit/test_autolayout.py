@@ -147,7 +147,7 @@ def test_memory_budget_refuses_with_the_estimate() -> None:
 
 def _refused_lines(message: str) -> dict[tuple[str, int], str]:
     out = {}
-    for layout, mbs, reasons in re.findall(r"^  (tp=\d+,pp=\d+,dp=\d+) mbs=([\d,]+): (.*)$", message, re.M):
+    for layout, mbs, reasons in re.findall(r"^  (tp=\d+,pp=\d+,dp=\d+(?:,vpp=\d+)?) mbs=([\d,]+): (.*)$", message, re.M):
         for m in mbs.split(","):
             out[(layout, int(m))] = reasons
     return out
@@ -175,7 +175,7 @@ def test_no_legal_layout_lists_every_refused_candidate() -> None:
     ({"global_batch_size": -8}, "global batch size must be a positive integer"),
     ({"memory_gb": 0}, "memory budget must be positive"),
     ({"micro_batch_sizes": [2, 0]}, "micro-batch sizes must be positive integers"),
-    ({"fixed": {"vpp": 2}}, "cannot fix ['vpp']"),
+    ({"fixed": {"sp": 1}}, "cannot fix ['sp']"),
 ])
 def test_bad_arguments_are_named(kw, expected) -> None:
     args = {"world_size": 4, "gpus_per_node": 4, "global_batch_size": 8, **kw}
@@ -216,11 +216,12 @@ def _dims(draw: st.DrawFn) -> GPTDims:
 
 
 def _satisfies_every_rule(dims: GPTDims, c: LayoutCandidate, world: int, gpn: int, gbs: int) -> bool:
-    tp, pp, dp = c.layout.tp, c.layout.pp, c.layout.dp
+    tp, pp, dp, vpp = c.layout.tp, c.layout.pp, c.layout.dp, c.layout.vpp
     return (tp * pp * dp == world and tp <= gpn and dims.num_attention_heads % tp == 0
             and dims.hidden_size % tp == 0 and dims.ffn % tp == 0
             and (dims.num_query_groups or dims.num_attention_heads) % tp == 0
-            and dims.num_layers % pp == 0 and gbs % (dp * c.micro_batch_size) == 0)
+            and dims.num_layers % (pp * vpp) == 0 and gbs % (dp * c.micro_batch_size) == 0
+            and (vpp == 1 or (gbs // (dp * c.micro_batch_size)) % pp == 0))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -234,9 +235,12 @@ def test_ranking_properties(dims, world, gpn, gbs, mbs, budget, distopt, data) -
     measured = {k: data.draw(st.floats(0.01, 100)) for k in data.draw(st.lists(st.sampled_from(keys), max_size=4))}
     ranking = rank_layouts(dims, world, gpn, gbs, memory_gb=budget, micro_batch_sizes=sorted(mbs),
                            measured=measured, distributed_optimizer=distopt)
-    # every (TP, PP, DP) of the world size with every micro-batch size, exactly once
-    expected = {candidate_key(ParallelLayout(tp, pp, world // (tp * pp)), m)
-                for tp in range(1, world + 1) for pp in range(1, world + 1) if world % (tp * pp) == 0 for m in mbs}
+    # every (TP, PP, DP) of the world size, at PP > 1 with every interleaving (VPP) that splits a rank's layers
+    # into equal chunks, with every micro-batch size, exactly once
+    expected = {candidate_key(ParallelLayout(tp, pp, world // (tp * pp), vpp=v), m)
+                for tp in range(1, world + 1) for pp in range(1, world + 1) if world % (tp * pp) == 0
+                for v in range(1, dims.num_layers + 1)
+                if v == 1 or (pp > 1 and dims.num_layers % (pp * v) == 0) for m in mbs}
     assert sorted(c.key for c in ranking) == sorted(expected)
     for c in ranking:
         assert c.legal == _satisfies_every_rule(dims, c, world, gpn, gbs), (c.key, c.reasons)
@@ -272,3 +276,29 @@ def test_activation_formula_is_documented_megatron_form() -> None:
     assert activation_bytes_per_layer(d, 1, 1) == 2048 * 2048 * (34 + 5 * 16 * 2048 / 2048)
     assert activation_bytes_per_layer(d, 4, 2) == 4 * activation_bytes_per_layer(d, 1, 1) / 2
     assert activation_bytes_per_layer(TINY, 1, 1) == 2 * 32 * 64 * (34 + 5 * 4 * 32 / 64)  # fp32: twice the bytes
+
+
+def test_an_interleaved_pipeline_is_chosen_where_its_smaller_bubble_pays() -> None:
+    """GPT-3 13B on 16 GPUs with 16 sequences a step: few micro-batches, so the 1F1B bubble is large; the choice
+    interleaves (VPP > 1), whose bubble is 1/VPP of the same layout's without it, for VPP times the stage sends and
+    more activations in flight."""
+    d = load_model("gpt3-13b")
+    choice = choose_layout(d, 16, 8, 16, memory_gb=80)
+    best = choice.best
+    assert best.layout.pp > 1 and best.layout.vpp > 1, best.key
+    plain = [c for c in choice.ranking if c.layout == ParallelLayout(best.layout.tp, best.layout.pp, best.layout.dp)
+             and c.micro_batch_size == best.micro_batch_size][0]
+    assert best.modelled.bubble == pytest.approx(plain.modelled.bubble / best.layout.vpp)
+    assert best.modelled.pp_comm == pytest.approx(plain.modelled.pp_comm * best.layout.vpp)
+    assert best.memory.activations > plain.memory.activations
+    assert best.seconds < plain.seconds
+
+
+def test_interleaving_needs_micro_batches_a_multiple_of_pp() -> None:
+    """megatron-core's interleaved schedule runs micro-batches in groups of PP: 6 micro-batches at PP 4 refused."""
+    c = evaluate(GQA, ParallelLayout(1, 2, 1, vpp=2), 1, 8)
+    assert c.legal, c.reasons
+    odd = evaluate(load_model("gpt3-1.3b"), ParallelLayout(1, 4, 1, vpp=2), 1, 6)
+    assert not odd.legal and "needs the 6 micro-batches to be a multiple of PP=4" in "; ".join(odd.reasons)
+    uneven = evaluate(GQA, ParallelLayout(1, 2, 1, vpp=3), 1, 8)  # 4 layers cannot be split 2 x 3
+    assert not uneven.legal and "PP x VPP = 2 x 3 does not divide the 4 layers" in "; ".join(uneven.reasons)

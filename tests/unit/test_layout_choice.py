@@ -121,3 +121,34 @@ def test_a_llama_style_model_is_sized_the_same_behind_either_door() -> None:
     gpt_style = layout_request(_megatron_args(swiglu=True, untie_embeddings_and_output_weights=True), [], 4, 4).dims
     names = set(gpt_tensors(dims, 96))
     assert names < set(gpt_tensors(gpt_style, 96))  # no bias, norm bias or position table: fewer tensors
+
+
+GPT3_13B_FLAGS = ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-heads", "40", "--seq-length", "2048",
+                  "--vocab-size", "50257", "--global-batch-size", "16", "--bf16"]
+
+
+def test_auto_interleaves_the_pipeline_behind_either_door(monkeypatch) -> None:
+    """Where the model's choice is an interleaved pipeline (GPT-3 13B, 16 GPUs, 16 sequences a step), the trainer
+    runs it (--num-virtual-stages-per-pipeline-rank as if given) and the hook hands it to Megatron-LM's
+    validate_args the same way; a given interleaving flag is refused under --tenplex-layout, not ignored."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    args = parse_args([*GPT3_13B_FLAGS, "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tenplex",
+                       "--tenplex-layout", "auto", "--tenplex-memory-budget", "80"])
+    vpp = args.virtual_pipeline_model_parallel_size
+    assert vpp > 1 and args.num_virtual_stages_per_pipeline_rank == vpp
+    assert args.num_layers % (args.pipeline_model_parallel_size * vpp) == 0
+    hook = _megatron_args(num_layers=40, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=None,
+                          seq_length=2048, vocab_size=50257, global_batch_size=16, bf16=True,
+                          num_layers_per_virtual_pipeline_stage=None, num_virtual_stages_per_pipeline_rank=None,
+                          tenplex_memory_budget=80, use_distributed_optimizer=args.use_distributed_optimizer,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+    choose_layout_for_args(hook, [])
+    assert (hook.tensor_model_parallel_size, hook.pipeline_model_parallel_size, hook.micro_batch_size) == \
+        (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size)
+    assert hook.num_virtual_stages_per_pipeline_rank == vpp
+    with pytest.raises(SystemExit):
+        parse_args([*GPT3_13B_FLAGS, "--train-iters", "2", "--lr", "1e-3", "--mock-data", "--tenplex",
+                    "--tenplex-layout", "auto", "--num-virtual-stages-per-pipeline-rank", "2"])
+    with pytest.raises(LayoutError, match="--num-virtual-stages-per-pipeline-rank is not modelled"):
+        layout_request(_megatron_args(num_virtual_stages_per_pipeline_rank=2), [], 2, 2)
