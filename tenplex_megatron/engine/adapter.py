@@ -7,6 +7,10 @@ the policies that are the same for every framework (RNG, optimizer JSON).
 ``describe``, ``describe_for_load``, ``metadata`` and ``restore`` run inside the
 engine's phases and must not call collectives (a rank that failed earlier would
 leave its peers in a mismatched one); collective work goes in ``after_load``.
+
+Two optional methods carry rank-local state (``engine/rank_local.py``: opaque bytes only the same rank can take
+back, such as Transformer Engine's ``_extra_state``): ``rank_local() -> {entry name: (flat uint8 tensor, JSON
+record)}`` at save, and ``prepare_rank_local(metadata, read) -> (callable applied after restore) | None`` at load.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tenplex_megatron.engine import rng
+from tenplex_megatron.engine import rank_local, rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
 from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
@@ -108,6 +108,7 @@ def load_chunks(
     opener: Callable[[], Opened] | None = None,
     host: str | None = None,
     fetch: Callable[[Any, tuple, Any], None] | None = None,
+    local: Callable[[dict[str, Any], Callable[[str], torch.Tensor]], Callable[[], None] | None] | None = None,
 ) -> ChunksLoaded:
     """Collective: fill this rank's live chunks from the newest complete checkpoint under ``load_dir``.
 
@@ -119,7 +120,9 @@ def load_chunks(
     sharing the stored bytes have in common (default: the host name; a node's
     memory directory for host-memory snapshots). ``fetch(plan, sources,
     files)``: a collective step between planning and opening the sources
-    (host-memory snapshots: receive what other nodes hold).
+    (host-memory snapshots: receive what other nodes hold). ``local(metadata, read)``: decides whether this
+    rank's rank-local state applies and reads it (``engine/rank_local.py``) before any byte is copied; returns
+    what to call after ``restore`` (or None).
     """
     me = rank()
     host = host or socket.gethostname()
@@ -168,8 +171,11 @@ def load_chunks(
         share = share_blocks(needs, {r: x["host"] for r, x in enumerate(ranks)}, me)
         with plain_ops():
             verify_blocks(p.opened.files, p.todo, share)
+        if local is None:
+            return None
+        return local(p.opened.metadata, rank_local.reader(path, p.opened.metadata, me))
 
-    run_phase(f"load from {path}: verifying checksums", check_and_verify)
+    apply_local = run_phase(f"load from {path}: verifying checksums", check_and_verify)
 
     def copy() -> ExecStats:
         maybe_fail("load.copy", me)
@@ -180,6 +186,8 @@ def load_chunks(
         p.opened.files.close()
         maybe_fail("load.restore", me)
         restore(p.opened.metadata)
+        if apply_local is not None:
+            apply_local()
         return stats
 
     stats = run_phase(f"load from {path}: copying", copy)
@@ -205,7 +213,8 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: 
         return adapter.describe_for_load(meta)
 
     with gc_paused():  # no full collections over the job's heap while the load allocates views and plan objects
-        loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener, host, fetch)
+        loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener, host, fetch,
+                             getattr(adapter, "prepare_rank_local", None))
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(

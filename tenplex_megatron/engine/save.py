@@ -21,6 +21,7 @@ import torch
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, chunk_name, holdings_json
+from tenplex_megatron.engine.rank_local import rank_local_json
 from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.writers import Holding, assign_writers
@@ -74,6 +75,7 @@ def build_metadata(writers: dict[Chunk, int], infos: list[dict[str, Any]], all_m
         for c, w in writers.items()
     ]
     ptc = PTC(tensors=all_meta, chunks=tuple(stored), layout=layout)
+    local = rank_local_json(infos)
     return {
         "format": directory.FORMAT_NAME,
         "format_version": directory.FORMAT_VERSION,
@@ -82,6 +84,7 @@ def build_metadata(writers: dict[Chunk, int], infos: list[dict[str, Any]], all_m
         **metadata([i["info"] for i in infos]),
         "files": {i["file"]: i["size"] for i in infos if i["file"]},
         "saved_at": time.time(),
+        **({"rank_local": local} if local else {}),
         "ptc": ptc.to_json(),
     }
 
@@ -94,12 +97,15 @@ def save_chunks(
     rank_info: dict[str, Any],
     metadata: Any,
     keep: int | None = None,
+    local: dict[str, torch.Tensor] | None = None,
 ) -> SaveResult:
     """Collective: write every chunk once under ``save_dir/iter_NNNNNNN`` and commit it atomically.
 
     ``rank_info``: JSON this rank contributes (its RNG state, say); ``metadata``
     is called on rank 0 with every rank's and returns the framework's own part
     of metadata.json. ``keep``: after the commit, keep only the newest ``keep``.
+    ``local``: this rank's rank-local entries (flat uint8, ``engine/rank_local.py``), written in its own file;
+    ``rank_info["rank_local"]`` holds their records.
     """
     t0 = time.perf_counter()
     me = rank()
@@ -128,6 +134,7 @@ def save_chunks(
 
     def write() -> tuple[int, dict[str, tuple[int, ...]]]:
         mine = rank_tensors(chunks, writers, me)
+        mine.update(local or {})
         if not mine:
             return 0, {}
         return write_safetensors(
@@ -168,11 +175,18 @@ def save(adapter: Adapter, save_dir: str, keep: int | None = None) -> SaveResult
     The engine adds what every framework shares: the layout and every rank's RNG
     streams; the adapter adds its own non-tensor state (:meth:`Adapter.metadata`).
     """
-    chunks = run_phase(f"save to {save_dir}: describing the job", adapter.describe)
+    def describe() -> tuple[list[LocalChunk], dict[str, Any]]:
+        rank_local = getattr(adapter, "rank_local", None)  # optional: state only this rank can take back
+        return adapter.describe(), (rank_local() if rank_local is not None else {})
+
+    chunks, local = run_phase(f"save to {save_dir}: describing the job", describe)
 
     def metadata(infos: list[dict[str, Any]]) -> dict[str, Any]:
         return {"framework": adapter.framework, **adapter.metadata(),
                 "rng": {str(r): i["rng"] for r, i in enumerate(infos)}}
 
-    return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(),
-                       {"rng": rng.capture(tracker=adapter.rng_tracker)}, metadata, keep)
+    info: dict[str, Any] = {"rng": rng.capture(tracker=adapter.rng_tracker)}
+    if local:
+        info["rank_local"] = {name: rec for name, (_, rec) in local.items()}
+    return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(), info, metadata, keep,
+                       {name: t for name, (t, _) in local.items() if t.numel()})  # an empty one: its record alone

@@ -178,9 +178,8 @@ def split_flat(lo: int, hi: int, boxes: list) -> list[tuple[int, tuple[int, ...]
     return out
 
 
-def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], layer_keys: tuple[str, ...],
-                     layout: ParallelLayout, states: set[str]) -> tuple[list[StoredChunk], dict[str, str]]:
-    """The ``dp_reshardable`` buckets as flat ranges of the TP-local parameter boxes, checked piece by piece."""
+def _bucket_groups(ck: TorchDistCheckpoint) -> dict[int, dict[int, dict[str, tuple[str, Any]]]]:
+    """The ``dp_reshardable`` bucket tensors: DP group -> bucket -> state -> (key, index entry)."""
     groups: dict[int, dict[int, dict[str, tuple[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for key, st in ck.tensors().items():
         m = _BUCKET.fullmatch(key)
@@ -194,13 +193,16 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
             raise MegatronCheckpointError(f"{ck.path}: {key}: optimizer state {state!r} is not supported (tenplex "
                                           f"reads Adam's: {', '.join(sorted(STATE_NAMES))})")
         groups[g][b][state] = (key, st)
-    if len(groups) != layout.tp * layout.pp:
-        raise MegatronCheckpointError(f"{ck.path}: {len(groups)} distributed-optimizer groups, expected TP x PP = "
-                                      f"{layout.tp * layout.pp} at the saving layout {layout}")
+    return groups
+
+
+def _fitted_buckets(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], layer_keys: tuple[str, ...],
+                    layout: ParallelLayout, groups: dict) -> list[tuple[int, Any, list]]:
+    """Every DP group's buckets as megatron-core 0.16.1 lays out this parameter order, each stored piece checked
+    against them (offsets and sizes, padding included): (group, parameters, buckets); a mismatch raises."""
     saved = {k for k in ck.tensors() if not k.startswith("optimizer.")}
     args = ck.common.get("args")
-    out: list[StoredChunk] = []
-    dtypes: dict[str, str] = {}
+    out = []
     for g, buckets in sorted(groups.items()):
         tp_rank, pp_rank = g % layout.tp, g // layout.tp
         params = stage_params(metas, layer_keys, saved, layout, tp_rank, pp_rank)
@@ -209,14 +211,13 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
         except BucketArgsError as e:
             raise MegatronCheckpointError(f"{ck.path}: saved args: {e}") from None
         layout_buckets = bucket_layout([p for p, _, _ in params], layout.dp, bucket_size, high_busbw)
-        where = {p.name: (boxes, key) for p, boxes, key in params}
         if sorted(buckets) != list(range(len(layout_buckets))):
             raise MegatronCheckpointError(
                 f"{ck.path}: dp_group_idx_{g} has buckets {sorted(buckets)}; megatron-core 0.16.1's layout of this "
                 f"model at {layout} has {len(layout_buckets)} (bucket size {bucket_size} from the saved args: "
                 "another model?)")
         for b, bucket in enumerate(layout_buckets):
-            for state, (key, st) in sorted(buckets[b].items()):
+            for _, (key, st) in sorted(buckets[b].items()):
                 got = {(offsets[0], sizes[0]) for offsets, sizes in st.chunks}
                 want = {(p.start, p.stop - p.start) for p in bucket.pieces}
                 if tuple(st.size) != (bucket.numel_unpadded,) or got != want:
@@ -225,6 +226,76 @@ def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], laye
                         f"{ck.path}: {key}: {st.size[0]} elements in pieces that do not match megatron-core 0.16.1's "
                         f"buffer layout at {layout} ({bucket.numel_unpadded} elements; first unexpected piece "
                         f"(offset, size) {extra[:1]}, first missing {missing[:1]}): another model or layout?")
+        out.append((g, params, layout_buckets))
+    return out
+
+
+def _spec_order(ck: TorchDistCheckpoint) -> tuple[tuple[str, ...] | None, str | None]:
+    """The layer parameter order of the spec the saved args record (``transformer_impl``), and that record."""
+    args = ck.common.get("args")
+    impl = args.get("transformer_impl") if isinstance(args, dict) else getattr(args, "transformer_impl", None)
+    return ({"transformer_engine": TE_LAYER_ORDER, "local": LAYER_ORDER}.get(str(impl)) if impl else None,
+            str(impl) if impl else None)
+
+
+def layer_order(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], layout: ParallelLayout,
+                candidates: tuple[tuple[str, ...], ...], groups: dict) -> tuple[str, ...]:
+    """One transformer layer's parameter order in the distributed optimizer's buffer, as the checkpoint shows it.
+
+    The index holds every parameter's piece of each bucket (its offset and size), not the parameters' names; so
+    each candidate order (the live model's, the local spec's, Transformer Engine's, where the attention norm is a
+    parameter of ``linear_qkv``) is laid out and kept only if it reproduces every stored piece. One fitting order
+    (or several the same) is the checkpoint's; between different ones that fit, the spec the saved args record
+    (``transformer_impl``) decides; with none recorded, it is refused: which parameter's state is which is not
+    in the checkpoint."""
+    layer_keys = {k for k in metas if k.startswith("decoder.layers.")}
+    orders = []
+    for c in candidates:
+        order = tuple(k for k in (k if k.startswith("decoder.layers.") else f"decoder.layers.{k}" for k in c)
+                      if k in layer_keys)
+        if set(order) == layer_keys and order not in orders:
+            orders.append(order)
+    errors: list[str] = []
+    fits = []
+    for order in orders:
+        try:
+            _fitted_buckets(ck, metas, order, layout, groups)
+            fits.append(order)
+        except MegatronCheckpointError as e:
+            errors.append(str(e))
+    if len(fits) == 1:
+        return fits[0]
+    if not fits:
+        raise MegatronCheckpointError(errors[0] if len(errors) == 1 else
+                                      f"{errors[0]} (no parameter order tried fits the stored pieces: the live "
+                                      "model's, the local spec's, Transformer Engine's)")
+    spec, impl = _spec_order(ck)
+    chosen = tuple(f"decoder.layers.{k}" for k in spec if f"decoder.layers.{k}" in layer_keys) if spec else None
+    if chosen in fits:
+        return chosen
+    why = (f"common.pt's args record transformer_impl={impl}, whose order is not one of them" if impl else
+           "common.pt's args record no transformer_impl")
+    raise MegatronCheckpointError(
+        f"{ck.path}: the distributed optimizer's buckets fit {len(fits)} parameter orders of a transformer layer "
+        f"({' / '.join(', '.join(k.removeprefix('decoder.layers.') for k in o[:3]) + ', ...' for o in fits)}) and "
+        f"{why}: which parameter's optimizer state is which is not in the checkpoint")
+
+
+def _dist_opt_chunks(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], layer_keys: tuple[str, ...],
+                     layout: ParallelLayout, states: set[str]) -> tuple[list[StoredChunk], dict[str, str]]:
+    """The ``dp_reshardable`` buckets as flat ranges of the TP-local parameter boxes, checked piece by piece, in the
+    layer parameter order the checkpoint's pieces show (:func:`layer_order`; ``layer_keys``: the live model's)."""
+    groups = _bucket_groups(ck)
+    if len(groups) != layout.tp * layout.pp:
+        raise MegatronCheckpointError(f"{ck.path}: {len(groups)} distributed-optimizer groups, expected TP x PP = "
+                                      f"{layout.tp * layout.pp} at the saving layout {layout}")
+    order = layer_order(ck, metas, layout, (layer_keys, LAYER_ORDER, TE_LAYER_ORDER), groups)
+    out: list[StoredChunk] = []
+    dtypes: dict[str, str] = {}
+    for g, params, layout_buckets in _fitted_buckets(ck, metas, order, layout, groups):
+        where = {p.name: (boxes, key) for p, boxes, key in params}
+        for b, bucket in enumerate(layout_buckets):
+            for state, (key, st) in sorted(groups[g][b].items()):
                 name = STATE_NAMES[state]
                 if name not in states:
                     continue
@@ -311,6 +382,13 @@ LAYER_ORDER = ("self_attention.linear_qkv.layer_norm_weight", "self_attention.li
                "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
                "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+# Transformer Engine's spec: no separate norm modules; the attention's norm is a parameter of linear_qkv (built after
+# linear_proj, its norm registered before its weight), the MLP's of linear_fc1; the same sharded keys as the local spec
+TE_LAYER_ORDER = ("self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
+                  "self_attention.linear_qkv.layer_norm_weight", "self_attention.linear_qkv.layer_norm_bias",
+                  "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                  "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.layer_norm_bias", "mlp.linear_fc1.weight",
+                  "mlp.linear_fc1.bias", "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
 _REPLICATED = re.compile(r"(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_(weight|bias)|"
                          r"(self_attention\.linear_proj|mlp\.linear_fc2)\.bias")
 

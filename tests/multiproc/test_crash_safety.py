@@ -10,6 +10,11 @@ Five torchrun launches in all: each SIGKILL kills its own launch; every other jo
 errors, the flipped byte) runs in one of two shared launches
 (tests/multiproc/scenario_run.py: one process group, jobs in turn, each job's
 exit status and output recorded as its own launch would have given them).
+
+Transformer Engine's ``_extra_state`` rides along the two shared launches (TE itself needs a GPU: megatron-core's
+linear layers carry its kind of extra state, tests/fake_te.py): saved per rank at TP2, restored byte for byte at
+TP2, dropped with one warning at TP1 x DP2, the losses continuing the uninterrupted run's either way; a flipped
+byte in it is refused at load.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from dataclasses import dataclass
 import pytest
 
 from tenplex_megatron.storage.directory import find_checkpoint, partial_dirs
-from tests.harness import TINY_GPT, Run, layout_flags, run_scenarios, torchrun
+from tests.harness import TINY_GPT, Run, layout_flags, metrics, run_scenarios, torchrun
 
 pytestmark = pytest.mark.dist
 
+TE_MODEL = [*TINY_GPT, "--vocab-size", "96", "--use-distributed-optimizer", "--train-iters", "6"]
+TE_SAVE_AT = 3
 MODEL = [*TINY_GPT, "--vocab-size", "96", "--use-distributed-optimizer", "--train-iters", "4", *layout_flags(1, 1)]
 KILL_POINTS = ["save.tensors@1#4", "save.metadata@0#4", "save.commit@0#4"]
 LOAD_FAULTS = [("load.read@1:error", [1]), ("load.read:error", [0, 1])]
@@ -48,6 +55,44 @@ def run(args: list[str], fault: str | None = None, nproc: int = 2, timeout: floa
 
 def job(name: str, args: list[str], fault: str | None = None) -> dict:
     return {"name": name, "flags": [*MODEL, *args], "fault": fault}
+
+
+TE_RESTARTS = {"same": 2, "tp1": 1}  # restart tag -> TP (world 2: TP2 is the saving layout, TP1 x DP2 another)
+
+
+def te_job(name: str, args: list[str]) -> dict:
+    """A job whose transformer layers' linears carry Transformer Engine's kind of _extra_state (tests/fake_te.py)."""
+    return {"name": name, "flags": [*TE_MODEL, *args], "fake_te": True}
+
+
+def rank_local_bytes(ckpt: str) -> dict[tuple[str, str], bytes]:
+    """(rank, entry) -> the bytes of every rank-local entry metadata.json lists, read with safetensors' own reader."""
+    from safetensors import safe_open
+
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        section = json.load(f).get("rank_local") or {}
+    out = {}
+    for r, s in section.items():
+        with safe_open(os.path.join(ckpt, s["file"]), "pt") as f:
+            for name in s["entries"]:
+                out[(r, name)] = f.get_tensor(name).numpy().tobytes()
+    return out
+
+
+def flip_rank_local_byte(ckpt: str) -> str:
+    """Flip one bit in rank 1's first rank-local entry; return the entry's name."""
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        section = json.load(f)["rank_local"]["1"]
+    name = sorted(section["entries"])[0]
+    path = os.path.join(ckpt, section["file"])
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    header = int.from_bytes(data[:8], "little")
+    entry = json.loads(data[8 : 8 + header])[name]
+    data[8 + header + entry["data_offsets"][0] + 2] ^= 0x10
+    with open(path, "wb") as f:
+        f.write(data)
+    return name
 
 
 def shard_digests(ckpt_dir: str) -> dict[str, str]:
@@ -98,6 +143,7 @@ class Results:
     kills: dict[str, AfterKill]
     second: dict[str, Run]
     flipped_name: str
+    te_flipped: str  # the rank-local entry whose byte was flipped
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +154,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         job("clean", ["--save", saved, "--exit-interval", "2"]),
         job("retention", ["--save", f"{root}/retention", "--save-interval", "1", "--tenplex-keep", "2"]),
         job("disk_full", ["--save", f"{root}/disk_full", "--save-interval", "2"], "save.tensors@1#4:enospc"),
+        te_job("te_ref", [*layout_flags(2, 1), "--save", f"{root}/te/ckpt", "--save-interval", str(TE_SAVE_AT),
+                          "--tenplex-metrics", f"{root}/te/ref.jsonl"]),
     ], f"{root}/first")
     assert first["clean"].returncode == 0, first["clean"].log[-3000:]
     clean_iter2 = shard_digests(f"{saved}/iter_0000002")
@@ -121,13 +169,23 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     bad = f"{root}/flipped"
     shutil.copytree(saved, bad)
     name = flip_a_byte(os.path.join(bad, "iter_0000002"))
+    te_src = f"{root}/te/ckpt/iter_{TE_SAVE_AT:07d}"
+    te_bad = f"{root}/te/flipped"
+    if first["te_ref"].returncode == 0:
+        shutil.copytree(te_src, te_bad)
+        te_flipped = flip_rank_local_byte(te_bad)
+    else:
+        te_flipped = ""
     second = run_scenarios(2, [
         *[job(f"resume{i}", ["--save", kills[p].save, "--load", kills[p].save]) for i, p in enumerate(KILL_POINTS)],
         *[job(f"load_fault{i}", ["--load", saved], fault) for i, (fault, _) in enumerate(LOAD_FAULTS)],
         job("flipped", ["--load", bad]),
         job("flipped_no_verify", ["--load", bad, "--tenplex-no-verify", "--exit-interval", "2"]),
+        *[te_job(f"te_{tag}", [*layout_flags(tp, 1), "--load", te_src, "--tenplex-resave", f"{root}/te/resaved_{tag}",
+                               "--tenplex-metrics", f"{root}/te/{tag}.jsonl"]) for tag, tp in TE_RESTARTS.items()],
+        te_job("te_flipped", [*layout_flags(2, 1), "--load", te_bad]),
     ], f"{root}/second")
-    return Results(root, clean_iter2, saved, first, kills, second, name)
+    return Results(root, clean_iter2, saved, first, kills, second, name, te_flipped)
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
@@ -180,3 +238,57 @@ def test_retention_keeps_newest_n(results: Results) -> None:
     assert r.returncode == 0, r.log[-3000:]
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
     assert f"removed {save}/iter_0000002" in r.log
+
+
+def _te_losses_continue(root: str, tag: str) -> None:
+    want = {m["iteration"]: m["loss"] for m in metrics(f"{root}/te/ref.jsonl")}
+    got = metrics(f"{root}/te/{tag}.jsonl")
+    assert [m["iteration"] for m in got] == list(range(TE_SAVE_AT + 1, max(want) + 1))
+    for m in got:
+        assert m["loss"] == pytest.approx(want[m["iteration"]], rel=2e-6), (tag, m)
+
+
+def test_te_extra_state_saved_per_rank(results: Results) -> None:
+    """Each rank's transformer-layer linears' extra state is in its own file, listed per rank in metadata.json."""
+    r = results.first["te_ref"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    saved = rank_local_bytes(f"{results.root}/te/ckpt/iter_{TE_SAVE_AT:07d}")
+    with open(f"{results.root}/te/ckpt/iter_{TE_SAVE_AT:07d}/metadata.json") as f:
+        section = json.load(f)["rank_local"]
+    assert sorted(section) == ["0", "1"]
+    for rank, s in section.items():
+        assert s["file"] == f"rank_{int(rank):05d}.safetensors"
+        modules = {e["module"] for e in s["entries"].values()}
+        assert modules == {f"decoder.layers.{i}.{m}" for i in range(2) for m in
+                           ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                            "mlp.linear_fc2")}
+    assert all(len(b) > 0 and any(b) for b in saved.values())  # trained: amax histories, not a fresh module's zeros
+    # each rank's own: a row-parallel linear's input is split over TP, so its amax history differs between the ranks
+    assert any(saved[("0", name)] != saved[("1", name)] for name in section["0"]["entries"])
+
+
+def test_te_extra_state_restored_exactly_at_the_same_layout(results: Results) -> None:
+    r = results.second["te_same"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
+    saved = rank_local_bytes(f"{results.root}/te/ckpt/iter_{TE_SAVE_AT:07d}")
+    resaved = rank_local_bytes(f"{results.root}/te/resaved_same/iter_{TE_SAVE_AT:07d}")
+    assert resaved == saved  # loaded into the modules, saved again from them: byte for byte
+    _te_losses_continue(results.root, "same")
+
+
+def test_te_extra_state_dropped_with_one_warning_at_a_new_layout(results: Results) -> None:
+    r = results.second["te_tp1"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    warnings = [line for line in r.log.splitlines() if "_extra_state" in line]
+    assert len(warnings) == 1, warnings
+    assert "warning:" in warnings[0] and "amax history re-warm" in warnings[0] and "tp=2,pp=1,dp=1" in warnings[0]
+    resaved = rank_local_bytes(f"{results.root}/te/resaved_tp1/iter_{TE_SAVE_AT:07d}")
+    assert resaved and not any(any(b) for b in resaved.values())  # the fresh modules' state: nothing restored
+    _te_losses_continue(results.root, "tp1")
+
+
+def test_te_extra_state_flipped_byte_refused(results: Results) -> None:
+    r = results.second["te_flipped"]
+    assert r.returncode != 0
+    assert "rank_00001.safetensors" in r.log and results.te_flipped in r.log and "checksum" in r.log, r.log[-3000:]

@@ -1,20 +1,43 @@
-"""Transformer Engine's ``_extra_state`` (FP8 scaling state) is not saved by tenplex: said once, not dropped silently.
+"""Transformer Engine's ``_extra_state`` (FP8 scaling state) kept per rank: encoded as raw bytes, given back only at
+the saved layout, else left out with one warning naming what re-warms.
 
-megatron-core describes each TE module's ``_extra_state`` as a ``ShardedObject`` in the model's sharded state dict
-(``make_sharded_object_for_checkpoint``); TE does not run on this machine, so the dict is built from megatron-core's
-own ``ShardedObject`` as a TE layer's ``sharded_state_dict`` yields it, beside a plain ``ShardedTensor``.
+TE needs a GPU and does not run here; what tenplex handles is torch's extra-state protocol, which TE implements
+(``get_extra_state`` returning a uint8 tensor, or an ``io.BytesIO`` in older TE). The modules below implement it the
+same way; megatron-core's ``ShardedObject`` is the one a TE layer's ``sharded_state_dict`` yields. The end-to-end
+case (megatron-core's GPTModel under torchrun) is in tests/multiproc/test_crash_safety.py.
 """
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+from dataclasses import dataclass
 
 import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
 from tenplex_megatron import log
-from tenplex_megatron.integrations.megatron_core import sharded
+from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.engine.load import load_chunks
+from tenplex_megatron.engine.rank_local import PREFIX, reader
+from tenplex_megatron.engine.save import save_chunks
+from tenplex_megatron.integrations.megatron_core import extra_state, sharded
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.ptc import Chunk, TensorMeta
+from tenplex_megatron.storage.files import CheckpointFileError
+
+
+@pytest.fixture
+def records(request: pytest.FixtureRequest) -> list[logging.LogRecord]:
+    """What the library logs during the test (a handler on its logger; its own handlers left as they are)."""
+    got: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = got.append  # type: ignore[method-assign]
+    logging.getLogger(log.ROOT).addHandler(handler)
+    request.addfinalizer(lambda: logging.getLogger(log.ROOT).removeHandler(handler))
+    return got
 
 
 def _model_sd() -> dict:
@@ -23,7 +46,7 @@ def _model_sd() -> dict:
     return {"decoder.layers.self_attention.linear_qkv.weight": weight,
             "decoder.layers.self_attention.linear_qkv._extra_state": extra,
             "other": ShardedObject("decoder.layers.something_else", b"", (1,), (0,)),
-            # megatron-core's own linear layers (SequentialMLP's experts) describe an empty one: nothing to warn of
+            # megatron-core's own linear layers (SequentialMLP's experts) describe an empty one: nothing to keep
             "local": ShardedObject("decoder.layers.mlp.experts.experts.linear_fc1._extra_state", None, (2,), (0,))}
 
 
@@ -32,14 +55,134 @@ def test_extra_state_keys_found() -> None:
     assert sharded.extra_state_keys({"w": _model_sd()["decoder.layers.self_attention.linear_qkv.weight"]}) == []
 
 
-def test_warned_once(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
-    monkeypatch.setattr(sharded, "_WARNED", set())
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append  # type: ignore[method-assign]
-    logging.getLogger(log.ROOT).addHandler(handler)
-    request.addfinalizer(lambda: logging.getLogger(log.ROOT).removeHandler(handler))
-    sharded.warn_extra_state_dropped(_model_sd())
-    sharded.warn_extra_state_dropped(_model_sd())
-    lines = [r.getMessage() for r in records]
-    assert len(lines) == 1 and "_extra_state of 1 module(s)" in lines[0] and "re-warm" in lines[0]
+class Fp8Linear(torch.nn.Linear):
+    """A linear layer whose extra state is a float32 amax history serialized into uint8, as TE's is."""
+
+    def __init__(self, legacy: bool = False) -> None:
+        super().__init__(4, 4)
+        self.meta = torch.zeros(3)
+        self.legacy = legacy  # older TE: an io.BytesIO
+
+    def get_extra_state(self) -> object:
+        raw = self.meta.clone().view(torch.uint8)
+        return io.BytesIO(raw.numpy().tobytes()) if self.legacy else raw
+
+    def set_extra_state(self, state: object) -> None:
+        if isinstance(state, io.BytesIO):
+            state = torch.frombuffer(bytearray(state.getvalue()), dtype=torch.uint8)
+        assert isinstance(state, torch.Tensor)
+        self.meta = state.clone().view(torch.float32)
+
+
+class Plain(torch.nn.Linear):
+    """megatron-core's own linears: the protocol, holding nothing."""
+
+    def get_extra_state(self) -> None:
+        return None
+
+
+@dataclass
+class Job:
+    """What extra_state reads of a job: its model chunks and layout."""
+
+    model: list
+    layout: ParallelLayout
+
+
+def _job(tp: int = 2) -> Job:
+    return Job([torch.nn.Sequential(Fp8Linear(), Fp8Linear(legacy=True), Plain(4, 4))], ParallelLayout(tp, 1, 1))
+
+
+@pytest.mark.parametrize("value", [torch.arange(6, dtype=torch.float32).reshape(2, 3), torch.empty(0),
+                                   io.BytesIO(b"\x00fp8\xff"), b"raw", torch.tensor([1, 2], dtype=torch.int64)])
+def test_encode_decode_round_trip(value: object) -> None:
+    flat, rec = extra_state.encode(value, "m")
+    assert flat.dtype == torch.uint8 and rec["nbytes"] == flat.numel()
+    back = extra_state.decode(flat.clone(), rec, "m")
+    if isinstance(value, torch.Tensor):
+        assert isinstance(back, torch.Tensor) and back.dtype == value.dtype and torch.equal(back, value)
+    elif isinstance(value, io.BytesIO):
+        assert isinstance(back, io.BytesIO) and back.getvalue() == value.getvalue()
+    else:
+        assert back == value
+
+
+def test_unsupported_kind_is_skipped_with_a_warning(records: list[logging.LogRecord]) -> None:
+    assert extra_state.encode({"a": 1}, "decoder.x._extra_state") is None
+    assert "decoder.x._extra_state: extra state of type dict is not saved" in " ".join(r.getMessage() for r in records)
+    assert extra_state.encode(None, "y") is None
+
+
+def _save(tmp_path, job: Job) -> str:
+    """A real save of one chunk plus the job's extra state, through the engine (world size 1)."""
+    w = torch.arange(8, dtype=torch.float32)
+    meta = TensorMeta("w", (8,), "float32")
+    local = extra_state.collect(job)
+    info = {"rank_local": {k: rec for k, (_, rec) in local.items()}}
+    res = save_chunks([LocalChunk(meta, Chunk("w", (0,), (8,)), w, True)], str(tmp_path / "ckpt"), 1,
+                      job.layout.to_json(), info, lambda infos: {}, local={k: t for k, (t, _) in local.items()})
+    return res.path
+
+
+def _load(path: str, job: Job) -> None:
+    dst = torch.zeros(8)
+    meta = TensorMeta("w", (8,), "float32")
+    load_chunks(path, None, lambda m: [LocalChunk(meta, Chunk("w", (0,), (8,)), dst, True)], lambda m: None,
+                local=lambda m, read: extra_state.prepare(job, m, read, 0))
+    assert torch.equal(dst, torch.arange(8, dtype=torch.float32))
+
+
+def _warnings(records: list[logging.LogRecord]) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+
+
+def test_same_layout_restores_bytes_exactly(tmp_path, records: list[logging.LogRecord]) -> None:
+    src = _job()
+    for i, m in enumerate(src.model[0][:2]):
+        m.meta = torch.tensor([1.5, -2.0, float(i)])
+    path = _save(tmp_path, src)
+    dst = _job()
+    _load(path, dst)
+    for a, b in zip(src.model[0][:2], dst.model[0][:2]):
+        assert torch.equal(a.meta, b.meta)
+    assert not _warnings(records)
+    assert "of 2 module(s) restored exactly" in " ".join(r.getMessage() for r in records)
+
+
+def test_new_layout_drops_with_one_warning(tmp_path, records: list[logging.LogRecord]) -> None:
+    src = _job(tp=2)
+    src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
+    path = _save(tmp_path, src)
+    dst = _job(tp=1)
+    _load(path, dst)
+    assert torch.equal(dst.model[0][0].meta, torch.zeros(3))
+    (line,) = _warnings(records)
+    assert "2 module(s)" in line and "tp=2,pp=1,dp=1" in line and "amax history re-warm" in line
+
+
+def test_checkpoint_without_extra_state_warns(tmp_path, records: list[logging.LogRecord]) -> None:
+    path = _save(tmp_path, Job([torch.nn.Sequential(Plain(4, 4))], ParallelLayout(2, 1, 1)))
+    _load(path, _job())
+    (line,) = _warnings(records)
+    assert "the checkpoint holds none" in line and "re-warm" in line
+
+
+def test_damaged_entry_refused_naming_file_and_entry(tmp_path) -> None:
+    src = _job()
+    src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
+    path = _save(tmp_path, src)
+    name = f"{PREFIX}model0.0._extra_state"
+    with open(f"{path}/rank_00000.safetensors", "r+b") as f:
+        data = bytearray(f.read())
+        header = int.from_bytes(data[:8], "little")
+        begin = json.loads(data[8 : 8 + header])[name]["data_offsets"][0]
+        f.seek(8 + header + begin)
+        f.write(bytes([data[8 + header + begin] ^ 1]))
+    with open(f"{path}/metadata.json") as f:
+        meta = json.load(f)
+    with pytest.raises(CheckpointFileError, match=r"rank_00000\.safetensors: rank-local entry .*model0\.0\._extra_state"):
+        reader(path, meta, 0)(name)
+    dst = _job()
+    with pytest.raises(Exception, match="block checksums"):
+        _load(path, dst)
+    assert torch.equal(dst.model[0][0].meta, torch.zeros(3))  # nothing handed over

@@ -24,6 +24,8 @@ from tenplex_megatron import mcore_versions
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.save import SaveResult, save
+from tenplex_megatron.execute.collective import rank
+from tenplex_megatron.integrations.megatron_core import extra_state
 from tenplex_megatron.integrations.megatron_core.legacy import open_legacy
 from tenplex_megatron.integrations.megatron_core.native import opener_for
 from tenplex_megatron.integrations.megatron_core.optimizer import (
@@ -103,6 +105,14 @@ class MegatronCoreAdapter:
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
         # after fp16 steps that the loss scaler all skipped): the job's stays unmade too, as in an uninterrupted run
         return describe_job(self.job)[1]
+
+    def rank_local(self) -> dict[str, Any]:
+        """Transformer Engine's ``_extra_state`` of this rank's modules, kept per rank (``extra_state.py``)."""
+        return extra_state.collect(self.job)
+
+    def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
+        """The saved ``_extra_state`` back at the same layout, else left out with one warning."""
+        return extra_state.prepare(self.job, metadata, read, rank())
 
     def metadata(self) -> dict[str, Any]:
         job = self.job

@@ -25,31 +25,19 @@ from megatron.core.dist_checkpointing.mapping import (
     is_main_replica,
 )
 
-from tenplex_megatron import log as tlog
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
 from tenplex_megatron.integrations.megatron_core.optimizer import is_distributed_optimizer, sub_optimizers
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
 
-log = tlog.get("megatron_core")
-_WARNED: set[str] = set()
-
 
 def extra_state_keys(model_sd: Any) -> list[str]:
     """The keys of Transformer Engine's ``_extra_state`` objects (FP8 scaling factors and amax history) in a model's
-    sharded state dict: megatron-core describes them as ``ShardedObject``s, which tenplex does not save. megatron-core's
-    own linear layers (the MoE experts' included) yield them too, holding None: nothing is lost there."""
+    sharded state dict: megatron-core describes them as ``ShardedObject``s; tenplex keeps them per rank
+    (``extra_state.py``), not as PTC tensors. megatron-core's own linear layers (the MoE experts' included) yield
+    them too, holding None: nothing to keep there."""
     return sorted({v.key for v in nested_values(model_sd) if isinstance(v, ShardedObject)
                    and v.key.endswith("_extra_state") and v.data is not None})
-
-
-def warn_extra_state_dropped(model_sd: Any) -> None:
-    """Say once per process that TE's ``_extra_state`` is left out (rather than dropping it without a word)."""
-    keys = extra_state_keys(model_sd)
-    if keys and "extra_state" not in _WARNED:
-        _WARNED.add("extra_state")
-        log.warning("Transformer Engine's _extra_state of %d module(s) (%s, ...) is not saved or loaded: "
-                    "with FP8, the scaling factors and amax history re-warm after a restart", len(keys), keys[0])
 
 
 def unwrap(module: Any) -> Any:
@@ -235,7 +223,6 @@ def describe_job(job: Any) -> tuple[dict[str, TensorMeta], list[LocalChunk]]:
     """All chunks this rank holds (model, then optimizer), with their tensor metadata."""
     ctx = _context(job)
     model_sd = model_sharded_state_dict(job)
-    warn_extra_state_dropped(model_sd)
     chunks: list[LocalChunk] = []
     for sh in _entries(model_sd):
         chunks.extend(_expand(sh, sh.data, sh.data, None, ctx))

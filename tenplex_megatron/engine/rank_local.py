@@ -1,0 +1,76 @@
+"""Rank-local state: opaque bytes a rank keeps for itself (Transformer Engine's ``_extra_state``), saved in its own file.
+
+A framework's module may hold state that is not a tensor of the PTC: it cannot be re-sharded, only given back to
+the same rank at the same layout. The adapter hands such state over as flat uint8 tensors (never unpickled here);
+the engine writes them into the rank's safetensors file beside its chunks (so megabytes per rank stay out of
+metadata.json), and records in metadata.json which rank holds which entry, its byte count and block CRC-32s
+(``rank_local``). At load the adapter decides whether they apply (same layout, same modules) before any tensor is
+copied, and the engine reads back only the entries of the loading rank's own number, checksums verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc32
+
+#: the entry names in a rank's file start with this (chunk names are ``<tensor key>@<offsets>``: no clash)
+PREFIX = "rank_local:"
+
+
+def rank_local_json(infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """metadata.json's ``rank_local`` section from every rank's save info: per rank, its file and each entry's
+    record (what the adapter said about it) with its bytes' block CRC-32s; empty when no rank has any."""
+    out: dict[str, Any] = {}
+    for r, info in enumerate(infos):
+        records = (info.get("info") or {}).get("rank_local") or {}
+        if not records:
+            continue
+        sums = info.get("block_crc32") or {}
+        out[str(r)] = {
+            "file": info.get("file"),
+            "block_bytes": int(info["block_bytes"]),
+            "entries": {name: {**rec, "block_crc32": list(sums.get(name, ()))} for name, rec in records.items()},
+        }
+    return out
+
+
+def saved_entries(metadata: dict[str, Any], rank: int) -> dict[str, dict[str, Any]] | None:
+    """The records of the entries rank ``rank`` saved (None: the checkpoint has no rank-local section for it)."""
+    section = (metadata.get("rank_local") or {}).get(str(rank))
+    return None if section is None else dict(section.get("entries") or {})
+
+
+def reader(path: str, metadata: dict[str, Any], rank: int) -> Callable[[str], torch.Tensor]:
+    """``read(name)``: entry ``name`` of rank ``rank``'s rank-local state in checkpoint ``path`` as a uint8 tensor of
+    its own (a copy, not a view of the file), its size and every block CRC checked; errors name the file and entry."""
+    section = (metadata.get("rank_local") or {}).get(str(rank)) or {}
+    entries = section.get("entries") or {}
+
+    def read(name: str) -> torch.Tensor:
+        rec = entries.get(name)
+        if rec is None:
+            raise CheckpointFileError(f"{path}: rank {rank} saved no rank-local entry {name!r}")
+        nbytes = int(rec["nbytes"])
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        fname = section.get("file")
+        if not isinstance(fname, str):
+            raise CheckpointFileError(f"{path}: metadata.json names no file for rank {rank}'s rank-local state")
+        f = SafetensorsReader(confine(path, fname))
+        try:
+            data = f.flat(name, "uint8", nbytes).clone()
+        finally:
+            f.close()
+        got = list(block_crc32(data, int(section["block_bytes"])))
+        if got != list(rec.get("block_crc32") or []):
+            raise CheckpointFileError(f"{path}/{fname}: rank-local entry {name!r} fails its block checksums "
+                                      "(damaged file)")
+        return data
+
+    return read
