@@ -60,14 +60,11 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench import launch, stats  # noqa: E402 (after the path set-up)
-from bench.report import machine, ratio_key, ratio_line  # noqa: E402
-
-from tenplex_megatron.plan.layout import padded_vocab_size  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import load_model  # noqa: E402
+from benchmarks.kit import launch, stats
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import machine, ratio_key, ratio_line
+from tenplex_megatron.plan.layout import padded_vocab_size
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 
 LAYOUT_A, LAYOUT_B = (1, 1, 2), (2, 1, 1)
 SAVE_SYSTEMS = ("memcpy", "snapshot", "tenplex_sync", "mcore_async")
@@ -85,11 +82,11 @@ def worker(a: argparse.Namespace) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks: kill -USR1 <pid>
     import torch
     import torch.distributed as dist
-    from bench import gpt_job
-    from bench.disk import evict_page_cache, resident_bytes
-    from bench.measure import gathered, rotated, timed
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
+    from benchmarks.kit import gpt_job
+    from benchmarks.kit.disk import evict_page_cache, resident_bytes
+    from benchmarks.kit.measure import gathered, rotated, timed
     from tenplex_megatron.execute.collective import all_gather_json
     from tenplex_megatron.integrations.megatron_core.adapter import MegatronCoreAdapter, load_job, save_job
     from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
@@ -345,7 +342,7 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
         phases = {}
         for phase, layout in (("save", LAYOUT_A), ("load", LAYOUT_B)):
             result = os.path.join(scratch, f"{phase}.json")
-            launch.torchrun(2, __file__, ["--worker", *common, "--phase", phase, "--layout", *map(str, layout),
+            launch.torchrun(2, __spec__.name, ["--worker", *common, "--phase", phase, "--layout", *map(str, layout),
                                           "--result", result, "--t-launch", repr(time.time())],
                             os.path.join(scratch, f"{phase}.log"), a.timeout)
             phases[phase] = launch.read_json(result)

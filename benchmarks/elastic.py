@@ -39,11 +39,9 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.bench import plots  # noqa: E402
-from scripts.bench.agents import Cluster  # noqa: E402
-from scripts.bench.elastic_analysis import (  # noqa: E402
+from benchmarks.kit import plots
+from benchmarks.kit.agents import Cluster
+from benchmarks.kit.elastic_analysis import (
     PHASES,
     Change,
     breakdown,
@@ -52,13 +50,13 @@ from scripts.bench.elastic_analysis import (  # noqa: E402
     throughput,
     timelines,
 )
-from scripts.bench.elastic_sim import predict  # noqa: E402
-from scripts.bench.launch import ROOT, torchrun, write_json  # noqa: E402
-from scripts.bench.report import Column, Table, machine, num, ratio_key, ratio_line  # noqa: E402
-from tenplex_megatron.plan.layout import ParallelLayout  # noqa: E402
-from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, load_layout_table, read_layout_times  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims  # noqa: E402
-from tenplex_megatron.plan.trace import Trace, load_trace  # noqa: E402
+from benchmarks.kit.elastic_sim import predict
+from benchmarks.kit.launch import ROOT, torchrun, write_json
+from benchmarks.kit.report import Column, Table, machine, num, ratio_key, ratio_line
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, load_layout_table, read_layout_times
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+from tenplex_megatron.plan.trace import Trace, load_trace
 
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 POLICIES = ("tenplex", "dp_only", "table")

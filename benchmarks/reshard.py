@@ -59,15 +59,12 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench import launch, limits, plots, stats  # noqa: E402 (after the path set-up)
-from bench.disk import dir_size, evict_page_cache  # noqa: E402
-from bench.report import Column, Table, machine, num, ratio_key, ratio_line  # noqa: E402
-
-from tenplex_megatron.plan.layout import padded_vocab_size  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import load_model  # noqa: E402
+from benchmarks.kit import launch, limits, plots, stats
+from benchmarks.kit.disk import dir_size, evict_page_cache
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import Column, Table, machine, num, ratio_key, ratio_line
+from tenplex_megatron.plan.layout import padded_vocab_size
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 
 TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  # (tp, pp, dp) at A, at B
     "tp2-dp2": ((2, 1, 1), (1, 1, 2)),
@@ -98,9 +95,9 @@ def worker(a: argparse.Namespace) -> None:
     import resource
 
     import torch.distributed as dist
-    from bench import central, gpt_job
-    from bench.measure import gathered, rotated, timed
 
+    from benchmarks.kit import central, gpt_job
+    from benchmarks.kit.measure import gathered, rotated, timed
     from tenplex_megatron.execute.collective import all_gather_json
     from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job, save_job
     from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
@@ -230,7 +227,7 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
             systems = [s for s in systems if s.split("_")[0] in a.systems]
             result = os.path.join(scratch, f"{phase}.json")
             t0 = time.perf_counter()
-            launch.torchrun(math.prod(layout), __file__,
+            launch.torchrun(math.prod(layout), __spec__.name,
                             ["--worker", *common, "--phase", phase, "--layout", *map(str, layout), "--result", result,
                              "--run-systems", *systems], os.path.join(scratch, f"{phase}.log"), a.timeout)
             phases[phase] = launch.read_json(result)

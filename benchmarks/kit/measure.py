@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from bench.disk import io_chars
-from bench.memory import PeakRSS, release_memory
+from benchmarks.kit.disk import io_chars
+from benchmarks.kit.memory import PeakRSS, release_memory
 from tenplex_megatron.execute.collective import all_gather_json
 
 T = TypeVar("T")

@@ -29,14 +29,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tenplex_megatron.training.dataset_builder import build_indexed_dataset, json_documents  # noqa: E402
-from tenplex_megatron.training.progress import Progress  # noqa: E402
-from tenplex_megatron.training.tokenizer import TokenizerSpec  # noqa: E402
-from tests.tokenizer_files import make_tokenizer_files, training_text  # noqa: E402
+from tenplex_megatron.training.dataset_builder import build_indexed_dataset, json_documents
+from tenplex_megatron.training.progress import Progress
+from tenplex_megatron.training.tokenizer import TokenizerSpec
+from tests.tokenizer_files import make_tokenizer_files, training_text
 
 PROCESSED = re.compile(r"Processed (\d+) documents \(([0-9.e+]+) docs/s, ([0-9.e+]+) MB/s\)")
 

@@ -19,9 +19,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tenplex_megatron.storage.verify_ckpt import checkpoints_in, default_workers, verify_checkpoint  # noqa: E402
+from tenplex_megatron.storage.verify_ckpt import checkpoints_in, default_workers, verify_checkpoint
 
 BUF = 16 << 20
 

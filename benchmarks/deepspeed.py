@@ -65,12 +65,10 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench import launch, plots, stats  # noqa: E402 (after the path set-up)
-from bench.disk import dir_size, fsync_tree  # noqa: E402
-from bench.report import Column, Table, ratio_key, ratio_line  # noqa: E402
+from benchmarks.kit import launch, plots, stats
+from benchmarks.kit.disk import dir_size, fsync_tree
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import Column, Table, ratio_key, ratio_line
 
 # GPT-2 shapes: layers, hidden, heads, vocabulary, sequence length, position table.
 MODELS: dict[str, dict[str, int]] = {
@@ -92,9 +90,9 @@ MiB = 1024 * 1024
 def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     """At the source DP size: train one step, then save ``reps`` times with DeepSpeed and with tenplex."""
     import torch.distributed as dist
-    from bench import ds_engine
-    from bench.measure import gathered, rotated, timed
 
+    from benchmarks.kit import ds_engine
+    from benchmarks.kit.measure import gathered, rotated, timed
     from tenplex_megatron.integrations import deepspeed as tds
     from tenplex_megatron.memory import background
 
@@ -148,9 +146,9 @@ def _node_dir(a: argparse.Namespace, rank: int, ranks: int) -> str:
 def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     """At the destination DP size: load ``reps`` times by one method into one engine, then hash the state."""
     import torch.distributed as dist
-    from bench import ds_engine
-    from bench.measure import gathered, timed
 
+    from benchmarks.kit import ds_engine
+    from benchmarks.kit.measure import gathered, timed
     from tenplex_megatron.integrations import deepspeed as tds
     from tenplex_megatron.memory.restart import MemoryLoadResult
 
@@ -203,7 +201,7 @@ def _worker_convert(a: argparse.Namespace) -> dict[str, Any]:
     from deepspeed.checkpoint import ds_to_universal as d2u
 
     import_s = time.perf_counter() - t0
-    from bench.measure import gathered, timed
+    from benchmarks.kit.measure import gathered, timed
 
     args = argparse.Namespace(input_folder=a.input, output_folder=a.output, num_extract_workers=a.workers,
                               num_merge_workers=a.merge_workers, keep_temp_folder=False, strict=True,
@@ -241,7 +239,8 @@ def worker(argv: list[str]) -> None:
         return
     # here, not at the top: the driver and --help must not import DeepSpeed and transformers
     import torch.distributed as dist
-    from bench import ds_engine
+
+    from benchmarks.kit import ds_engine
 
     ds_engine.init_distributed()
     result = _worker_save(a) if a.phase == "save" else _worker_load(a)
@@ -511,12 +510,12 @@ def main(argv: list[str] | None = None) -> int:
               "--memdir", memdir, "--src", str(a.src)]
     try:
         print(f"[bench] {transition} {model}: training 1 step and saving at DP {a.src} ...", flush=True)
-        launch.torchrun(a.src, __file__, ["_worker", "save", *common, "--out", f"{workdir}/save.json"],
+        launch.torchrun(a.src, __spec__.name, ["_worker", "save", *common, "--out", f"{workdir}/save.json"],
                         f"{logs}/save.log", a.timeout)
         save = launch.read_json(f"{workdir}/save.json")
         tag = f"global_step{save['global_steps']}"
         print(f"[bench] ds_to_universal x{a.reps} ...", flush=True)
-        launch.run([sys.executable, os.path.abspath(__file__), "_worker", "convert", "--reps", str(a.reps),
+        launch.run([sys.executable, "-m", __spec__.name, "_worker", "convert", "--reps", str(a.reps),
                     "--input", f"{workdir}/ds/{tag}", "--output", f"{workdir}/ds/{tag}_universal",
                     "--workers", str(extract_w), "--merge-workers", str(merge_w), "--out", f"{workdir}/convert.json"],
                    f"{logs}/convert.log", a.timeout)
@@ -524,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         loads = {}
         for m in LOAD_METHODS:
             print(f"[bench] load {m} at DP {a.dst} x{a.reps} ...", flush=True)
-            launch.torchrun(a.dst, __file__, ["_worker", "load", *common, "--method", m, "--universal-tag",
+            launch.torchrun(a.dst, __spec__.name, ["_worker", "load", *common, "--method", m, "--universal-tag",
                                               f"{tag}_universal", "--out", f"{workdir}/load_{m}.json"],
                             f"{logs}/load_{m}.log", a.timeout)
             loads[m] = launch.read_json(f"{workdir}/load_{m}.json")
