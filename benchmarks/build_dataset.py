@@ -11,11 +11,10 @@ system). Rates leave set-up out on both sides (preprocess_data.py's own "Process
 read, its ``--log-interval`` set to the document count), and both outputs must be identical byte for byte.
 
 Output: a table, ``RATIO docs_per_s <tokenizer> w<N> build_dataset/preprocess_data = X.XX`` lines (above 1:
-build_dataset is faster) and JSON (``--json``). The machine this was written on has 2 shared CPU cores:
-timings are noisy.
+build_dataset is faster) and JSON (``--json``).
 
-    python scripts/bench_build_dataset.py --mb 4 --workers 1 2
-    MEGATRON_LM_PATH=/path/to/Megatron-LM python scripts/bench_build_dataset.py --mb 4 --workers 1 2 --json b.json
+    python -m benchmarks.build_dataset --mb 4 --workers 1 2
+    MEGATRON_LM_PATH=/path/to/Megatron-LM python -m benchmarks.build_dataset --mb 4 --workers 1 2 --json b.json
 """
 
 from __future__ import annotations

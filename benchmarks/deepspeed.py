@@ -25,7 +25,7 @@ Each load method runs in its own torchrun launch (so its peak RSS is its own)
 and loads ``--reps`` times into one engine; before every repetition after the
 first the engine's fp32 master and Adam moments are zeroed, so each
 repetition has to load them again. Every call is measured as in
-bench_reshard.py (scripts/bench/measure.py and stats.py): freed heap returned
+benchmarks/reshard.py (benchmarks/kit/measure.py and stats.py): freed heap returned
 to the OS, then timed with ``time.perf_counter`` between ``dist.barrier()``
 calls; a repetition's time is the max over ranks, the table shows the median.
 Peak RSS is sampled every 5 ms with psutil on every rank (for the conversion:
@@ -34,7 +34,7 @@ the sum over its process tree, pool workers included); its growth is per call
 its read() calls; for tenplex's loads (memory-mapped, not in read()) what they
 read from storage: the checksum blocks verified plus what was copied
 unverified (for DeepSpeed's own files, which carry no checksums: the bytes
-copied), as bench_reshard.py counts them.
+copied), as benchmarks/reshard.py counts them.
 
 Correctness, checked inside the bench: after the last load of each method, the
 full fp32 master weights and Adam ``exp_avg``/``exp_avg_sq`` of every
@@ -47,11 +47,10 @@ Anything else exits 1 with ``CORRECTNESS FAILED`` (the JSON is still written).
 
 Output: a table, ``RATIO <metric> <transition> tenplex/<peer> = X.XX`` lines
 (below 1: tenplex is better), JSON (``--json``) and a PNG bar chart (``--png``).
-The machine this was written on has 2 shared CPU cores: timings are noisy.
 
-    python scripts/bench_deepspeed.py --quick                  # small GPT-2 shape, ZeRO-2, DP 2 -> 1
-    python scripts/bench_deepspeed.py                          # gpt2-124m, ZeRO-2, DP 2 -> 1
-    python scripts/bench_deepspeed.py --stage 3 --from 2 --to 4 --model gpt2-350m
+    python -m benchmarks.deepspeed --quick                  # small GPT-2 shape, ZeRO-2, DP 2 -> 1
+    python -m benchmarks.deepspeed                          # gpt2-124m, ZeRO-2, DP 2 -> 1
+    python -m benchmarks.deepspeed --stage 3 --from 2 --to 4 --model gpt2-350m
 """
 
 from __future__ import annotations
@@ -218,7 +217,7 @@ def _worker_convert(a: argparse.Namespace) -> dict[str, Any]:
 
 def worker(argv: list[str]) -> None:
     """Hidden subcommand ``_worker {save,load,convert}``: one phase; rank 0 writes the JSON ``--out``."""
-    ap = argparse.ArgumentParser(prog="bench_deepspeed.py _worker")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.deepspeed _worker")
     ap.add_argument("phase", choices=["save", "load", "convert"])
     ap.add_argument("--model", choices=sorted(MODELS))
     ap.add_argument("--stage", type=int)
@@ -257,7 +256,7 @@ def _times(times: list[float]) -> dict[str, Any]:
 
 
 def _timed_summary(reps: stats.Reps) -> dict[str, Any]:
-    """Median/min/max of the max over ranks, and each rank's peak RSS and RSS growth (:mod:`bench.stats`)."""
+    """Median/min/max of the max over ranks, and each rank's peak RSS and RSS growth (:mod:`benchmarks.kit.stats`)."""
     s = stats.summarize(reps)
     return {**_times(s.times), "peak_rss_per_rank": s.rss_peak_per_rank, "peak_rss_max": max(s.rss_peak_per_rank),
             "rss_growth_per_rank": s.rss_growth_per_rank, "rss_growth_max": max(s.rss_growth_per_rank)}
@@ -477,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default=None,
                     help=f"GPT-2 shape (default gpt2-124m; {QUICK_MODEL} with --quick)")
-    ap.add_argument("--quick", action="store_true", help=f"the {QUICK_MODEL} shape: a few minutes on 2 CPU cores")
+    ap.add_argument("--quick", action="store_true", help=f"the {QUICK_MODEL} shape (the smoke test's)")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     ap.add_argument("--from", dest="src", type=int, default=2)
     ap.add_argument("--to", dest="dst", type=int, default=1)

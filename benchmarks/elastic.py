@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Replay a GPU-allocation trace with torchrun's elastic agents and compare layout policies on it.
 
-    python scripts/bench_elastic.py --trace configs/traces/shrink_grow.json [--time-scale 0.5] [--out r.json]
-    python scripts/bench_elastic.py --quick        # tiny model, configs/traces/quick.json: the smoke test's run
+    python -m benchmarks.elastic --trace configs/traces/shrink_grow.json [--time-scale 0.5] [--out r.json]
+    python -m benchmarks.elastic --quick        # tiny model, configs/traces/quick.json: the smoke test's run
 
 Every node of the trace is a torchrun agent on this machine (``--nnodes 1:MAX --rdzv-backend c10d``) with
 ``gpus_per_node`` worker processes (CPU over gloo, or the GPUs where present). A shrink SIGKILLs the newest
@@ -24,7 +24,7 @@ parsed from the trainer's timeline lines and the workers' lifetimes) and the lar
 from an uninterrupted run's (the loss curves in a PNG). ``RATIO time_to_target <trace> tenplex/<peer>``
 lines (below 1: tenplex reached the target sooner) and ``RATIO samples_per_s ...`` (above 1: tenplex faster).
 Then the simulator (``plan/simulate.py``), fed each policy's measured iteration times and restart costs
-(``scripts/bench/elastic_sim.py``), predicts its time to target: ``RATIO sim_over_measured <trace> <policy>``.
+(``benchmarks/kit/elastic_sim.py``), predicts its time to target: ``RATIO sim_over_measured <trace> <policy>``.
 ``--memory-budget GB`` gives every policy ``--tenplex-memory-budget`` (the layouts that fit it).
 """
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Run a training job through a schedule of faults and report, per fault, what it cost.
 
-    python scripts/bench_faults.py [--iters 60] [--save-interval 10] [--faults NAME,...] [--out r.json]
-    python scripts/bench_faults.py --quick          # fewer iterations (the smoke test runs it with --faults)
+    python -m benchmarks.faults [--iters 60] [--save-interval 10] [--faults NAME,...] [--out r.json]
+    python -m benchmarks.faults --quick          # fewer iterations (the smoke test runs it with --faults)
 
 Every fault hits a fresh run of ``scripts/pretrain_gpt.py --tenplex`` (a tiny GPT, CPU and gloo, or the GPUs where
 present) under real torchrun agents on this machine, and the job must carry on by itself:

@@ -17,10 +17,10 @@ Prints a table and ``RATIO`` lines: ``load_bandwidth <model>:<transition>
 staged/limit`` (the issue's target: at least 0.8 of the lower of storage read
 and host-to-device) and ``load_time ... staged/<peer>`` (below 1: staged is faster).
 
-    python scripts/bench_gpu_reshard.py                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
-    python scripts/bench_gpu_reshard.py --device cuda:0 --models gpt3-1.3b gpt3-2.7b --reps 1   # scripts/gpu_check.sh
-    python scripts/bench_gpu_reshard.py --device cpu --models tiny --reps 1 --systems staged direct
-    python scripts/bench_gpu_reshard.py --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
+    python -m benchmarks.gpu_reshard                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
+    python -m benchmarks.gpu_reshard --device cuda:0 --models gpt3-1.3b gpt3-2.7b --reps 1   # scripts/gpu_check.sh
+    python -m benchmarks.gpu_reshard --device cpu --models tiny --reps 1 --systems staged direct
+    python -m benchmarks.gpu_reshard --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Hugging Face export and import through tenplex against the plain route, time and peak memory, in one run.
 
-    python scripts/bench_hf.py [--quick] [--models gpt3-1.3b llama-1b] [--tp 2 --pp 2] [--dtype bf16] [--workdir DIR]
+    python -m benchmarks.hf [--quick] [--models gpt3-1.3b llama-1b] [--tp 2 --pp 2] [--dtype bf16] [--workdir DIR]
 
 For each model (random weights; built with transformers' own config classes
 and written with ``save_pretrained``):

@@ -40,11 +40,11 @@ the whole restart: the load phase's process start to model and optimizer built (
 group: measured once, the same for every source) + that load + the first training step after it.
 
 Prints a table and ``RATIO <metric> <model> tenplex/<peer> = X.XX`` lines (below 1: tenplex is better) and
-writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is scripts/bench/.
+writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is benchmarks/kit/.
 
-    python scripts/bench_memory.py --quick                 # the tiny model, 1 repetition: checks it end to end
-    python scripts/bench_memory.py --models gpt3-125m --reps 3 --steps 3 --replication-rate 25
-    python scripts/bench_memory.py --models gpt3-350m --reps 2 --restart-only   # fits a 23 GB machine
+    python -m benchmarks.memory --quick                 # the tiny model, 1 repetition: checks it end to end
+    python -m benchmarks.memory --models gpt3-125m --reps 3 --steps 3 --replication-rate 25
+    python -m benchmarks.memory --models gpt3-350m --reps 2 --restart-only   # the restarts alone: less memory
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ LAYOUT_A, LAYOUT_B = (1, 1, 2), (2, 1, 1)
 SAVE_SYSTEMS = ("memcpy", "snapshot", "tenplex_sync", "mcore_async")
 LOAD_SYSTEMS = ("memory_live", "memory", "durable", "durable_cold", "mcore", "mcore_cold")
 LIVE = ("memory_live",)  # measured before node 1 is lost
-RESTART_ONLY = ("memory_live", "durable", "durable_cold")  # --restart-only: what fits 350M on a 23 GB machine
+RESTART_ONLY = ("memory_live", "durable", "durable_cold")  # --restart-only: the restarts alone, at a lower peak memory
 CHECK_RTOL = 1e-4
 
 
@@ -481,7 +481,7 @@ def main() -> int:
     ap.add_argument("--restart-only", action="store_true",
                     help="only the restart rows with every node alive (memory_live, durable, durable_cold): one "
                          "snapshot and one durable save, no save rows, no step slowdown, no node loss, no "
-                         "megatron-core (the peak memory of gpt3-350m on a 23 GB machine)")
+                         "megatron-core (a lower peak memory, for a model the whole comparison does not fit)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--profile", choices=("snapshot", *LOAD_SYSTEMS), default=None,
                     help="cProfile the last repetition of that save or restart: profile_<system>_rank<r>.pstats beside --out")

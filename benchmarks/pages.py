@@ -2,7 +2,7 @@
 in each directory given (a tmpfs with 4 KiB pages such as /dev/shm, one mounted with ``huge=within_size``, a
 disk filesystem's page cache).
 
-    python scripts/bench_pages.py --dirs /dev/shm /mnt/hshm /tmp --mb 743 --reps 3
+    python -m benchmarks.pages --dirs /dev/shm /mnt/hshm /tmp --mb 743 --reps 3
 
 Per directory, median of ``--reps``, each a fresh file of ``--mb`` MB:
   write_fresh       the file sized, then written with one ``write`` from memory (a snapshot into fresh pages)

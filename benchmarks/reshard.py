@@ -13,7 +13,7 @@ layout B that loads with every system. Systems:
             no route at all: its load is run only where TP and PP stay the same);
   adopt     that dp_reshardable checkpoint adopted by tenplex at B, read in place
             (integrations/megatron_core/native.py);
-  central   the Tenplex paper's "Central" (scripts/bench/central.py): rank 0 gathers every tensor at A
+  central   the Tenplex paper's "Central" (benchmarks/kit/central.py): rank 0 gathers every tensor at A
             and writes one file; at B every rank reads that whole file and slices its part out of it.
 Repetitions run round-robin over the systems (the order rotates each repetition).
 Each figure is timed inside the workers around the save/load call only, between
@@ -36,15 +36,15 @@ over ranks, median): a sequential read of the tenplex checkpoint's files from
 storage (page cache evicted: the raw read that cold loads are compared with),
 the same read from the page cache (readinto, and a copy out of an mmap), and a
 memory copy of those bytes (what warm loads are compared with).
-The measuring itself (timed call, memory, bytes, medians) is scripts/bench/, shared with bench_deepspeed.py.
+The measuring itself (timed call, memory, bytes, medians) is benchmarks/kit/, shared with the other benchmarks.
 
 Prints a table, then `RATIO <metric> <model>:<transition> tenplex/<peer> = X.XX`
 lines (below 1: tenplex is better; for bytes_read tenplex/destination and
 load_bandwidth the peer is the limit), writes JSON (--out) and a PNG (next to
 it) if matplotlib is importable.
 
-    python scripts/bench_reshard.py --quick                    # gpt3-125m, dp2-tp2, 3 reps
-    python scripts/bench_reshard.py --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
+    python -m benchmarks.reshard --quick                    # gpt3-125m, dp2-tp2, 3 reps
+    python -m benchmarks.reshard --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def system_row(reps: stats.Reps) -> dict[str, Any]:
-    """A system's figures in the report (:mod:`bench.stats`): median time, worst memory per rank, bytes."""
+    """A system's figures in the report (:mod:`benchmarks.kit.stats`): median time, worst memory per rank, bytes."""
     s = stats.summarize(reps)
     out: dict[str, Any] = {
         "seconds": s.median, "seconds_all": s.times,

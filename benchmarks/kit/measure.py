@@ -2,7 +2,7 @@
 
 Before the call freed heap pages go back to the OS (so a previous call's garbage does not lower the baseline);
 then a barrier, the clock starts, the call runs, a barrier, the clock stops: a rank's time includes waiting for
-the slowest rank, and a repetition's time is the max over ranks (:mod:`bench.stats`).
+the slowest rank, and a repetition's time is the max over ranks (:mod:`benchmarks.kit.stats`).
 """
 
 from __future__ import annotations
