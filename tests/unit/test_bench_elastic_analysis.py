@@ -1,4 +1,4 @@
-"""What bench_elastic.py makes of a replay (scripts/bench/elastic_analysis.py): progress, throughput, repeats,
+"""What ``benchmarks.elastic`` makes of a replay (benchmarks/kit/elastic_analysis.py): progress, throughput, repeats,
 loss deviation and a change's breakdown, from hand-made metrics, worker lifetimes and timeline lines."""
 
 from __future__ import annotations
