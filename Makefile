@@ -35,8 +35,8 @@ demo: $(VENV)/.installed
 # byte-compiled first: with PYTHONDONTWRITEBYTECODE set, each of the suite's several hundred processes would
 # otherwise compile them again from source (~0.4 s CPU each).
 test: $(VENV)/.installed etcd
-	$(PY) -m ruff check tenplex_megatron scripts tests examples
-	$(PY) -m compileall -q tenplex_megatron scripts tests examples
+	$(PY) -m ruff check tenplex_megatron benchmarks scripts tests examples
+	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests examples
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 # Both ends of the supported megatron-core range (tenplex_megatron/mcore_versions.py), each in a venv of its own
@@ -55,7 +55,7 @@ $(COMPAT_015)/.installed: requirements.txt scripts/compat_venv.sh
 	PYTHON=$(PYTHON) TORCH_SPEC=$(TORCH_SPEC) bash scripts/compat_venv.sh $(COMPAT_015) 0.15.3
 
 test-compat: $(VENV)/.installed $(COMPAT_019)/.installed $(COMPAT_015)/.installed
-	$(COMPAT_019)/bin/python -m compileall -q tenplex_megatron scripts tests
+	$(COMPAT_019)/bin/python -m compileall -q tenplex_megatron benchmarks scripts tests
 	for venv in $(COMPAT_019) $(COMPAT_015); do \
 	  TENPLEX_CROSS_PYTHON=$(CURDIR)/$(PY) $$venv/bin/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not gpu and not megatron_lm" \
 	    $(COMPAT_TESTS) || exit 1; done
@@ -80,10 +80,10 @@ gpu-wheels:
 		-d .whl -r scripts/gpu_wheels.txt
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check tenplex_megatron scripts tests examples
+	$(PY) -m ruff check tenplex_megatron benchmarks scripts tests examples
 
 bench: $(VENV)/.installed
-	$(PY) scripts/bench_reshard.py --quick
+	$(PY) -m benchmarks.reshard --quick
 
 # The documentation site (mkdocs.yml, docs/) into site/. Strict: a broken link or anchor, or a page missing from the
 # navigation, fails the build. The flag reference (docs/reference.md) is checked first: it must be what

@@ -30,19 +30,15 @@ import os
 import random
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tenplex_megatron.training.dataset_builder import (  # noqa: E402
+from tenplex_megatron.training.dataset_builder import (
     BuildResult,
     Document,
     build_indexed_dataset,
     file_documents,
     input_files,
 )
-from tenplex_megatron.training.progress import Progress  # noqa: E402
-from tenplex_megatron.training.tokenizer import (  # noqa: E402
+from tenplex_megatron.training.progress import Progress
+from tenplex_megatron.training.tokenizer import (
     TOKENIZER_TYPES,
     TokenizerError,
     TokenizerSpec,

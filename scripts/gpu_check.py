@@ -13,7 +13,7 @@ group with its own time limit, so a crash or a hang costs only that step, and th
   resume    tiny GPT checkpoints saved on the CPU (CUDA hidden, 2 gloo ranks, the reference trainer) at TP2, PP2,
             DP2 and TP2 bf16, resumed at world size 1 on the device and on the CPU: losses of steps 4-6 equal
             within fp32/bf16 tolerance, and the state re-saved right after the load byte-identical
-  bench     ``bench_gpu_reshard.py --device cuda:0`` at GPT-3 1.3B and 2.7B (2.7B without megatron-core's
+  bench     ``python -m benchmarks.gpu_reshard --device cuda:0`` at GPT-3 1.3B and 2.7B (2.7B without megatron-core's
             dist_checkpointing when the time left would not hold it)
 
 Writes ``gpu_check.json`` (every figure), ``gpu_check.md`` (the table) and ``gpu_check.log`` (each step's
@@ -536,7 +536,7 @@ def bench_systems(model: str, systems: list[str], prev: tuple[float, float] | No
 
 
 def step_bench(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
-    """``bench_gpu_reshard.py`` one model per process (a model that runs out of time costs only itself); the 2.7B
+    """``benchmarks.gpu_reshard`` one model per process (a model that runs out of time costs only itself); the 2.7B
     run keeps megatron-core's system only when the 1.3B run's time, scaled by size, fits in what is left."""
     t0 = time.monotonic()
     models = list(opts.models)
@@ -555,7 +555,7 @@ def step_bench(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
                                     f"{left:.0f} s left of the budget"}
             continue
         result = os.path.join(opts.work, f"bench-{model}.json")
-        launch = python_step([os.path.join(ROOT, "scripts", "bench_gpu_reshard.py"), "--device", opts.device,
+        launch = python_step(["-m", "benchmarks.gpu_reshard", "--device", opts.device,
                               "--models", model, "--reps", str(opts.reps), "--systems", *systems, "--dir", bench_dir,
                               "--out", result], opts.work, f"bench-{model}", opts.site, opts.cpu_dry_run, left)
         row = outcome(launch)

@@ -21,7 +21,7 @@
 # It runs, within --budget seconds (default 530, under 9 minutes): pytest -m gpu tests/gpu; staged load and
 # save on CUDA byte-identical to the direct path; a host-memory snapshot of CUDA tensors through the pinned
 # ring; tiny TP2, PP2, DP2 and TP2-bf16 checkpoints made on the CPU (CUDA hidden, 2 gloo ranks) resumed at
-# world size 1 on the GPU against the CPU; bench_gpu_reshard.py --device cuda:0 at GPT-3 1.3B and 2.7B.
+# world size 1 on the GPU against the CPU; python -m benchmarks.gpu_reshard --device cuda:0 at GPT-3 1.3B and 2.7B.
 # Every figure goes to OUTDIR/gpu_check.json, the table to OUTDIR/gpu_check.md, each step's output to
 # OUTDIR/gpu_check.log. See scripts/gpu_check.py and docs/gpu.md.
 set -euo pipefail

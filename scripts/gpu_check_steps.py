@@ -6,7 +6,7 @@ Run by the driver in its own process (a step that crashes, or hangs past its tim
     python scripts/gpu_check_steps.py identity --device cuda:0 --model gpt3-125m --out identity.json
     python scripts/gpu_check_steps.py snapshot --device cuda:0 --model gpt3-350m --out snapshot.json
 
-``identity``: one destination rank's share of a GPT state (``bench_gpu_reshard.write_share``: bf16 weights,
+``identity``: one destination rank's share of a GPT state (``benchmarks.gpu_reshard.write_share``: bf16 weights,
 fp32 main weights, Adam moments, real writer and block CRCs, rank 0 of TP4 from TP2 and of PP2 from TP2) is
 loaded into tensors on the device through staging buffers (``TENPLEX_STAGING=copy``, budgets from a few
 hundred bytes per buffer to the default) and per piece (``direct``), and per piece into CPU tensors (the
@@ -31,14 +31,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from scripts.bench_gpu_reshard import Share, parse_device, tenplex_load, write_share  # noqa: E402
-from tenplex_megatron.memory import shm_write  # noqa: E402
-from tenplex_megatron.plan.layout import ParallelLayout  # noqa: E402
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors  # noqa: E402
+from benchmarks.gpu_reshard import Share, parse_device, tenplex_load, write_share
+from tenplex_megatron.memory import shm_write
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
 
 GB = 1e9
 #: staging budgets (TENPLEX_STAGING_MB): three buffers of ~200 bytes (pieces split into many boxes), of 1 MB

@@ -1,16 +1,18 @@
-"""GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex (run under torchrun)."""
+"""GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex (run under torchrun).
 
-import os
+Megatron-LM's ``torchrun pretrain_gpt.py ...`` for the reference trainer (``python -m
+tenplex_megatron.training.pretrain`` without the orphan guard); ``tenplex_megatron`` must be importable: installed
+(``pip install -e .``) or the checkout on ``PYTHONPATH``.
+"""
+
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tenplex_megatron.engine.orphan import die_with_agent  # noqa: E402
+from tenplex_megatron.engine.orphan import die_with_agent
 
 if __name__ == "__main__":  # a worker: armed before torch's imports (seconds), so that one whose agent dies goes
     die_with_agent()
 
-from tenplex_megatron.training.pretrain import main  # noqa: E402
+from tenplex_megatron.training.pretrain import main  # noqa: E402 (after the guard)
 
 if __name__ == "__main__":
     sys.exit(main())

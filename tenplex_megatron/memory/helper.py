@@ -210,7 +210,7 @@ MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14+); Python 3.11's mmap does not na
 def _populate_for_write(mm: mmap.mmap) -> None:
     """Map every page of a replica's file writable in one call, before the bytes arrive: on a tmpfs with 4 KiB
     pages this costs about a fifth less CPU than the one write fault per page it replaces (0.26 against 0.31
-    CPU-s for 743 MB over existing pages: ``scripts/bench_pages.py``, map_write_pop against map_write). Older
+    CPU-s for 743 MB over existing pages: ``benchmarks/pages.py``, map_write_pop against map_write). Older
     kernels refuse it: faults then."""
     try:
         mm.madvise(MADV_POPULATE_WRITE)

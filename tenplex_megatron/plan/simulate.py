@@ -1,6 +1,6 @@
 """Replay a GPU-allocation trace on paper: per policy, the layout at every allocation, time to a target. Pure Python.
 
-What ``python -m tenplex_megatron simulate`` runs, and what is checked against ``scripts/bench_elastic.py``'s real
+What ``python -m tenplex_megatron simulate`` runs, and what is checked against ``benchmarks/elastic.py``'s real
 replays. For each policy the trace's allocation changes are walked in time order:
 
 * the policy's layout for the allocation (:class:`Policy`): ``auto`` (the throughput model's best, as

@@ -18,7 +18,7 @@ helper half way through copying a file to durable storage). ``lease.link`` (taki
 ``link(2)``; with ``eperm``: a filesystem without hard links).
 ``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
 exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
-benchmark, ``scripts/bench_faults.py``).
+benchmark, ``benchmarks/faults.py``).
 
 The other test hook is :func:`log_open`: with ``TENPLEX_OPEN_LOG`` naming a file, every host-memory path a
 process opens is appended there (the tests check that a restart reads only its own node's memory).

@@ -32,7 +32,7 @@ def staging_mode(device: torch.device) -> str:
     """``copy`` (through staging buffers) or ``direct`` (per-piece copies from the file's map), from ``TENPLEX_STAGING``.
 
     ``auto`` (the default): ``copy`` for a GPU, ``direct`` for the CPU, where a
-    copy through a buffer only adds a memory pass (``scripts/bench_gpu_reshard.py``).
+    copy through a buffer only adds a memory pass (``benchmarks/gpu_reshard.py``).
     """
     mode = os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto"
     if mode not in MODES:

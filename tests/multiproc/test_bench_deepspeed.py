@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench_deepspeed.py in its smallest mode (tiny GPT-2, ZeRO-2, DP 2 -> 1, 3 reps).
+"""Smoke test of ``python -m benchmarks.deepspeed`` in its smallest mode (tiny GPT-2, ZeRO-2, DP 2 -> 1, 3 reps).
 
 Checks only that the bench runs end to end, writes its JSON and PNG with the
 expected keys, prints its RATIO lines, and that its own correctness check
@@ -19,13 +19,13 @@ import pytest
 from tests.harness import ROOT
 
 pytestmark = pytest.mark.dist
-BENCH = os.path.join(ROOT, "scripts", "bench_deepspeed.py")
+BENCH = ["-m", "benchmarks.deepspeed"]
 
 
 def test_bench_deepspeed_tiny(tmp_path) -> None:
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    p = subprocess.run([sys.executable, BENCH, "--model", "tiny", "--reps", "3", "--json", str(out_json),
+    p = subprocess.run([sys.executable, *BENCH, "--model", "tiny", "--reps", "3", "--json", str(out_json),
                         "--png", str(out_png), "--workdir", str(tmp_path / "work")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]

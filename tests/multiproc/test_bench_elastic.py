@@ -1,4 +1,4 @@
-"""The elastic benchmark's smoke test: ``bench_elastic.py --quick`` replays configs/traces/quick.json (2 nodes,
+"""The elastic benchmark's smoke test: ``python -m benchmarks.elastic --quick`` replays configs/traces/quick.json (2 nodes,
 one lost, back) with torchrun's agents for the three policies. Speed is not asserted (benchmarks measure,
 tests check): every policy reaches the target iteration, its losses (iterations redone after a failure
 included) equal an uninterrupted run's from the same starting layout, each allocation change that a restart
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.dist
 
 def test_bench_elastic_quick_every_policy_reaches_the_target_on_the_same_loss_curve(tmp_path) -> None:
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_elastic.py"), "--quick", "--out",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.elastic", "--quick", "--out",
                         str(out), "--workdir", str(tmp_path / "work"), "--timeout", "600"],
                        capture_output=True, text=True, timeout=2400,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT))

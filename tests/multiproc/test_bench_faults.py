@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/bench_faults.py --quick`` on one fault (a worker SIGKILLed between writing its shard and
+"""Smoke test of ``python -m benchmarks.faults --quick`` on one fault (a worker SIGKILLed between writing its shard and
 the commit): the table and the JSON come out, and the target holds (no checkpoint, no iteration beyond S lost)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 def test_bench_faults_quick(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     out = tmp_path / "r.json"
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_faults.py"), "--quick", "--faults",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.faults", "--quick", "--faults",
                         "kill@save.tensors", "--out", str(out), "--keep", str(tmp_path / "runs")], env=env,
                        capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

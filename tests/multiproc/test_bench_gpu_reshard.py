@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/bench_gpu_reshard.py`` on the CPU (one plain-python launch, tiny model): every system
+"""Smoke test of ``python -m benchmarks.gpu_reshard`` on the CPU (one plain-python launch, tiny model): every system
 runs, loads the same bytes (staged, per-piece and megatron-core dist_checkpointing), and the RATIO lines print."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 def test_bench_gpu_reshard_cpu_tiny(tmp_path) -> None:
     out = tmp_path / "bench.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_reshard.py"), "--device", "cpu",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_reshard", "--device", "cpu",
                         "--models", "tiny", "--reps", "1", "--dir", str(tmp_path), "--out", str(out)],
                        env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -1,4 +1,4 @@
-"""Smoke test of ``scripts/bench_hf.py --quick``: tiny GPT-2 and Llama, every step runs, RATIO lines printed, and the
+"""Smoke test of ``python -m benchmarks.hf --quick``: tiny GPT-2 and Llama, every step runs, RATIO lines printed, and the
 round trip transformers -> TP2 x PP2 tenplex checkpoint -> transformers is bit-exact (the script checks it)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.dist
 
 def test_bench_hf_quick(tmp_path) -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_hf.py"), "--quick", "--workdir",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.hf", "--quick", "--workdir",
                         str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     for model in ("gpt2-tiny", "llama-tiny"):

@@ -1,7 +1,7 @@
 """The host-memory benchmark runs end to end at its smallest size (``--quick``): its report is whole and its checks hold.
 
 Speed is not asserted here (benchmarks measure, tests check); this keeps
-``scripts/bench_memory.py`` working: every load reproduces the saved losses,
+``python -m benchmarks.memory`` working: every load reproduces the saved losses,
 the restart from memory after a node's loss reads nothing from durable storage,
 and a "cold" restart really found the checkpoint's pages evicted.
 """
@@ -24,7 +24,7 @@ def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> 
     out = tmp_path / "bench.json"
     mem = tmp_path / "mem"
     p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_memory.py"), "--quick", "--out", str(out),
+        [sys.executable, "-m", "benchmarks.memory", "--quick", "--out", str(out),
          "--replication-rate", "1",
          "--workdir", str(tmp_path), "--memdir", "/dev/shm" if os.path.isdir("/dev/shm") else str(mem)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),

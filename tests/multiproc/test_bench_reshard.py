@@ -1,7 +1,7 @@
 """The re-sharding benchmark runs end to end at its smallest size: every system's load reproduces the losses.
 
 Speed is not asserted here (benchmarks measure, tests check); this keeps
-``scripts/bench_reshard.py`` working and its correctness checks honest.
+``python -m benchmarks.reshard`` working and its correctness checks honest.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.dist
 def test_bench_reshard_tiny_runs_and_every_system_loads_correctly(tmp_path) -> None:
     out = tmp_path / "bench.json"
     p = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "scripts", "bench_reshard.py"), "--models", "tiny", "--transitions",
+        [sys.executable, "-m", "benchmarks.reshard", "--models", "tiny", "--transitions",
          "tp2-dp2", "--reps", "1", "--out", str(out), "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT),
     )

@@ -17,7 +17,7 @@ import time
 import psutil
 import pytest
 
-from scripts.bench.etcd import start_etcd
+from benchmarks.kit.etcd import start_etcd
 from tenplex_megatron.storage import directory, lease
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics
 

@@ -207,7 +207,7 @@ def test_wheel_and_sdist_contents(installed: Installed) -> None:
         meta = z.read(f"{info}/METADATA").decode()
         entry = z.read(f"{info}/entry_points.txt").decode()
     assert "tenplex_megatron/plan/sim/models.json" in names
-    assert not any(n.startswith(("tests/", "scripts/")) for n in names), "only the package goes into the wheel"
+    assert not any(n.startswith(("tests/", "scripts/", "benchmarks/")) for n in names), "only the package goes into the wheel"
     assert "tenplex-megatron = tenplex_megatron.cli:main" in entry
     assert f"Version: {tenplex_megatron.__version__}\n" in meta
     for extra in ("deepspeed", "hf", "megatron-lm", "bench", "test"):

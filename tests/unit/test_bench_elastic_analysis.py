@@ -1,4 +1,4 @@
-"""What bench_elastic.py makes of a replay (scripts/bench/elastic_analysis.py): progress, throughput, repeats,
+"""What ``benchmarks.elastic`` makes of a replay (benchmarks/kit/elastic_analysis.py): progress, throughput, repeats,
 loss deviation and a change's breakdown, from hand-made metrics, worker lifetimes and timeline lines."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from scripts.bench.agents import WorkerSpan
-from scripts.bench.elastic_analysis import (
+from benchmarks.kit.agents import WorkerSpan
+from benchmarks.kit.elastic_analysis import (
     Change,
     breakdown,
     loss_deviation,
@@ -55,7 +55,7 @@ def _ml(it: int, t: float, dp: int, mbs: int) -> dict:
 
 
 def test_the_simulator_s_inputs_from_a_replay_skip_gaps_across_restarts_and_sort_changes_by_kind() -> None:
-    from scripts.bench.elastic_sim import iteration_times, restart_costs
+    from benchmarks.kit.elastic_sim import iteration_times, restart_costs
 
     # two processes at DP=2 (0.5 s and 0.7 s per iteration) with a restart between, then DP=1 at 1.0 s
     metrics = [_ml(1, 10.0, 2, 4), _ml(2, 10.5, 2, 4), _ml(3, 11.0, 2, 4),

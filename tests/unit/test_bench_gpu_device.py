@@ -1,4 +1,4 @@
-"""``scripts/bench_gpu_reshard.py --device``: CUDA devices get an explicit index (a bare ``cuda`` made
+"""``python -m benchmarks.gpu_reshard --device``: CUDA devices get an explicit index (a bare ``cuda`` made
 ``torch.cuda.set_device`` raise), other device types and malformed names are refused by name."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from scripts.bench_gpu_reshard import parse_device
+from benchmarks.gpu_reshard import parse_device
 from tests.harness import ROOT
 
 
@@ -38,6 +38,6 @@ def test_other_devices_are_refused_by_name(text: str, message: str) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine cuda is valid")
 def test_cuda_without_a_gpu_is_a_clear_error() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_gpu_reshard.py"), "--device", "cuda",
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu_reshard", "--device", "cuda",
                         "--models", "tiny"], env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--device cuda:0: torch" in p.stderr and "sees no CUDA device" in p.stderr, p.stderr

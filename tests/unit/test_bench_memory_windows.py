@@ -1,17 +1,11 @@
-"""How bench_memory.py reads its slowdown windows: each kind over its repetitions, each against the step alone
+"""How ``benchmarks.memory`` reads its slowdown windows: each kind over its repetitions, each against the step alone
 right before it, from hand-made per-rank records (the figure #13's 5% target is read from)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts"))
-
-from bench_memory import _window_kind  # noqa: E402 (after the path set-up)
+from benchmarks.memory import _window_kind
 
 
 def _w(kind: int, before: float, during: list[float], cpu: float = 0.5, rate: float = 0.0) -> dict:

@@ -1,18 +1,14 @@
-"""bench_pages.py end to end on small files: every operation timed in every directory, the file's CRC checked,
+"""``benchmarks.pages`` end to end on small files: every operation timed in every directory, the file's CRC checked,
 the RATIO lines against the first directory, and the JSON report."""
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                                "scripts"))
-
-import bench_pages  # noqa: E402 (after the path set-up)
+from benchmarks import pages as bench_pages
 
 
 def test_bench_pages_times_every_operation_in_each_directory(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import regex
 
+from benchmarks import build_dataset as bench_build_dataset
 from tenplex_megatron.plan.layout import padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.training.data import build_train_dataset, check_data_path
 from tenplex_megatron.training.dataset_builder import Document, build_indexed_dataset, json_documents
@@ -437,13 +438,9 @@ def test_byte_level_documents_from_text_files_and_generated(tmp_path) -> None:
 
 
 def test_bench_build_dataset_runs_at_its_smallest_size(tmp_path) -> None:
-    """scripts/bench_build_dataset.py end to end on a tiny input (speed is measured there, not asserted here)."""
-    spec = importlib.util.spec_from_file_location("bench_build_dataset",
-                                                  os.path.join(ROOT, "scripts", "bench_build_dataset.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    """``benchmarks.build_dataset`` end to end on a tiny input (speed is measured there, not asserted here)."""
     out = tmp_path / "bench.json"
-    assert bench.main(["--mb", "0.05", "--vocab", "300", "--workers", "1", "--megatron-lm", "", "--workdir",
+    assert bench_build_dataset.main(["--mb", "0.05", "--vocab", "300", "--workers", "1", "--megatron-lm", "", "--workdir",
                        str(tmp_path / "work"), "--json", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["tokenizer"] for r in runs] == ["ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer"]

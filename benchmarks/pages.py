@@ -2,7 +2,7 @@
 in each directory given (a tmpfs with 4 KiB pages such as /dev/shm, one mounted with ``huge=within_size``, a
 disk filesystem's page cache).
 
-    python scripts/bench_pages.py --dirs /dev/shm /mnt/hshm /tmp --mb 743 --reps 3
+    python -m benchmarks.pages --dirs /dev/shm /mnt/hshm /tmp --mb 743 --reps 3
 
 Per directory, median of ``--reps``, each a fresh file of ``--mb`` MB:
   write_fresh       the file sized, then written with one ``write`` from memory (a snapshot into fresh pages)
@@ -33,14 +33,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
 
-import numpy as np  # noqa: E402 (after the path set-up)
-from bench.report import ratio_key, ratio_line  # noqa: E402
-
-from tenplex_megatron.memory.direct_copy import copy_direct  # noqa: E402
-from tenplex_megatron.memory.mounts import mount_of  # noqa: E402
-from tenplex_megatron.storage.checksum import crc32  # noqa: E402
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import ratio_key, ratio_line
+from tenplex_megatron.memory.direct_copy import copy_direct
+from tenplex_megatron.memory.mounts import mount_of
+from tenplex_megatron.storage.checksum import crc32
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h
 OPS = ("write_fresh", "write_over", "map_write", "map_write_pop", "map_crc", "unmap", "unlink", "persist_direct",
@@ -140,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mb", type=int, default=743, help="file size in MB (743: a GPT-3 125M rank's own file)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--durable", default=tempfile.gettempdir(), help="where the durable copies go (a disk)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                  "out", "bench_pages.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "bench_pages.json"))
     a = ap.parse_args(argv)
     for d in (*a.dirs, a.durable):
         if not os.path.isdir(d):

@@ -11,11 +11,10 @@ system). Rates leave set-up out on both sides (preprocess_data.py's own "Process
 read, its ``--log-interval`` set to the document count), and both outputs must be identical byte for byte.
 
 Output: a table, ``RATIO docs_per_s <tokenizer> w<N> build_dataset/preprocess_data = X.XX`` lines (above 1:
-build_dataset is faster) and JSON (``--json``). The machine this was written on has 2 shared CPU cores:
-timings are noisy.
+build_dataset is faster) and JSON (``--json``).
 
-    python scripts/bench_build_dataset.py --mb 4 --workers 1 2
-    MEGATRON_LM_PATH=/path/to/Megatron-LM python scripts/bench_build_dataset.py --mb 4 --workers 1 2 --json b.json
+    python -m benchmarks.build_dataset --mb 4 --workers 1 2
+    MEGATRON_LM_PATH=/path/to/Megatron-LM python -m benchmarks.build_dataset --mb 4 --workers 1 2 --json b.json
 """
 
 from __future__ import annotations
@@ -29,14 +28,10 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from tenplex_megatron.training.dataset_builder import build_indexed_dataset, json_documents  # noqa: E402
-from tenplex_megatron.training.progress import Progress  # noqa: E402
-from tenplex_megatron.training.tokenizer import TokenizerSpec  # noqa: E402
-from tests.tokenizer_files import make_tokenizer_files, training_text  # noqa: E402
+from tenplex_megatron.training.dataset_builder import build_indexed_dataset, json_documents
+from tenplex_megatron.training.progress import Progress
+from tenplex_megatron.training.tokenizer import TokenizerSpec
+from tests.tokenizer_files import make_tokenizer_files, training_text
 
 PROCESSED = re.compile(r"Processed (\d+) documents \(([0-9.e+]+) docs/s, ([0-9.e+]+) MB/s\)")
 

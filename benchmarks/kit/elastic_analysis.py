@@ -3,7 +3,7 @@
 Inputs: the ``--tenplex-metrics`` lines (iteration, loss, layout, wall time), the trainer's ``> tenplex-megatron:
 timeline {...}`` lines (process start, process group, checkpoint loaded and its load seconds, first
 iteration; one per (re)start, printed by rank 0), the times the benchmark changed the allocation and the
-worker processes' lifetimes (:class:`scripts.bench.agents.WorkerSpan`). Outputs: progress (the first time each
+worker processes' lifetimes (:class:`benchmarks.kit.agents.WorkerSpan`). Outputs: progress (the first time each
 iteration was done), samples per second in time windows, each change's breakdown and the loss deviation
 from an uninterrupted run.
 """

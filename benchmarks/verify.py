@@ -1,6 +1,6 @@
 """Throughput of ``python -m tenplex_megatron verify`` against a plain sequential read of the same files.
 
-    python scripts/bench_verify.py CKPT [--repeat 3] [--cache warm|cold|both] [--workers 1 2]
+    python -m benchmarks.verify CKPT [--repeat 3] [--cache warm|cold|both] [--workers 1 2]
 
 Each repeat runs, in an order rotated from one repeat to the next: ``cat`` of
 the checkpoint's files into /dev/null, a Python read loop over them (16 MiB
@@ -19,9 +19,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from tenplex_megatron.storage.verify_ckpt import checkpoints_in, default_workers, verify_checkpoint  # noqa: E402
+from tenplex_megatron.storage.verify_ckpt import checkpoints_in, default_workers, verify_checkpoint
 
 BUF = 16 << 20
 

@@ -1,6 +1,6 @@
 """Medians and summaries of repetitions, the same in every benchmark.
 
-A system's measurements are ``reps[repetition][rank]`` records (:func:`bench.measure.timed`). A repetition's time
+A system's measurements are ``reps[repetition][rank]`` records (:func:`benchmarks.kit.measure.timed`). A repetition's time
 is the max over ranks (the collective call is done when the slowest rank is); the figure reported is the median
 over repetitions. Memory is per rank, its worst repetition: the peak RSS, and the growth during the call (peak less
 the RSS just before that call), for RSS and for anonymous memory. Byte counts are summed over ranks (median over

@@ -36,10 +36,17 @@ def run(cmd: list[str], log: str, timeout: float) -> None:
         sys.exit(f"bench: {' '.join(cmd[:8])} ... {why}; log {log}:\n{tail}")
 
 
-def torchrun(nproc: int, script: str, args: list[str], log: str, timeout: float) -> None:
-    """``nproc`` ranks of ``script args`` on this machine (torchrun --standalone), as :func:`run`."""
+def program(target: str) -> list[str]:
+    """How an interpreter runs ``target``: a script's path (``*.py``) as itself, a module name (a benchmark's own
+    workers: ``__spec__.name``) with ``-m``, as the benchmarks themselves are run."""
+    return [os.path.abspath(target)] if target.endswith(".py") else ["-m", target]
+
+
+def torchrun(nproc: int, target: str, args: list[str], log: str, timeout: float) -> None:
+    """``nproc`` ranks of ``target args`` (see :func:`program`) on this machine (torchrun --standalone), as
+    :func:`run`."""
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-         os.path.abspath(script), *args], log, timeout)
+         *program(target), *args], log, timeout)
 
 
 def read_json(path: str) -> Any:

@@ -40,17 +40,17 @@ the whole restart: the load phase's process start to model and optimizer built (
 group: measured once, the same for every source) + that load + the first training step after it.
 
 Prints a table and ``RATIO <metric> <model> tenplex/<peer> = X.XX`` lines (below 1: tenplex is better) and
-writes JSON (--out). The measuring (timed call between barriers, max over ranks, median) is scripts/bench/.
+writes JSON (--out). Each rank of a phase is ``benchmarks/memory_worker.py``; the measuring (timed call between
+barriers, max over ranks, median) is benchmarks/kit/.
 
-    python scripts/bench_memory.py --quick                 # the tiny model, 1 repetition: checks it end to end
-    python scripts/bench_memory.py --models gpt3-125m --reps 3 --steps 3 --replication-rate 25
-    python scripts/bench_memory.py --models gpt3-350m --reps 2 --restart-only   # fits a 23 GB machine
+    python -m benchmarks.memory --quick                 # the tiny model, 1 repetition: checks it end to end
+    python -m benchmarks.memory --models gpt3-125m --reps 3 --steps 3 --replication-rate 25
+    python -m benchmarks.memory --models gpt3-350m --reps 2 --restart-only   # the restarts alone: less memory
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -60,214 +60,19 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench import launch, stats  # noqa: E402 (after the path set-up)
-from bench.report import machine, ratio_key, ratio_line  # noqa: E402
-
-from tenplex_megatron.plan.layout import padded_vocab_size  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import load_model  # noqa: E402
+from benchmarks.kit import launch, stats
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import machine, ratio_key, ratio_line
+from tenplex_megatron.plan.layout import padded_vocab_size
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 
 LAYOUT_A, LAYOUT_B = (1, 1, 2), (2, 1, 1)
 SAVE_SYSTEMS = ("memcpy", "snapshot", "tenplex_sync", "mcore_async")
 LOAD_SYSTEMS = ("memory_live", "memory", "durable", "durable_cold", "mcore", "mcore_cold")
 LIVE = ("memory_live",)  # measured before node 1 is lost
-RESTART_ONLY = ("memory_live", "durable", "durable_cold")  # --restart-only: what fits 350M on a 23 GB machine
+RESTART_ONLY = ("memory_live", "durable", "durable_cold")  # --restart-only: the restarts alone, at a lower peak memory
 CHECK_RTOL = 1e-4
-
-
-def worker(a: argparse.Namespace) -> None:
-    """One rank of one phase (see the module docstring)."""
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hang's stacks: kill -USR1 <pid>
-    import torch
-    import torch.distributed as dist
-    from bench import gpt_job
-    from bench.disk import evict_page_cache, resident_bytes
-    from bench.measure import gathered, rotated, timed
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-    from tenplex_megatron.execute.collective import all_gather_json
-    from tenplex_megatron.integrations.megatron_core.adapter import MegatronCoreAdapter, load_job, save_job
-    from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
-    from tenplex_megatron.integrations.megatron_core.sharded import describe_job
-    from tenplex_megatron.memory import background, restart, state
-    from tenplex_megatron.memory.settings import MemorySettings
-    from tenplex_megatron.memory.snapshot import snapshot
-    from tenplex_megatron.training import gpt, mcore_dist_ckpt
-
-    job = gpt_job.build(a.spec, a.layout, a.gbs, a.padded)
-    rank = dist.get_rank()
-    durable, mcore_dir = os.path.join(a.dir, "durable"), os.path.join(a.dir, "mcore")
-    tier = state.open_tier(MemorySettings(os.path.join(a.memdir, f"mem_{rank}"), durable, durable,
-                                          persist_interval=10**9, replicas=2, keep=1))
-    out: dict[str, Any] = {"phase": a.phase, "reps": {}}
-    adapter = MegatronCoreAdapter(job)
-
-    def rec(system: str, record: dict[str, Any]) -> None:
-        out["reps"].setdefault(system, []).append(gathered(record))
-
-    if a.phase == "save":
-        gpt.train_step(job, gpt_job.data(job, 0))
-        _, own = describe_job(job)
-        out["own_bytes"] = all_gather_json(sum(lc.data.numel() * lc.data.element_size() for lc in own))
-        queue = AsyncCallsQueue()
-        it0 = job.iteration  # every snapshot below is of this iteration (retention keeps the newest one)
-        if not a.restart_only:  # the save rows and the step slowdown
-            # a job's first two snapshots write fresh tmpfs pages (from the third on, each writes over the spare
-            # that the snapshot before the last left): measured apart, so the repetitions are the steady state
-            for _ in range(2):
-                res, r = timed(lambda: snapshot(adapter, tier, persist=False))
-                r["stall"] = res.seconds
-                background.drain(tier)
-                rec("snapshot_first", r)
-            for rep in range(a.reps):
-                for system in rotated(list(SAVE_SYSTEMS), rep):
-                    if system == "memcpy":
-                        def copy() -> None:
-                            for lc in own:
-                                torch.empty_like(lc.data).copy_(lc.data)
-                        _, r = timed(copy)
-                    elif system == "snapshot":
-                        def snap() -> Any:
-                            return snapshot(adapter, tier, persist=False)
-                        if a.profile == system and rep == a.reps - 1:
-                            snap = _profiled(snap, os.path.join(a.profile_dir, f"profile_{system}_rank{rank}.pstats"))
-                        res, r = timed(snap)
-                        r["stall"] = res.seconds
-                        r["phases"] = dict(res.phases)
-                        background.drain(tier)  # replicas in place before the next system runs
-                    elif system == "tenplex_sync":
-                        _, r = timed(lambda rep=rep: save_job(job, os.path.join(durable + "_sync", f"rep{rep}")))
-                    else:
-                        target = os.path.join(mcore_dir + "_async", f"rep{rep}")
-                        t0 = time.perf_counter()
-                        _, r = timed(lambda target=target: mcore_dist_ckpt.save_async(job, target, queue))
-                        queue.maybe_finalize_async_calls(blocking=True)
-                        dist.barrier()
-                        r["total"] = time.perf_counter() - t0
-                    rec(system, r)
-            # the step slowdown while the background work runs (each step the same data: only the time matters)
-            start = job.consumed_samples
-
-            def steps(n: int | None = None) -> list[float]:
-                times = []
-                for _ in range(a.steps if n is None else n):
-                    t0 = time.perf_counter()
-                    gpt.train_step(job, gpt_job.data(job, start))
-                    times.append(time.perf_counter() - t0)
-                return times
-
-            def window(rate: float | str, persist: bool = True) -> dict[str, Any]:
-                """The steps begun while a snapshot's background work (replication at ``rate`` MB/s, 0: unlimited,
-                or ``auto``: paced by the time since the last snapshot, then the durable copy if ``persist``, in the
-                helper processes) runs: until it is done, at least 1, at most 8x --steps."""
-                tier.settings = dataclasses.replace(tier.settings, replication_rate=rate)
-                job.iteration = it0
-                cpu0 = _helper_cpu(tier)
-                t_bg = time.perf_counter()
-                since = None if tier.last_snapshot_at is None else t_bg - tier.last_snapshot_at  # what auto paces by
-                res = snapshot(adapter, tier, persist=persist)
-                times: list[float] = []
-                while not times or (len(times) < 8 * a.steps and background.busy(tier)):
-                    times += steps(1)  # at least one step: a background done before the first still counts
-                finished = not background.busy(tier)
-                background.drain(tier)
-                return {"during": times, "background": time.perf_counter() - t_bg, "finished": finished,
-                        "helper_cpu": _helper_cpu(tier) - cpu0, "snapshot_stall": res.seconds,
-                        "rate": tier.settings.rate_cap,
-                        "pace": tier.settings.pace, "persist": persist, "since_last_snapshot": since}
-
-            alone = steps()
-            # unlimited with the durable copy; the same without it (the snapshots between two persists, with
-            # --tenplex-persist-interval above 1); capped (--replication-rate) with the durable copy; auto
-            # (--tenplex-replication-rate auto: paced by the time since the window before's snapshot). Each kind
-            # --windows times (default --reps), round-robin, each window right after a step alone ("before"): its
-            # pair, so that the slowdown is read against the steps around it, not against one baseline a drift moves
-            kinds: list[tuple[float | str, bool]] = [(0.0, True), (0.0, False)] + (
-                [(a.replication_rate, True)] if a.replication_rate else []) + [("auto", True)]
-            windows = []
-            for rep in range(a.windows or a.reps):
-                for k in rotated(list(range(len(kinds))), rep):
-                    before = steps(1)
-                    windows.append({**window(*kinds[k]), "kind": k, "before": before})
-            tier.settings = dataclasses.replace(tier.settings, replication_rate=0.0)  # the final snapshot: at once
-            job.iteration = it0
-            alone += steps()  # the baseline on both sides of the windows: drift does not count as slowdown
-            job.iteration = it0
-            mcore_dist_ckpt.save_async(job, os.path.join(mcore_dir + "_async", "bg"), queue)
-            during_mcore = steps()
-            queue.maybe_finalize_async_calls(blocking=True)
-            out["steps"] = all_gather_json({"alone": alone, "windows": windows, "during_mcore": during_mcore})
-        # the final state, saved by every system, and the losses the loads must reproduce
-        job.iteration = it0
-        snapshot(adapter, tier, persist=False)
-        background.drain(tier)
-        save_job(job, durable)
-        if not a.restart_only:
-            mcore_dist_ckpt.save_checkpoint(job, mcore_dir, check=False)
-        out["iteration"] = job.iteration
-        out["ref"] = gpt_job.step2_losses(job)
-    else:
-        allocate_state(job.optimizer)
-        dist.barrier()  # every rank is up: process start, imports, process group, model and optimizer built
-        out["startup"] = max(all_gather_json(time.time() - a.t_launch))
-        # the destination's pages touched once, untimed: the first load into fresh tensors pays their page faults
-        # (~0.3 s at 125M), whatever its source, and memory_live always goes first
-        gpt_job.zero_state(job)
-        last = a.reps - 1
-        others = [x for x in LOAD_SYSTEMS if x not in LIVE and not (a.restart_only and x not in RESTART_ONLY)]
-        order = [(rep, system) for rep in range(a.reps) for system in LIVE]  # every node alive
-        order += [(rep, system) for rep in range(a.reps) for system in rotated(others, rep)]
-        for i, (rep, system) in enumerate(order):
-            if i == a.reps * len(LIVE) and "memory" in others:  # node 1 is lost (its id stays: empty memory)
-                dist.barrier()
-                if rank == 1:
-                    for name in os.listdir(tier.mem):
-                        if name.startswith("iter_"):
-                            shutil.rmtree(os.path.join(tier.mem, name))
-                dist.barrier()
-            if rep == last:
-                gpt_job.zero_state(job)
-            base = system.removesuffix("_cold").removesuffix("_live")
-            cached = None
-            if system.endswith("_cold"):  # cold: the checkpoint's pages evicted, and checked gone (mincore)
-                target = durable if base == "durable" else mcore_dir
-                evict_page_cache(target)
-                cached = resident_bytes(target)
-            if base == "memory":
-                def call() -> dict[str, Any]:
-                    choice = restart.choose(tier, durable)
-                    if choice is None:
-                        raise RuntimeError("no complete snapshot in live memory")
-                    m = restart.load_snapshot(adapter, tier, choice)
-                    return {"from_durable": m.bytes_from_durable, "received": m.bytes_received}
-            elif base == "durable":
-                def call() -> dict[str, Any]:
-                    res = load_job(job, durable)
-                    return {"from_durable": res.bytes_verified + res.bytes_unverified, "received": 0}
-            else:
-                def call() -> dict[str, Any]:
-                    mcore_dist_ckpt.load_checkpoint(job, mcore_dir)
-                    return {"from_durable": None, "received": 0}
-            if a.profile == system and rep == a.reps - 1:  # cProfile of the last repetition, one file per rank
-                call = _profiled(call, os.path.join(a.profile_dir, f"profile_{system}_rank{rank}.pstats"))
-            got, r = timed(call)
-            rec(system, {**r, **got, "cached_before": cached})
-            if rep == last:
-                out.setdefault("check", {})[system] = gpt_job.check(job)
-        # the first training step after a load: the state is in the process's own memory by then, whatever the
-        # source, so one step measured once stands for every system's
-        _, r = timed(lambda: gpt.train_step(job, gpt_job.data(job, job.consumed_samples)))
-        out["first_step"] = max(all_gather_json(r["seconds"]))
-    state.close(tier)
-    if rank == 0:
-        launch.write_json(a.result, out)
-    dist.barrier()
-    dist.destroy_process_group()
+WORKER = "benchmarks.memory_worker"  # one rank of a phase, started under torchrun
 
 
 def _out_dir(out: str) -> str:
@@ -275,31 +80,6 @@ def _out_dir(out: str) -> str:
     d = os.path.dirname(os.path.abspath(out))
     os.makedirs(d, exist_ok=True)
     return d
-
-
-def _profiled(fn: Any, path: str) -> Any:
-    """``fn`` run under cProfile, its statistics written to ``path`` (``python -m pstats PATH`` reads them)."""
-    import cProfile
-
-    def call() -> Any:
-        prof = cProfile.Profile()
-        prof.enable()
-        try:
-            return fn()
-        finally:
-            prof.disable()
-            prof.dump_stats(path)
-    return call
-
-
-def _helper_cpu(tier: Any) -> float:
-    """CPU seconds (user + system) this rank's node helper process has used so far (0 on a rank without one)."""
-    import psutil
-
-    if tier.helper is None or not tier.helper.alive:
-        return 0.0
-    t = psutil.Process(tier.helper.proc.pid).cpu_times()
-    return float(t.user + t.system)
 
 
 def _window_kind(st: list[dict[str, Any]], kind: int) -> dict[str, Any]:
@@ -345,8 +125,8 @@ def run_one(model: str, a: argparse.Namespace) -> dict[str, Any]:
         phases = {}
         for phase, layout in (("save", LAYOUT_A), ("load", LAYOUT_B)):
             result = os.path.join(scratch, f"{phase}.json")
-            launch.torchrun(2, __file__, ["--worker", *common, "--phase", phase, "--layout", *map(str, layout),
-                                          "--result", result, "--t-launch", repr(time.time())],
+            launch.torchrun(2, WORKER, [*common, "--phase", phase, "--layout", *map(str, layout),
+                                    "--result", result, "--t-launch", repr(time.time())],
                             os.path.join(scratch, f"{phase}.log"), a.timeout)
             phases[phase] = launch.read_json(result)
         save, load = phases["save"], phases["load"]
@@ -484,23 +264,11 @@ def main() -> int:
     ap.add_argument("--restart-only", action="store_true",
                     help="only the restart rows with every node alive (memory_live, durable, durable_cold): one "
                          "snapshot and one durable save, no save rows, no step slowdown, no node loss, no "
-                         "megatron-core (the peak memory of gpt3-350m on a 23 GB machine)")
+                         "megatron-core (a lower peak memory, for a model the whole comparison does not fit)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--profile", choices=("snapshot", *LOAD_SYSTEMS), default=None,
                     help="cProfile the last repetition of that save or restart: profile_<system>_rank<r>.pstats beside --out")
-    w = ap.add_argument_group("worker (internal)")
-    for flag in ("--worker",):
-        w.add_argument(flag, action="store_true", help=argparse.SUPPRESS)
-    for flag in ("--phase", "--spec", "--dir", "--result", "--profile-dir"):
-        w.add_argument(flag, help=argparse.SUPPRESS)
-    for flag in ("--padded", "--gbs"):
-        w.add_argument(flag, type=int, help=argparse.SUPPRESS)
-    w.add_argument("--t-launch", type=float, help=argparse.SUPPRESS)
-    w.add_argument("--layout", type=int, nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.worker:
-        worker(a)
-        return 0
     if a.quick:
         a.models, a.reps, a.steps = ["tiny"], 1, 2
     for d in (a.workdir, a.memdir):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Replay a GPU-allocation trace with torchrun's elastic agents and compare layout policies on it.
 
-    python scripts/bench_elastic.py --trace configs/traces/shrink_grow.json [--time-scale 0.5] [--out r.json]
-    python scripts/bench_elastic.py --quick        # tiny model, configs/traces/quick.json: the smoke test's run
+    python -m benchmarks.elastic --trace configs/traces/shrink_grow.json [--time-scale 0.5] [--out r.json]
+    python -m benchmarks.elastic --quick        # tiny model, configs/traces/quick.json: the smoke test's run
 
 Every node of the trace is a torchrun agent on this machine (``--nnodes 1:MAX --rdzv-backend c10d``) with
 ``gpus_per_node`` worker processes (CPU over gloo, or the GPUs where present). A shrink SIGKILLs the newest
@@ -24,7 +24,7 @@ parsed from the trainer's timeline lines and the workers' lifetimes) and the lar
 from an uninterrupted run's (the loss curves in a PNG). ``RATIO time_to_target <trace> tenplex/<peer>``
 lines (below 1: tenplex reached the target sooner) and ``RATIO samples_per_s ...`` (above 1: tenplex faster).
 Then the simulator (``plan/simulate.py``), fed each policy's measured iteration times and restart costs
-(``scripts/bench/elastic_sim.py``), predicts its time to target: ``RATIO sim_over_measured <trace> <policy>``.
+(``benchmarks/kit/elastic_sim.py``), predicts its time to target: ``RATIO sim_over_measured <trace> <policy>``.
 ``--memory-budget GB`` gives every policy ``--tenplex-memory-budget`` (the layouts that fit it).
 """
 
@@ -39,11 +39,9 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.bench import plots  # noqa: E402
-from scripts.bench.agents import Cluster  # noqa: E402
-from scripts.bench.elastic_analysis import (  # noqa: E402
+from benchmarks.kit import plots
+from benchmarks.kit.agents import Cluster
+from benchmarks.kit.elastic_analysis import (
     PHASES,
     Change,
     breakdown,
@@ -52,13 +50,13 @@ from scripts.bench.elastic_analysis import (  # noqa: E402
     throughput,
     timelines,
 )
-from scripts.bench.elastic_sim import predict  # noqa: E402
-from scripts.bench.launch import ROOT, torchrun, write_json  # noqa: E402
-from scripts.bench.report import Column, Table, machine, num, ratio_key, ratio_line  # noqa: E402
-from tenplex_megatron.plan.layout import ParallelLayout  # noqa: E402
-from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, load_layout_table, read_layout_times  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims  # noqa: E402
-from tenplex_megatron.plan.trace import Trace, load_trace  # noqa: E402
+from benchmarks.kit.elastic_sim import predict
+from benchmarks.kit.launch import ROOT, torchrun, write_json
+from benchmarks.kit.report import Column, Table, machine, num, ratio_key, ratio_line
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, load_layout_table, read_layout_times
+from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+from tenplex_megatron.plan.trace import Trace, load_trace
 
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 POLICIES = ("tenplex", "dp_only", "table")

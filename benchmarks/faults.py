@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Run a training job through a schedule of faults and report, per fault, what it cost.
 
-    python scripts/bench_faults.py [--iters 60] [--save-interval 10] [--faults NAME,...] [--out r.json]
-    python scripts/bench_faults.py --quick          # fewer iterations (the smoke test runs it with --faults)
+    python -m benchmarks.faults [--iters 60] [--save-interval 10] [--faults NAME,...] [--out r.json]
+    python -m benchmarks.faults --quick          # fewer iterations (the smoke test runs it with --faults)
 
 Every fault hits a fresh run of ``scripts/pretrain_gpt.py --tenplex`` (a tiny GPT, CPU and gloo, or the GPUs where
 present) under real torchrun agents on this machine, and the job must carry on by itself:
@@ -40,16 +40,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import psutil
 
-import psutil  # noqa: E402
-
-from scripts.bench.agents import RDZV_CONF, free_port, kill_tree, wait_listening  # noqa: E402
-from scripts.bench.etcd import EtcdError, start_etcd  # noqa: E402
-from scripts.bench.launch import ROOT, env, write_json  # noqa: E402
-from scripts.bench.report import Column, Table, machine, num  # noqa: E402
-from tenplex_megatron.storage import directory  # noqa: E402
-from tenplex_megatron.storage.verify_ckpt import verify_checkpoint  # noqa: E402
+from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
+from benchmarks.kit.etcd import EtcdError, start_etcd
+from benchmarks.kit.launch import ROOT, env, write_json
+from benchmarks.kit.report import Column, Table, machine, num
+from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

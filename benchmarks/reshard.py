@@ -13,7 +13,7 @@ layout B that loads with every system. Systems:
             no route at all: its load is run only where TP and PP stay the same);
   adopt     that dp_reshardable checkpoint adopted by tenplex at B, read in place
             (integrations/megatron_core/native.py);
-  central   the Tenplex paper's "Central" (scripts/bench/central.py): rank 0 gathers every tensor at A
+  central   the Tenplex paper's "Central" (benchmarks/kit/central.py): rank 0 gathers every tensor at A
             and writes one file; at B every rank reads that whole file and slices its part out of it.
 Repetitions run round-robin over the systems (the order rotates each repetition).
 Each figure is timed inside the workers around the save/load call only, between
@@ -36,15 +36,15 @@ over ranks, median): a sequential read of the tenplex checkpoint's files from
 storage (page cache evicted: the raw read that cold loads are compared with),
 the same read from the page cache (readinto, and a copy out of an mmap), and a
 memory copy of those bytes (what warm loads are compared with).
-The measuring itself (timed call, memory, bytes, medians) is scripts/bench/, shared with bench_deepspeed.py.
+The measuring itself (timed call, memory, bytes, medians) is benchmarks/kit/, shared with the other benchmarks.
 
 Prints a table, then `RATIO <metric> <model>:<transition> tenplex/<peer> = X.XX`
 lines (below 1: tenplex is better; for bytes_read tenplex/destination and
 load_bandwidth the peer is the limit), writes JSON (--out) and a PNG (next to
 it) if matplotlib is importable.
 
-    python scripts/bench_reshard.py --quick                    # gpt3-125m, dp2-tp2, 3 reps
-    python scripts/bench_reshard.py --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
+    python -m benchmarks.reshard --quick                    # gpt3-125m, dp2-tp2, 3 reps
+    python -m benchmarks.reshard --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
 """
 
 from __future__ import annotations
@@ -59,15 +59,12 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench import launch, limits, plots, stats  # noqa: E402 (after the path set-up)
-from bench.disk import dir_size, evict_page_cache  # noqa: E402
-from bench.report import Column, Table, machine, num, ratio_key, ratio_line  # noqa: E402
-
-from tenplex_megatron.plan.layout import padded_vocab_size  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import load_model  # noqa: E402
+from benchmarks.kit import launch, limits, plots, stats
+from benchmarks.kit.disk import dir_size, evict_page_cache
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import Column, Table, machine, num, ratio_key, ratio_line
+from tenplex_megatron.plan.layout import padded_vocab_size
+from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 
 TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  # (tp, pp, dp) at A, at B
     "tp2-dp2": ((2, 1, 1), (1, 1, 2)),
@@ -98,9 +95,9 @@ def worker(a: argparse.Namespace) -> None:
     import resource
 
     import torch.distributed as dist
-    from bench import central, gpt_job
-    from bench.measure import gathered, rotated, timed
 
+    from benchmarks.kit import central, gpt_job
+    from benchmarks.kit.measure import gathered, rotated, timed
     from tenplex_megatron.execute.collective import all_gather_json
     from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job, save_job
     from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
@@ -188,7 +185,7 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def system_row(reps: stats.Reps) -> dict[str, Any]:
-    """A system's figures in the report (:mod:`bench.stats`): median time, worst memory per rank, bytes."""
+    """A system's figures in the report (:mod:`benchmarks.kit.stats`): median time, worst memory per rank, bytes."""
     s = stats.summarize(reps)
     out: dict[str, Any] = {
         "seconds": s.median, "seconds_all": s.times,
@@ -230,7 +227,7 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
             systems = [s for s in systems if s.split("_")[0] in a.systems]
             result = os.path.join(scratch, f"{phase}.json")
             t0 = time.perf_counter()
-            launch.torchrun(math.prod(layout), __file__,
+            launch.torchrun(math.prod(layout), __spec__.name,
                             ["--worker", *common, "--phase", phase, "--layout", *map(str, layout), "--result", result,
                              "--run-systems", *systems], os.path.join(scratch, f"{phase}.log"), a.timeout)
             phases[phase] = launch.read_json(result)

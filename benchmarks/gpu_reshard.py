@@ -17,10 +17,10 @@ Prints a table and ``RATIO`` lines: ``load_bandwidth <model>:<transition>
 staged/limit`` (the issue's target: at least 0.8 of the lower of storage read
 and host-to-device) and ``load_time ... staged/<peer>`` (below 1: staged is faster).
 
-    python scripts/bench_gpu_reshard.py                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
-    python scripts/bench_gpu_reshard.py --device cuda:0 --models gpt3-1.3b gpt3-2.7b --reps 1   # scripts/gpu_check.sh
-    python scripts/bench_gpu_reshard.py --device cpu --models tiny --reps 1 --systems staged direct
-    python scripts/bench_gpu_reshard.py --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
+    python -m benchmarks.gpu_reshard                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
+    python -m benchmarks.gpu_reshard --device cuda:0 --models gpt3-1.3b gpt3-2.7b --reps 1   # scripts/gpu_check.sh
+    python -m benchmarks.gpu_reshard --device cpu --models tiny --reps 1 --systems staged direct
+    python -m benchmarks.gpu_reshard --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import dataclasses
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -39,19 +38,17 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from scripts.bench.disk import evict_page_cache  # noqa: E402
-from scripts.bench.report import machine, ratio_line  # noqa: E402
-from tenplex_megatron.execute.executor import SourceFiles, execute_plan, prepare_sources  # noqa: E402
-from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size  # noqa: E402
-from tenplex_megatron.plan.planner import RankPlan, plan_reshard  # noqa: E402
-from tenplex_megatron.plan.ptc import PTC, Chunk, StoredChunk, TensorMeta  # noqa: E402
-from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors, load_model  # noqa: E402
-from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab, source_from_layout  # noqa: E402
-from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, write_safetensors  # noqa: E402
+from benchmarks.kit.disk import evict_page_cache
+from benchmarks.kit.report import machine, ratio_line
+from tenplex_megatron.execute.executor import SourceFiles, execute_plan, prepare_sources
+from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.plan.planner import RankPlan, plan_reshard
+from tenplex_megatron.plan.ptc import PTC, Chunk, StoredChunk, TensorMeta
+from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors, load_model
+from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab, source_from_layout
+from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, write_safetensors
 
 MODELS = ["gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b"]
 SYSTEMS = ["staged", "direct", "mcore"]

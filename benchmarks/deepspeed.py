@@ -25,7 +25,7 @@ Each load method runs in its own torchrun launch (so its peak RSS is its own)
 and loads ``--reps`` times into one engine; before every repetition after the
 first the engine's fp32 master and Adam moments are zeroed, so each
 repetition has to load them again. Every call is measured as in
-bench_reshard.py (scripts/bench/measure.py and stats.py): freed heap returned
+benchmarks/reshard.py (benchmarks/kit/measure.py and stats.py): freed heap returned
 to the OS, then timed with ``time.perf_counter`` between ``dist.barrier()``
 calls; a repetition's time is the max over ranks, the table shows the median.
 Peak RSS is sampled every 5 ms with psutil on every rank (for the conversion:
@@ -34,7 +34,7 @@ the sum over its process tree, pool workers included); its growth is per call
 its read() calls; for tenplex's loads (memory-mapped, not in read()) what they
 read from storage: the checksum blocks verified plus what was copied
 unverified (for DeepSpeed's own files, which carry no checksums: the bytes
-copied), as bench_reshard.py counts them.
+copied), as benchmarks/reshard.py counts them.
 
 Correctness, checked inside the bench: after the last load of each method, the
 full fp32 master weights and Adam ``exp_avg``/``exp_avg_sq`` of every
@@ -47,11 +47,10 @@ Anything else exits 1 with ``CORRECTNESS FAILED`` (the JSON is still written).
 
 Output: a table, ``RATIO <metric> <transition> tenplex/<peer> = X.XX`` lines
 (below 1: tenplex is better), JSON (``--json``) and a PNG bar chart (``--png``).
-The machine this was written on has 2 shared CPU cores: timings are noisy.
 
-    python scripts/bench_deepspeed.py --quick                  # small GPT-2 shape, ZeRO-2, DP 2 -> 1
-    python scripts/bench_deepspeed.py                          # gpt2-124m, ZeRO-2, DP 2 -> 1
-    python scripts/bench_deepspeed.py --stage 3 --from 2 --to 4 --model gpt2-350m
+    python -m benchmarks.deepspeed --quick                  # small GPT-2 shape, ZeRO-2, DP 2 -> 1
+    python -m benchmarks.deepspeed                          # gpt2-124m, ZeRO-2, DP 2 -> 1
+    python -m benchmarks.deepspeed --stage 3 --from 2 --to 4 --model gpt2-350m
 """
 
 from __future__ import annotations
@@ -65,12 +64,10 @@ import tempfile
 import time
 from typing import Any
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench import launch, plots, stats  # noqa: E402 (after the path set-up)
-from bench.disk import dir_size, fsync_tree  # noqa: E402
-from bench.report import Column, Table, ratio_key, ratio_line  # noqa: E402
+from benchmarks.kit import launch, plots, stats
+from benchmarks.kit.disk import dir_size, fsync_tree
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.report import Column, Table, ratio_key, ratio_line
 
 # GPT-2 shapes: layers, hidden, heads, vocabulary, sequence length, position table.
 MODELS: dict[str, dict[str, int]] = {
@@ -92,9 +89,9 @@ MiB = 1024 * 1024
 def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     """At the source DP size: train one step, then save ``reps`` times with DeepSpeed and with tenplex."""
     import torch.distributed as dist
-    from bench import ds_engine
-    from bench.measure import gathered, rotated, timed
 
+    from benchmarks.kit import ds_engine
+    from benchmarks.kit.measure import gathered, rotated, timed
     from tenplex_megatron.integrations import deepspeed as tds
     from tenplex_megatron.memory import background
 
@@ -148,9 +145,9 @@ def _node_dir(a: argparse.Namespace, rank: int, ranks: int) -> str:
 def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
     """At the destination DP size: load ``reps`` times by one method into one engine, then hash the state."""
     import torch.distributed as dist
-    from bench import ds_engine
-    from bench.measure import gathered, timed
 
+    from benchmarks.kit import ds_engine
+    from benchmarks.kit.measure import gathered, timed
     from tenplex_megatron.integrations import deepspeed as tds
     from tenplex_megatron.memory.restart import MemoryLoadResult
 
@@ -203,7 +200,7 @@ def _worker_convert(a: argparse.Namespace) -> dict[str, Any]:
     from deepspeed.checkpoint import ds_to_universal as d2u
 
     import_s = time.perf_counter() - t0
-    from bench.measure import gathered, timed
+    from benchmarks.kit.measure import gathered, timed
 
     args = argparse.Namespace(input_folder=a.input, output_folder=a.output, num_extract_workers=a.workers,
                               num_merge_workers=a.merge_workers, keep_temp_folder=False, strict=True,
@@ -220,7 +217,7 @@ def _worker_convert(a: argparse.Namespace) -> dict[str, Any]:
 
 def worker(argv: list[str]) -> None:
     """Hidden subcommand ``_worker {save,load,convert}``: one phase; rank 0 writes the JSON ``--out``."""
-    ap = argparse.ArgumentParser(prog="bench_deepspeed.py _worker")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.deepspeed _worker")
     ap.add_argument("phase", choices=["save", "load", "convert"])
     ap.add_argument("--model", choices=sorted(MODELS))
     ap.add_argument("--stage", type=int)
@@ -241,7 +238,8 @@ def worker(argv: list[str]) -> None:
         return
     # here, not at the top: the driver and --help must not import DeepSpeed and transformers
     import torch.distributed as dist
-    from bench import ds_engine
+
+    from benchmarks.kit import ds_engine
 
     ds_engine.init_distributed()
     result = _worker_save(a) if a.phase == "save" else _worker_load(a)
@@ -258,7 +256,7 @@ def _times(times: list[float]) -> dict[str, Any]:
 
 
 def _timed_summary(reps: stats.Reps) -> dict[str, Any]:
-    """Median/min/max of the max over ranks, and each rank's peak RSS and RSS growth (:mod:`bench.stats`)."""
+    """Median/min/max of the max over ranks, and each rank's peak RSS and RSS growth (:mod:`benchmarks.kit.stats`)."""
     s = stats.summarize(reps)
     return {**_times(s.times), "peak_rss_per_rank": s.rss_peak_per_rank, "peak_rss_max": max(s.rss_peak_per_rank),
             "rss_growth_per_rank": s.rss_growth_per_rank, "rss_growth_max": max(s.rss_growth_per_rank)}
@@ -478,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(MODELS), default=None,
                     help=f"GPT-2 shape (default gpt2-124m; {QUICK_MODEL} with --quick)")
-    ap.add_argument("--quick", action="store_true", help=f"the {QUICK_MODEL} shape: a few minutes on 2 CPU cores")
+    ap.add_argument("--quick", action="store_true", help=f"the {QUICK_MODEL} shape (the smoke test's)")
     ap.add_argument("--stage", type=int, choices=[1, 2, 3], default=2)
     ap.add_argument("--from", dest="src", type=int, default=2)
     ap.add_argument("--to", dest="dst", type=int, default=1)
@@ -511,12 +509,12 @@ def main(argv: list[str] | None = None) -> int:
               "--memdir", memdir, "--src", str(a.src)]
     try:
         print(f"[bench] {transition} {model}: training 1 step and saving at DP {a.src} ...", flush=True)
-        launch.torchrun(a.src, __file__, ["_worker", "save", *common, "--out", f"{workdir}/save.json"],
+        launch.torchrun(a.src, __spec__.name, ["_worker", "save", *common, "--out", f"{workdir}/save.json"],
                         f"{logs}/save.log", a.timeout)
         save = launch.read_json(f"{workdir}/save.json")
         tag = f"global_step{save['global_steps']}"
         print(f"[bench] ds_to_universal x{a.reps} ...", flush=True)
-        launch.run([sys.executable, os.path.abspath(__file__), "_worker", "convert", "--reps", str(a.reps),
+        launch.run([sys.executable, "-m", __spec__.name, "_worker", "convert", "--reps", str(a.reps),
                     "--input", f"{workdir}/ds/{tag}", "--output", f"{workdir}/ds/{tag}_universal",
                     "--workers", str(extract_w), "--merge-workers", str(merge_w), "--out", f"{workdir}/convert.json"],
                    f"{logs}/convert.log", a.timeout)
@@ -524,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         loads = {}
         for m in LOAD_METHODS:
             print(f"[bench] load {m} at DP {a.dst} x{a.reps} ...", flush=True)
-            launch.torchrun(a.dst, __file__, ["_worker", "load", *common, "--method", m, "--universal-tag",
+            launch.torchrun(a.dst, __spec__.name, ["_worker", "load", *common, "--method", m, "--universal-tag",
                                               f"{tag}_universal", "--out", f"{workdir}/load_{m}.json"],
                             f"{logs}/load_{m}.log", a.timeout)
             loads[m] = launch.read_json(f"{workdir}/load_{m}.json")

@@ -1,6 +1,6 @@
 """Hugging Face export and import through tenplex against the plain route, time and peak memory, in one run.
 
-    python scripts/bench_hf.py [--quick] [--models gpt3-1.3b llama-1b] [--tp 2 --pp 2] [--dtype bf16] [--workdir DIR]
+    python -m benchmarks.hf [--quick] [--models gpt3-1.3b llama-1b] [--tp 2 --pp 2] [--dtype bf16] [--workdir DIR]
 
 For each model (random weights; built with transformers' own config classes
 and written with ``save_pretrained``):
@@ -35,11 +35,10 @@ import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from scripts.bench.disk import dir_size  # noqa: E402
-from scripts.bench.memory import PeakRSS, release_memory  # noqa: E402
-from scripts.bench.report import ratio_key, ratio_line  # noqa: E402
+from benchmarks.kit.disk import dir_size
+from benchmarks.kit.launch import ROOT
+from benchmarks.kit.memory import PeakRSS, release_memory
+from benchmarks.kit.report import ratio_key, ratio_line
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # GPT-3 1.3B (Brown et al., table 2.1) as a GPT-2 architecture
@@ -210,8 +209,8 @@ def run_step(name: str, *args: Any) -> dict[str, Any]:
     """``name`` in a fresh process: its result, seconds and peak memory."""
     if not FRESH:
         return measure(name, list(args))
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "_step", name, json.dumps(args)], env=env,
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-m", __spec__.name, "_step", name, json.dumps(args)], env=env,
                        capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"step {name} {args} failed:\n{p.stderr[-4000:]}")

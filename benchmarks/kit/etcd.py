@@ -8,7 +8,7 @@ import subprocess
 import time
 import urllib.request
 
-from scripts.bench.agents import free_port
+from benchmarks.kit.agents import free_port
 
 
 class EtcdError(RuntimeError):

@@ -2,7 +2,7 @@
 
 Before the call freed heap pages go back to the OS (so a previous call's garbage does not lower the baseline);
 then a barrier, the clock starts, the call runs, a barrier, the clock stops: a rank's time includes waiting for
-the slowest rank, and a repetition's time is the max over ranks (:mod:`bench.stats`).
+the slowest rank, and a repetition's time is the max over ranks (:mod:`benchmarks.kit.stats`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from bench.disk import io_chars
-from bench.memory import PeakRSS, release_memory
+from benchmarks.kit.disk import io_chars
+from benchmarks.kit.memory import PeakRSS, release_memory
 from tenplex_megatron.execute.collective import all_gather_json
 
 T = TypeVar("T")

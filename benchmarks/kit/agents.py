@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from scripts.bench.launch import env
+from benchmarks.kit.launch import env
 
 # last_call_timeout: how long the rendezvous waits for more nodes after MIN joined; keep-alives detect lost agents
 RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
