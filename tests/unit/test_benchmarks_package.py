@@ -18,7 +18,7 @@ RUNS_A_SCRIPT = {os.path.join("tests", "megatron_lm", "run_megatron_lm.py")}
 
 
 def _files(*patterns: str) -> list[str]:
-    return sorted(f for p in patterns for f in glob.glob(os.path.join(ROOT, p), recursive=True))
+    return sorted(f for p in patterns for f in glob.glob(os.path.join(ROOT, p), recursive=True) if os.path.isfile(f))
 
 
 def _read(path: str) -> str:
