@@ -3,9 +3,10 @@
 The launch (``hf_run.py``, 4 ranks) saves random megatron-core models, GPT-2
 style and Llama style (rope, RMSNorm, SwiGLU, no biases, 8 query heads in 2
 groups), at TP2 x PP2 and at TP1 (x DP4 or x PP2, distributed optimizer or not,
-tied or untied output layer) with their logits on fixed tokens, starts jobs at
-TP2 x PP2 from transformers checkpoints (``--tenplex-init-from-hf``), and
-records a refused config. This
+tied or untied output layer), and a Mixtral-style mixture of experts at TP2 x
+EP2, with their logits on fixed tokens, starts jobs at TP2 x PP2 (the Mixtral
+at EP4, and at TP2 x EP2 with expert TP 1) from transformers checkpoints
+(``--tenplex-init-from-hf``), and records refused configs. This
 process then exports with ``python -m tenplex_megatron export-hf`` (no
 torch.distributed) and compares, with transformers' own model classes:
 
