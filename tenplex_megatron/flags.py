@@ -115,7 +115,7 @@ FLAGS: tuple[Flag, ...] = (
          "continuation); megatron: always pad to make-vocab-size-divisible-by x TP (new padding rows are zero)",
          "checkpoints", choices=("keep", "megatron"), default="keep"),
     Flag("--tenplex-init-from-hf",
-         "start from a Hugging Face transformers checkpoint (GPT-2 or Llama) at this run's layout, each rank "
+         "start from a Hugging Face transformers checkpoint (GPT-2, Llama or Mixtral) at this run's layout, each rank "
          "reading only its slice; its config must match the model flags. A tenplex checkpoint under --load (a "
          "restart) takes precedence; under Megatron-LM give --load too (empty on the first start)",
          "checkpoints", metavar="DIR"),

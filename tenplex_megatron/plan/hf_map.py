@@ -9,7 +9,10 @@ the boxes, so the planner reads only what each rank holds. The transforms are:
 megatron-core's per-group fused QKV (per query group: its query heads, then
 its key head, then its value head) against separate or concatenated q/k/v,
 SwiGLU's fused gate/up, GPT-2's transposed ``Conv1D`` weights, and the padded
-vocabulary rows, which Hugging Face does not have. Keys are megatron-core's
+vocabulary rows, which Hugging Face does not have. A mixture of experts (Mixtral)
+maps megatron-core's router and its routed experts, stacked (layer, expert) on
+their first two axes, onto ``block_sparse_moe.gate`` and one
+``block_sparse_moe.experts.N.w1/w3/w2`` per expert. Keys are megatron-core's
 ``sharded_state_dict`` keys, in which the layer norms before attention and MLP
 are named as Transformer Engine's fused layers name them
 (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``), local spec or not.
@@ -23,6 +26,28 @@ from typing import Any
 
 GPT2 = "gpt2"
 LLAMA = "llama"
+MIXTRAL = "mixtral"
+EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."  # megatron-core's routed experts: (layer, expert, ...)
+
+# megatron-core routing settings that Mixtral's router (softmax over all experts, top-k, renormalised: megatron-core's
+# default softmax after the top-k) cannot express: Megatron-LM's argument name -> (values that fit, flag)
+MOE_ROUTING: dict[str, tuple[tuple[Any, ...], str]] = {
+    "moe_router_score_function": (("softmax",), "--moe-router-score-function"),
+    "moe_router_pre_softmax": ((False,), "--moe-router-pre-softmax"),
+    "moe_router_enable_expert_bias": ((False,), "--moe-router-enable-expert-bias"),
+    "moe_shared_expert_intermediate_size": ((None, 0), "--moe-shared-expert-intermediate-size"),
+    "moe_layer_freq": ((1,), "--moe-layer-freq"),
+    "moe_router_topk_scaling_factor": ((None, 1.0), "--moe-router-topk-scaling-factor"),
+    "moe_router_num_groups": ((None,), "--moe-router-num-groups"),
+    "moe_router_group_topk": ((None,), "--moe-router-group-topk"),
+    "moe_expert_capacity_factor": ((None,), "--moe-expert-capacity-factor"),
+    "moe_input_jitter_eps": ((None, 0.0), "--moe-input-jitter-eps"),
+    "moe_router_load_balancing_type": (("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+                                       "--moe-router-load-balancing-type"),
+}
+MOE_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+                "moe_router_enable_expert_bias": False, "moe_layer_freq": 1,
+                "moe_router_load_balancing_type": "aux_loss"}
 
 
 class HFMapError(ValueError):
@@ -48,6 +73,12 @@ class ModelFacts:
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0
     norm_epsilon: float = 1e-5
+    # mixture of experts (None: dense): routed experts per layer, each one's FFN width, experts per token, and the
+    # routing settings that differ from megatron-core's defaults as (Megatron-LM argument name, value) pairs
+    num_experts: int | None = None
+    moe_ffn_hidden_size: int | None = None
+    moe_router_topk: int | None = None
+    moe_routing: tuple[tuple[str, Any], ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -55,8 +86,8 @@ class ModelFacts:
 
     def to_model_json(self) -> dict[str, Any]:
         """The form :meth:`from_model_json` reads (Megatron-LM's argument names)."""
-        d = {k: v for k, v in self.__dict__.items() if k != "tied"}
-        return {**d, "untie_embeddings_and_output_weights": not self.tied}
+        d = {k: v for k, v in self.__dict__.items() if k not in ("tied", "moe_routing")}
+        return {**d, **dict(self.moe_routing), "untie_embeddings_and_output_weights": not self.tied}
 
     @classmethod
     def from_model_json(cls, d: dict[str, Any]) -> ModelFacts:
@@ -71,12 +102,16 @@ class ModelFacts:
             heads = int(d["num_attention_heads"])
             groups = int(get("num_query_groups", heads)) if get("group_query_attention", True) else heads
             add_bias = bool(get("add_bias_linear", not get("disable_bias_linear", False)))
+            experts = int(d["num_experts"]) if d.get("num_experts") else None
+            ffn = int(get("ffn_hidden_size", 4 * h))
+            routing = tuple((k, tuple(v) if isinstance(v, list) else v) for k in MOE_ROUTING
+                            if experts and (v := d.get(k)) is not None and v != MOE_DEFAULTS.get(k))
             return cls(
                 num_layers=int(d["num_layers"]),
                 hidden_size=h,
                 num_attention_heads=heads,
                 num_query_groups=groups,
-                ffn_hidden_size=int(get("ffn_hidden_size", 4 * h)),
+                ffn_hidden_size=ffn,
                 vocab_size=int(d["vocab_size"]),
                 max_position_embeddings=int(get("max_position_embeddings", get("seq_length"))),
                 position_embedding_type=str(get("position_embedding_type", "learned_absolute")),
@@ -87,14 +122,37 @@ class ModelFacts:
                 rotary_base=float(get("rotary_base", 10000.0)),
                 rotary_percent=float(get("rotary_percent", 1.0)),
                 norm_epsilon=float(get("norm_epsilon", get("layernorm_epsilon", 1e-5))),
+                num_experts=experts,
+                moe_ffn_hidden_size=int(get("moe_ffn_hidden_size", ffn)) if experts else None,
+                moe_router_topk=int(get("moe_router_topk", 2)) if experts else None,
+                moe_routing=routing,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise HFMapError(f"the checkpoint's model description lacks or garbles {e}") from None
 
 
+def check_routing(f: ModelFacts) -> None:
+    """Refuse a mixture of experts whose routing Mixtral's cannot reproduce, naming the setting and its flag.
+
+    Mixtral takes the softmax over all experts, keeps the top k and renormalises them: exactly megatron-core's
+    default softmax over the top-k logits (``moe_router_pre_softmax`` off). Pre-softmax top-k (not renormalised),
+    sigmoid scores, an expert bias, shared experts, dense layers between MoE layers, scaled or group-limited
+    top-k, token dropping (a capacity factor) and input jitter have no Mixtral counterpart.
+    """
+    for name, value in f.moe_routing:
+        ok, flag = MOE_ROUTING[name]
+        fits = value in ok or (name == "moe_layer_freq" and isinstance(value, tuple) and set(value) == {1})
+        if not fits:
+            raise HFMapError(f"{name}={value!r} ({flag}) does not fit a Hugging Face Mixtral model, whose router takes "
+                             "the softmax over all experts, keeps the top k and renormalises them (megatron-core's "
+                             f"default post-top-k softmax, every layer a mixture of experts; fits: {flag} "
+                             f"{' or '.join(map(repr, ok))})")
+
+
 def architecture(f: ModelFacts) -> str:
-    """``gpt2`` (learned positions, LayerNorm, GELU, biases, multi-head) or ``llama`` (rope, RMSNorm, SwiGLU, no
-    biases, grouped-query attention allowed); anything else is refused naming the field that fits neither."""
+    """``gpt2`` (learned positions, LayerNorm, GELU, biases, multi-head), ``llama`` (rope, RMSNorm, SwiGLU, no
+    biases, grouped-query attention allowed) or ``mixtral`` (a llama whose MLPs are routed experts, routed as
+    :func:`check_routing` says); anything else is refused naming the field that fits neither."""
     if f.hidden_size % f.num_attention_heads:
         raise HFMapError(f"hidden_size {f.hidden_size} is not a multiple of num_attention_heads {f.num_attention_heads}")
     if f.num_attention_heads % f.num_query_groups:
@@ -112,10 +170,17 @@ def architecture(f: ModelFacts) -> str:
     else:
         raise HFMapError(f"position_embedding_type {f.position_embedding_type!r} fits neither a GPT-2 "
                          "(learned_absolute) nor a Llama (rope) Hugging Face model")
+    if f.num_experts:
+        if name == GPT2:
+            raise HFMapError(f"num_experts={f.num_experts} does not fit a Hugging Face gpt2 model (a mixture of "
+                             "experts is written as Mixtral: rotary positions, RMSNorm, SwiGLU, no biases)")
+        name = MIXTRAL
     for field, (got, need) in want.items():
         if got != need:
             pos = "learned absolute positions" if name == GPT2 else "rotary positions"
             raise HFMapError(f"{field}={got!r} does not fit a Hugging Face {name} model ({pos} need {field}={need!r})")
+    if name == MIXTRAL:
+        check_routing(f)
     return name
 
 
@@ -129,6 +194,17 @@ def hf_config(f: ModelFacts, dtype: str) -> tuple[str, dict[str, Any]]:
             "activation_function": "gelu", "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
             "layer_norm_epsilon": f.norm_epsilon, "tie_word_embeddings": f.tied, "bos_token_id": None,
             "eos_token_id": None, "architectures": ["GPT2LMHeadModel"], "dtype": dtype,
+        }
+    if arch == MIXTRAL:
+        return "MixtralConfig", {
+            "vocab_size": f.vocab_size, "hidden_size": f.hidden_size, "intermediate_size": f.moe_ffn_hidden_size,
+            "num_hidden_layers": f.num_layers, "num_attention_heads": f.num_attention_heads,
+            "num_key_value_heads": f.num_query_groups, "head_dim": f.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": f.max_position_embeddings, "rms_norm_eps": f.norm_epsilon,
+            "rope_parameters": {"rope_type": "default", "rope_theta": f.rotary_base}, "sliding_window": None,
+            "num_local_experts": f.num_experts, "num_experts_per_tok": f.moe_router_topk, "router_jitter_noise": 0.0,
+            "tie_word_embeddings": f.tied, "bos_token_id": None, "eos_token_id": None,
+            "architectures": ["MixtralForCausalLM"], "dtype": dtype,
         }
     return "LlamaConfig", {
         "vocab_size": f.vocab_size, "hidden_size": f.hidden_size, "intermediate_size": f.ffn_hidden_size,
@@ -165,10 +241,16 @@ def facts_from_hf_config(cfg: dict[str, Any], path: str = "config.json") -> Mode
                           int(cfg.get("n_inner") or 4 * h), int(need("vocab_size")), int(need("n_positions")),
                           tied=bool(cfg.get("tie_word_embeddings", True)),
                           norm_epsilon=float(cfg.get("layer_norm_epsilon", 1e-5)))
-    if mt == LLAMA:
+    if mt in (LLAMA, MIXTRAL):
         check("hidden_act", ("silu",), "silu")
         check("attention_bias", (False,), False)
         check("mlp_bias", (False,), False)
+        if mt == MIXTRAL:
+            check("router_jitter_noise", (0, 0.0), 0.0)  # noise on the router's input while training
+            window = cfg.get("sliding_window")
+            if window is not None and int(window) < int(need("max_position_embeddings")):
+                raise HFMapError(f"{path}: sliding_window={window} is not supported (megatron-core attends to the "
+                                 "whole sequence; supported: null, or at least max_position_embeddings)")
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         rtype = rope.get("rope_type", rope.get("type", "default"))
         if rtype != "default":
@@ -178,12 +260,17 @@ def facts_from_hf_config(cfg: dict[str, Any], path: str = "config.json") -> Mode
         if head_dim * heads != h:
             raise HFMapError(f"{path}: head_dim={head_dim} x num_attention_heads={heads} != hidden_size={h}")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        ffn = int(need("intermediate_size"))
+        moe: dict[str, Any] = {}
+        if mt == MIXTRAL:
+            moe = {"num_experts": int(need("num_local_experts")), "moe_ffn_hidden_size": ffn,
+                   "moe_router_topk": int(need("num_experts_per_tok"))}
         return ModelFacts(int(need("num_hidden_layers")), h, heads, int(cfg.get("num_key_value_heads") or heads),
-                          int(need("intermediate_size")), int(need("vocab_size")), int(need("max_position_embeddings")),
+                          ffn, int(need("vocab_size")), int(need("max_position_embeddings")),
                           position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                           tied=bool(cfg.get("tie_word_embeddings", False)), rotary_base=float(theta),
-                          norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)))
-    raise HFMapError(f"{path}: model_type={mt!r} is not supported (supported: 'gpt2', 'llama')")
+                          norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)), **moe)
+    raise HFMapError(f"{path}: model_type={mt!r} is not supported (supported: 'gpt2', 'llama', 'mixtral')")
 
 
 # fields compared between a Hugging Face config and a run's flags, with the flag that sets each
@@ -194,17 +281,27 @@ FLAG_NAMES = {
     "normalization": "--normalization", "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
     "tied": "--untie-embeddings-and-output-weights", "rotary_base": "--rotary-base",
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon",
+    "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
 }
+# the mixture-of-experts fields under their names in a Mixtral config.json
+MIXTRAL_FIELDS = {"num_experts": "num_local_experts", "moe_router_topk": "num_experts_per_tok",
+                  "moe_ffn_hidden_size": "intermediate_size"}
 
 
 def check_flags(hf: ModelFacts, run: ModelFacts, path: str) -> None:
-    """Refuse a run whose flags describe another model than the Hugging Face config: name the field, both values."""
+    """Refuse a run whose flags describe another model than the Hugging Face config: name the field, both values
+    and the flag; for a mixture of experts, also a routing that Mixtral's router does not compute."""
     for name, flag in FLAG_NAMES.items():
         a, b = getattr(hf, name), getattr(run, name)
         if name in ("rotary_base", "rotary_percent") and hf.position_embedding_type != "rope":
             continue
+        if name == "ffn_hidden_size" and hf.num_experts:
+            continue  # every Mixtral layer is a mixture of experts: the dense width is unused (moe_ffn_hidden_size)
         if a != b:
-            raise HFMapError(f"{path}: {name} is {a!r} in the Hugging Face config but {b!r} from the flags ({flag})")
+            field = MIXTRAL_FIELDS.get(name, name) if hf.num_experts else name
+            raise HFMapError(f"{path}: {field} is {a!r} in the Hugging Face config but {b!r} from the flags ({flag})")
+    if run.num_experts:
+        check_routing(run)
 
 
 @dataclass(frozen=True)
@@ -230,11 +327,16 @@ class Link:
 
     @property
     def n(self) -> int:
-        return self.shape[1] if self.layered else self.shape[0]
+        return self.shape[self.lead]
 
     @property
     def layered(self) -> bool:
         return self.key.startswith("decoder.layers.")
+
+    @property
+    def lead(self) -> int:
+        """Index axes before the rows: layer and expert for a routed expert, layer for a layer, none otherwise."""
+        return 2 if self.key.startswith(EXPERT_PREFIX) else 1 if self.layered else 0
 
 
 @dataclass(frozen=True)
@@ -344,13 +446,29 @@ def build_mapping(f: ModelFacts) -> Mapping:
         layer(P + "layers.{}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", (h, h),
               hshape=(h, h))
         layer(P + "layers.{}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight", (h,))
-        mt("decoder.layers.mlp.linear_fc1.weight", (L, fc1, h))
-        for i in range(L):
-            for part, m0 in (("gate", 0), ("up", ffn)):
-                name = f"{P}layers.{i}.mlp.{part}_proj.weight"
-                out.append(HFTensor(name, (ffn, h), (Link("decoder.layers.mlp.linear_fc1.weight", (i, m0, 0),
-                                                           (1, ffn, h), name, 0),)))
-        layer(P + "layers.{}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", (h, ffn), hshape=(h, ffn))
+        if arch == MIXTRAL:
+            E, moe_ffn = f.num_experts or 0, f.moe_ffn_hidden_size or ffn
+            layer(P + "layers.{}.block_sparse_moe.gate.weight", "decoder.layers.mlp.router.weight", (E, h))
+            fc1_key, fc2_key = EXPERT_PREFIX + "linear_fc1.weight", EXPERT_PREFIX + "linear_fc2.weight"
+            mt(fc1_key, (L, E, 2 * moe_ffn, h))
+            mt(fc2_key, (L, E, h, moe_ffn))
+            for i in range(L):
+                for e in range(E):
+                    base = f"{P}layers.{i}.block_sparse_moe.experts.{e}."
+                    # w1 the gate (SiLU'd), w3 the up projection: megatron-core's fused fc1 is [gate; up]
+                    for w, key, m0, shape in (("w1", fc1_key, 0, (moe_ffn, h)), ("w3", fc1_key, moe_ffn, (moe_ffn, h)),
+                                              ("w2", fc2_key, 0, (h, moe_ffn))):
+                        name = base + w + ".weight"
+                        out.append(HFTensor(name, shape, (Link(key, (i, e, m0, 0), (1, 1, *shape), name, 0),)))
+        else:
+            mt("decoder.layers.mlp.linear_fc1.weight", (L, fc1, h))
+            for i in range(L):
+                for part, m0 in (("gate", 0), ("up", ffn)):
+                    name = f"{P}layers.{i}.mlp.{part}_proj.weight"
+                    out.append(HFTensor(name, (ffn, h), (Link("decoder.layers.mlp.linear_fc1.weight", (i, m0, 0),
+                                                               (1, ffn, h), name, 0),)))
+            layer(P + "layers.{}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", (h, ffn),
+                  hshape=(h, ffn))
         whole(P + "norm.weight", "decoder.final_layernorm.weight", (h,))
     if not f.tied:
         whole("lm_head.weight", "output_layer.weight", (V, h), vocab=True)

@@ -10,7 +10,7 @@ Pass ``--distributed-backend gloo`` (a Megatron-LM flag) for the CPU.
 
 With ``TENPLEX_TEST_SAMPLES=FILE`` every sample Megatron-LM's ``GPTDataset``
 hands out on global rank 0 is appended to FILE (JSON lines: ``idx``, ``tokens``,
-``labels``, ``loss_mask``), so a test can recompute a loss on the very batch
+``labels``, ``loss_mask``; another rank's to FILE.rank<N>), so a test can recompute a loss on the very batch
 (use ``--num-workers 0``: data-loader workers would write from other processes).
 """
 
@@ -56,10 +56,10 @@ def _record_samples(path: str) -> None:
 
     def recorded(self: GPTDataset, idx: int | None) -> dict:
         sample = getitem(self, idx)
-        if os.environ.get("RANK", "0") == "0":
-            with open(path, "a") as f:
-                f.write(json.dumps({"idx": None if idx is None else int(idx), **{
-                    k: sample[k].tolist() for k in ("tokens", "labels", "loss_mask")}}) + "\n")
+        rank = os.environ.get("RANK", "0")
+        with open(path if rank == "0" else f"{path}.rank{rank}", "a") as f:
+            f.write(json.dumps({"idx": None if idx is None else int(idx), **{
+                k: sample[k].tolist() for k in ("tokens", "labels", "loss_mask")}}) + "\n")
         return sample
 
     GPTDataset.__getitem__ = recorded

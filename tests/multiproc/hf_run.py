@@ -33,7 +33,9 @@ def logits_task(task: dict[str, Any]) -> None:
     world = torch.distributed.get_world_size()
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     spec = pretrain.spec_from_args(args)
-    job = gpt.build_job(spec, ParallelLayout(tp, pp, world // (tp * pp)),
+    layout = ParallelLayout(tp, pp, world // (tp * pp), ep=args.expert_model_parallel_size or 1,
+                            etp=args.expert_tensor_parallel_size or 0)
+    job = gpt.build_job(spec, layout,
                         use_distributed_optimizer=args.use_distributed_optimizer,
                         micro_batch_size=2, global_batch_size=2 * (world // (tp * pp)))
     save_job(job, task["save"])

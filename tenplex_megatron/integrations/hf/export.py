@@ -6,7 +6,7 @@ then each shard file's header is written and its tensors are assembled one at
 a time from the checkpoint's own safetensors (checksums of the blocks read
 verified) and appended, so memory holds one output tensor and at most one
 more box of it, whatever the model size. ``config.json`` is written by
-transformers' own config class (GPT2Config or LlamaConfig).
+transformers' own config class (GPT2Config, LlamaConfig or MixtralConfig).
 """
 
 from __future__ import annotations
