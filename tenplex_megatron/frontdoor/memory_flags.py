@@ -57,10 +57,10 @@ def open_memory(args: argparse.Namespace | Any) -> MemoryTier | None:
     return open_tier(memory_settings(args), start_helpers_now=True)
 
 
-def finish(tier: MemoryTier, over: bool, say: Callable[[str], None]) -> None:
+def finish(tier: MemoryTier, *, over: bool, say: Callable[[str], None]) -> None:
     """Collective, when the job stops: :func:`background.finish`, each durable checkpoint it committed said
     (``say`` gets the line without the ``> tenplex:`` prefix)."""
-    for path in background.finish(tier, over):
+    for path in background.finish(tier, over=over):
         say(f"persisted {path} (background)")
 
 

@@ -251,7 +251,7 @@ def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *
         from megatron.training import get_args
 
         args = get_args()
-        memory_flags.finish(tier, bool(args.save) and tier.last[0] >= int(args.train_iters or 0), _log.info)
+        memory_flags.finish(tier, over=bool(args.save) and tier.last[0] >= int(args.train_iters or 0), say=_log.info)
     return out
 
 
@@ -279,7 +279,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
     # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
-    res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
+    res = adopt_megatron_checkpoint(job, mck, trust_pickles=args.tenplex_trust_pickles)
     flops = _resumed(args, job, res)
     _log.info(restart_sources.loaded_line(res, job.layout))
     return res.iteration, flops

@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> None:
     _restore(args, job, tier, sources, from_hf)
     _train(args, job, tier, _train_dataset(args, spec))
     if tier is not None:  # over: training is, and its last state goes to --save
-        memory_flags.finish(tier, bool(args.save) and job.iteration >= args.train_iters, print_tenplex)
+        memory_flags.finish(tier, over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
         state.close(tier)
     lease_flags.release(args)
     _print0("> tenplex-megatron: done")
@@ -493,8 +493,8 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
         print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))
     elif restarted is not None or (mck is not None and args.tenplex):
         # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
-        res = restarted.result if restarted is not None else adopt_megatron_checkpoint(job, mck,
-                                                                                      args.tenplex_trust_pickles)
+        res = restarted.result if restarted is not None else adopt_megatron_checkpoint(
+            job, mck, trust_pickles=args.tenplex_trust_pickles)
         _note_loaded(args, res.seconds)
         print_tenplex(restart_sources.loaded_line(res, layout) + _rng_note(res)
                 + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
@@ -630,7 +630,7 @@ def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
           persist: bool | None = None) -> None:
     gpt.sync_params(job)
     if tier is not None:
-        snap = snapshot(MegatronCoreAdapter(job), tier, persist)
+        snap = snapshot(MegatronCoreAdapter(job), tier, persist=persist)
         for line in memory_flags.describe_snapshot(snap, job.iteration):
             print_tenplex(line)
         return
