@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -314,56 +315,9 @@ def check_moe_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, g
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:
-    return GPTSpec(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        swiglu=args.swiglu,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent,
-        normalization=args.normalization,
-        norm_epsilon=args.norm_epsilon,
-        add_bias_linear=args.add_bias_linear,
-        group_query_attention=args.group_query_attention,
-        num_query_groups=args.num_query_groups,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_style=args.lr_decay_style,
-        train_iters=args.train_iters,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        seed=args.seed,
-        num_experts=args.num_experts,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_router_topk=args.moe_router_topk,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_z_loss_coeff=args.moe_z_loss_coeff,
-    )
+    """The model and optimizer flags as a :class:`GPTSpec`: each field is the flag of the same name (Megatron-LM's),
+    so a new field needs only its flag."""
+    return GPTSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GPTSpec)})
 
 
 def main(argv: list[str] | None = None) -> int:
