@@ -360,7 +360,7 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
         saved = read_metadata(ckpt).get("padded_vocab_size")
     elif mck is not None:
         read = legacy_padded_vocab if is_legacy_megatron_checkpoint(mck) else saved_padded_vocab
-        saved = read(mck, getattr(args, "tenplex_trust_pickles", False))
+        saved = read(mck, trust_pickles=getattr(args, "tenplex_trust_pickles", False))
     else:
         return padded
     kept = restart_padded_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by,

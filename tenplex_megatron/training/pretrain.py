@@ -388,7 +388,7 @@ def _padded_vocab(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayou
         raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
                          "--tenplex")
     if mck is not None and args.tenplex:
-        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, args.tenplex_trust_pickles)
+        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, trust_pickles=args.tenplex_trust_pickles)
     if args.tenplex_vocab_padding == "keep":
         return restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp, saved_padded)
     return padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)

@@ -172,7 +172,8 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *,
                                 None, None, load_dir, newest).result
 
     def opener() -> Any:  # runs before the adapter describes the engine for the load
-        opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration), trust_pickles)
+        opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration),
+                                                           trust_pickles=trust_pickles)
         return opened
 
     return load(adapter, load_dir, None, strict=True, verify=False, opener=opener, source_format="deepspeed")

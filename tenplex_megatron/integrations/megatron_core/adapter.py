@@ -150,8 +150,8 @@ def adopt_megatron_checkpoint(job: Any, path: str, *, trust_pickles: bool = Fals
     """Collective: load Megatron's own checkpoint directory ``path`` (``torch_dist`` with any optimizer format, or
     the legacy ``torch`` format; any saving layout) into ``job`` through tenplex's planner and executor, each rank
     reading only its part. ``trust_pickles``: unpickle Megatron's files fully (default: plain classes only)."""
-    opener = (partial(open_legacy, path, job, trust_pickles) if is_legacy_megatron_checkpoint(path)
-              else opener_for(path, job, trust_pickles))
+    opener = (partial(open_legacy, path, job, trust_pickles=trust_pickles) if is_legacy_megatron_checkpoint(path)
+              else opener_for(path, job, trust_pickles=trust_pickles))
     return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
 
 
