@@ -16,6 +16,8 @@ To add a flag: one :class:`Flag` row in :data:`FLAGS` (in the group it belongs t
 from __future__ import annotations
 
 import argparse
+import getpass
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +35,7 @@ GROUPS = (
     ("trainer", "Reference trainer only", "trainer.md", "The reference trainer"),
 )
 
-MEMORY_DIR_DEFAULT = "/dev/shm/tenplex-$USER"  # how the docs write memory.node_dir.default_dir()
+MEMORY_DIR_DEFAULT = "/dev/shm/tenplex-$USER"  # how the docs write _memory_dir()
 
 
 def replication_rate_arg(value: str) -> float | str:
@@ -99,9 +101,8 @@ class Flag:
 
 
 def _memory_dir() -> str:
-    from tenplex_megatron.memory import node_dir  # not at import time: the docs generator needs no storage
-
-    return node_dir.default_dir()
+    """``--tenplex-memory``'s directory when given bare: per user under /dev/shm (node-local shared memory)."""
+    return os.path.join("/dev/shm", f"tenplex-{getpass.getuser()}")
 
 
 FLAGS: tuple[Flag, ...] = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 ROOT = "tenplex_megatron"
 PREFIX = "> tenplex: "
@@ -54,8 +55,25 @@ class _Below(logging.Filter):
         return record.levelno < self.level
 
 
-def _handler(stream: object, level: int, *filters: logging.Filter) -> logging.Handler:
-    handler = logging.StreamHandler(stream)  # type: ignore[arg-type]
+class _StdStreamHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stdout`` or ``sys.stderr`` is when a record comes (a program or a test that swaps
+    them, pytest's capture, gets the lines), not the stream of the moment the handler was made."""
+
+    def __init__(self, name: str) -> None:
+        self._std = name
+        super().__init__()
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return getattr(sys, self._std)
+
+    @stream.setter
+    def stream(self, value: object) -> None:  # StreamHandler's __init__ and setStream: the name decides
+        pass
+
+
+def _handler(stream: str, level: int, *filters: logging.Filter) -> logging.Handler:
+    handler = _StdStreamHandler(stream)
     handler.setLevel(level)
     handler.setFormatter(PrefixFormatter())
     for f in filters:
@@ -70,8 +88,8 @@ _PROPAGATE: list[bool] = [False]  # set by propagate(): the program's own handle
 def _configure() -> logging.Logger:
     root = logging.getLogger(ROOT)
     if not _PROPAGATE[0] and not any(getattr(h, "_tenplex", False) for h in root.handlers):
-        root.addHandler(_handler(sys.stdout, logging.INFO, RankZeroFilter(), _Below(logging.WARNING)))
-        root.addHandler(_handler(sys.stderr, logging.WARNING))
+        root.addHandler(_handler("stdout", logging.INFO, RankZeroFilter(), _Below(logging.WARNING)))
+        root.addHandler(_handler("stderr", logging.WARNING))
         root.setLevel(logging.INFO)
         root.propagate = False
     return root

@@ -60,7 +60,7 @@ class LoadResult:
     metadata: dict[str, Any] | None = None  # the checkpoint's metadata (framework fields: consumed samples, extra)
 
 
-def open_tenplex(load_dir: str, iteration: int | None, verify: bool) -> Opened:
+def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opened:
     """The newest complete tenplex checkpoint under ``load_dir`` (or ``iteration``'s), checked and opened."""
     path = directory.find_checkpoint(load_dir, iteration)
     if path is None:
@@ -103,6 +103,7 @@ def load_chunks(
     iteration: int | None,
     describe: Callable[[dict[str, Any]], list[LocalChunk]],
     restore: Callable[[dict[str, Any]], None],
+    *,
     strict: bool = True,
     verify: bool = True,
     opener: Callable[[], Opened] | None = None,
@@ -129,7 +130,7 @@ def load_chunks(
 
     def plan() -> tuple[Opened, list[LocalChunk], Any, Any]:
         with gc_paused():  # metadata JSON, PTC and plan objects: no full collections over the job's heap meanwhile
-            opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify)
+            opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify=verify)
             chunks = describe(opened.metadata)
             tensors = tensor_table(chunks)
             full = plan_reshard(opened.ptc, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host},
@@ -194,7 +195,7 @@ def load_chunks(
     return ChunksLoaded(path, p.opened.metadata, p.opened.ptc, stats, len(p.dst))
 
 
-def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: bool = True, verify: bool = True,
+def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, strict: bool = True, verify: bool = True,
          opener: Callable[[], Opened] | None = None, source_format: str = "tenplex", host: str | None = None,
          fetch: Callable[[Any, tuple, Any], None] | None = None) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` into the adapter, re-sharded.
@@ -213,8 +214,8 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, strict: 
         return adapter.describe_for_load(meta)
 
     with gc_paused():  # no full collections over the job's heap while the load allocates views and plan objects
-        loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict, verify, opener, host, fetch,
-                             getattr(adapter, "prepare_rank_local", None))
+        loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict=strict, verify=verify, opener=opener,
+                             host=host, fetch=fetch, local=getattr(adapter, "prepare_rank_local", None))
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(

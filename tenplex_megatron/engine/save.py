@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import socket
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tenplex_megatron import log
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, chunk_name, holdings_json
@@ -28,6 +28,8 @@ from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
+
+_log = log.get("save")
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,8 @@ def save_chunks(
                 if directory.remove_partial(stale):
                     removed.append(stale)
                 else:
-                    warnings.warn(f"{stale}: left in place: named like a staging directory of a tenplex save but "
-                                  "holding other files", stacklevel=1)
+                    _log.warning("%s: left in place: named like a staging directory of a tenplex save but "
+                                 "holding other files", stale)
             directory.prepare_partial(save_dir, iteration)
         return assigned
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from typing import NoReturn
 
 import torch
+
+from tenplex_megatron import log
+
+_log = log.get("elastic")
 
 
 def world() -> tuple[int, int]:
@@ -30,10 +33,10 @@ def memory_gb(budget: float | None) -> float | None:
 
 
 def refuse(prog: str, spec: str, world_size: int, error: Exception) -> NoReturn:
-    """Print why no layout can run at ``world_size`` and exit 2; under torchrun's elastic agent with restarts
+    """Log why no layout can run at ``world_size`` and exit 2; under torchrun's elastic agent with restarts
     left, rank 0 also SIGTERMs its agent (which ends the job with a failure rather than restart it forever)."""
     # the message first (every rank: whichever survives the agent's shutdown says it), then stop the agent
-    print(f"{prog}: error: --tenplex-layout {spec} at world size {world_size}: {error}", file=sys.stderr, flush=True)
+    _log.error("%s: --tenplex-layout %s at world size %d: %s", prog, spec, world_size, error)
     if int(os.environ.get("RANK", "0")) == 0:
         stop_agent()
     raise SystemExit(2)

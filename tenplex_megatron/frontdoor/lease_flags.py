@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tenplex_megatron import log
 from tenplex_megatron.frontdoor import elastic
 from tenplex_megatron.storage import lease
+
+_log = log.get("lease")
 
 
 def job_id(args: Any) -> str:
@@ -67,7 +69,7 @@ def fenced(error: BaseException) -> str | None:
 
 @contextmanager
 def stop_when_fenced(prog: str) -> Iterator[None]:
-    """Around a job's saves: a writer fenced by a newer generation (``fenced``) prints why, stops its node's
+    """Around a job's saves: a writer fenced by a newer generation (``fenced``) logs why, stops its node's
     torchrun agent (restarting would take the lease back and fence the newer writer in turn) and exits 3."""
     try:
         yield
@@ -75,7 +77,7 @@ def stop_when_fenced(prog: str) -> Iterator[None]:
         why = fenced(e)
         if why is None:
             raise
-        print(f"{prog}: error: {why}", file=sys.stderr, flush=True)
+        _log.error("%s: %s", prog, why)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's agent
             elastic.stop_agent()
         raise SystemExit(3) from None

@@ -57,28 +57,29 @@ def open_memory(args: argparse.Namespace | Any) -> MemoryTier | None:
     return open_tier(memory_settings(args), start_helpers_now=True)
 
 
-def finish(tier: MemoryTier, over: bool, say: Callable[[str], None]) -> None:
-    """Collective, when the job stops: :func:`background.finish`, each durable checkpoint it committed said."""
-    for path in background.finish(tier, over):
-        say(f"> tenplex: persisted {path} (background)")
+def finish(tier: MemoryTier, *, over: bool, say: Callable[[str], None]) -> None:
+    """Collective, when the job stops: :func:`background.finish`, each durable checkpoint it committed said
+    (``say`` gets the line without the ``> tenplex:`` prefix)."""
+    for path in background.finish(tier, over=over):
+        say(f"persisted {path} (background)")
 
 
 def describe_snapshot(snap: SnapshotResult, iteration: int) -> list[str]:
-    """The lines a trainer prints for a save through the memory tier."""
+    """The lines a trainer says for a save through the memory tier (without the ``> tenplex:`` prefix)."""
     if snap.fallback is not None:
-        return [f"> tenplex: snapshot did not fit in memory: saved iteration {iteration} to {snap.path} "
+        return [f"snapshot did not fit in memory: saved iteration {iteration} to {snap.path} "
                 f"in {snap.seconds:.2f} s"]
-    return [f"> tenplex: snapshot of iteration {iteration} in host memory {snap.path} in {snap.seconds:.3f} s "
+    return [f"snapshot of iteration {iteration} in host memory {snap.path} in {snap.seconds:.3f} s "
             f"(rank 0: {snap.bytes_written / 1e6:.2f} MB written, {snap.bytes_replicated / 1e6:.2f} MB replicated"
             f"{', persisting in the background' if snap.persisting else ''})",
-            *(f"> tenplex: persisted {p} (background)" for p in snap.persisted),
-            *(f"> tenplex: removed {p}" for p in snap.removed)]
+            *(f"persisted {p} (background)" for p in snap.persisted),
+            *(f"removed {p}" for p in snap.removed)]
 
 
 def describe_memory_load(mres: MemoryLoadResult, layout: ParallelLayout) -> str:
-    """The line a trainer prints for a restart from host memory at ``layout``."""
+    """The line a trainer says for a restart from host memory at ``layout`` (without the ``> tenplex:`` prefix)."""
     res = mres.result
-    return (f"> tenplex: loaded iteration {res.iteration} from host memory ({res.path}): layout "
+    return (f"loaded iteration {res.iteration} from host memory ({res.path}): layout "
             f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
             f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
             f"{mres.bytes_from_durable} bytes read from durable storage")

@@ -52,7 +52,8 @@ def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: s
 
 
 def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:
-    """The line a trainer prints for a restart from a durable checkpoint (tenplex's or Megatron's) at ``layout``."""
-    return (f"> tenplex: loaded iteration {res.iteration} from {res.path}: layout "
+    """The line a trainer says for a restart from a durable checkpoint (tenplex's or Megatron's) at ``layout``
+    (without the ``> tenplex:`` prefix: the logger or the trainer adds it)."""
+    return (f"loaded iteration {res.iteration} from {res.path}: layout "
             f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors, "
             f"{res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s")

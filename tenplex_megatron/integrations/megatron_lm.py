@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from tenplex_megatron import flags
+from tenplex_megatron import flags, log
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import elastic, lease_flags, memory_flags, restart_sources
@@ -69,6 +69,7 @@ from tenplex_megatron.storage.directory import (
     read_metadata,
 )
 
+_log = log.get("megatron_lm")
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 _MEMORY: dict[str, MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
 
@@ -138,9 +139,8 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
     args.micro_batch_size = chosen.micro_batch_size
     if chosen.layout.vpp > 1:  # an interleaved pipeline: Megatron-LM's validate_args derives VPP from it
         args.num_virtual_stages_per_pipeline_rank = chosen.layout.vpp
-    if getattr(args, "rank", 0) == 0:
-        print(f"> tenplex: --tenplex-layout {args.tenplex_layout}: {chosen.layout}, micro-batch "
-              f"{chosen.micro_batch_size} ({chosen.why})", flush=True)
+    _log.info("--tenplex-layout %s: %s, micro-batch %d (%s)", args.tenplex_layout, chosen.layout,
+              chosen.micro_batch_size, chosen.why)
     return chosen
 
 
@@ -152,13 +152,13 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
     if problems:
         for problem in problems:
-            print(f"pretrain_gpt.py: error: with --tenplex, {problem}", file=sys.stderr, flush=True)
+            _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
         raise SystemExit(2)
     if hasattr(args, "tenplex_take_over"):  # before any process group: another live job's directory is refused
         try:
             lease_flags.claim(args, "pretrain_gpt.py")
         except SystemExit as e:
-            print(e.code, file=sys.stderr, flush=True)
+            _log.error("%s", e.code)
             raise SystemExit(2) from None
         atexit.register(lease_flags.release, args)
     choose_layout_for_args(args)
@@ -214,7 +214,7 @@ def _job(model: list[Any], optimizer: Any, scheduler: Any) -> LiveJob:
 def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_scheduler: Any,
                     num_floating_point_operations_so_far: float, *a: Any, **kw: Any) -> None:
     """Megatron-LM's ``save_checkpoint`` signature; tenplex format when ``--tenplex``."""
-    from megatron.training import get_args, print_rank_0
+    from megatron.training import get_args
 
     args = get_args()
     if not getattr(args, "tenplex", False) or kw.get("non_persistent_ckpt"):
@@ -231,10 +231,10 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     with lease_flags.stop_when_fenced("pretrain_gpt.py"):  # a newer generation of this job owns the directory
         if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
             for line in memory_flags.describe_snapshot(snapshot(MegatronCoreAdapter(job, extra), tier), iteration):
-                print_rank_0(line)
+                _log.info(line)
             return
         res = save_job(job, args.save, extra=extra, keep=args.tenplex_keep)
-    print_rank_0(f"> tenplex: saved iteration {iteration} to {res.path} in {res.seconds:.2f} s")
+    _log.info("saved iteration %d to %s in %.2f s", iteration, res.path, res.seconds)
 
 
 def _memory_tier(args: Any) -> MemoryTier | None:
@@ -260,17 +260,17 @@ def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *
     out = _ORIGINALS["maybe_finalize_async_save"](blocking, terminate, *a, **kw)
     tier = _MEMORY.get("tier")
     if terminate and tier is not None and tier.last is not None:
-        from megatron.training import get_args, print_rank_0
+        from megatron.training import get_args
 
         args = get_args()
-        memory_flags.finish(tier, bool(args.save) and tier.last[0] >= int(args.train_iters or 0), print_rank_0)
+        memory_flags.finish(tier, over=bool(args.save) and tier.last[0] >= int(args.train_iters or 0), say=_log.info)
     return out
 
 
 def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                     strict: bool = True, *a: Any, **kw: Any) -> tuple[int, float]:
     """Megatron-LM's ``load_checkpoint`` signature; re-sharding tenplex load when ``--tenplex``."""
-    from megatron.training import get_args, print_rank_0
+    from megatron.training import get_args
 
     args = get_args()
     load_dir = getattr(args, load_arg, None)
@@ -284,16 +284,16 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
         job = _job(ddp_model, optimizer, opt_param_scheduler)
         run = ModelFacts.from_model_json(job.spec.to_json())
         hf = init_from_hf(job, args.tenplex_init_from_hf, run)
-        print_rank_0(f"> tenplex: initialised from Hugging Face checkpoint {args.tenplex_init_from_hf} at layout "
-                     f"{job.layout}: {hf.tensors} tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0")
+        _log.info("initialised from Hugging Face checkpoint %s at layout %s: %d tensors, %.2f MB read on rank 0",
+                  args.tenplex_init_from_hf, job.layout, hf.tensors, hf.stats.bytes_read / 1e6)
         return 0, 0.0
     if mck is None:
         return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
     # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
-    res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
+    res = adopt_megatron_checkpoint(job, mck, trust_pickles=args.tenplex_trust_pickles)
     flops = _resumed(args, job, res)
-    print_rank_0(restart_sources.loaded_line(res, job.layout))
+    _log.info(restart_sources.loaded_line(res, job.layout))
     return res.iteration, flops
 
 
@@ -301,7 +301,7 @@ def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tie
              sources: restart_sources.Sources, load_dir: str) -> tuple[int, float]:
     """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
     re-sharded; a damaged copy falls back to the next (``engine/fallback.py``)."""
-    from megatron.training import get_args, print_rank_0
+    from megatron.training import get_args
 
     args = get_args()
     job = _job(ddp_model, optimizer, opt_param_scheduler)
@@ -309,9 +309,9 @@ def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tie
     res = got.result
     flops = _resumed(args, job, res)
     if got.memory is not None:
-        print_rank_0(memory_flags.describe_memory_load(got.memory, job.layout))
+        _log.info(memory_flags.describe_memory_load(got.memory, job.layout))
     else:
-        print_rank_0(restart_sources.loaded_line(res, job.layout))
+        _log.info(restart_sources.loaded_line(res, job.layout))
     return res.iteration, flops
 
 
@@ -372,14 +372,13 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
         saved = read_metadata(ckpt).get("padded_vocab_size")
     elif mck is not None:
         read = legacy_padded_vocab if is_legacy_megatron_checkpoint(mck) else saved_padded_vocab
-        saved = read(mck, getattr(args, "tenplex_trust_pickles", False))
+        saved = read(mck, trust_pickles=getattr(args, "tenplex_trust_pickles", False))
     else:
         return padded
     kept = restart_padded_vocab_size(orig_vocab_size, args.make_vocab_size_divisible_by,
                                      args.tensor_model_parallel_size, saved)
-    if kept != padded and getattr(args, "rank", 0) == 0:
-        print(f" > tenplex: keeping the checkpoint's padded vocab {kept} (Megatron's rule at this TP: {padded})",
-              flush=True)
+    if kept != padded:
+        _log.info("keeping the checkpoint's padded vocab %d (Megatron's rule at this TP: %d)", kept, padded)
     return kept
 
 

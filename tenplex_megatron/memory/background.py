@@ -186,7 +186,7 @@ def persist_last(tier: MemoryTier) -> tuple[str, ...]:
     return done + drain(tier)
 
 
-def finish(tier: MemoryTier, over: bool) -> tuple[str, ...]:
+def finish(tier: MemoryTier, *, over: bool) -> tuple[str, ...]:
     """Collective, when the job stops: the last snapshot replicated to K nodes (a restart finds it in memory) and,
     when training is ``over``, persisted; otherwise the background persist under way is awaited. A paced
     replication goes at full speed from here on (no training left to spare). Returns the durable checkpoints

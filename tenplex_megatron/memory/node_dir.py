@@ -15,7 +15,6 @@ Everything here is local file work: which snapshot a restart loads is
 
 from __future__ import annotations
 
-import getpass
 import hashlib
 import json
 import os
@@ -34,11 +33,6 @@ NODE_FORMAT = "tenplex-memory-node"
 NODE_VERSION = 1
 SPARE_DIR = "tenplex-spare"  # retired snapshots' own rank files, overwritten by the next snapshot
 _SPARE_RE = re.compile(r"rank_\d{5}\.safetensors")
-
-
-def default_dir() -> str:
-    """The default memory directory: per user under /dev/shm (node-local shared memory)."""
-    return os.path.join("/dev/shm", f"tenplex-{getpass.getuser()}")
 
 
 def node_id(mem: str) -> str:

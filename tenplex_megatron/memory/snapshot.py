@@ -72,7 +72,7 @@ class _Clock:
         return tuple((n, t - s) for (n, t), s in zip(self.marks, starts, strict=True))
 
 
-def snapshot(adapter: Adapter, tier: MemoryTier, persist: bool | None = None) -> SnapshotResult:
+def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None) -> SnapshotResult:
     """Collective: snapshot the adapter's state into host memory (replicated); persist it in the background.
 
     ``persist``: True forces a durable copy of this snapshot, False skips it, None follows ``persist_interval``.

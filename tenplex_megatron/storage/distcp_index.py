@@ -115,7 +115,7 @@ def _dtype_name(d: Any) -> str:
     return d if isinstance(d, str) else str(d).removeprefix("torch.")
 
 
-def read_dcp_metadata(ckpt_dir: str, trust_pickles: bool = False) -> DcpIndex:
+def read_dcp_metadata(ckpt_dir: str, *, trust_pickles: bool = False) -> DcpIndex:
     """The DCP index of ``ckpt_dir/.metadata`` as plain data, unpickled with only DCP's own classes allowed (as
     torch-free stand-ins: neither torch nor any other code runs). ``trust_pickles``: a full unpickle (torch's)."""
     path = os.path.join(ckpt_dir, ".metadata")

@@ -5,7 +5,9 @@
 given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
 ``OSError(ENOSPC)``, ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
 ``TypeError`` (a type no code path expects: the phase runner must still carry
-it to every rank). Points, in the order a save or load passes them:
+it to every rank); any other kind, or a point not registered, is a ValueError naming ``TENPLEX_FAULT``.
+Points (:data:`ALL_POINTS`, the one registry: :func:`maybe_fail` refuses a name not in it), in the order a save or
+load passes them:
 ``save.gather`` (chunk lists), ``save.tensors`` (shard file half written),
 ``save.metadata_callback`` (building metadata.json; rank 0 only), ``save.metadata``
 (metadata written, not renamed; rank 0 only), ``save.commit`` (just before the
@@ -29,13 +31,49 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from dataclasses import dataclass
 
 POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
           "load.read", "load.verify", "load.copy", "load.restore")
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
+ALL_POINTS = POINTS + MEMORY_POINTS + LEASE_POINTS  # the one registry: maybe_fail refuses any other name
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
+KINDS = ("kill", "enospc", "eperm", "error", "typeerror")
+FAULT_ENV = "TENPLEX_FAULT"
 OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One parsed ``TENPLEX_FAULT``: where (a registered point, a rank or every rank, a save's iteration or any) and
+    what happens there."""
+
+    point: str
+    rank: int | None
+    iteration: int | None
+    kind: str
+
+    @classmethod
+    def parse(cls, spec: str) -> Fault:
+        """``<point>[@<rank>][#<iteration>][:<kind>]``; a ValueError naming ``TENPLEX_FAULT`` and what is wrong."""
+        where, _, kind = spec.partition(":")
+        where, _, it = where.partition("#")
+        name, _, r = where.partition("@")
+        bad = f"{FAULT_ENV}={spec!r}"
+        if name not in ALL_POINTS:
+            raise ValueError(f"{bad}: unknown fault point {name!r} (storage/faults.py: {', '.join(ALL_POINTS)})")
+        if (kind or "kill") not in KINDS:
+            raise ValueError(f"{bad}: unknown fault kind {kind!r} ({', '.join(KINDS)})")
+        try:
+            return cls(name, int(r) if r != "" else None, int(it) if it != "" else None, kind or "kill")
+        except ValueError:
+            raise ValueError(f"{bad}: the rank after @ and the iteration after # must be integers") from None
+
+    def fires(self, point: str, rank: int, iteration: int | None) -> bool:
+        """Whether this fault is meant for ``point`` on ``rank`` (in the save of ``iteration``, when given)."""
+        return (self.point == point and (self.rank is None or self.rank == rank)
+                and (self.iteration is None or iteration is None or self.iteration == iteration))
 
 
 def log_open(path: str) -> None:
@@ -47,29 +85,28 @@ def log_open(path: str) -> None:
 
 
 def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
-    spec = os.environ.get("TENPLEX_FAULT")
+    """Fail here as ``TENPLEX_FAULT`` says (inert without it). ``point`` must be registered (:data:`ALL_POINTS`): a
+    fault point the tests cannot name is refused, as is a ``TENPLEX_FAULT`` naming no registered point."""
+    if point not in ALL_POINTS:
+        raise ValueError(f"maybe_fail({point!r}): not a registered fault point (storage/faults.py ALL_POINTS)")
+    spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    where, _, kind = spec.partition(":")
-    where, _, it = where.partition("#")
-    name, _, r = where.partition("@")
-    if name != point or (r != "" and int(r) != rank):
+    fault = Fault.parse(spec)
+    if not fault.fires(point, rank, iteration):
         return
-    if it != "" and iteration is not None and int(it) != iteration:
-        return
-    kind = kind or "kill"
     once = os.environ.get("TENPLEX_FAULT_ONCE")
     if once:
         try:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return
-    if kind == "kill":
+    if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "eperm":
+    if fault.kind == "eperm":
         raise OSError(errno.EPERM, os.strerror(errno.EPERM), f"injected at {point}")
-    if kind == "enospc":
+    if fault.kind == "enospc":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected at {point}")
-    if kind == "typeerror":
+    if fault.kind == "typeerror":
         raise TypeError(f"injected unexpected TypeError at {point} on rank {rank}")
     raise RuntimeError(f"injected fault at {point} on rank {rank}")

@@ -68,7 +68,7 @@ class TorchDistCheckpoint:
         return int(m.group(1)) if m else 0
 
 
-def read_torch_dist(path: str, load_common: Callable[[str], Any], trust_pickles: bool = False) -> TorchDistCheckpoint:
+def read_torch_dist(path: str, load_common: Callable[[str], Any], *, trust_pickles: bool = False) -> TorchDistCheckpoint:
     """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt`` (with ``load_common``: torch's
     restricted ``torch.load`` at adoption, the torch-free reader in the cli), checking the format."""
     try:
@@ -81,7 +81,7 @@ def read_torch_dist(path: str, load_common: Callable[[str], Any], trust_pickles:
         supported = ", ".join(f"{b} version {v}" for b, v in sorted(SUPPORTED_BACKENDS))
         raise MegatronCheckpointError(f"{os.path.join(path, 'metadata.json')}: sharded backend {found[0]} version "
                                       f"{found[1]} is not supported (tenplex reads {supported})")
-    index = read_dcp_metadata(path, trust_pickles)
+    index = read_dcp_metadata(path, trust_pickles=trust_pickles)
     common = load_common(os.path.join(path, "common.pt"))
     if not isinstance(common, dict):
         raise MegatronCheckpointError(f"{os.path.join(path, 'common.pt')}: not a dict")

@@ -23,7 +23,7 @@ class PicklePolicy:
     error: type[Exception]
 
 
-def load_restricted(src: Any, path: str, policy: PicklePolicy, trust_pickles: bool, mmap: bool) -> Any:
+def load_restricted(src: Any, path: str, policy: PicklePolicy, *, trust_pickles: bool, mmap: bool) -> Any:
     """``torch.load`` of ``src`` (a path or a file object read from ``path``) under ``policy``."""
     try:
         if trust_pickles:

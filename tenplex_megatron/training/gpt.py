@@ -173,17 +173,40 @@ def build_job(
     ``padded_vocab`` overrides Megatron's padding rule (``make_vocab_size_divisible_by x TP``);
     it must be a multiple of TP.
     """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
+    padded_vocab = check_job(spec, layout, use_distributed_optimizer=use_distributed_optimizer,
+                             micro_batch_size=micro_batch_size, global_batch_size=global_batch_size,
+                             padded_vocab=padded_vocab, ddp=ddp)
+    init_model_parallel(spec, layout)
+    config = transformer_config(spec, layout)
+    model = build_model(spec, layout, config, padded_vocab, ddp, use_distributed_optimizer=use_distributed_optimizer)
+    optimizer = build_optimizer(spec, config, model, use_distributed_optimizer=use_distributed_optimizer)
+    return GPTJob(
+        spec=spec,
+        layout=layout,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(spec, optimizer, global_batch_size),
+        use_distributed_optimizer=use_distributed_optimizer,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        padded_vocab_size=padded_vocab,
+        ddp=ddp,
+    )
 
-    world = torch.distributed.get_world_size()
-    layout.check_fits(spec.shape(), world_size=world)
+
+def check_job(
+    spec: GPTSpec,
+    layout: ParallelLayout,
+    *,
+    use_distributed_optimizer: bool,
+    micro_batch_size: int,
+    global_batch_size: int,
+    padded_vocab: int | None,
+    ddp: DDPOptions,
+) -> int:
+    """The job's own rules before megatron-core's state is touched (a ValueError naming the flag); the padded
+    vocabulary (Megatron's rule when ``padded_vocab`` is None)."""
+    layout.check_fits(spec.shape(), world_size=torch.distributed.get_world_size())
     if layout.sp and spec.seq_length % layout.tp:
         raise ValueError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
                          "(each TP rank holds a slice of the sequence)")
@@ -194,10 +217,21 @@ def build_job(
                          "refuses; give --disable-bias-linear (as MoE recipes do) or EP > 1")
     if ddp.overlap_param_gather and not use_distributed_optimizer:
         raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's shards)")
+    if spec.bf16 and spec.fp16:
+        raise ValueError("--bf16 and --fp16 exclude each other")
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
     if padded_vocab % layout.tp or padded_vocab < spec.vocab_size:
         raise ValueError(f"padded vocabulary {padded_vocab} must be >= {spec.vocab_size} and a multiple of TP={layout.tp}")
+    return padded_vocab
+
+
+def init_model_parallel(spec: GPTSpec, layout: ParallelLayout) -> None:
+    """Collective: megatron-core's parallel state for ``layout``, built afresh (one process group can run several
+    jobs in turn), and its seeded RNGs."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
@@ -206,11 +240,20 @@ def build_job(
     )
     model_parallel_cuda_manual_seed(spec.seed)
     torch.manual_seed(spec.seed)
-    if spec.bf16 and spec.fp16:
-        raise ValueError("--bf16 and --fp16 exclude each other")
-    params_dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
-    on_gpu = torch.cuda.is_available()
-    config = TransformerConfig(
+
+
+def params_dtype(spec: GPTSpec) -> torch.dtype:
+    """The weights' dtype: bf16, fp16 (fp32 main weights in the optimizer) or fp32."""
+    return torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
+
+
+def transformer_config(spec: GPTSpec, layout: ParallelLayout) -> Any:
+    """megatron-core's ``TransformerConfig`` for ``spec`` at ``layout``, with Megatron-LM's defaults and the fused
+    kernels a CPU lacks turned off."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = params_dtype(spec)
+    return TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
@@ -226,9 +269,9 @@ def build_job(
         batch_p2p_comm=layout.vpp == 1,
         deallocate_pipeline_outputs=True,
         sequence_parallel=layout.sp,
-        use_cpu_initialization=not on_gpu,
-        pipeline_dtype=params_dtype,
-        params_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
         bf16=spec.bf16,
         fp16=spec.fp16,
         gated_linear_unit=spec.swiglu,
@@ -246,28 +289,17 @@ def build_job(
         expert_tensor_parallel_size=layout.expert_tp,
         **moe_config(spec),
     )
-    spec_layers = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
-                                           normalization=spec.normalization)
-    vpp = layout.vpp if layout.vpp > 1 else None
-    chunks = []
-    for stage in range(layout.vpp):  # one model chunk per virtual stage (Megatron-LM's get_model)
-        chunks.append(GPTModel(
-            config=config,
-            # the local (non-Transformer-Engine) spec; RMSNorm is torch.nn.RMSNorm there (WrappedTorchNorm)
-            transformer_layer_spec=spec_layers,
-            vocab_size=padded_vocab,
-            max_sequence_length=spec.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=stage),
-            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
-            position_embedding_type=spec.position_embedding_type,
-            rotary_percent=spec.rotary_percent,
-            rotary_base=spec.rotary_base,
-            vp_stage=stage if vpp else None,
-        ))
+
+
+def build_model(spec: GPTSpec, layout: ParallelLayout, config: Any, padded_vocab: int, ddp: DDPOptions, *,
+                use_distributed_optimizer: bool) -> list[Any]:
+    """Collective: the DDP-wrapped GPTModel chunks (one per virtual stage, as Megatron-LM's ``get_model``), with
+    megatron-core's DP grad reduction and tied-embedding all-reduce hooked into ``config``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
     model = []
-    for stage, chunk in enumerate(chunks):
-        if on_gpu:
+    for stage, chunk in enumerate(gpt_chunks(spec, layout, config, padded_vocab)):
+        if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
         if spec.bf16 or spec.fp16:
             from megatron.core.transformer.module import Float16Module
@@ -286,6 +318,41 @@ def build_job(
     # As Megatron-LM's training loop does: DP grad reduction and tied-embedding grad all-reduce.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    return model
+
+
+def gpt_chunks(spec: GPTSpec, layout: ParallelLayout, config: Any, padded_vocab: int) -> list[Any]:
+    """megatron-core's GPTModel, one chunk per virtual pipeline stage of this rank (unwrapped)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec_layers = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                           normalization=spec.normalization)
+    vpp = layout.vpp if layout.vpp > 1 else None
+    return [
+        GPTModel(
+            config=config,
+            # the local (non-Transformer-Engine) spec; RMSNorm is torch.nn.RMSNorm there (WrappedTorchNorm)
+            transformer_layer_spec=spec_layers,
+            vocab_size=padded_vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=stage),
+            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+            position_embedding_type=spec.position_embedding_type,
+            rotary_percent=spec.rotary_percent,
+            rotary_base=spec.rotary_base,
+            vp_stage=stage if vpp else None,
+        )
+        for stage in range(layout.vpp)
+    ]
+
+
+def build_optimizer(spec: GPTSpec, config: Any, model: list[Any], *, use_distributed_optimizer: bool) -> Any:
+    """megatron-core's Adam (distributed or not; fp16 with its loss scaler), its loss scale hooked into ``config``."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=spec.lr,
@@ -301,12 +368,19 @@ def build_job(
         min_loss_scale=spec.min_loss_scale,
         loss_scale_window=spec.loss_scale_window,
         hysteresis=spec.hysteresis,
-        params_dtype=params_dtype,
+        params_dtype=params_dtype(spec),
         use_distributed_optimizer=use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's train: fp16's loss scale (1 otherwise)
-    scheduler = OptimizerParamScheduler(
+    return optimizer
+
+
+def build_scheduler(spec: GPTSpec, optimizer: Any, global_batch_size: int) -> Any:
+    """megatron-core's LR and weight-decay schedule, counted in samples as Megatron-LM does."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=spec.lr,
@@ -318,18 +392,6 @@ def build_job(
         end_wd=spec.weight_decay,
         wd_incr_steps=spec.train_iters * global_batch_size,
         wd_incr_style="constant",
-    )
-    return GPTJob(
-        spec=spec,
-        layout=layout,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        use_distributed_optimizer=use_distributed_optimizer,
-        micro_batch_size=micro_batch_size,
-        global_batch_size=global_batch_size,
-        padded_vocab_size=padded_vocab,
-        ddp=ddp,
     )
 
 

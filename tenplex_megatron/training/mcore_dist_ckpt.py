@@ -135,7 +135,7 @@ def check_main_params(state: dict[str, Any]) -> None:
         )
 
 
-def save(job: GPTJob, ckpt_dir: str, check: bool = True, sharding_type: str = SHARDING_TYPE) -> None:
+def save(job: GPTJob, ckpt_dir: str, *, check: bool = True, sharding_type: str = SHARDING_TYPE) -> None:
     """Collective: megatron-core dist_checkpointing save of model, optimizer, scheduler and position into ``ckpt_dir``.
 
     ``check``: refuse to write when megatron-core's optimizer state is wrong (:func:`check_main_params`;
@@ -239,7 +239,7 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
         job.consumed_samples = int(loaded["consumed_samples"])
 
 
-def save_checkpoint(job: GPTJob, save_dir: str, check: bool = True, sharding_type: str = SHARDING_TYPE) -> str:
+def save_checkpoint(job: GPTJob, save_dir: str, *, check: bool = True, sharding_type: str = SHARDING_TYPE) -> str:
     """Collective: :func:`save` into ``save_dir/iter_NNNNNNN`` then (rank 0) update the tracker file, as
     Megatron-LM does; returns the iteration directory."""
 

@@ -31,16 +31,12 @@ from tenplex_megatron.plan.layout_choice import MEASURE_TIMED, MEASURE_TRIALS, M
 from tenplex_megatron.plan.layout_files import read_layout_times, with_measurement, write_layout_times
 from tenplex_megatron.storage.directory import find_checkpoint, read_metadata
 from tenplex_megatron.training import gpt, layout_choice
+from tenplex_megatron.training.console import print0 as _print0
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.synthetic_data import microbatches
 
 TRIALS = MEASURE_TRIALS  # candidates timed at a new world size (plan/simulate.py counts their cost too)
 WARMUP, TIMED = MEASURE_WARMUP, MEASURE_TIMED  # iterations per candidate: not timed, timed
-
-
-def _print0(msg: str) -> None:
-    if torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
 
 
 def _time_candidate(spec: GPTSpec, args: argparse.Namespace, tp: int, pp: int, mbs: int,

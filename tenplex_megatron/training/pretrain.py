@@ -15,11 +15,13 @@ megatron-core checkpoint is adopted by tenplex at whatever layout the job has
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 import psutil
 import torch
@@ -57,6 +59,8 @@ from tenplex_megatron.training import (
     mcore_dist_ckpt,
     measure,
 )
+from tenplex_megatron.training.console import print0 as _print0
+from tenplex_megatron.training.console import print_tenplex
 from tenplex_megatron.training.data import build_train_dataset, check_data_path, microbatches_from_dataset
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.signals import StopOnSignal
@@ -313,61 +317,9 @@ def check_moe_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, g
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:
-    return GPTSpec(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        vocab_size=args.vocab_size,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        swiglu=args.swiglu,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent,
-        normalization=args.normalization,
-        norm_epsilon=args.norm_epsilon,
-        add_bias_linear=args.add_bias_linear,
-        group_query_attention=args.group_query_attention,
-        num_query_groups=args.num_query_groups,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_style=args.lr_decay_style,
-        train_iters=args.train_iters,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        seed=args.seed,
-        num_experts=args.num_experts,
-        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
-        moe_router_topk=args.moe_router_topk,
-        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-        moe_router_score_function=args.moe_router_score_function,
-        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
-        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
-        moe_z_loss_coeff=args.moe_z_loss_coeff,
-    )
-
-
-def _print0(msg: str) -> None:
-    if torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
+    """The model and optimizer flags as a :class:`GPTSpec`: each field is the flag of the same name (Megatron-LM's),
+    so a new field needs only its flag."""
+    return GPTSpec(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GPTSpec)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,6 +341,25 @@ def run(args: argparse.Namespace) -> None:
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
     lease_flags.claim(args, "pretrain_gpt.py")  # when main() did not (several jobs in one launch)
+    layout = layout_from_args(args)
+    spec = spec_from_args(args)
+    tier = memory_flags.open_memory(args)
+    sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    padded = _padded_vocab(args, spec, layout, sources)
+    from_hf = _hf_init_dir(args, spec, sources)
+    job = _build_job(args, spec, layout, padded)
+    _restore(args, job, tier, sources, from_hf)
+    _train(args, job, tier, _train_dataset(args, spec))
+    if tier is not None:  # over: training is, and its last state goes to --save
+        memory_flags.finish(tier, over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
+        state.close(tier)
+    lease_flags.release(args)
+    _print0("> tenplex-megatron: done")
+
+
+def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
+    """Collective with ``--tenplex-layout measure`` (which times candidates first): the job's layout at this world
+    size, a world size the flags' parallel sizes do not divide refused naming them."""
     world = torch.distributed.get_world_size()
     if args.tenplex_layout == "measure":  # time the best few candidates once per world size, then choose
         measure.measure_and_choose(args, spec_from_args(args))
@@ -404,11 +375,14 @@ def run(args: argparse.Namespace) -> None:
             f"pretrain_gpt.py: error: world size {world} is not divisible by --expert-tensor-parallel-size x "
             f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp} x {ep} x {pp}"
         )
-    layout = ParallelLayout(tp, pp, world // (tp * pp), vpp=args.virtual_pipeline_model_parallel_size,
-                            sp=bool(args.sequence_parallel and tp > 1), ep=ep, etp=etp)
-    spec = spec_from_args(args)
-    tier = memory_flags.open_memory(args)
-    sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    return ParallelLayout(tp, pp, world // (tp * pp), vpp=args.virtual_pipeline_model_parallel_size,
+                          sp=bool(args.sequence_parallel and tp > 1), ep=ep, etp=etp)
+
+
+def _padded_vocab(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout,
+                  sources: restart_sources.Sources) -> int:
+    """The padded vocabulary: the restart source's (``--tenplex-vocab-padding keep``) where this TP allows it, else
+    Megatron's rule. A legacy Megatron-LM checkpoint without ``--tenplex`` is refused here, before anything is built."""
     from_memory, ckpt, mck = sources.memory, sources.tenplex, sources.megatron
     saved_padded = (from_memory.metadata if from_memory else read_metadata(ckpt) if ckpt else {}).get("padded_vocab_size")
     legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
@@ -416,18 +390,28 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
                          "--tenplex")
     if mck is not None and args.tenplex:
-        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, args.tenplex_trust_pickles)
-    from_hf = args.tenplex_init_from_hf if (ckpt is None and mck is None and from_memory is None) else None
-    if from_hf:  # the directory and its config against the flags, before anything is built
+        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, trust_pickles=args.tenplex_trust_pickles)
+    if args.tenplex_vocab_padding == "keep":
+        return restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp, saved_padded)
+    return padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
+
+
+def _hf_init_dir(args: argparse.Namespace, spec: GPTSpec, sources: restart_sources.Sources) -> str | None:
+    """``--tenplex-init-from-hf``'s directory when there is no checkpoint to restart from (None otherwise), checked
+    against the model flags before anything is built."""
+    if sources.tenplex is not None or sources.megatron is not None or sources.memory is not None:
+        return None
+    from_hf = args.tenplex_init_from_hf
+    if from_hf:
         try:
             check_hf_dir(from_hf, ModelFacts.from_model_json(spec.to_json()))
         except (ValueError, CheckpointFileError) as e:
             raise SystemExit(f"pretrain_gpt.py: error: --tenplex-init-from-hf {e}") from None
-    padded = (
-        restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved_padded)
-        if args.tenplex_vocab_padding == "keep"
-        else padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp)
-    )
+    return from_hf
+
+
+def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, padded: int) -> gpt.GPTJob:
+    """Collective: the megatron-core job at ``layout`` (a bad combination of flags exits naming it), announced."""
     try:
         job = gpt.build_job(
             spec,
@@ -444,36 +428,37 @@ def run(args: argparse.Namespace) -> None:
     if getattr(args, "tenplex_layout_why", None):
         _print0(f"> tenplex-megatron: --tenplex-layout {args.tenplex_layout}: {layout}, micro-batch "
                 f"{args.micro_batch_size} ({args.tenplex_layout_why})")
-    _print0(f"> tenplex-megatron: layout {layout} (world {world}), {job.num_microbatches} micro-batches per step, "
-        f"padded vocabulary {padded}")
+    _print0(f"> tenplex-megatron: layout {layout} (world {torch.distributed.get_world_size()}), "
+            f"{job.num_microbatches} micro-batches per step, padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
+    return job
+
+
+def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
+             sources: restart_sources.Sources, from_hf: str | None) -> None:
+    """Collective: the job's state from the first source that has one, in the shared load-source order
+    (``frontdoor/restart_sources.py``: host memory, a tenplex checkpoint, Megatron's own: adopted by tenplex with
+    ``--tenplex``, else through megatron-core's dist_checkpointing), else Hugging Face weights; else from scratch."""
+    layout, mck = job.layout, sources.megatron
     restarted = None
     if sources.ours:  # a damaged copy: the next one (engine/fallback.py)
         restarted = restart_sources.restart(job, tier, sources, args.load, verify=not args.tenplex_no_verify)
     if restarted is not None and restarted.memory is not None:
-        res = restarted.result
-        if getattr(args, "tenplex_timeline", None) is not None:
-            args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
-        _print0(memory_flags.describe_memory_load(restarted.memory, layout)
-                + f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})")
+        _note_loaded(args, restarted.result.seconds)
+        print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))
     elif restarted is not None or (mck is not None and args.tenplex):
-        if restarted is not None:
-            res = restarted.result
-        else:  # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
-            res = adopt_megatron_checkpoint(job, mck, args.tenplex_trust_pickles)
-        if getattr(args, "tenplex_timeline", None) is not None:
-            args.tenplex_timeline.update(loaded=time.time(), load_seconds=res.seconds)
-        _print0(
-            restart_sources.loaded_line(res, layout)
-            + f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
-            + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
-               if res.source_format == "megatron" else "")
-        )
+        # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
+        res = restarted.result if restarted is not None else adopt_megatron_checkpoint(
+            job, mck, trust_pickles=args.tenplex_trust_pickles)
+        _note_loaded(args, res.seconds)
+        print_tenplex(restart_sources.loaded_line(res, layout) + _rng_note(res)
+                + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
+                   if res.source_format == "megatron" else ""))
         if args.tenplex_resave:
             save_job(job, args.tenplex_resave)
     elif from_hf:
-        hf = init_from_hf(job, from_hf, ModelFacts.from_model_json(spec.to_json()))
+        hf = init_from_hf(job, from_hf, ModelFacts.from_model_json(job.spec.to_json()))
         _print0(f"> tenplex: initialised from Hugging Face checkpoint {from_hf} at layout {layout}: {hf.tensors} "
                 f"tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0 in {hf.stats.seconds:.2f} s")
     elif mck is not None:
@@ -484,76 +469,111 @@ def run(args: argparse.Namespace) -> None:
                 f"in {time.perf_counter() - t0:.2f} s")
     elif args.load:
         _print0(f"> no checkpoint under {args.load}; starting from scratch")
-    dp_rank = parallel_state.get_data_parallel_rank()
-    dataset = None
-    if args.data_path:  # megatron-core's GPTDataset, built once on every rank (rank 0 first); read by global index
-        t0 = time.perf_counter()
-        try:
-            dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
-                                          args.train_iters * args.global_batch_size, args.tokenizer)
-        except ValueError as e:
-            raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
-        _print0(f"> tenplex-megatron: --data-path {' '.join(args.data_path)}: GPTDataset train split, "
-                f"{len(dataset)} samples of {spec.seq_length} tokens (tokenizer {describe(args.tokenizer)}), "
-                f"built in {time.perf_counter() - t0:.2f} s")
+
+
+def _rng_note(res: Any) -> str:
+    """How a load treated the RNG states, for its line."""
+    return f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
+
+
+def _note_loaded(args: argparse.Namespace, seconds: float) -> None:
+    """Record when the load finished and how long it took in the restart's timeline (when one is kept)."""
+    if getattr(args, "tenplex_timeline", None) is not None:
+        args.tenplex_timeline.update(loaded=time.time(), load_seconds=seconds)
+
+
+def _train_dataset(args: argparse.Namespace, spec: GPTSpec) -> Any:
+    """Collective: megatron-core's GPTDataset of ``--data-path``, built once on every rank (rank 0 first) and read by
+    global index; None with ``--mock-data``."""
+    if not args.data_path:
+        return None
+    t0 = time.perf_counter()
+    try:
+        dataset = build_train_dataset(args.data_path, args.split, spec.seq_length, spec.seed,
+                                      args.train_iters * args.global_batch_size, args.tokenizer)
+    except ValueError as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
+    _print0(f"> tenplex-megatron: --data-path {' '.join(args.data_path)}: GPTDataset train split, "
+            f"{len(dataset)} samples of {spec.seq_length} tokens (tokenizer {describe(args.tokenizer)}), "
+            f"built in {time.perf_counter() - t0:.2f} s")
+    return dataset
+
+
+def _train(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None, dataset: Any) -> None:
+    """Collective: train to ``--train-iters`` (or ``--exit-interval``), saving every ``--save-interval`` and at the
+    end; with ``--tenplex``, SIGTERM (a scheduler's notice, torchrun's agent restarting for a node that joined or
+    left) makes every rank stop after the same iteration, save and return."""
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
-    metrics = open(args.tenplex_metrics, "a") if (args.tenplex_metrics and torch.distributed.get_rank() == 0) else None
-    # SIGTERM (a scheduler's notice, torchrun's agent restarting for a node that joined or left): save and exit 0
-    stopper = StopOnSignal().__enter__() if (args.tenplex and not args.tenplex_no_save_on_signal) else None
-    while job.iteration < stop:
-        t0 = time.perf_counter()
-        start = job.consumed_samples
-        if dataset is not None:
-            data = microbatches_from_dataset(dataset, start, job.global_batch_size, job.micro_batch_size,
-                                             layout.dp, dp_rank)
-        else:
-            data = microbatches(start, job.global_batch_size, job.micro_batch_size, layout.dp, dp_rank,
-                                spec.seq_length, spec.vocab_size, spec.seed)
-        skipped = job.skipped_iterations
-        loss = gpt.train_step(job, data)
-        skipped = job.skipped_iterations > skipped  # fp16: the loss scaler skipped this step
-        timeline = getattr(args, "tenplex_timeline", None)
-        if timeline is not None and "first_iteration" not in timeline:  # where a (re)start's time went
-            timeline["first_iteration"] = time.time()
-            _print0(f"> tenplex-megatron: timeline {json.dumps(timeline)}")
-        dt = (time.perf_counter() - t0) * 1000
-        lr = job.optimizer.param_groups[0]["lr"]
-        if job.iteration % args.log_interval == 0:
-            _print0(
-                f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples: {job.consumed_samples:12d} |"
-                f" elapsed time per iteration (ms): {dt:.1f} | learning rate: {lr:.6E} |"
-                f" global batch size: {job.global_batch_size:5d} | lm loss: {loss:.6E} |"
-                f" number of skipped iterations: {job.skipped_iterations:3d} | number of nan iterations:   0 |"
-            )
-        if metrics is not None:
-            samples = [
-                i
-                for r in range(layout.dp)
-                for mb in microbatch_sample_indices(start, job.global_batch_size, job.micro_batch_size, layout.dp, r)
-                for i in mb
-            ]
-            metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": lr, "samples": samples,
-                                      "skipped": skipped, "loss_scale": _loss_scale(job),
-                                      "layout": layout.to_json(), "micro_batch_size": job.micro_batch_size,
-                                      "time": time.time()}) + "\n")
-            metrics.flush()
-        if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-            _save(job, args, tier)
-        if stopper is not None and stopper.agreed():
-            _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
-                    + ("" if args.save else " (no --save: nothing is saved)"))
-            break
-    if stopper is not None:
-        stopper.__exit__()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    on_signal = args.tenplex and not args.tenplex_no_save_on_signal
+    with _metrics_file(args) as metrics, (StopOnSignal() if on_signal else contextlib.nullcontext()) as stopper:
+        while job.iteration < stop:
+            t0 = time.perf_counter()
+            start, skipped = job.consumed_samples, job.skipped_iterations
+            loss = gpt.train_step(job, _microbatches(args, job, dataset, start, dp_rank))
+            _note_first_iteration(args)
+            _log_iteration(args, job, loss, (time.perf_counter() - t0) * 1000)
+            if metrics is not None:  # skipped: the fp16 loss scaler skipped this step
+                _write_metrics(metrics, job, start, loss, skipped=job.skipped_iterations > skipped)
+            if args.save and args.save_interval and job.iteration % args.save_interval == 0:
+                _save(job, args, tier)
+            if stopper is not None and stopper.agreed():
+                _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
+                        + ("" if args.save else " (no --save: nothing is saved)"))
+                break
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
         _save(job, args, tier)
-    if tier is not None:  # over: training is, and its last state goes to --save
-        memory_flags.finish(tier, bool(args.save) and job.iteration >= args.train_iters, _print0)
-        state.close(tier)
-    if metrics is not None:
-        metrics.close()
-    lease_flags.release(args)
-    _print0("> tenplex-megatron: done")
+
+
+def _metrics_file(args: argparse.Namespace) -> contextlib.AbstractContextManager[TextIO | None]:
+    """``--tenplex-metrics``'s file, appended to on rank 0 (None elsewhere and without the flag)."""
+    if args.tenplex_metrics and torch.distributed.get_rank() == 0:
+        return open(args.tenplex_metrics, "a")
+    return contextlib.nullcontext()
+
+
+def _microbatches(args: argparse.Namespace, job: gpt.GPTJob, dataset: Any, start: int, dp_rank: int) -> Any:
+    """This DP rank's micro-batches of the global batch that starts at sample ``start``."""
+    if dataset is not None:
+        return microbatches_from_dataset(dataset, start, job.global_batch_size, job.micro_batch_size,
+                                         job.layout.dp, dp_rank)
+    return microbatches(start, job.global_batch_size, job.micro_batch_size, job.layout.dp, dp_rank,
+                        job.spec.seq_length, job.spec.vocab_size, job.spec.seed)
+
+
+def _note_first_iteration(args: argparse.Namespace) -> None:
+    """At a (re)start's first iteration: when it ended, and the whole timeline printed (where the time went)."""
+    timeline = getattr(args, "tenplex_timeline", None)
+    if timeline is not None and "first_iteration" not in timeline:
+        timeline["first_iteration"] = time.time()
+        _print0(f"> tenplex-megatron: timeline {json.dumps(timeline)}")
+
+
+def _log_iteration(args: argparse.Namespace, job: gpt.GPTJob, loss: float, ms: float) -> None:
+    """Megatron-LM's iteration line, every ``--log-interval`` iterations."""
+    if job.iteration % args.log_interval == 0:
+        _print0(
+            f" iteration {job.iteration:8d}/{args.train_iters:8d} | consumed samples: {job.consumed_samples:12d} |"
+            f" elapsed time per iteration (ms): {ms:.1f} | learning rate: {job.optimizer.param_groups[0]['lr']:.6E} |"
+            f" global batch size: {job.global_batch_size:5d} | lm loss: {loss:.6E} |"
+            f" number of skipped iterations: {job.skipped_iterations:3d} | number of nan iterations:   0 |"
+        )
+
+
+def _write_metrics(metrics: TextIO, job: gpt.GPTJob, start: int, loss: float, *, skipped: bool) -> None:
+    """One ``--tenplex-metrics`` JSON line: the step's loss, LR, the global sample indices it trained on, layout."""
+    dp = job.layout.dp
+    samples = [
+        i
+        for r in range(dp)
+        for mb in microbatch_sample_indices(start, job.global_batch_size, job.micro_batch_size, dp, r)
+        for i in mb
+    ]
+    metrics.write(json.dumps({"iteration": job.iteration, "loss": loss, "lr": job.optimizer.param_groups[0]["lr"],
+                              "samples": samples, "skipped": skipped, "loss_scale": _loss_scale(job),
+                              "layout": job.layout.to_json(), "micro_batch_size": job.micro_batch_size,
+                              "time": time.time()}) + "\n")
+    metrics.flush()
 
 
 def _loss_scale(job: Any) -> float | None:
@@ -566,9 +586,9 @@ def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
           persist: bool | None = None) -> None:
     gpt.sync_params(job)
     if tier is not None:
-        snap = snapshot(MegatronCoreAdapter(job), tier, persist)
+        snap = snapshot(MegatronCoreAdapter(job), tier, persist=persist)
         for line in memory_flags.describe_snapshot(snap, job.iteration):
-            _print0(line)
+            print_tenplex(line)
         return
     if not args.tenplex and args.ckpt_format == "torch":
         t0 = time.perf_counter()

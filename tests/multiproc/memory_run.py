@@ -120,7 +120,7 @@ def warnings_logged() -> Iterator[list[str]]:
 def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:
     a = Tiny(value)
     a.it = it
-    return snapshot(a, t, persist)
+    return snapshot(a, t, persist=persist)
 
 
 def error_of(fn: Any) -> str | None:

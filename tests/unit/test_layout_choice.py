@@ -55,7 +55,7 @@ def test_a_degree_given_on_the_command_line_wins(monkeypatch) -> None:
     assert choose_layout_for_args(_megatron_args(tenplex_layout=None), []) is None  # no flag: nothing changes
 
 
-def test_a_table_in_the_hook_gives_its_row(tmp_path, monkeypatch) -> None:
+def test_a_table_in_the_hook_gives_its_row(tmp_path, monkeypatch, capsys) -> None:
     table = tmp_path / "t.json"
     table.write_text(json.dumps({"version": 1, "layouts": {"2": {"tp": 1, "pp": 2, "dp": 1, "micro_batch_size": 4}}}))
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -64,6 +64,13 @@ def test_a_table_in_the_hook_gives_its_row(tmp_path, monkeypatch) -> None:
     chosen = choose_layout_for_args(args, [])
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size) == (1, 2, 4)
     assert chosen.why == f"from {table}"
+    capsys.readouterr()
+    monkeypatch.setenv("RANK", "0")  # the hook logs its choice once, with the logger's one prefix, on rank 0
+    choose_layout_for_args(_megatron_args(tenplex_layout=str(table)), [])
+    monkeypatch.setenv("RANK", "1")
+    choose_layout_for_args(_megatron_args(tenplex_layout=str(table)), [])
+    out = capsys.readouterr().out
+    assert out.count(f"> tenplex: --tenplex-layout {table}: tp=1,pp=2,dp=1, micro-batch 4 (from {table})\n") == 1
 
 
 def test_no_legal_layout_in_the_hook_lists_every_refused_candidate(monkeypatch, capsys) -> None:

@@ -41,3 +41,15 @@ def test_propagate_hands_records_to_the_programs_handlers() -> None:
     r = subprocess.run([sys.executable, "-c", _PROGRAM], capture_output=True, text=True, check=True,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     assert r.stdout == "" and r.stderr == "tenplex_megatron.test|WARNING|hello there\n"
+
+
+def test_records_go_to_the_streams_of_the_moment(capsys, monkeypatch) -> None:
+    """The handlers write to sys.stdout/sys.stderr as they are when a record comes (pytest's capture, a program
+    that redirects them), not as they were when the logger was first set up."""
+    from tenplex_megatron import log
+
+    monkeypatch.setenv("RANK", "0")
+    log.get("test").info("first %d", 1)
+    log.get("test").warning("second %d", 2)
+    out, err = capsys.readouterr()
+    assert out == "> tenplex: first 1\n" and err == "> tenplex: warning: second 2\n"

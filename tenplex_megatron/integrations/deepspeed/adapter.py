@@ -153,7 +153,7 @@ def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | N
     return save(DeepSpeedAdapter(engine, client_state=client_state), save_dir, keep)
 
 
-def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, verify: bool = True,
+def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *, verify: bool = True,
                     seed: int = 1234, trust_pickles: bool = False) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` into ``engine``, re-sharded.
 
@@ -172,7 +172,8 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, ve
                                 None, None, load_dir, newest).result
 
     def opener() -> Any:  # runs before the adapter describes the engine for the load
-        opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration), trust_pickles)
+        opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration),
+                                                           trust_pickles=trust_pickles)
         return opened
 
     return load(adapter, load_dir, None, strict=True, verify=False, opener=opener, source_format="deepspeed")

@@ -34,16 +34,16 @@ def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **op
     return state.open_tier(settings, start_helpers_now=True)
 
 
-def save_snapshot(engine: Any, tier: MemoryTier, client_state: dict[str, Any] | None = None,
+def save_snapshot(engine: Any, tier: MemoryTier, client_state: dict[str, Any] | None = None, *,
                   persist: bool | None = None) -> SnapshotResult:
     """Collective: snapshot the engine's full state (named after its global steps) into host memory.
 
     ``persist``: True forces a durable copy of this snapshot, False skips it, None follows ``persist_interval``.
     """
-    return snapshot(DeepSpeedAdapter(engine, client_state=client_state), tier, persist)
+    return snapshot(DeepSpeedAdapter(engine, client_state=client_state), tier, persist=persist)
 
 
-def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, verify: bool = True,
+def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, *, verify: bool = True,
                 seed: int = 1234) -> MemoryLoadResult | LoadResult | None:
     """Collective: load the newest state into ``engine``, re-sharded to its DP size: the newest snapshot whole in
     the live nodes' memory, else the durable checkpoint under ``load_dir`` (tenplex's or DeepSpeed's own); None
@@ -57,10 +57,10 @@ def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, verify: boo
     return load_checkpoint(engine, load_dir, verify=verify, seed=seed)
 
 
-def finish_memory(tier: MemoryTier, over: bool) -> tuple[str, ...]:
+def finish_memory(tier: MemoryTier, *, over: bool) -> tuple[str, ...]:
     """Collective, when the job stops: the last snapshot replicated to its peers and, when training is ``over``,
     persisted; then the helpers stop. Returns the durable checkpoints committed meanwhile."""
     try:
-        return background.finish(tier, over)
+        return background.finish(tier, over=over)
     finally:
         state.close(tier)

@@ -82,13 +82,13 @@ def _safe_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def read_pickle(path: str, trust_pickles: bool = False) -> dict[str, Any]:
+def read_pickle(path: str, *, trust_pickles: bool = False) -> dict[str, Any]:
     """A DeepSpeed ``.pt`` file, memory-mapped; ``weights_only`` with DeepSpeed's plain classes allowed."""
     if not os.path.isfile(path):
         raise CheckpointFileError(f"{path}: missing (a DeepSpeed checkpoint needs one file per rank)")
     policy = PicklePolicy(tuple(_safe_globals()), "DeepSpeed", "a DeepSpeed checkpoint class", "trust_pickles=True",
                           CheckpointFileError)
-    return load_restricted(path, path, policy, trust_pickles, mmap=True)
+    return load_restricted(path, path, policy, trust_pickles=trust_pickles, mmap=True)
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class NativeCheckpoint:
         return f"{self.prefix}zero_pp_rank_{dp_rank}_mp_rank_00_optim_states.pt"
 
 
-def inspect_native(path: str, trust_pickles: bool = False) -> NativeCheckpoint:
+def inspect_native(path: str, *, trust_pickles: bool = False) -> NativeCheckpoint:
     """Find the ZeRO stage, DP size and file names of a DeepSpeed checkpoint directory (PP=TP=1)."""
     if glob.glob(os.path.join(path, "layer_*-model_states.pt")):
         raise DeepSpeedStateError(f"{path}: a PipelineModule checkpoint; reading DeepSpeed's own pipeline files "
@@ -115,7 +115,7 @@ def inspect_native(path: str, trust_pickles: bool = False) -> NativeCheckpoint:
                        if os.path.isfile(os.path.join(path, c))), None)
     if model_file is None:
         raise CheckpointFileError(f"{path}: no {' or '.join(candidates)} (not a DeepSpeed ZeRO checkpoint?)")
-    ms = read_pickle(model_file, trust_pickles)
+    ms = read_pickle(model_file, trust_pickles=trust_pickles)
     if int(ms.get("mp_world_size", 1)) != 1:
         raise DeepSpeedStateError(f"{model_file}: mp_world_size={ms['mp_world_size']}; only TP=1 is supported")
     zero = int((ms.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
@@ -137,7 +137,7 @@ def _param_shapes(ms: dict[str, Any], path: str) -> dict[str, tuple[int, ...]]:
 class NativeSources(UncheckedSource):
     """Hands out flat ranges of the partitions in DeepSpeed's optimizer files, each file read once (mmap)."""
 
-    def __init__(self, path: str, trust_pickles: bool):
+    def __init__(self, path: str, *, trust_pickles: bool):
         self.path = path
         self.trust = trust_pickles
         self.readers: dict[str, dict[str, Any]] = {}
@@ -145,7 +145,8 @@ class NativeSources(UncheckedSource):
     def state_dict(self, fname: str) -> dict[str, Any]:
         sd = self.readers.get(fname)
         if sd is None:
-            sd = self.readers[fname] = read_pickle(confine(self.path, fname, "the DeepSpeed layout"), self.trust)
+            sd = self.readers[fname] = read_pickle(confine(self.path, fname, "the DeepSpeed layout"),
+                                                          trust_pickles=self.trust)
             if "optimizer_state_dict" not in sd:
                 raise CheckpointFileError(f"{os.path.join(self.path, fname)}: no optimizer_state_dict")
         return sd
@@ -225,10 +226,10 @@ def _stage3_chunks(ck: NativeCheckpoint, src: NativeSources, shapes: dict[str, t
     return out
 
 
-def open_native(path: str, trust_pickles: bool = False) -> tuple[Opened, NativeCheckpoint]:
+def open_native(path: str, *, trust_pickles: bool = False) -> tuple[Opened, NativeCheckpoint]:
     """Describe a DeepSpeed checkpoint directory as a PTC over its own optimizer files."""
-    ck = inspect_native(path, trust_pickles)
-    src = NativeSources(path, trust_pickles)
+    ck = inspect_native(path, trust_pickles=trust_pickles)
+    src = NativeSources(path, trust_pickles=trust_pickles)
     for r in range(ck.dp):  # every rank's file must be there (inside the directory), whoever reads it
         if not os.path.isfile(confine(path, ck.optim_file(r), "the DeepSpeed layout")):
             raise CheckpointFileError(f"{os.path.join(path, ck.optim_file(r))}: missing (the checkpoint was "

@@ -84,7 +84,7 @@ def export_hf(ckpt: str, out: str, dtype: str | None = None, max_shard_bytes: in
     transformers = require("transformers", "hf", needed_by="export-hf")
     if dtype is not None and dtype not in DTYPES:
         raise HFMapError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    opened = open_tenplex(ckpt, None, verify)
+    opened = open_tenplex(ckpt, None, verify=verify)
     meta = opened.metadata
     if meta.get("framework") not in (None, "megatron-core"):
         raise HFMapError(f"{opened.path}: written by {meta.get('framework')!r}; export-hf reads megatron-core "

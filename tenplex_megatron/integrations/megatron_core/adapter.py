@@ -147,21 +147,21 @@ def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep:
     return save(MegatronCoreAdapter(job, extra), save_dir, keep)
 
 
-def load_job(job: Any, load_dir: str, iteration: int | None = None, strict: bool = True,
+def load_job(job: Any, load_dir: str, iteration: int | None = None, *, strict: bool = True,
              verify: bool = True) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout.
 
     ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
     """
-    return load(MegatronCoreAdapter(job), load_dir, iteration, strict, verify)
+    return load(MegatronCoreAdapter(job), load_dir, iteration, strict=strict, verify=verify)
 
 
-def adopt_megatron_checkpoint(job: Any, path: str, trust_pickles: bool = False) -> LoadResult:
+def adopt_megatron_checkpoint(job: Any, path: str, *, trust_pickles: bool = False) -> LoadResult:
     """Collective: load Megatron's own checkpoint directory ``path`` (``torch_dist`` with any optimizer format, or
     the legacy ``torch`` format; any saving layout) into ``job`` through tenplex's planner and executor, each rank
     reading only its part. ``trust_pickles``: unpickle Megatron's files fully (default: plain classes only)."""
-    opener = (partial(open_legacy, path, job, trust_pickles) if is_legacy_megatron_checkpoint(path)
-              else opener_for(path, job, trust_pickles))
+    opener = (partial(open_legacy, path, job, trust_pickles=trust_pickles) if is_legacy_megatron_checkpoint(path)
+              else opener_for(path, job, trust_pickles=trust_pickles))
     return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
 
 
@@ -252,4 +252,5 @@ def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *
     Returns a :class:`LoadResult`: ``.iteration`` and ``.consumed_samples`` say where to resume,
     ``.metadata["extra"]`` holds what was passed as ``extra`` at save.
     """
-    return load_job(live_job(model, optimizer, scheduler, vocab_size, seed), load_dir, iteration, strict, verify)
+    return load_job(live_job(model, optimizer, scheduler, vocab_size, seed), load_dir, iteration, strict=strict,
+                    verify=verify)

@@ -49,7 +49,7 @@ from tenplex_megatron.storage.source import Opened, UncheckedSource
 class LegacySource(UncheckedSource):
     """Flat ranges of the tensors in the legacy files, each file memory-mapped and unpickled once."""
 
-    def __init__(self, path: str, trust: bool):
+    def __init__(self, path: str, *, trust: bool):
         self.path, self.trust = path, trust
         self.readers: dict[str, Any] = {}
 
@@ -84,9 +84,9 @@ class LegacySource(UncheckedSource):
         self.readers.clear()
 
 
-def open_legacy(path: str, job: Any, trust_pickles: bool = False) -> Opened:
+def open_legacy(path: str, job: Any, *, trust_pickles: bool = False) -> Opened:
     """Describe a legacy iteration directory for ``job`` (checked against it) and open it; the job is untouched."""
-    src = LegacySource(path, trust_pickles)
+    src = LegacySource(path, trust=trust_pickles)
     model, layer_keys, module_names = describe_model(job)
     ptc, first, args = describe_legacy(path, src.load, model, layer_keys, module_names)
     check_saved_args(path, args)
@@ -114,9 +114,9 @@ def _plain(group: dict[str, Any]) -> dict[str, Any]:
     return {k: jsonable(v) for k, v in group.items() if k != "params"}
 
 
-def legacy_padded_vocab(path: str, trust_pickles: bool = False) -> int | None:
+def legacy_padded_vocab(path: str, *, trust_pickles: bool = False) -> int | None:
     """The padded vocabulary of a legacy checkpoint: its first rank's word-embedding rows times the saving TP."""
     layout = legacy_layout(path)
-    first = LegacySource(path, trust_pickles).load(os.path.join(rank_dir(0, 0, layout.pp), MODEL_FILE))
+    first = LegacySource(path, trust=trust_pickles).load(os.path.join(rank_dir(0, 0, layout.pp), MODEL_FILE))
     emb = (first.get("model") or {}).get(PRE_KEYS[0])
     return None if emb is None else int(emb.shape[0]) * layout.tp

@@ -62,19 +62,20 @@ _POLICY = PicklePolicy(tuple(SAFE_GLOBALS), "Megatron", "one of the plain classe
                        "--tenplex-trust-pickles (trust_pickles=True)", MegatronCheckpointError)
 
 
-def load_pickle(path: str, data: bytes | None = None, trust_pickles: bool = False, mmap: bool = False) -> Any:
+def load_pickle(path: str, data: bytes | None = None, *, trust_pickles: bool = False, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)`` of a Megatron pickle (a file, memory-mapped with ``mmap``, or ``data``
     read from one) with only :data:`SAFE_GLOBALS` allowed; any other class fails naming the file and the class."""
     src: Any = io.BytesIO(data) if data is not None else path
     if data is None and not os.path.isfile(path):
         raise MegatronCheckpointError(f"{path}: missing")
-    return load_restricted(src, path, _POLICY, trust_pickles, mmap)
+    return load_restricted(src, path, _POLICY, trust_pickles=trust_pickles, mmap=mmap)
 
 
-def open_torch_dist(path: str, trust_pickles: bool = False) -> TorchDistCheckpoint:
+def open_torch_dist(path: str, *, trust_pickles: bool = False) -> TorchDistCheckpoint:
     """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt`` (under the pickle policy),
     checking the format."""
-    return read_torch_dist(path, lambda f: load_pickle(f, trust_pickles=trust_pickles), trust_pickles)
+    return read_torch_dist(path, lambda f: load_pickle(f, trust_pickles=trust_pickles),
+                           trust_pickles=trust_pickles)
 
 
 class DistcpSource(UncheckedSource):
@@ -94,17 +95,17 @@ class DistcpSource(UncheckedSource):
         self.files.close()
 
 
-def read_object(ck: TorchDistCheckpoint, key: str, files: DistcpFiles, trust: bool) -> Any:
+def read_object(ck: TorchDistCheckpoint, key: str, files: DistcpFiles, *, trust: bool) -> Any:
     """One pickled object of the index (the distributed optimizer's param groups), read under the pickle policy."""
     infos = [s for (k, _), s in ck.storage.items() if k == key]
     if not infos:
         raise MegatronCheckpointError(f"{ck.path}: the index has no object {key!r}")
     s = infos[0]
     return load_pickle(os.path.join(ck.path, s.relative_path), files.read_bytes(s.relative_path, s.offset, s.length),
-                       trust)
+                       trust_pickles=trust)
 
 
-def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) -> dict[str, Any]:
+def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, *, trust: bool) -> dict[str, Any]:
     """Param groups (without params) and step in ``optimizer_state_json``'s form: ``dp_reshardable`` keeps them in
     a sharded object per DP group, ``fully_reshardable`` and plain optimizers in ``common.pt`` (a mixture of experts'
     chained optimizer: one record per sub-optimizer, keyed 0, 1, ...)."""
@@ -113,7 +114,7 @@ def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) ->
                                                              r"/shard_0_\d+", k)), None)
         if key is None:
             raise MegatronCheckpointError(f"{ck.path}: no distributed-optimizer param groups (dp_group_idx_0.optimizer)")
-        obj = read_object(ck, key, files, trust)
+        obj = read_object(ck, key, files, trust=trust)
         states = obj if isinstance(obj, list) else [obj]
     else:
         opt = ck.common.get("optimizer") or {}
@@ -135,12 +136,12 @@ def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, trust: bool) ->
     return {"sub_optimizers": subs}
 
 
-def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
+def open_megatron(path: str, job: Any, *, trust_pickles: bool = False) -> Opened:
     """Describe the ``torch_dist`` checkpoint ``path`` for ``job`` (checked against it) and open it for reading.
 
     Nothing of the job is touched: an error here (another model, a missing file, a format not understood)
     leaves every rank's state as it was."""
-    ck = open_torch_dist(path, trust_pickles)
+    ck = open_torch_dist(path, trust_pickles=trust_pickles)
     model, layer_keys, _ = describe_model(job)
     wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in model.values()) else set())
     ptc = describe_torch_dist(ck, model, layer_keys, wanted)
@@ -154,7 +155,7 @@ def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
         "layout": ptc.layout,
         "iteration": iteration,
         "consumed_samples": int(consumed if consumed is not None else iteration * job.global_batch_size),
-        "optimizer": _optimizer_json(ck, source.files, trust_pickles),
+        "optimizer": _optimizer_json(ck, source.files, trust=trust_pickles),
         "scheduler": common.get("scheduler", common.get("opt_param_scheduler")),
         "padded_vocab_size": int(ptc.tensors[PRE_KEYS[0]].global_shape[0]) if PRE_KEYS[0] in ptc.tensors else None,
         "extra": {"num_floating_point_operations_so_far": float(common.get("num_floating_point_operations_so_far", 0.0) or 0.0)},
@@ -166,12 +167,12 @@ def open_megatron(path: str, job: Any, trust_pickles: bool = False) -> Opened:
     return Opened(path, meta, ptc, source)
 
 
-def opener_for(path: str, job: Any, trust_pickles: bool = False) -> Callable[[], Opened]:
+def opener_for(path: str, job: Any, *, trust_pickles: bool = False) -> Callable[[], Opened]:
     """The engine's ``opener`` for a Megatron checkpoint directory."""
-    return lambda: open_megatron(path, job, trust_pickles)
+    return lambda: open_megatron(path, job, trust_pickles=trust_pickles)
 
 
-def saved_padded_vocab(path: str, trust_pickles: bool = False) -> int | None:
+def saved_padded_vocab(path: str, *, trust_pickles: bool = False) -> int | None:
     """The padded vocabulary of a ``torch_dist`` checkpoint's word embedding (None: it has none)."""
-    st = read_dcp_metadata(path, trust_pickles).tensors.get(PRE_KEYS[0])
+    st = read_dcp_metadata(path, trust_pickles=trust_pickles).tensors.get(PRE_KEYS[0])
     return None if st is None else st.size[0]

@@ -1,0 +1,133 @@
+"""The package's import graph, read from the source with ``ast`` (nothing imported): no cycle between modules, and no
+function-level import of the package's own modules except where the allow-list below says why."""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Iterator
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+PKG = "tenplex_megatron"
+
+#: (importing module, imported module): why the import waits for a call. An optional dependency (DeepSpeed,
+#: Megatron-LM, transformers) is imported inside functions freely; the package's own modules only here.
+FUNCTION_LEVEL_ALLOWED = {
+    ("tenplex_megatron", "tenplex_megatron.integrations.megatron_core.adapter"):
+        "PEP 562 lazy public API: `import tenplex_megatron` (and its pure plan/) must not import torch or megatron-core",
+}
+
+
+def _modules() -> dict[str, str]:
+    """Every module of the package: dotted name -> file."""
+    out = {}
+    for dirpath, _, files in os.walk(os.path.join(ROOT, PKG)):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+                out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+    return out
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> list[str]:
+    """The package's modules an import statement loads (``from a import b`` loads ``a.b`` when that is a module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == PKG]
+    base = node.module or ""
+    if node.level:
+        parts = module.split(".") if is_package else module.split(".")[:-1]
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([node.module] if node.module else []))
+    if base.split(".")[0] != PKG:
+        return []
+    subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
+    return subs if len(subs) == len(node.names) else [base, *subs]
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _import_nodes(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.Import | ast.ImportFrom, bool]]:
+    """Every import statement under ``node``, with whether it runs inside a function (``if TYPE_CHECKING:`` skipped)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, in_function
+        yield from _import_nodes(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                         ast.Lambda)))
+
+
+def _imports() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
+    """Module-level edges (``if TYPE_CHECKING:`` blocks left out) and function-level imports (module, target, line)."""
+    mods = _modules()
+    known = set(mods)
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    inner: list[tuple[str, str, int]] = []
+    for module, path in mods.items():
+        is_package = path.endswith("__init__.py")
+        for node, in_function in _import_nodes(ast.parse(open(path).read(), path), False):
+            for target in _targets(node, module, is_package, known):
+                if in_function:
+                    inner.append((module, target, node.lineno))
+                elif target != module:
+                    edges[module].add(target)
+    return edges, inner
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_the_packages_modules() -> None:
+    edges, _ = _imports()
+    assert sum(len(t) for t in edges.values()) > 200  # the graph was really read, submodules resolved:
+    assert {"tenplex_megatron.training.gpt", "tenplex_megatron.memory.state"} <= edges["tenplex_megatron.training.pretrain"]
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_function_level_import_of_the_packages_own_modules_beyond_the_allow_list() -> None:
+    _, inner = _imports()
+    found = {(m, t) for m, t, _ in inner}
+    unexplained = sorted(f"{m}:{line} imports {t}" for m, t, line in inner if (m, t) not in FUNCTION_LEVEL_ALLOWED)
+    assert not unexplained, "import at module level, or add to FUNCTION_LEVEL_ALLOWED with why:\n" + "\n".join(
+        unexplained)
+    assert set(FUNCTION_LEVEL_ALLOWED) <= found, f"stale allow-list entries: {set(FUNCTION_LEVEL_ALLOWED) - found}"
