@@ -8,7 +8,7 @@ import re
 import subprocess
 import sys
 
-from tenplex_megatron.plan.autolayout import choose_layout
+from tenplex_megatron.plan.autolayout import choose_layout, parse_candidate_key
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,17 +24,21 @@ def test_layouts_for_12_gpus_ranks_legal_layouts_and_says_why_others_are_exclude
              "--global-batch-size", "512")
     assert p.returncode == 0, p.stderr
     out = p.stdout
-    rows = re.findall(r"^\s+(\d+)\s+(tp=\d+,pp=\d+,dp=\d+,mbs=\d+)\s+(\d+)\s+([\d.]+) GiB .* ([\d.]+)\s+\(.*\) modelled$",
+    rows = re.findall(r"^\s+(\d+)\s+(tp=\d+,pp=\d+,dp=\d+(?:,vpp=\d+)?,mbs=\d+)\s+(\d+)\s+([\d.]+) GiB .* ([\d.]+)\s+\(.*\) modelled$",
                       out, re.M)
     assert rows and rows[0][0] == "1"
     # the top row is the library's choice, and it is legal by the rules written out here
     assert rows[0][1] == choose_layout(load_model("gpt3-1.3b"), 12, 4, 512, memory_gb=80).best.key
     for _, key, micro_batches, mem, _seconds in rows:
-        tp, pp, dp, mbs = (int(x) for x in re.findall(r"\d+", key))
-        assert tp * pp * dp == 12 and tp <= 4 and 16 % tp == 0 and 24 % pp == 0 and 512 % (dp * mbs) == 0
+        layout, mbs = parse_candidate_key(key)
+        tp, pp, dp, vpp = layout.tp, layout.pp, layout.dp, layout.vpp
+        assert tp * pp * dp == 12 and tp <= 4 and 16 % tp == 0 and 24 % (pp * vpp) == 0 and 512 % (dp * mbs) == 0
         assert int(micro_batches) == 512 // (dp * mbs) and float(mem) <= 80
     assert [float(r[4]) for r in rows] == sorted(float(r[4]) for r in rows)
-    assert "candidates   72: " in out
+    # every (TP, PP, DP) of 12, at PP > 1 with every VPP splitting a rank's 24 / PP layers evenly, x 4 micro-batch sizes
+    splits = [(pp, v) for tp in range(1, 13) for pp in range(1, 13) if 12 % (tp * pp) == 0
+              for v in range(1, 25) if v == 1 or (pp > 1 and 24 % (pp * v) == 0)]
+    assert f"candidates   {4 * len(splits)}: " in out
     # exclusions, each with its reasons
     assert "tp=3,pp=1,dp=4 mbs=1,2,4,8: TP=3 does not divide the attention heads (16)" in out
     assert re.search(r"^  tp=6,pp=2,dp=1 mbs=1,2,4,8: TP=6 spans more than the 4 GPUs of a node", out, re.M)
