@@ -15,6 +15,9 @@ layout B that loads with every system. Systems:
             (integrations/megatron_core/native.py);
   central   the Tenplex paper's "Central" (benchmarks/kit/central.py): rank 0 gathers every tensor at A
             and writes one file; at B every rank reads that whole file and slices its part out of it.
+Mixture-of-experts models (``--moe-models``, every full run has an EP row) change EP at the same world size
+(``--moe-transitions``); there mcore is megatron-core's fully_reshardable load at the new EP, and mcoredp/adopt
+do not run (no dp_reshardable route for an MoE at another EP).
 Repetitions run round-robin over the systems (the order rotates each repetition).
 Each figure is timed inside the workers around the save/load call only, between
 barriers; a repetition's time is the max over ranks and the table shows the
@@ -45,6 +48,7 @@ it) if matplotlib is importable.
 
     python -m benchmarks.reshard --quick                    # gpt3-125m, dp2-tp2, 3 reps
     python -m benchmarks.reshard --models gpt3-350m --transitions tp2-dp2 dp2-tp2 tp2-pp2
+    python -m benchmarks.reshard --moe-only --moe-models moe-small  # MoE: saved at EP2 x expert DP2, loaded at EP4
 """
 
 from __future__ import annotations
@@ -64,17 +68,34 @@ from benchmarks.kit.disk import dir_size, evict_page_cache
 from benchmarks.kit.launch import ROOT
 from benchmarks.kit.report import Column, Table, machine, num, ratio_key, ratio_line
 from tenplex_megatron.plan.layout import padded_vocab_size
-from tenplex_megatron.plan.sim.gpt_catalogue import load_model
+from tenplex_megatron.plan.sim.gpt_catalogue import catalogue, load_model
 
-TRANSITIONS: dict[str, tuple[tuple[int, int, int], tuple[int, int, int]]] = {  # (tp, pp, dp) at A, at B
-    "tp2-dp2": ((2, 1, 1), (1, 1, 2)),
-    "dp2-tp2": ((1, 1, 2), (2, 1, 1)),
-    "tp2-pp2": ((2, 1, 1), (1, 2, 1)),
-    "pp2-tp2": ((1, 2, 1), (2, 1, 1)),
-    "dp2-dp1": ((1, 1, 2), (1, 1, 1)),
-    "tp2-tp1": ((2, 1, 1), (1, 1, 1)),
-    "pp2-pp1": ((1, 2, 1), (1, 1, 1)),
+Layout = tuple[int, int, int, int]  # (tp, pp, dp, ep); the world is TP x PP x DP, EP splits the experts within it
+TRANSITIONS: dict[str, tuple[Layout, Layout]] = {  # (tp, pp, dp, ep) at A, at B
+    "tp2-dp2": ((2, 1, 1, 1), (1, 1, 2, 1)),
+    "dp2-tp2": ((1, 1, 2, 1), (2, 1, 1, 1)),
+    "tp2-pp2": ((2, 1, 1, 1), (1, 2, 1, 1)),
+    "pp2-tp2": ((1, 2, 1, 1), (2, 1, 1, 1)),
+    "dp2-dp1": ((1, 1, 2, 1), (1, 1, 1, 1)),
+    "tp2-tp1": ((2, 1, 1, 1), (1, 1, 1, 1)),
+    "pp2-pp1": ((1, 2, 1, 1), (1, 1, 1, 1)),
 }
+#: Expert-parallel changes at the same world size, for mixture-of-experts models only (``--moe-models``):
+#: EP2 x expert DP2 -> EP4 (four ranks) and back; EP2 -> EP1 x DP2 (two ranks: every rank all the experts) and back.
+MOE_TRANSITIONS: dict[str, tuple[Layout, Layout]] = {
+    "ep2-ep4": ((1, 1, 4, 2), (1, 1, 4, 4)),
+    "ep4-ep2": ((1, 1, 4, 4), (1, 1, 4, 2)),
+    "ep2-ep1": ((1, 1, 2, 2), (1, 1, 2, 1)),
+    "ep1-ep2": ((1, 1, 2, 1), (1, 1, 2, 2)),
+}
+ALL_TRANSITIONS = {**TRANSITIONS, **MOE_TRANSITIONS}
+#: Why a mixture-of-experts row has no mcoredp and no adopt: what megatron-core and tenplex do with dp_reshardable.
+#: Why megatron-core's fully_reshardable load does not run where EP becomes or stops being the whole DP group.
+MOE_NO_MCORE_LOAD = ("none: megatron-core 0.16.1 keeps a separate expert optimizer only where the expert DP group "
+                     "differs from DP (EP > 1); its common state (param groups) saved for one optimizer chain does not "
+                     "load into the other (KeyError 'optimizer' in DistributedOptimizer.load_state_dict)")
+MOE_NO_DP_RESHARDABLE = ("none: megatron-core re-shards dp_reshardable only along DP (an EP change moves the experts), "
+                         "and tenplex refuses to adopt an MoE dp_reshardable checkpoint (docs/support.md)")
 SAVE_SYSTEMS = ("tenplex", "mcore", "mcoredp", "central")
 LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "mcoredp", "adopt", "central")
 COLD_LOAD_SYSTEMS = ("tenplex_cold", "mcore_cold", "adopt_cold", "central_cold")
@@ -105,7 +126,7 @@ def worker(a: argparse.Namespace) -> None:
     from tenplex_megatron.storage.directory import find_megatron_checkpoint
     from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
-    job = gpt_job.build(a.spec, a.layout, a.gbs, a.padded)
+    job = gpt_job.build(a.spec, a.layout[:3], a.gbs, a.padded, ep=a.layout[3])
     rank, world = dist.get_rank(), dist.get_world_size()
     systems = list(a.run_systems)
     if a.phase == "load" and any(s.startswith("tenplex") for s in systems):
@@ -202,13 +223,16 @@ def system_row(reps: stats.Reps) -> dict[str, Any]:
 
 def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
     """Save at A, load at B (two torchrun launches); the report's row for this model and transition."""
-    src, dst = TRANSITIONS[name]
+    src, dst = ALL_TRANSITIONS[name]
     d = load_model(model)
     seq = min(a.seq, d.seq_length)
     spec = {"num_layers": d.num_layers, "hidden_size": d.hidden_size, "num_attention_heads": d.num_attention_heads,
             "ffn_hidden_size": d.ffn_hidden_size, "seq_length": seq, "max_position_embeddings": seq,
             "vocab_size": d.vocab_size, "make_vocab_size_divisible_by": 128, "swiglu": d.swiglu,
             "hidden_dropout": 0.0, "attention_dropout": 0.0}  # training.gpt.GPTSpec's fields (defaults for the rest)
+    if d.num_experts:  # megatron-core's SequentialMLP experts, allgather dispatcher (GPTSpec's defaults for the rest)
+        spec.update(num_experts=d.num_experts, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
+                    moe_router_topk=d.moe_router_topk, add_bias_linear=d.add_bias_linear)
     # One padded vocabulary for A and B (divisible by both TPs): the loss check compares like with like.
     padded = padded_vocab_size(d.vocab_size, 128, math.lcm(src[0], dst[0]))
     gbs = 2 * math.lcm(src[2], dst[2])  # the same global batch at A and B, one sample per micro-batch
@@ -216,18 +240,27 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
     common = ["--model", model, "--spec", json.dumps(spec), "--padded", str(padded), "--gbs", str(gbs),
               "--reps", str(a.reps), "--dir", scratch]
     row: dict[str, Any] = {"model": model, "transition": name, "from": src, "to": dst, "seq_length": seq,
-                           "padded_vocab": padded, "global_batch_size": gbs, "reps": a.reps}
+                           "padded_vocab": padded, "global_batch_size": gbs, "reps": a.reps,
+                           "num_experts": d.num_experts}
     phases = {}
     try:
         load_systems = (LOAD_SYSTEMS if a.cache != "cold" else ()) + (COLD_LOAD_SYSTEMS if a.cache != "warm" else ())
-        if src[:2] != dst[:2]:  # megatron-core cannot load dp_reshardable at another TP or PP: no route to time
+        save_systems: tuple[str, ...] = SAVE_SYSTEMS
+        if d.num_experts:  # no dp_reshardable route for a mixture of experts: neither Megatron's own load nor adopt
+            save_systems = tuple(s for s in save_systems if s != "mcoredp")
+            load_systems = tuple(s for s in load_systems if s.split("_")[0] not in ("mcoredp", "adopt"))
+            row["mcoredp_load_route"] = MOE_NO_DP_RESHARDABLE
+            if (src[3] > 1) != (dst[3] > 1):  # the chained dense + expert optimizer becomes one, or the reverse
+                load_systems = tuple(s for s in load_systems if s.split("_")[0] != "mcore")
+                row["mcore_load_route"] = MOE_NO_MCORE_LOAD
+        elif src[:2] != dst[:2]:  # megatron-core cannot load dp_reshardable at another TP or PP: no route to time
             load_systems = tuple(s for s in load_systems if s != "mcoredp")
             row["mcoredp_load_route"] = "none: megatron-core re-shards dp_reshardable only along DP"
-        for phase, layout, systems in (("save", src, SAVE_SYSTEMS), ("load", dst, load_systems)):
+        for phase, layout, systems in (("save", src, save_systems), ("load", dst, load_systems)):
             systems = [s for s in systems if s.split("_")[0] in a.systems]
             result = os.path.join(scratch, f"{phase}.json")
             t0 = time.perf_counter()
-            launch.torchrun(math.prod(layout), __spec__.name,
+            launch.torchrun(math.prod(layout[:3]), __spec__.name,
                             ["--worker", *common, "--phase", phase, "--layout", *map(str, layout), "--result", result,
                              "--run-systems", *systems], os.path.join(scratch, f"{phase}.log"), a.timeout)
             phases[phase] = launch.read_json(result)
@@ -254,7 +287,7 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
             row.update({"raw_read_GBps": row["read_cold"]["GBps"],
                         "warm_read_GBps": max(row["read_readinto"]["GBps"], row["read_mmap"]["GBps"]),
                         "readinto_GBps": row["read_readinto"]["GBps"], "mmap_copy_GBps": row["read_mmap"]["GBps"],
-                        "memory_copy_GBps": row["memory_copy"]["GBps"], "ceiling_workers": math.prod(dst)})
+                        "memory_copy_GBps": row["memory_copy"]["GBps"], "ceiling_workers": math.prod(dst[:3])})
     finally:
         if not a.keep:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -281,8 +314,10 @@ TABLE = Table([Column("", 22, "<"), Column("time s", 8), Column("min-max s", 13)
 
 def print_row(r: dict[str, Any]) -> None:
     mb = 1e6
-    print(f"\n{r['model']} ({r['params'] / 1e6:.1f}M params, seq {r['seq_length']}, padded vocab {r['padded_vocab']})"
-          f"  {r['transition']}: (tp,pp,dp) {tuple(r['from'])} -> {tuple(r['to'])}, median of {r['reps']}")
+    experts = f", {r['num_experts']} experts" if r.get("num_experts") else ""
+    axes = "(tp,pp,dp,ep)" if len(r["from"]) > 3 else "(tp,pp,dp)"  # a report from before EP rows has three
+    print(f"\n{r['model']} ({r['params'] / 1e6:.1f}M params{experts}, seq {r['seq_length']}, padded vocab "
+          f"{r['padded_vocab']})  {r['transition']}: {axes} {tuple(r['from'])} -> {tuple(r['to'])}, median of {r['reps']}")
     print(TABLE.header())
     for op, systems in (("save", SAVE_SYSTEMS), ("load", LOAD_SYSTEMS + COLD_LOAD_SYSTEMS)):
         for s in systems:
@@ -306,7 +341,10 @@ def print_row(r: dict[str, Any]) -> None:
         if (frac := _save_peak_over_own(r, s)) is not None:
             print(f"  {s} save: peak memory (own shard + RSS growth) = {frac:.3f}x the rank's own shard "
                   f"(worst rank; own shards {'/'.join(f'{b / mb:.0f}' for b in r['own_bytes']['save'])} MB)")
-    if r.get("mcoredp_load_route"):
+    if r.get("num_experts") and r.get("mcoredp_load_route"):
+        print(f"  mcoredp and adopt: {r['mcoredp_load_route']}")
+        print(f"  mcore load: {r.get('mcore_load_route') or 'megatron-core fully_reshardable at the new EP'}")
+    elif r.get("mcoredp_load_route"):
         print(f"  mcoredp load: {r['mcoredp_load_route']} ((TP, PP) {tuple(r['from'][:2])} -> {tuple(r['to'][:2])}); "
               "adopt: tenplex reads that checkpoint in place at the new layout")
     for s in ("tenplex", "tenplex_noverify"):
@@ -395,9 +433,18 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", nargs="+", default=["tiny", "gpt3-125m"], help="names in tenplex_megatron/plan/sim/models.json")
+    ap.add_argument("--models", nargs="+", default=None,
+                    help="names in tenplex_megatron/plan/sim/models.json (default: tiny gpt3-125m)")
     ap.add_argument("--transitions", nargs="+", default=["tp2-dp2", "dp2-tp2"], choices=sorted(TRANSITIONS))
     systems = ["tenplex", "mcore", "mcoredp", "adopt", "central"]
+    ap.add_argument("--moe-models", nargs="*", default=None,
+                    help="mixture-of-experts models in models.json for the EP rows (default: moe-small where --models "
+                         "is not given, none where it is)")
+    ap.add_argument("--moe-transitions", nargs="+", default=["ep2-ep4"], choices=sorted(MOE_TRANSITIONS),
+                    help="EP changes run for each of --moe-models (ep2-ep4: saved at EP2 x expert DP2 on 4 ranks, "
+                         "loaded at EP4; ep2-ep1: saved at EP2 on 2 ranks, loaded at EP1 x DP2, where megatron-core's "
+                         "own load has no route)")
+    ap.add_argument("--moe-only", action="store_true", help="only the EP rows (--moe-models x --moe-transitions)")
     ap.add_argument("--systems", nargs="+", default=systems, choices=systems)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--seq", type=int, default=128, help="sequence length cap (shorter than GPT-3's 2048 for CPU speed)")
@@ -417,7 +464,7 @@ def main() -> int:
     w.add_argument("--spec", help=argparse.SUPPRESS)
     w.add_argument("--padded", type=int, help=argparse.SUPPRESS)
     w.add_argument("--gbs", type=int, help=argparse.SUPPRESS)
-    w.add_argument("--layout", type=int, nargs=3, help=argparse.SUPPRESS)
+    w.add_argument("--layout", type=int, nargs=4, help=argparse.SUPPRESS)
     w.add_argument("--dir", help=argparse.SUPPRESS)
     w.add_argument("--result", help=argparse.SUPPRESS)
     w.add_argument("--run-systems", nargs="+", help=argparse.SUPPRESS)
@@ -436,16 +483,27 @@ def main() -> int:
         plot(report, os.path.splitext(a.out)[0] + ".png")
         return 0
     if a.quick:
-        a.models, a.transitions, a.reps = ["gpt3-125m"], ["dp2-tp2"], 3
+        a.models, a.transitions, a.reps, a.moe_models = ["gpt3-125m"], ["dp2-tp2"], 3, []
+    if a.moe_models is None:  # the full run has an EP row; a run naming its models has what it names
+        a.moe_models = ["moe-small"] if a.models is None or a.moe_only else []
+    if a.models is None:
+        a.models = ["tiny", "gpt3-125m"]
+    for model in a.moe_models:
+        if model not in catalogue() or not load_model(model).num_experts:
+            ap.error(f"--moe-models {model}: not a mixture-of-experts model in tenplex_megatron/plan/sim/models.json "
+                     f"(one with num_experts: {', '.join(m for m, v in catalogue().items() if v.get('num_experts'))})")
+    rows = [] if a.moe_only else [(m, t) for m in a.models for t in a.transitions]
+    rows += [(m, t) for m in a.moe_models for t in a.moe_transitions]
+    if not rows:
+        ap.error("nothing to run: --moe-only with no --moe-models")
     if a.workdir:
         os.makedirs(a.workdir, exist_ok=True)
     report: dict[str, Any] = {"machine": machine(), "command": sys.argv, "runs": []}
     t0 = time.perf_counter()
-    for model in a.models:
-        for name in a.transitions:
-            row = run_one(model, name, a)
-            report["runs"].append(row)
-            print_row(row)
+    for model, name in rows:
+        row = run_one(model, name, a)
+        report["runs"].append(row)
+        print_row(row)
     report["wall_seconds"] = time.perf_counter() - t0
     report["machine"]["load_average_end"] = os.getloadavg()
     print()

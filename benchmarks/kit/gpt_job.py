@@ -21,10 +21,11 @@ from tenplex_megatron.training import gpt
 from tenplex_megatron.training.synthetic_data import microbatches
 
 
-def build(spec_json: str, layout: list[int], gbs: int, padded: int) -> gpt.GPTJob:
-    """Initialise torch.distributed and build the job at ``layout`` (tp, pp, dp), distributed optimizer, mbs 1."""
+def build(spec_json: str, layout: list[int], gbs: int, padded: int, ep: int = 1) -> gpt.GPTJob:
+    """Initialise torch.distributed and build the job at ``layout`` (tp, pp, dp) and expert-parallel size ``ep``,
+    distributed optimizer, mbs 1."""
     gpt.init_distributed()
-    return gpt.build_job(gpt.GPTSpec.from_json(json.loads(spec_json)), ParallelLayout(*layout),
+    return gpt.build_job(gpt.GPTSpec.from_json(json.loads(spec_json)), ParallelLayout(*layout, ep=ep),
                          use_distributed_optimizer=True, micro_batch_size=1, global_batch_size=gbs,
                          padded_vocab=padded)
 
