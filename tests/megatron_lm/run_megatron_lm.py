@@ -18,8 +18,14 @@ import json
 import os
 import runpy
 import sys
+import typing
 
 import torch
+import typing_extensions
+
+# core_v0.18+ import Python 3.12's typing.override (a marker that only sets __override__): on 3.11, the same
+# function from typing_extensions, so this harness runs them here; Megatron-LM itself declares Python >= 3.12.
+typing.override = getattr(typing, "override", typing_extensions.override)
 
 
 def _install() -> None:
