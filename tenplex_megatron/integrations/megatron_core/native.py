@@ -53,7 +53,7 @@ from tenplex_megatron.storage.source import Opened, UncheckedSource
 def safe_globals() -> list[Any]:
     """The plain classes Megatron's pickles may hold besides tensors and containers (one list, as for DeepSpeed):
     the args Namespace, and numpy's RNG state in the legacy format's ``rng_state``."""
-    core = getattr(np, "_core", None) or np.core
+    core = np.core if np.lib.NumpyVersion(np.__version__) < "2.0.0" else np._core  # 1.x has a bare np._core
     return [argparse.Namespace, core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
