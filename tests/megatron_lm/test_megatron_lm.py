@@ -1,6 +1,6 @@
 """Opt-in: Megatron-LM's own pretrain_gpt.py with our patch, restarted at another layout with --tenplex.
 
-Needs ``MEGATRON_LM_PATH`` (a core_v0.16.x checkout, never committed here). Runs
+Needs ``MEGATRON_LM_PATH`` (a core_v0.15.x-0.19.x checkout, never committed here). Runs
 ``pytest -m megatron_lm tests/megatron_lm``. The checkout is not modified: the
 patch is applied to a copy of its top-level scripts (Megatron-LM itself builds
 its dataset helpers into ``megatron/core/datasets`` on first use, which needs
