@@ -48,10 +48,12 @@ def _install() -> None:
     import megatron.training.utils as utils
 
     arguments.get_device_arch_version = utils.get_device_arch_version = lambda: 9
-    # _compile_dependencies calls the legacy fused_kernels.load(), which in this version only runs
-    # `$CUDA_HOME/bin/nvcc -V` (there is no CUDA toolkit) and compiles nothing.
-    from megatron.legacy import fused_kernels
-
+    # Up to core_v0.16, _compile_dependencies calls the legacy fused_kernels.load(), which only runs
+    # `$CUDA_HOME/bin/nvcc -V` (there is no CUDA toolkit) and compiles nothing; core_v0.17 removed both.
+    try:
+        from megatron.legacy import fused_kernels
+    except ImportError:
+        return
     fused_kernels.load = lambda *a, **k: None
 
 
