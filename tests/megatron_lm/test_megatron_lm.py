@@ -63,6 +63,14 @@ RELEASE = _release(MLM) if MLM else (0, 0, 0)
 # length whatever the vocabulary (0.16 takes them modulo the vocabulary): there every vocabulary is 4000 larger, a
 # multiple of 32, so the padding at TP 1 and 2 (multiples of 16 x TP) works out as below with 4000 added.
 VOCAB_BASE = 4000 if MLM and RELEASE[:2] < (0, 16) else 0
+
+
+def _vocab_flag(vocab: int) -> str:
+    """``--vocab-size`` for a test's ``vocab`` (as core_v0.16 counts it: NullTokenizer adds an EOD token, vocab + 1
+    rows). From core_v0.18 NullTokenizer's EOD is the last id of ``--vocab-size`` itself: there it is one more."""
+    return str(VOCAB_BASE + vocab + (1 if RELEASE[:2] >= (0, 18) else 0))
+
+
 RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
 
 # --eval-interval: Megatron-LM divides by it even with --eval-iters 0.
@@ -128,7 +136,7 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: boo
         env["TORCH_COMPILE_DISABLE"] = "1"  # jit_fuser is torch.compile: its C++ warm-up builds cost ~40 s a launch here
     backend = ["--distributed-backend", "gloo"] if cpu else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", RUNNER, script,
-           *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", str(VOCAB_BASE + vocab),
+           *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),
            *(["--tensor-model-parallel-size", str(tp)] if tp is not None else []), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
@@ -153,9 +161,10 @@ def _reference(script: str, vocab: int) -> dict[int, float]:
     return _REFERENCE[vocab]
 
 
-# NullTokenizer adds an EOD token to --vocab-size. 95 -> 96 rows: no padding at TP 1 or 2. 96 -> 97 rows: padded
-# to 128 at TP=2 and, by Megatron's rule, to 112 at TP=1; Megatron's softmax covers the padding rows, so the hook
-# keeps the checkpoint's 128 (--tenplex-vocab-padding keep) for the restart to continue exactly.
+# NullTokenizer adds an EOD token to --vocab-size (up to core_v0.17; _vocab_flag). 95 -> 96 rows: no padding at
+# TP 1 or 2. 96 -> 97 rows: padded to 128 at TP=2 and, by Megatron's rule, to 112 at TP=1; Megatron's softmax covers
+# the padding rows, so the hook keeps the checkpoint's 128 (--tenplex-vocab-padding keep) for the restart to
+# continue exactly.
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("vocab", [95, 96])
 def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script: str, vocab: int) -> None:
@@ -266,7 +275,7 @@ def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, RUNNER, script,
                *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size",
-               str(VOCAB_BASE + 95), "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"),
+               _vocab_flag(95), "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"),
                *(["--load", str(tmp / "ckpt")] if load else []),
                "--save-interval", "2", "--tenplex-memory", str(tmp / f"mem_{node}"), *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{run_id}_{node}.log", "w"),
