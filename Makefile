@@ -56,9 +56,10 @@ $(COMPAT_015)/.installed: requirements.txt scripts/compat_venv.sh
 
 test-compat: $(VENV)/.installed $(COMPAT_019)/.installed $(COMPAT_015)/.installed
 	$(COMPAT_019)/bin/python -m compileall -q tenplex_megatron benchmarks scripts tests
-	for venv in $(COMPAT_019) $(COMPAT_015); do \
-	  TENPLEX_CROSS_PYTHON=$(CURDIR)/$(PY) $$venv/bin/python -m pytest -q --durations=10 -n 2 --dist loadfile -m "not gpu and not megatron_lm" \
-	    $(COMPAT_TESTS) || exit 1; done
+	TENPLEX_CROSS_PYTHON=$(CURDIR)/$(PY) $(COMPAT_019)/bin/python -m pytest -q --durations=10 -n 2 --dist loadfile \
+	  -m "not gpu and not megatron_lm" $(COMPAT_TESTS)
+	TENPLEX_CROSS_PYTHON=$(CURDIR)/$(PY) $(COMPAT_015)/bin/python -m pytest -q --durations=10 -n 2 --dist loadfile \
+	  -m "not gpu and not megatron_lm and not mcore_layout_fn" $(COMPAT_TESTS)
 
 test-fast: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron tests

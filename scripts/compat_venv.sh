@@ -4,8 +4,10 @@
 # torch first, pinned (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build); then the core and test pins
 # of requirements.txt minus megatron-core (no DeepSpeed, Hugging Face, plots or docs: test-compat runs none);
 # then megatron-core itself with --no-deps (0.17+ declare Python >= 3.12 but install and run on 3.11 from their
-# sdist: --ignore-requires-python; 0.15.x declare numpy<2, which they do not need here), plus triton (0.17+
-# import it from their MoE ops) and packaging.
+# sdist: --ignore-requires-python; 0.15.x declare numpy<2 and need it: their fully parallel torch_dist save calls
+# np.product, gone in numpy 2, so there numpy<2 replaces the pinned numpy), plus triton (0.17+
+# import it from their MoE ops) and packaging; and the [megatron-lm] extra's six, regex and pyyaml, so that the
+# opt-in suite (MEGATRON_LM_PATH=... VENV/bin/python -m pytest -m megatron_lm tests/megatron_lm) runs in it too.
 set -euo pipefail
 venv=${1:?venv directory}
 version=${2:?megatron-core version}
@@ -17,8 +19,10 @@ test -x "$venv/bin/python" || "$python" -m venv "$venv"
 py="$venv/bin/python"
 "$py" -m pip install "${pip_q[@]}" "$torch_spec"
 pins=()
-for name in numpy psutil isal safetensors pytest pytest-xdist hypothesis triton packaging pybind11; do
+for name in numpy psutil isal safetensors pytest pytest-xdist hypothesis triton packaging pybind11 six regex \
+    pyyaml; do
   line=$(grep -i -E "^${name}==" "$here/requirements.txt" || true)
+  case "$name:$version" in numpy:0.15.*) line="numpy<2" ;; esac
   pins+=("${line:-$name}")
 done
 "$py" -m pip install "${pip_q[@]}" "$torch_spec" "${pins[@]}"

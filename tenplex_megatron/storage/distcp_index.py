@@ -54,6 +54,9 @@ METADATA_CLASSES: dict[tuple[str, str], Any] = {
     **{("torch.distributed.checkpoint.planner", n): _record_class(n) for n in ("SavePlan", "WriteItem",
                                                                                "TensorWriteData")},
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _record_class("_StorageInfo"),
+    # megatron-core 0.15's torch_dist index: torch's Metadata (and SavePlan) plus a plain dict, mcore_data
+    **{("megatron.core.dist_checkpointing.strategies.torch", n): _record_class(n) for n in ("MCoreMetadata",
+                                                                                           "MCoreSavePlan")},
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _name,
     ("torch.distributed.checkpoint.planner", "WriteItemType"): _name,
     ("torch", "Size"): tuple,

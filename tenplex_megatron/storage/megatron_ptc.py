@@ -37,6 +37,9 @@ PRE_KEYS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.w
 POST_KEYS = ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias", "output_layer.weight")
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)\.bucket_idx_(\d+)\.(\w+)")
 _RANK_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+#: megatron-core 0.19+ saves the common state as ShardedObject("common_state", global shape (1,), offset (0,)),
+#: rank 0's replica written, instead of common.pt.
+COMMON_STATE_KEY = "common_state/shard_0_1"
 
 
 class MegatronCheckpointError(CheckpointFileError):
@@ -51,6 +54,7 @@ class TorchDistCheckpoint:
     index: DcpIndex
     common: dict[str, Any]
     sharding_type: str | None  # the distributed optimizer's format; None: a plain optimizer (or none)
+    common_source: str = ""  # where ``common`` was read: ``common.pt``, or the .distcp object (megatron-core 0.19+)
 
     @property
     def storage(self) -> dict[tuple[str, tuple[int, ...]], DcpItem]:
@@ -68,9 +72,42 @@ class TorchDistCheckpoint:
         return int(m.group(1)) if m else 0
 
 
-def read_torch_dist(path: str, load_common: Callable[[str], Any], *, trust_pickles: bool = False) -> TorchDistCheckpoint:
-    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt`` (with ``load_common``: torch's
-    restricted ``torch.load`` at adoption, the torch-free reader in the cli), checking the format."""
+def common_state(path: str, index: DcpIndex) -> tuple[str, bytes | None]:
+    """Where a ``torch_dist`` checkpoint keeps its common (non-tensor) state: ``common.pt`` (megatron-core up to 0.18,
+    and what 0.19 still reads first), or, from 0.19, the ``common_state`` object inside the ``.distcp`` files (the
+    pickle's bytes returned with a name for errors). Neither: ``common.pt``, whose reader reports it missing."""
+    legacy = os.path.join(path, "common.pt")
+    item = index.items.get((COMMON_STATE_KEY, ()))
+    if os.path.isfile(legacy) or item is None:
+        return legacy, None
+    name = f"{os.path.join(path, item.relative_path)} (object {COMMON_STATE_KEY!r})"
+    try:
+        with open(confine(path, item.relative_path, "the torch_dist index"), "rb") as f:
+            f.seek(item.offset)
+            data = f.read(item.length)
+    except OSError as e:
+        raise MegatronCheckpointError(f"{name}: unreadable ({e})") from None
+    if len(data) != item.length:
+        raise MegatronCheckpointError(f"{name}: the index names {item.length} bytes at {item.offset}, the file has "
+                                      f"{len(data)} there (truncated?)")
+    return name, data
+
+
+def common_dict(name: str, data: bytes | None, obj: Any) -> dict[str, Any]:
+    """The common state as read from ``common.pt`` (a dict) or 0.19's object (``data``: the dict in a one-item list,
+    as megatron-core saves a sharded object's data); anything else fails naming where it was read."""
+    if data is not None and isinstance(obj, (list, tuple)) and len(obj) == 1:
+        obj = obj[0]
+    if not isinstance(obj, dict):
+        raise MegatronCheckpointError(f"{name}: not a dict")
+    return obj
+
+
+def read_torch_dist(path: str, load_common: Callable[[str, bytes | None], Any], *,
+                    trust_pickles: bool = False) -> TorchDistCheckpoint:
+    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and common state (:func:`common_state`; with
+    ``load_common(name, data)``, data None meaning the file ``name``: torch's restricted ``torch.load`` at adoption,
+    the torch-free reader in the cli), checking the format."""
     try:
         with open(os.path.join(path, "metadata.json")) as f:
             meta = json.load(f)
@@ -82,9 +119,8 @@ def read_torch_dist(path: str, load_common: Callable[[str], Any], *, trust_pickl
         raise MegatronCheckpointError(f"{os.path.join(path, 'metadata.json')}: sharded backend {found[0]} version "
                                       f"{found[1]} is not supported (tenplex reads {supported})")
     index = read_dcp_metadata(path, trust_pickles=trust_pickles)
-    common = load_common(os.path.join(path, "common.pt"))
-    if not isinstance(common, dict):
-        raise MegatronCheckpointError(f"{os.path.join(path, 'common.pt')}: not a dict")
+    source, data = common_state(path, index)
+    common = common_dict(source, data, load_common(source, data))
     content = common.get("content_metadata") or {}
     opt = common.get("optimizer") or {}
     sharding = opt.get("param_state_sharding_type") if isinstance(opt, dict) else None
@@ -97,7 +133,7 @@ def read_torch_dist(path: str, load_common: Callable[[str], Any], *, trust_pickl
         if not os.path.isfile(confine(path, name, "the torch_dist index")):
             raise MegatronCheckpointError(f"{os.path.join(path, name)}: missing (the index names it: every rank's "
                                           "file must be there)")
-    return TorchDistCheckpoint(path, index, common, sharding)
+    return TorchDistCheckpoint(path, index, common, sharding, source)
 
 
 def _loc(ck: TorchDistCheckpoint, info: Any, numel: int, skip: int) -> Location:

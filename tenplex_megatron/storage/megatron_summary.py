@@ -11,6 +11,7 @@ groups over TP, DP the ranks that wrote files over TP x PP.
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import pickle
@@ -22,6 +23,7 @@ from typing import Any
 from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.megatron_ptc import common_dict, common_state
 
 _BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
@@ -97,10 +99,11 @@ class _CommonUnpickler(pickle.Unpickler):
         return pid[1] if isinstance(pid, tuple) and len(pid) > 1 and isinstance(pid[1], str) else None
 
 
-def read_torch_pickle(path: str) -> Any:
-    """A ``torch.save`` zip's plain values, tensors as :class:`TensorStub` (data not read), without torch."""
+def read_torch_pickle(path: str, data: bytes | None = None) -> Any:
+    """A ``torch.save`` zip's plain values, tensors as :class:`TensorStub` (data not read), without torch: the file
+    ``path``, or ``data`` read from it (``path`` then names it in errors)."""
     try:
-        with zipfile.ZipFile(path) as z:
+        with zipfile.ZipFile(io.BytesIO(data) if data is not None else path) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
             with z.open(name) as f:
                 return _CommonUnpickler(f, path).load()
@@ -108,12 +111,10 @@ def read_torch_pickle(path: str) -> Any:
         raise CheckpointFileError(f"{path}: not a readable torch.save file ({type(e).__name__}: {e})") from None
 
 
-def read_common(path: str) -> dict[str, Any]:
-    """``common.pt``'s plain values (tensors as :class:`TensorStub`), without torch."""
-    out = read_torch_pickle(path)
-    if not isinstance(out, dict):
-        raise CheckpointFileError(f"{path}: not a dict")
-    return out
+def read_common(path: str, data: bytes | None = None) -> dict[str, Any]:
+    """``common.pt``'s (or 0.19's ``common_state`` object's ``data``) plain values (tensors as :class:`TensorStub`),
+    without torch."""
+    return common_dict(path, data, read_torch_pickle(path, data))
 
 
 def saved_layout(index: DcpIndex) -> dict[str, int]:
@@ -143,7 +144,7 @@ def summarize(path: str) -> dict[str, Any]:
     """Iteration, layout, optimizer format, tensors and bytes of the ``torch_dist`` checkpoint ``path``."""
     index = read_dcp_metadata(path)
     try:
-        common = read_common(os.path.join(path, "common.pt"))
+        common = read_common(*common_state(path, index))
         problem = None
     except CheckpointFileError as e:
         common, problem = {}, str(e)

@@ -81,7 +81,38 @@ def saved_args(job: GPTJob) -> argparse.Namespace:
         moe_router_score_function=job.spec.moe_router_score_function)
 
 
+def _step_outside_dp_reshardable() -> None:
+    """Work around megatron-core before 0.16 on the CPU: its dp_reshardable state dict asserts that every
+    per-parameter optimizer state is a flat piece of the grad buffer, and torch's AdamW (no apex/TE) keeps a 0-dim
+    ``step`` per parameter (AssertionError: (torch.Size([]), 0, 64)). 0.16 leaves ``step`` out of the buckets
+    (restored from the param groups); do the same there. Not needed with apex/TE optimizers (GPU)."""
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    from tenplex_megatron import mcore_versions
+
+    found = mcore_versions.installed()
+    if (getattr(do.DistributedOptimizer, "_tenplex_dp_step_patch", False) or do.HAVE_APEX_OR_TE
+            or found is None or found.release[:2] >= (0, 16)):
+        return
+    sharded = do.DistributedOptimizer.sharded_param_state_dp_reshardable
+    states = do.DistributedOptimizer._get_main_param_and_optimizer_states
+
+    def without_step(self: Any, model_param: Any) -> dict[str, Any]:
+        return {k: v for k, v in states(self, model_param).items() if k != "step"}
+
+    def patched(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._get_main_param_and_optimizer_states = without_step.__get__(self)
+        try:
+            return sharded(self, *args, **kwargs)
+        finally:
+            del self._get_main_param_and_optimizer_states
+
+    do.DistributedOptimizer.sharded_param_state_dp_reshardable = patched
+    do.DistributedOptimizer._tenplex_dp_step_patch = True
+
+
 def _state_dict(job: GPTJob, md: dict[str, Any], is_loading: bool) -> dict[str, Any]:
+    _step_outside_dp_reshardable()
     models = {key: unwrap(m).sharded_state_dict(metadata=md) for key, m in zip(model_keys(len(job.model)), job.model)}
     return {
         **models,

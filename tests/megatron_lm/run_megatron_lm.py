@@ -18,8 +18,14 @@ import json
 import os
 import runpy
 import sys
+import typing
 
 import torch
+import typing_extensions
+
+# core_v0.18+ import Python 3.12's typing.override (a marker that only sets __override__): on 3.11, the same
+# function from typing_extensions, so this harness runs them here; Megatron-LM itself declares Python >= 3.12.
+typing.override = getattr(typing, "override", typing_extensions.override)
 
 
 def _install() -> None:
@@ -42,10 +48,12 @@ def _install() -> None:
     import megatron.training.utils as utils
 
     arguments.get_device_arch_version = utils.get_device_arch_version = lambda: 9
-    # _compile_dependencies calls the legacy fused_kernels.load(), which in this version only runs
-    # `$CUDA_HOME/bin/nvcc -V` (there is no CUDA toolkit) and compiles nothing.
-    from megatron.legacy import fused_kernels
-
+    # Up to core_v0.16, _compile_dependencies calls the legacy fused_kernels.load(), which only runs
+    # `$CUDA_HOME/bin/nvcc -V` (there is no CUDA toolkit) and compiles nothing; core_v0.17 removed both.
+    try:
+        from megatron.legacy import fused_kernels
+    except ImportError:
+        return
     fused_kernels.load = lambda *a, **k: None
 
 

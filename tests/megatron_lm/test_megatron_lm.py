@@ -1,6 +1,6 @@
 """Opt-in: Megatron-LM's own pretrain_gpt.py with our patch, restarted at another layout with --tenplex.
 
-Needs ``MEGATRON_LM_PATH`` (a core_v0.16.x checkout, never committed here). Runs
+Needs ``MEGATRON_LM_PATH`` (a core_v0.15.x-0.19.x checkout, never committed here). Runs
 ``pytest -m megatron_lm tests/megatron_lm``. The checkout is not modified: the
 patch is applied to a copy of its top-level scripts (Megatron-LM itself builds
 its dataset helpers into ``megatron/core/datasets`` on first use, which needs
@@ -49,6 +49,28 @@ def patch_for(checkout: str) -> str:
     path = os.path.join(ROOT, "patches", f"megatron-lm-core_v{major}.{minor}.x.patch")
     assert os.path.isfile(path), f"{checkout} is Megatron-LM core_v{text}: no patch for that release line ({path})"
     return path
+
+
+def _release(checkout: str) -> tuple[int, int, int]:
+    from tenplex_megatron import mcore_versions
+
+    text = mcore_versions._from_package_info(os.path.join(checkout, "megatron", "core", "package_info.py"))
+    return mcore_versions.parse(text) if text else (0, 0, 0)
+
+
+RELEASE = _release(MLM) if MLM else (0, 0, 0)
+# Up to core_v0.15, --mock-data's MockGPTLowLevelDataset emits token ids up to its 4096-token maximum document
+# length whatever the vocabulary (0.16 takes them modulo the vocabulary): there every vocabulary is 4000 larger, a
+# multiple of 32, so the padding at TP 1 and 2 (multiples of 16 x TP) works out as below with 4000 added.
+VOCAB_BASE = 4000 if MLM and RELEASE[:2] < (0, 16) else 0
+
+
+def _vocab_flag(vocab: int) -> str:
+    """``--vocab-size`` for a test's ``vocab`` (as core_v0.16 counts it: NullTokenizer adds an EOD token, vocab + 1
+    rows). From core_v0.18 NullTokenizer's EOD is the last id of ``--vocab-size`` itself: there it is one more."""
+    return str(VOCAB_BASE + vocab + (1 if RELEASE[:2] >= (0, 18) else 0))
+
+
 RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
 
 # --eval-interval: Megatron-LM divides by it even with --eval-iters 0.
@@ -72,13 +94,14 @@ def _log_lines(log: str) -> list[tuple[int, int, float]]:
 def _losses(log: str) -> dict[int, float]:
     """Each iteration's own loss.
 
-    Megatron-LM's training_log does not reset its running sums after the first
-    iteration of a launch (``is_first_iteration``), so the second line of every
-    launch prints the mean of the first two iterations: undone here.
+    From core_v0.16, Megatron-LM's training_log does not reset its running sums
+    after the first iteration of a launch (``is_first_iteration``), so the second
+    line of every launch prints the mean of the first two iterations: undone here
+    (core_v0.15 logs every iteration's own loss).
     """
     lines = _log_lines(log)
     out = {it: loss for it, _, loss in lines}
-    if len(lines) >= 2:
+    if len(lines) >= 2 and RELEASE[:2] >= (0, 16):
         (_, _, l1), (second, _, mean) = lines[0], lines[1]
         out[second] = 2 * mean - l1
     return out
@@ -113,7 +136,7 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: boo
         env["TORCH_COMPILE_DISABLE"] = "1"  # jit_fuser is torch.compile: its C++ warm-up builds cost ~40 s a launch here
     backend = ["--distributed-backend", "gloo"] if cpu else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", RUNNER, script,
-           *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", str(vocab),
+           *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),
            *(["--tensor-model-parallel-size", str(tp)] if tp is not None else []), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
@@ -138,9 +161,10 @@ def _reference(script: str, vocab: int) -> dict[int, float]:
     return _REFERENCE[vocab]
 
 
-# NullTokenizer adds an EOD token to --vocab-size. 95 -> 96 rows: no padding at TP 1 or 2. 96 -> 97 rows: padded
-# to 128 at TP=2 and, by Megatron's rule, to 112 at TP=1; Megatron's softmax covers the padding rows, so the hook
-# keeps the checkpoint's 128 (--tenplex-vocab-padding keep) for the restart to continue exactly.
+# NullTokenizer adds an EOD token to --vocab-size (up to core_v0.17; _vocab_flag). 95 -> 96 rows: no padding at
+# TP 1 or 2. 96 -> 97 rows: padded to 128 at TP=2 and, by Megatron's rule, to 112 at TP=1; Megatron's softmax covers
+# the padding rows, so the hook keeps the checkpoint's 128 (--tenplex-vocab-padding keep) for the restart to
+# continue exactly.
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("vocab", [95, 96])
 def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script: str, vocab: int) -> None:
@@ -170,8 +194,9 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script
     assert re.search(r"> tenplex: loaded iteration 4 from \S+: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2", log), \
         log[-3000:]
     if vocab == 96:
-        assert "> tenplex: keeping the checkpoint's padded vocab 128 (Megatron's rule at this TP: 112)" in log
-    assert meta["padded_vocab_size"] == (96 if vocab == 95 else 128)  # the checkpoint of iteration 4
+        assert (f"> tenplex: keeping the checkpoint's padded vocab {VOCAB_BASE + 128} (Megatron's rule at this TP: "
+                f"{VOCAB_BASE + 112})") in log
+    assert meta["padded_vocab_size"] == VOCAB_BASE + (96 if vocab == 95 else 128)  # the checkpoint of iteration 4
     lines = _log_lines(log)
     assert [(it, consumed) for it, consumed, _ in lines] == [(5, 40), (6, 48), (7, 56), (8, 64)], lines
     resumed = _losses(log)
@@ -182,7 +207,7 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script
         assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it], table)
     meta = json.loads((ckpt / "iter_0000008" / "metadata.json").read_text())
     assert meta["layout"] == {"tp": 1, "pp": 1, "dp": 2} and meta["iteration"] == 8
-    assert meta["padded_vocab_size"] == (96 if vocab == 95 else 128)
+    assert meta["padded_vocab_size"] == VOCAB_BASE + (96 if vocab == 95 else 128)
 
 
 # Megatron-LM's own save (no --tenplex): torch_dist with the distributed optimizer (dp_reshardable, its default), or
@@ -197,7 +222,9 @@ def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: 
     assert "> tenplex:" not in log, log[-3000:]
     it4 = ckpt / "iter_0000004"
     if fmt == "torch_dist":
-        assert list(it4.glob("*.distcp")) and (it4 / "common.pt").exists(), sorted(os.listdir(it4))
+        # core_v0.19 keeps the common state inside the .distcp files (no common.pt)
+        assert list(it4.glob("*.distcp")) and ((it4 / "common.pt").exists() or RELEASE[:2] >= (0, 19)), \
+            sorted(os.listdir(it4))
         assert json.loads((it4 / "metadata.json").read_text())["sharded_backend"] == "torch_dist"  # Megatron's
     else:
         assert sorted(os.listdir(it4)) == ["mp_rank_00", "mp_rank_01"], sorted(os.listdir(it4))
@@ -247,8 +274,8 @@ def _run_nodes(script: str, tmp: pathlib.Path, run_id: str, nodes: list[str], tp
                    TENPLEX_OPEN_LOG=str(tmp / f"open_{node}.log"), **({"TORCH_COMPILE_DISABLE": "1"} if cpu else {}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, RUNNER, script,
-               *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", "95",
-               "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"),
+               *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size",
+               _vocab_flag(95), "--tensor-model-parallel-size", str(tp), "--save", str(tmp / "ckpt"),
                *(["--load", str(tmp / "ckpt")] if load else []),
                "--save-interval", "2", "--tenplex-memory", str(tmp / f"mem_{node}"), *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=open(tmp / f"{run_id}_{node}.log", "w"),

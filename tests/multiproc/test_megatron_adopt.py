@@ -112,8 +112,14 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     with open(os.path.join(bad["version"], "metadata.json"), "w") as f:
         json.dump({**meta, "sharded_backend_version": 99}, f)
     _rewrite_index(bad["optimizer"], ".exp_avg_sq", ".momentum_buffer")
-    common = torch.load(os.path.join(bad["pickle"], "common.pt"), weights_only=False)
-    torch.save({**common, "extra": NotPlain()}, os.path.join(bad["pickle"], "common.pt"))
+    legacy = os.path.join(bad["pickle"], "common.pt")
+    if os.path.isfile(legacy):
+        common = torch.load(legacy, weights_only=False)
+    else:  # megatron-core 0.19+: the common state is an object in the .distcp files; a common.pt is read first
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        common = load_common_state_dict(bad["pickle"])
+    torch.save({**common, "extra": NotPlain()}, legacy)
     adopters = []
     for name, (train, _, _, adopting) in SCENARIOS.items():
         adopters.append({"flags": [*MODEL, *train, *adopting, "--tenplex", "--load", f"{tmp}/{name}/mc/iter_0000003",

@@ -86,16 +86,17 @@ def test_a_checkpoint_naming_another_layout_is_refused_naming_both_versions() ->
     mv.check_checkpoint(None, "m", _version("0.19.0"))
 
 
+@pytest.mark.mcore_layout_fn
 def test_buffer_layout_equals_megatron_cores_own() -> None:
     """Where megatron-core exposes its buffer arithmetic (0.19: DistributedOptimizer._compute_per_buffer_param_layout,
-    pure of process groups), plan/megatron_buffer.py's buckets equal it for shapes that exercise every rule."""
+    pure of process groups), plan/megatron_buffer.py's buckets equal it for shapes that exercise every rule. Run by
+    make test-compat in its 0.19 venv (marker mcore_layout_fn); older versions compute the layout inside
+    _ParamAndGradBuffer, where the adoption tests check it through megatron-core's own saved checkpoints."""
     import megatron.core
+    from megatron.core.optimizer import distrib_optimizer as distrib
 
-    distrib = pytest.importorskip("megatron.core.optimizer.distrib_optimizer")
     compute = getattr(distrib.DistributedOptimizer, "_compute_per_buffer_param_layout", None)
-    if compute is None:
-        pytest.skip(f"megatron-core {megatron.core.__version__} computes the layout inside _ParamAndGradBuffer "
-                    "(checked by the adoption tests instead)")
+    assert compute is not None, f"megatron-core {megatron.core.__version__} has no standalone layout function"
     import torch
     from megatron.core.distributed import DistributedDataParallelConfig
 

@@ -53,7 +53,7 @@ from tenplex_megatron.storage.source import Opened, UncheckedSource
 def safe_globals() -> list[Any]:
     """The plain classes Megatron's pickles may hold besides tensors and containers (one list, as for DeepSpeed):
     the args Namespace, and numpy's RNG state in the legacy format's ``rng_state``."""
-    core = getattr(np, "_core", None) or np.core
+    core = np.core if np.lib.NumpyVersion(np.__version__) < "2.0.0" else np._core  # 1.x has a bare np._core
     return [argparse.Namespace, core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
@@ -72,9 +72,9 @@ def load_pickle(path: str, data: bytes | None = None, *, trust_pickles: bool = F
 
 
 def open_torch_dist(path: str, *, trust_pickles: bool = False) -> TorchDistCheckpoint:
-    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and ``common.pt`` (under the pickle policy),
-    checking the format."""
-    return read_torch_dist(path, lambda f: load_pickle(f, trust_pickles=trust_pickles),
+    """Read a ``torch_dist`` checkpoint's ``metadata.json``, index and common state (``common.pt``, or 0.19's
+    ``common_state`` object; under the pickle policy), checking the format."""
+    return read_torch_dist(path, lambda f, data: load_pickle(f, data, trust_pickles=trust_pickles),
                            trust_pickles=trust_pickles)
 
 
@@ -148,7 +148,7 @@ def open_megatron(path: str, job: Any, *, trust_pickles: bool = False) -> Opened
     source = DistcpSource(path, {k: t.dtype for k, t in ptc.tensors.items()})
     common = ck.common
     args = common.get("args")
-    check_saved_args(os.path.join(path, "common.pt"), args)
+    check_saved_args(ck.common_source, args)
     iteration = int(common.get("iteration", 0))
     consumed = common.get("consumed_samples", getattr(args, "consumed_train_samples", None))
     meta = {
