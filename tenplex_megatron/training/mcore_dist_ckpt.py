@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron import mcore_versions
 from tenplex_megatron.execute.collective import check_all
 from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state, sub_optimizers
 from tenplex_megatron.integrations.megatron_core.sharded import model_keys, unwrap
@@ -87,8 +88,6 @@ def _step_outside_dp_reshardable() -> None:
     ``step`` per parameter (AssertionError: (torch.Size([]), 0, 64)). 0.16 leaves ``step`` out of the buckets
     (restored from the param groups); do the same there. Not needed with apex/TE optimizers (GPU)."""
     from megatron.core.optimizer import distrib_optimizer as do
-
-    from tenplex_megatron import mcore_versions
 
     found = mcore_versions.installed()
     if (getattr(do.DistributedOptimizer, "_tenplex_dp_step_patch", False) or do.HAVE_APEX_OR_TE
