@@ -34,6 +34,7 @@ from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import snapshot
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage import directory
+from tests.logs import logged
 
 ROWS, COLS = 8, 6
 
@@ -94,27 +95,15 @@ def tier(out: str, **options: Any) -> state.MemoryTier:
                                           **options))
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @contextmanager
 def warnings_logged() -> Iterator[list[str]]:
-    """The warnings the library logs meanwhile (a handler on its logger, whatever its own handlers show)."""
-    handler = _Records()
-    logger = logging.getLogger("tenplex_megatron")
-    logger.addHandler(handler)
+    """The warnings the library logs meanwhile."""
     got: list[str] = []
-    try:
-        yield got
-    finally:
-        logger.removeHandler(handler)
-        got.extend(r.getMessage() for r in handler.records if r.levelno >= logging.WARNING)
+    with logged() as records:
+        try:
+            yield got
+        finally:
+            got.extend(r.getMessage() for r in records if r.levelno >= logging.WARNING)
 
 
 def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:

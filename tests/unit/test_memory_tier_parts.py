@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -36,29 +34,9 @@ from tenplex_megatron.plan.restart_policy import pick_snapshot as choose
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import write_safetensors
+from tests.logs import logged
 
 FILES = {"rank_00000.safetensors": 100, "rank_00001.safetensors": 200}
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@contextmanager
-def logged() -> Iterator[list[logging.LogRecord]]:
-    """The records the library logs meanwhile, from a handler on its ``tenplex_megatron`` logger."""
-    handler = _Records()
-    logger = logging.getLogger("tenplex_megatron")
-    logger.addHandler(handler)
-    try:
-        yield handler.records
-    finally:
-        logger.removeHandler(handler)
 
 
 def snap(node: str, it: int, present: dict[str, int], job: str = "job", digest: str = "d") -> Snapshot:

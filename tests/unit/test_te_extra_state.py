@@ -12,13 +12,13 @@ from __future__ import annotations
 import io
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-from tenplex_megatron import log
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load_chunks
 from tenplex_megatron.engine.rank_local import PREFIX, reader
@@ -27,17 +27,14 @@ from tenplex_megatron.integrations.megatron_core import extra_state, sharded
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage.files import CheckpointFileError
+from tests.logs import logged
 
 
 @pytest.fixture
-def records(request: pytest.FixtureRequest) -> list[logging.LogRecord]:
-    """What the library logs during the test (a handler on its logger; its own handlers left as they are)."""
-    got: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = got.append  # type: ignore[method-assign]
-    logging.getLogger(log.ROOT).addHandler(handler)
-    request.addfinalizer(lambda: logging.getLogger(log.ROOT).removeHandler(handler))
-    return got
+def records() -> Iterator[list[logging.LogRecord]]:
+    """What the library logs during the test (tests/logs.py)."""
+    with logged() as got:
+        yield got
 
 
 def _model_sd() -> dict:
