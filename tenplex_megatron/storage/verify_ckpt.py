@@ -4,8 +4,8 @@
 no model. It confines every file name the metadata uses, checks that the stored
 chunks partition each tensor (no overlap, no gap), that every file is there at
 its recorded size with a valid safetensors header holding each chunk at the
-right dtype and size, and reads every stored chunk's bytes to check each block
-checksum. Files are memory-mapped and the CRC runs straight over the mapped
+right dtype and size, and reads every stored chunk's bytes (and every rank-local
+entry's: Transformer Engine's extra state) to check each block checksum. Files are memory-mapped and the CRC runs straight over the mapped
 pages (no copy: warm, faster than a ``pread`` into a buffer here), in threads (the CRC
 releases the GIL, page faults included), spans of up to 16 MiB in file order,
 each announced to the kernel (``MADV_WILLNEED``) as it starts. Every problem
@@ -163,9 +163,10 @@ class _Checker:
         tensors = chunks if isinstance(chunks, tuple) else tuple(sorted({sc.chunk.key for sc in chunks}))
         self.damage.append(Damage(file, tensors, why))
 
-    def file_entries(self, name: str, path: str, recorded: int | None, chunks: list[StoredChunk],
-                     ) -> tuple[dict[str, TensorEntry], int] | None:
-        """Stat and parse one file; None (with the damage noted) when its chunks cannot be read."""
+    def file_entries(self, name: str, path: str, recorded: int | None, chunks: list[StoredChunk], *,
+                     needed: bool = False) -> tuple[dict[str, TensorEntry], int] | None:
+        """Stat and parse one file; None (with the damage noted) when its chunks cannot be read. ``needed``: parse
+        it even without chunks (it holds rank-local entries)."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -180,7 +181,7 @@ class _Checker:
         if recorded is not None and st.st_size != recorded:
             self.bad(name, chunks, f"{name}: size {st.st_size} bytes, the metadata recorded {recorded} "
                                    "(damaged or truncated)")
-        if not chunks:
+        if not chunks and not needed:
             return None
         try:
             return read_header(path, allow_truncated=True)
@@ -221,6 +222,67 @@ class _Checker:
                 self.bad(name, [sc], f"{name}: {label} is empty but its recorded crc32 is {loc.crc32:#010x}")
             return []
         return _spans(sc, entry, nbytes)
+
+
+    def local_spans(self, name: str, entries: dict[str, TensorEntry], size: int, entry: _LocalEntry) -> list[_Span]:
+        """Check one rank-local entry (Transformer Engine's extra state) against its header entry and recorded block
+        CRC-32s; its read spans if its bytes are there. Nothing in it is unpickled."""
+        label = f"rank {entry.rank}'s rank-local entry {entry.name!r}"
+        found = entries.get(entry.name)
+        if found is None:
+            self.bad(name, (entry.name,), f"{name}: {label} is not in the file")
+            return []
+        nbytes = found.end - found.begin
+        if found.dtype != "uint8" or nbytes != entry.nbytes:
+            self.bad(name, (entry.name,), f"{name}: {label} is {found.dtype} x {math.prod(found.shape)} in the file, "
+                                          f"the metadata says uint8 x {entry.nbytes}")
+            return []
+        if found.end > size:
+            self.bad(name, (entry.name,), f"{name}: {label}: data ends at byte {found.end} but the file has {size} "
+                                          "(truncated file)")
+            return []
+        want = -(-nbytes // entry.block_bytes)
+        if len(entry.sums) != want:
+            self.bad(METADATA_FILE, (entry.name,), f"{name}: {label}: the metadata records {len(entry.sums)} block "
+                                                   f"checksums, its {nbytes} bytes make {want} blocks of "
+                                                   f"{entry.block_bytes}")
+            return []
+        per = max(1, SPAN_BYTES // entry.block_bytes)
+        return [_Span(name, label, entry.name, found.begin + i * entry.block_bytes,
+                      min(found.begin + (i + per) * entry.block_bytes, found.end), entry.block_bytes, i,
+                      entry.sums[i : i + per]) for i in range(0, len(entry.sums), per)]
+
+
+@dataclass(frozen=True)
+class _LocalEntry:
+    """One rank-local entry as metadata.json's ``rank_local`` section records it."""
+
+    rank: int
+    name: str
+    nbytes: int
+    block_bytes: int
+    sums: tuple[int, ...]
+
+
+def _local_entries(ck: _Checker, meta: dict[str, Any]) -> dict[str, list[_LocalEntry]]:
+    """The rank-local entries with bytes, by file; a malformed record is noted as damage to the metadata."""
+    out: dict[str, list[_LocalEntry]] = defaultdict(list)
+    section = meta.get("rank_local") or {}
+    if not isinstance(section, dict):
+        ck.bad(METADATA_FILE, (), "'rank_local' is not an object")
+        return out
+    for rank, rec in sorted(section.items()):
+        try:
+            file, block = rec["file"], int(rec["block_bytes"])
+            entries = [_LocalEntry(int(rank), str(n), int(e["nbytes"]), block, tuple(int(c) for c in e["block_crc32"]))
+                       for n, e in sorted(rec["entries"].items())]
+            if not isinstance(file, str) or block <= 0:
+                raise ValueError(f"file {file!r}, block bytes {block}")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            ck.bad(METADATA_FILE, (), f"rank {rank}'s rank-local record is malformed ({e!r})")
+            continue
+        out[file].extend(x for x in entries if x.nbytes > 0)
+    return out
 
 
 def _holding(chunks: list[StoredChunk]) -> str:
@@ -265,7 +327,8 @@ def verify_checkpoint(path: str, workers: int | None = None,
     by_file: dict[str, list[StoredChunk]] = defaultdict(list)
     for sc in ptc.chunks:
         by_file[sc.location.file].append(sc)
-    names = sorted(set(recorded) | set(by_file))
+    local = _local_entries(ck, meta)
+    names = sorted(set(recorded) | set(by_file) | set(local))
     spans: list[_Span] = []
     maps: dict[str, mmap.mmap] = {}
     stored = sum(sc.chunk.numel * dtype_size(ptc.tensors[sc.chunk.key].dtype) for sc in ptc.chunks)
@@ -279,13 +342,14 @@ def verify_checkpoint(path: str, workers: int | None = None,
                 continue
             if name not in recorded and meta["format_version"] >= 2:
                 ck.bad(METADATA_FILE, chunks, f"{name}: not in the metadata's 'files' (its size is not recorded)")
-            got = ck.file_entries(name, full, recorded.get(name), chunks)
+            got = ck.file_entries(name, full, recorded.get(name), chunks, needed=bool(local.get(name)))
             if got is None:
                 continue
             entries, size = got
             mine = [s for sc in chunks for s in ck.chunk_spans(name, entries, size, sc,
                                                               ptc.tensors[sc.chunk.key].dtype,
                                                               meta["format_version"] >= 2)]
+            mine += [s for e in local.get(name, ()) for s in ck.local_spans(name, entries, size, e)]
             if mine:
                 try:
                     with open(full, "rb") as f:

@@ -27,6 +27,7 @@ from tenplex_megatron.integrations.megatron_core import extra_state, sharded
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 from tests.logs import logged
 
 
@@ -183,3 +184,25 @@ def test_damaged_entry_refused_naming_file_and_entry(tmp_path) -> None:
     with pytest.raises(Exception, match="block checksums"):
         _load(path, dst)
     assert torch.equal(dst.model[0][0].meta, torch.zeros(3))  # nothing handed over
+
+
+def test_verify_checks_rank_local_entries(tmp_path) -> None:
+    """`verify` reads every rank-local byte against its block CRC-32s too, and names a damaged entry and its file."""
+    src = _job()
+    src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
+    path = _save(tmp_path, src)
+    good = verify_checkpoint(path, workers=1)
+    assert good.ok, good.damage
+    with open(f"{path}/metadata.json") as f:
+        local = json.load(f)["rank_local"]["0"]["entries"]
+    assert good.bytes_checked == 8 * 4 + sum(e["nbytes"] for e in local.values())  # the chunk's and the entries'
+    name = f"{PREFIX}model0.0._extra_state"
+    with open(f"{path}/rank_00000.safetensors", "r+b") as f:
+        data = bytearray(f.read())
+        header = int.from_bytes(data[:8], "little")
+        begin = json.loads(data[8 : 8 + header])[name]["data_offsets"][0]
+        f.seek(8 + header + begin)
+        f.write(bytes([data[8 + header + begin] ^ 1]))
+    bad = verify_checkpoint(path, workers=1)
+    assert not bad.ok and bad.damaged_files() == ["rank_00000.safetensors"] and bad.damaged_tensors() == [name]
+    assert "rank 0's rank-local entry" in bad.damage[0].why and "fails its checksum in block 0" in bad.damage[0].why
