@@ -181,7 +181,7 @@ _RECORDED_ARGS = (
     "make_vocab_size_divisible_by", "swiglu", "untie_embeddings_and_output_weights", "bf16", "global_batch_size",
     "micro_batch_size", "train_iters", "lr", "min_lr", "seed", "position_embedding_type", "rotary_base",
     "rotary_percent", "normalization", "norm_epsilon", "add_bias_linear", "group_query_attention", "num_query_groups",
-    "qk_layernorm", "sequence_parallel", "fp16",
+    "qk_layernorm", "apply_layernorm_1p", "sequence_parallel", "fp16",
     "layernorm_epsilon",  # --norm-epsilon's destination in Megatron-LM 0.16 (its TransformerConfig field name)
     # mixture of experts (a dense job records None / the defaults)
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_token_dispatcher_type", "moe_aux_loss_coeff",

@@ -50,6 +50,14 @@ MOE_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_pre_softmax"
                 "moe_router_load_balancing_type": "aux_loss"}
 
 
+#: settings that change what a model computes without changing any tensor's shape, that neither direction of the
+#: mapping expresses: Megatron-LM argument name -> (its flag, what would go wrong)
+UNMAPPED = {
+    "apply_layernorm_1p": ("--apply-layernorm-1p", "the norms' stored weights are weight - 1 (zero-centred gamma)"),
+    "qk_layernorm": ("--qk-layernorm", "the query/key norms have no place in the Hugging Face model"),
+}
+
+
 class HFMapError(ValueError):
     """A model or a Hugging Face config that the mapping cannot express; the message names the field."""
 
@@ -96,6 +104,11 @@ class ModelFacts:
         def get(name: str, default: Any = None) -> Any:
             v = d.get(name)
             return default if v is None else v
+
+        for name, (flag, why) in UNMAPPED.items():
+            if d.get(name):
+                raise HFMapError(f"{name}={d[name]!r} ({flag}): not mapped to or from Hugging Face ({why}); the "
+                                 "weights would be exported or imported wrong")
 
         try:
             h = int(d["hidden_size"])

@@ -199,6 +199,17 @@ def test_from_model_json_reads_the_trainers_spec() -> None:
         ModelFacts.from_model_json({"num_layers": 2})
 
 
+@pytest.mark.parametrize("field, flag", [("apply_layernorm_1p", "--apply-layernorm-1p"),
+                                         ("qk_layernorm", "--qk-layernorm")])
+def test_settings_the_mapping_does_not_express_are_refused_naming_the_flag(field: str, flag: str) -> None:
+    """A model whose math differs with the same tensor shapes (zero-centred norm weights, query/key norms) is refused
+    for export and import alike, rather than written wrong; off (False, as Megatron-LM records it) is fine."""
+    model = LLAMA_FACTS.to_model_json()
+    assert ModelFacts.from_model_json({**model, field: False}) == LLAMA_FACTS
+    with pytest.raises(HFMapError, match=f"{field}=True \\({flag}\\): not mapped"):
+        ModelFacts.from_model_json({**model, field: True})
+
+
 def test_sizes_and_shards() -> None:
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100") == 100
     with pytest.raises(HFMapError, match="--max-shard-size"):

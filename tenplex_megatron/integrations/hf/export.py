@@ -92,10 +92,10 @@ def export_hf(ckpt: str, out: str, dtype: str | None = None, max_shard_bytes: in
     model = meta.get("model")
     if not isinstance(model, dict):
         raise HFMapError(f"{opened.path}: the metadata has no model description")
-    if model.get("qk_layernorm"):
-        raise HFMapError(f"{opened.path}: model.qk_layernorm is set: export-hf does not map the query/key norms to "
-                         "Hugging Face yet (they would be dropped)")
-    facts = ModelFacts.from_model_json(model)
+    try:
+        facts = ModelFacts.from_model_json(model)
+    except HFMapError as e:
+        raise HFMapError(f"{opened.path}: {e}") from None
     mapping = build_mapping(facts)
     src = opened.ptc
     for key in mapping.megatron:
