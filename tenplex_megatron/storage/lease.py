@@ -143,16 +143,23 @@ def current(directory: str) -> Lease | None:
     return None
 
 
-def check(directory: str, job: str, take_over: bool = False, now: float | None = None) -> Lease | None:
-    """Refuse (:class:`LeaseError`) when another job's holder lives; read only. Returns the current lease."""
+#: how a refused job is told to proceed, in the words of its front door: (another directory, take over)
+FLAG_REMEDY = ("Give this job another --save", "pass --tenplex-take-over")
+API_REMEDY = ("Give save_checkpoint another save_dir", "pass take_over=True")
+
+
+def check(directory: str, job: str, take_over: bool = False, now: float | None = None, *,
+          remedy: tuple[str, str] = FLAG_REMEDY) -> Lease | None:
+    """Refuse (:class:`LeaseError`) when another job's holder lives; read only. Returns the current lease.
+    ``remedy``: the advice in the refusal, as the caller's users spell it (flags, or the Python API)."""
     cur = current(directory)
     if cur is None or cur.job == job or take_over or cur.gone(time.time() if now is None else now):
         return cur
     age = (time.time() if now is None else now) - cur.heartbeat
     raise LeaseError(
         f"{directory} is held by {cur.describe()}, heartbeat {age:.1f} s ago (expires after {cur.ttl:g} s): two "
-        f"jobs must not write one checkpoint directory. Give this job another --save, or, if that job is gone, "
-        f"wait {max(cur.ttl - age, 0):.0f} s or pass --tenplex-take-over")
+        f"jobs must not write one checkpoint directory. {remedy[0]}, or, if that job is gone, "
+        f"wait {max(cur.ttl - age, 0):.0f} s or {remedy[1]}")
 
 
 _HELD: dict[str, Lease] = {}  # real path of a directory -> this process's lease on it
@@ -171,7 +178,8 @@ def _write(lease: Lease, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False) -> Lease:
+def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False, *,
+            remedy: tuple[str, str] = FLAG_REMEDY) -> Lease:
     """Take the next generation of ``directory``'s lease for ``job`` (refused as :func:`check` says), hold it in
     this process (heartbeat thread, :func:`fence`) and prune older generations' files."""
     if ttl <= 0:
@@ -179,7 +187,7 @@ def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool 
     os.makedirs(lease_dir(directory), exist_ok=True)
     holder = f"{socket.gethostname()}:{os.getpid()}"
     while True:
-        cur = check(directory, job, take_over)
+        cur = check(directory, job, take_over, remedy=remedy)
         gen = (cur.generation if cur else max(generations(directory), default=0)) + 1
         lease = Lease(os.path.abspath(directory), job, gen, holder, uuid.uuid4().hex, time.time(), float(ttl))
         tmp = f"{lease.path}.{lease.token}.tmp"

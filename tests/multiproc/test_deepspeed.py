@@ -171,6 +171,7 @@ def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(launches) -
     # one writer per directory: another live job's lease refuses the save, naming the directory and the holder
     leased = os.path.join(_zdir(launches.root, *BAD_INPUT_SOURCE), "bad1", "leased")
     assert "LeaseError" in r["other_job"] and f"{leased} is held by job 'another-job'" in r["other_job"], r["other_job"]
+    assert "take_over=True" in r["other_job"], r["other_job"]  # the API's argument, not the trainers' flag
     assert json.loads(r["leased_entries"]) == ["tenplex-lease"]  # nothing written but the other job's lease
     # a damaged newest checkpoint: the previous complete one is loaded instead
     assert r["newest"].endswith("iter_0000004") and r["loaded"].endswith("iter_0000003"), r

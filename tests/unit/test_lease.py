@@ -57,6 +57,10 @@ def test_second_job_refused_naming_directory_and_holder(tmp_path) -> None:
             lease.acquire(d, "job-b")
         assert d in str(e.value) and "job 'job-a'" in str(e.value) and f":{p.pid}" in str(e.value)
         assert "--tenplex-take-over" in str(e.value)
+        with pytest.raises(lease.LeaseError) as e:  # the Python API's callers are told its argument, not a flag
+            lease.acquire(d, "job-b", remedy=lease.API_REMEDY)
+        assert "another save_dir" in str(e.value) and "take_over=True" in str(e.value)
+        assert "--tenplex" not in str(e.value)
         assert lease.current(d).job == "job-a"  # nothing written by the refused job
         got = lease.acquire(d, "job-b", take_over=True)  # the flag: at once
         assert got.generation == gen + 1 and lease.current(d).job == "job-b"

@@ -137,8 +137,9 @@ def claim_save_dir(save_dir: str, job_id: str | None = None, take_over: bool = F
     if key in _CLAIMED:
         return
     job = job_id or launch_job_id(SimpleNamespace())
-    run_phase(f"lease of {save_dir}", lambda: lease.acquire(save_dir, job, ttl, take_over) if rank() == 0
-              else lease.check(save_dir, job, take_over))
+    run_phase(f"lease of {save_dir}", lambda: lease.acquire(save_dir, job, ttl, take_over,
+                                                          remedy=lease.API_REMEDY) if rank() == 0
+              else lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY))
     _CLAIMED.add(key)
 
 
