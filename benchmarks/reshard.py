@@ -229,10 +229,15 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
     spec = {"num_layers": d.num_layers, "hidden_size": d.hidden_size, "num_attention_heads": d.num_attention_heads,
             "ffn_hidden_size": d.ffn_hidden_size, "seq_length": seq, "max_position_embeddings": seq,
             "vocab_size": d.vocab_size, "make_vocab_size_divisible_by": 128, "swiglu": d.swiglu,
+            "untie_embeddings_and_output_weights": not d.tied, "add_bias_linear": d.add_bias_linear,
+            "normalization": d.normalization, "position_embedding_type": d.position_embedding_type,
+            "group_query_attention": d.num_query_groups is not None, "num_query_groups": d.num_query_groups or 1,
             "hidden_dropout": 0.0, "attention_dropout": 0.0}  # training.gpt.GPTSpec's fields (defaults for the rest)
     if d.num_experts:  # megatron-core's SequentialMLP experts, allgather dispatcher (GPTSpec's defaults for the rest)
         spec.update(num_experts=d.num_experts, moe_ffn_hidden_size=d.moe_ffn_hidden_size,
-                    moe_router_topk=d.moe_router_topk, add_bias_linear=d.add_bias_linear)
+                    moe_router_topk=d.moe_router_topk,
+                    moe_shared_expert_intermediate_size=d.moe_shared_expert_intermediate_size,
+                    moe_router_enable_expert_bias=d.moe_router_enable_expert_bias)
     # One padded vocabulary for A and B (divisible by both TPs): the loss check compares like with like.
     padded = padded_vocab_size(d.vocab_size, 128, math.lcm(src[0], dst[0]))
     gbs = 2 * math.lcm(src[2], dst[2])  # the same global batch at A and B, one sample per micro-batch
