@@ -15,7 +15,7 @@ present) under real torchrun agents on this machine, and the job must carry on b
 * ``etcd-host``: the same with ``--rdzv-backend etcd-v2`` (a real etcd server) and the agent started first killed;
 * ``flip@snapshot`` / ``flip@replica``: two nodes with host-memory snapshots (K=2, persisted every snapshot) stop at
   iteration 3 x S; a byte of rank 0's file of the newest snapshot is flipped in every node's copy (snapshot) or in
-  the other node's copy only (replica); the restart falls back (``engine/fallback.py``);
+  the other node's copy only (replica); the restart falls back (``memory/fallback.py``);
 * ``second-job``: a second job (another id) started on the running job's ``--save``: refused at start (the lease).
 
 Per fault: checkpoints lost (durable checkpoints the job reported committed that are missing or fail their

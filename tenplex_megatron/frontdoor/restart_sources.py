@@ -1,4 +1,4 @@
-"""Where a restart loads from, in one order for both front doors, and how it loads (``engine/fallback.py``).
+"""Where a restart loads from, in one order for both front doors, and how it loads (``memory/fallback.py``).
 
 The order: the newest host-memory snapshot (``--tenplex-memory``); else, with ``--tenplex``, tenplex's newest
 complete checkpoint under the load directory; else Megatron's own checkpoint there (adopted with ``--tenplex``);
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tenplex_megatron.engine import fallback
 from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, MegatronCoreAdapter, load_job
+from tenplex_megatron.memory import fallback
 from tenplex_megatron.memory import restart as memory_restart
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -45,7 +45,7 @@ def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool
 def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: str | None, *,
             verify: bool) -> fallback.Restart:
     """Collective: load ``sources``' snapshot or durable checkpoint into ``job``, re-sharded; a damaged copy falls
-    back to the next (``engine/fallback.py``)."""
+    back to the next (``memory/fallback.py``)."""
     return fallback.restart(
         lambda c: memory_restart.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
         lambda path: load_job(job, path, verify=verify), tier, sources.memory, load_dir, sources.tenplex)

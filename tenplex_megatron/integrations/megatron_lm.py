@@ -277,7 +277,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     tier = _memory_tier(args) if load_arg == "load" else None
     tenplex = bool(getattr(args, "tenplex", False) and load_dir)
     sources = restart_sources.find_sources(tier, load_dir, tenplex=tenplex)
-    if sources.ours:  # a damaged copy: the next one (engine/fallback.py)
+    if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
         return _restart(ddp_model, optimizer, opt_param_scheduler, tier, sources, load_dir)
     mck = sources.megatron if tenplex else None
     if getattr(args, "tenplex_init_from_hf", None) and sources.megatron is None:
@@ -300,7 +300,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
 def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: MemoryTier | None,
              sources: restart_sources.Sources, load_dir: str) -> tuple[int, float]:
     """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
-    re-sharded; a damaged copy falls back to the next (``engine/fallback.py``)."""
+    re-sharded; a damaged copy falls back to the next (``memory/fallback.py``)."""
     from megatron.training import get_args
 
     args = get_args()

@@ -442,7 +442,7 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
     ``--tenplex``, else through megatron-core's dist_checkpointing), else Hugging Face weights; else from scratch."""
     layout, mck = job.layout, sources.megatron
     restarted = None
-    if sources.ours:  # a damaged copy: the next one (engine/fallback.py)
+    if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
         restarted = restart_sources.restart(job, tier, sources, args.load, verify=not args.tenplex_no_verify)
     if restarted is not None and restarted.memory is not None:
         _note_loaded(args, restarted.result.seconds)

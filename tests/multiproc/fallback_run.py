@@ -1,4 +1,4 @@
-"""Engine-level runner for the restart fallback (engine/fallback.py) with tiny tensors: each rank is a node
+"""Engine-level runner for the restart fallback (memory/fallback.py) with tiny tensors: each rank is a node
 (``OUT/mem_<rank>``, K=2), one launch, every case. ``fallback_run.py OUT``: each rank writes ``OUT.rank<r>.json``."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tenplex_megatron.engine import fallback
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.engine.save import save
-from tenplex_megatron.memory import background, state
+from tenplex_megatron.memory import background, fallback, state
 from tenplex_megatron.memory import restart as memory_restart
 from tenplex_megatron.storage import directory
 from tests.harness import flip

@@ -1,7 +1,7 @@
 """Cluster faults with real torchrun agents: a worker dies with its agent (``engine/orphan.py``); one writer per
 checkpoint directory (``storage/lease.py``): a second job is refused at start, a split rendezvous leaves the newest
 generation alone writing, a dead holder's lease is taken over at once; a damaged checkpoint is skipped
-(``engine/fallback.py``); with torchrun's etcd rendezvous (a real etcd server) losing the first agent's node does
+(``memory/fallback.py``); with torchrun's etcd rendezvous (a real etcd server) losing the first agent's node does
 not end the job."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fall back, never fail, while a good copy exists (engine/fallback.py): a bad replica, a bad snapshot file, a bad
+"""Fall back, never fail, while a good copy exists (memory/fallback.py): a bad replica, a bad snapshot file, a bad
 durable checkpoint, and none left; real processes, real files, one torchrun launch (fallback_run.py)."""
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ function-level import of the package's own modules except where the allow-list b
 from __future__ import annotations
 
 import ast
+import functools
 import os
 from collections.abc import Iterator
 
@@ -61,6 +62,7 @@ def _import_nodes(node: ast.AST, in_function: bool) -> Iterator[tuple[ast.Import
                                                                          ast.Lambda)))
 
 
+@functools.cache  # read once for the module's tests (nothing mutates it)
 def _imports() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
     """Module-level edges (``if TYPE_CHECKING:`` blocks left out) and function-level imports (module, target, line)."""
     mods = _modules()
@@ -131,3 +133,38 @@ def test_no_function_level_import_of_the_packages_own_modules_beyond_the_allow_l
     assert not unexplained, "import at module level, or add to FUNCTION_LEVEL_ALLOWED with why:\n" + "\n".join(
         unexplained)
     assert set(FUNCTION_LEVEL_ALLOWED) <= found, f"stale allow-list entries: {set(FUNCTION_LEVEL_ALLOWED) - found}"
+
+
+#: the layers, lowest first (docs/design.md, "Layout of the code"): a module imports only from its own layer or
+#: below. The Megatron-core adapters sit under frontdoor/ (whose restart order loads through them); the front doors
+#: (the trainer, the Megatron-LM hook, the DeepSpeed API) sit on top.
+LAYERS = (
+    ("plan",),
+    ("storage",),
+    ("execute",),
+    ("engine",),
+    ("memory",),
+    ("integrations.megatron_core", "integrations.hf", "integrations.deepspeed.zero",
+     "integrations.deepspeed.native"),
+    ("frontdoor",),
+    ("training", "integrations.megatron_lm", "integrations.deepspeed"),
+)
+
+
+def _layer(module: str) -> int | None:
+    """The layer of a module (the longest matching prefix); None for the package's top-level modules."""
+    rel = module.removeprefix(f"{PKG}.")
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (rel == p or rel.startswith(p + ".")) and (best is None or len(p) > len(best[1])):
+                best = (i, p)
+    return None if best is None else best[0]
+
+
+def test_dependencies_point_one_way_between_the_layers() -> None:
+    edges, _ = _imports()
+    upward = sorted(f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})" for m, ts in edges.items() for t in ts
+                    if _layer(m) is not None and _layer(t) is not None and _layer(t) > _layer(m))
+    assert not upward, "\n".join(upward)
+    assert _layer(f"{PKG}.memory.fallback") == 4 and _layer(f"{PKG}.integrations.deepspeed.adapter") == 7

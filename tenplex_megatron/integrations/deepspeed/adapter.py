@@ -11,7 +11,7 @@ DeepSpeed's own ``global_stepN`` checkpoints written at any DP size, in place
 
 Safety at cluster scale, as behind the other front doors: the first save into a directory takes its lease (one
 writer per directory, ``storage/lease.py``: another live job's directory is refused on every rank before anything
-is written); a load of the newest checkpoint falls back past a damaged copy (``engine/fallback.py``); and under
+is written); a load of the newest checkpoint falls back past a damaged copy (``memory/fallback.py``); and under
 torchrun a worker dies with its agent (``engine/orphan.py``).
 """
 
@@ -22,7 +22,7 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
-from tenplex_megatron.engine import fallback, orphan
+from tenplex_megatron.engine import orphan
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
@@ -39,6 +39,7 @@ from tenplex_megatron.integrations.deepspeed.zero import (
     inner_optimizer,
     tied_copies,
 )
+from tenplex_megatron.memory import fallback
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.directory import find_checkpoint
