@@ -165,17 +165,22 @@ def test_checkpoint_without_extra_state_warns(tmp_path, records: list[logging.Lo
     assert "the checkpoint holds none" in line and "re-warm" in line
 
 
-def test_damaged_entry_refused_naming_file_and_entry(tmp_path) -> None:
-    src = _job()
-    src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
-    path = _save(tmp_path, src)
-    name = f"{PREFIX}model0.0._extra_state"
+def _flip_first_byte(path: str, name: str) -> None:
+    """Flip one bit of entry ``name``'s first byte in rank 0's file, as a damaged disk would."""
     with open(f"{path}/rank_00000.safetensors", "r+b") as f:
         data = bytearray(f.read())
         header = int.from_bytes(data[:8], "little")
         begin = json.loads(data[8 : 8 + header])[name]["data_offsets"][0]
         f.seek(8 + header + begin)
         f.write(bytes([data[8 + header + begin] ^ 1]))
+
+
+def test_damaged_entry_refused_naming_file_and_entry(tmp_path) -> None:
+    src = _job()
+    src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
+    path = _save(tmp_path, src)
+    name = f"{PREFIX}model0.0._extra_state"
+    _flip_first_byte(path, name)
     with open(f"{path}/metadata.json") as f:
         meta = json.load(f)
     with pytest.raises(CheckpointFileError, match=r"rank_00000\.safetensors: rank-local entry .*model0\.0\._extra_state"):
@@ -197,12 +202,7 @@ def test_verify_checks_rank_local_entries(tmp_path) -> None:
         local = json.load(f)["rank_local"]["0"]["entries"]
     assert good.bytes_checked == 8 * 4 + sum(e["nbytes"] for e in local.values())  # the chunk's and the entries'
     name = f"{PREFIX}model0.0._extra_state"
-    with open(f"{path}/rank_00000.safetensors", "r+b") as f:
-        data = bytearray(f.read())
-        header = int.from_bytes(data[:8], "little")
-        begin = json.loads(data[8 : 8 + header])[name]["data_offsets"][0]
-        f.seek(8 + header + begin)
-        f.write(bytes([data[8 + header + begin] ^ 1]))
+    _flip_first_byte(path, name)
     bad = verify_checkpoint(path, workers=1)
     assert not bad.ok and bad.damaged_files() == ["rank_00000.safetensors"] and bad.damaged_tensors() == [name]
     assert "rank 0's rank-local entry" in bad.damage[0].why and "fails its checksum in block 0" in bad.damage[0].why
