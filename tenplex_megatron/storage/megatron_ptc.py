@@ -379,7 +379,7 @@ def _fitted_buckets(ck: TorchDistCheckpoint, metas: dict[str, TensorMeta], layer
     """Every buffer's DP groups' buckets as megatron-core 0.16.1 lays out this parameter order, each stored piece
     checked against them (offsets and sizes, padding included): ((buffer, group), parameters, buckets); a mismatch
     raises."""
-    saved = {k for k in ck.tensors() if not _DISTRIBUTED.match(k) and not k.startswith("optimizer.")}
+    saved = {k for k in ck.tensors() if not is_optimizer_key(k)}
     args = ck.common.get("args")
     out = []
     for (buffer, g), buckets in sorted(groups.items()):
@@ -540,7 +540,7 @@ def describe_torch_dist(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], la
             tensors[okey] = replace(metas[pkey], key=okey, dtype=dtype, param=pkey)
     else:  # model-space optimizer tensors: [chained_N.]optimizer.state.<state>.<param key>
         for key, st in saved.items():
-            if not _OPTIMIZER.match(key):
+            if not is_optimizer_key(key):
                 continue
             parts = _OPTIMIZER.sub("optimizer.", key, count=1).split(".", 3)
             if len(parts) < 4 or parts[1] != "state" or parts[2] not in STATE_NAMES:

@@ -1,9 +1,10 @@
 """A mixture of experts' ``dp_reshardable`` checkpoint as megatron-core 0.16.1 saves it at EP2 x expert DP2 (world 4):
 the chained optimizer's dense buffer (``chained_0``: embeddings, attention, router, shared expert; cut over DP 4)
 and the experts' own buffer per EP rank (``chained_1...dp_group_idx_<EP rank>``: each local expert's fc1, fc2 in
-turn, cut over expert DP 2, each bucket padded to a multiple of 128). Described without torch, every expert's state
-is read from its own EP rank's buffer, the plan at another EP covers every element once, and buffers that do not
-fit are refused naming the tensor.
+turn, cut over expert DP 2, each bucket padded to a multiple of 128); and at EP1, where megatron-core keeps the
+experts in the dense buffer after the router. Described without torch, every expert's state is read from its own EP
+rank's buffer (or the dense one), the plan at another EP covers every element once, and buffers that do not fit are
+refused naming the tensor.
 
 The index is synthetic, laid out from megatron-core's module order directly (the real one is checked in
 ``tests/multiproc/test_megatron_adopt.py``); here the layouts no two-rank launch reaches: expert DP 2, end padding.
@@ -41,8 +42,10 @@ POST = {"decoder.final_layernorm.weight": (H,), "decoder.final_layernorm.bias": 
 DTYPE = "dtype_(torch.float32, torch.float32)"
 
 
-def _key(sub: int, group: int, state: str, bucket: int = 0) -> str:
-    return f"chained_{sub}.optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0.{DTYPE}.bucket_idx_{bucket}.{state}"
+def _key(sub: int | None, group: int, state: str, bucket: int = 0) -> str:
+    """A bucket's key (``sub`` None: an optimizer that is not chained)."""
+    prefix = "" if sub is None else f"chained_{sub}."
+    return f"{prefix}optimizer.distributed.dp_group_idx_{group}.gbuf_idx_0.{DTYPE}.bucket_idx_{bucket}.{state}"
 
 
 def _expert_bucket() -> Bucket:
@@ -53,8 +56,11 @@ def _expert_bucket() -> Bucket:
     return bucket
 
 
-def _checkpoint(saved_ep: int = EP, sub_max: int = 1, shrink_expert: bool = False) -> TorchDistCheckpoint:
-    """The index of a TP1 PP1 DP4 EP2 checkpoint (``shrink_expert``: EP rank 1's expert buffer one element short)."""
+def _checkpoint(saved_ep: int = EP, sub_max: int = 1, shrink_expert: bool = False, ep: int = EP,
+                experts_after: int = list(DENSE_LAYER).index("mlp.router.weight") + 1) -> TorchDistCheckpoint:
+    """The index of a TP1 PP1 DP4 checkpoint at EP2 (``shrink_expert``: EP rank 1's expert buffer one element short)
+    or, ``ep`` 1, at EP1: one optimizer, not chained, the experts in the dense buffer after the layer's first
+    ``experts_after`` parameters (the router, as megatron-core's module order has them)."""
     tensors: dict[str, DcpTensor] = {}
     items: dict = {}
     at: dict[str, int] = {}
@@ -73,15 +79,18 @@ def _checkpoint(saved_ep: int = EP, sub_max: int = 1, shrink_expert: bool = Fals
     add("decoder.layers.mlp.router.expert_bias", (LAYERS, E), [((i, 0), (1, E)) for i in range(LAYERS)])
     for name, size in EXPERT.items():  # written by the expert-DP rank 0 of each expert's EP rank
         add(f"decoder.layers.{name}", (LAYERS, E, *size),
-            [((i, e, 0, 0), (1, 1, *size)) for i in range(LAYERS) for e in range(E)], [e // (E // EP)
+            [((i, e, 0, 0), (1, 1, *size)) for i in range(LAYERS) for e in range(E)], [e // (E // ep)
                                                                                         for _ in range(LAYERS)
                                                                                         for e in range(E)])
     dense = [BufferParam(k, math.prod(s)) for k, s in PRE.items()]
-    dense += [BufferParam(f"{n}#{i}", math.prod(DENSE_LAYER[n])) for i in range(LAYERS) for n in DENSE_LAYER]
+    for i in range(LAYERS):
+        layer = [BufferParam(f"{n}#{i}", math.prod(DENSE_LAYER[n])) for n in DENSE_LAYER]
+        experts = [BufferParam(f"{n}#{i}.{j}", math.prod(EXPERT[n])) for j in range(E) for n in EXPERT]
+        dense += layer[:experts_after] + (experts if ep == 1 else []) + layer[experts_after:]
     dense += [BufferParam(k, math.prod(s)) for k, s in POST.items()]
-    buffers = [(0, 0, bucket_layout(dense, EP * EDP)[0], lambda r: r)]
-    for ep in range(EP):  # expert rank order (expert TP, EP, expert DP): global rank ep + EP x expert DP rank
-        buffers.append((1, ep, _expert_bucket(), lambda r, ep=ep: ep + EP * r))
+    buffers = [(0 if ep > 1 else None, 0, bucket_layout(dense, EP * EDP)[0], lambda r: r)]
+    for e in range(ep if ep > 1 else 0):  # expert rank order (expert TP, EP, expert DP): rank e + EP x expert DP rank
+        buffers.append((1, e, _expert_bucket(), lambda r, e=e: e + EP * r))
     for sub in range(2, sub_max + 1):  # another sub-optimizer's bucket, as megatron-core chains more of them
         buffers.append((sub, 0, buffers[0][2], lambda r: r))
     for sub, group, bucket, rank in buffers:
@@ -92,7 +101,7 @@ def _checkpoint(saved_ep: int = EP, sub_max: int = 1, shrink_expert: bool = Fals
             pieces[-1], size = (start, n - 1, r), size - 1
         for state in ("param", "exp_avg", "exp_avg_sq"):
             add(_key(sub, group, state), (size,), [((s,), (n,)) for s, n, _ in pieces], [rank(r) for _, _, r in pieces])
-    args = argparse.Namespace(vocab_size=VOCAB, expert_model_parallel_size=saved_ep)
+    args = argparse.Namespace(vocab_size=VOCAB, expert_model_parallel_size=saved_ep if ep > 1 else 1)
     return TorchDistCheckpoint("/ckpt", DcpIndex(tensors, (), items), {"args": args, "iteration": 3},
                                "dp_reshardable")
 
@@ -123,6 +132,21 @@ def test_expert_buffers_read_from_each_ep_rank_and_planned_at_another_ep() -> No
     for dst in (ParallelLayout(1, 1, 4), ParallelLayout(1, 2, 2, ep=2), ParallelLayout(2, 1, 2, ep=4, etp=1)):
         plan = plan_reshard(ptc, ptc.tensors, layout_chunks(ptc.tensors, dst, True), strict=True)  # each element once
         assert plan.total_bytes_read == sum(plan.bytes_per_rank().values()) > 0
+
+
+def test_experts_in_the_dense_buffer_at_ep1() -> None:
+    """megatron-core keeps no expert buffer at EP1: the experts are parameters of the dense one, after the router."""
+    ck = _checkpoint(ep=1)
+    assert not any(k.startswith("chained_") for k in ck.tensors())
+    ptc = describe_torch_dist(ck, *index_model_metas(ck), {"exp_avg"})
+    assert ptc.layout == {"tp": 1, "pp": 1, "dp": 4}
+    okey = "optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    assert sum(sc.chunk.numel for sc in ptc.chunks if sc.chunk.key == okey) == LAYERS * E * H * F
+    plan = plan_reshard(ptc, ptc.tensors, layout_chunks(ptc.tensors, ParallelLayout(1, 1, 4, ep=4), True), strict=True)
+    assert plan.total_bytes_read > 0
+    bad = _checkpoint(ep=1, experts_after=len(DENSE_LAYER))  # experts after the shared expert: no module order's
+    with pytest.raises(MegatronCheckpointError, match=r"dp_group_idx_0\.gbuf_idx_0.*do not match"):
+        describe_torch_dist(bad, *index_model_metas(bad), {"exp_avg"})
 
 
 def test_expert_buffer_that_does_not_fit_is_refused_naming_it() -> None:
