@@ -16,8 +16,9 @@ layout B that loads with every system. Systems:
   central   the Tenplex paper's "Central" (benchmarks/kit/central.py): rank 0 gathers every tensor at A
             and writes one file; at B every rank reads that whole file and slices its part out of it.
 Mixture-of-experts models (``--moe-models``, every full run has an EP row) change EP at the same world size
-(``--moe-transitions``); there mcore is megatron-core's fully_reshardable load at the new EP, and mcoredp/adopt
-do not run (no dp_reshardable route for an MoE at another EP).
+(``--moe-transitions``); there mcore is megatron-core's fully_reshardable load at the new EP, mcoredp saves
+Megatron-LM's default (the chained dense + expert optimizer, dp_reshardable) and adopt reads it at the new EP; the
+mcoredp load does not run (megatron-core has no dp_reshardable route for an MoE at another EP).
 Repetitions run round-robin over the systems (the order rotates each repetition).
 Each figure is timed inside the workers around the save/load call only, between
 barriers; a repetition's time is the max over ranks and the table shows the
@@ -89,13 +90,13 @@ MOE_TRANSITIONS: dict[str, tuple[Layout, Layout]] = {
     "ep1-ep2": ((1, 1, 2, 1), (1, 1, 2, 2)),
 }
 ALL_TRANSITIONS = {**TRANSITIONS, **MOE_TRANSITIONS}
-#: Why a mixture-of-experts row has no mcoredp and no adopt: what megatron-core and tenplex do with dp_reshardable.
+#: Why a mixture-of-experts row has no mcoredp load: megatron-core re-shards dp_reshardable only along DP.
 #: Why megatron-core's fully_reshardable load does not run where EP becomes or stops being the whole DP group.
 MOE_NO_MCORE_LOAD = ("none: megatron-core 0.16.1 keeps a separate expert optimizer only where the expert DP group "
                      "differs from DP (EP > 1); its common state (param groups) saved for one optimizer chain does not "
                      "load into the other (KeyError 'optimizer' in DistributedOptimizer.load_state_dict)")
-MOE_NO_DP_RESHARDABLE = ("none: megatron-core re-shards dp_reshardable only along DP (an EP change moves the experts), "
-                         "and tenplex refuses to adopt an MoE dp_reshardable checkpoint (docs/support.md)")
+MOE_NO_DP_RESHARDABLE = ("none: megatron-core re-shards dp_reshardable only along DP (an EP change moves the "
+                         "experts); adopt: tenplex reads that checkpoint in place at the new EP")
 SAVE_SYSTEMS = ("tenplex", "mcore", "mcoredp", "central")
 LOAD_SYSTEMS = ("tenplex", "tenplex_noverify", "mcore", "mcoredp", "adopt", "central")
 COLD_LOAD_SYSTEMS = ("tenplex_cold", "mcore_cold", "adopt_cold", "central_cold")
@@ -251,9 +252,8 @@ def run_one(model: str, name: str, a: argparse.Namespace) -> dict[str, Any]:
     try:
         load_systems = (LOAD_SYSTEMS if a.cache != "cold" else ()) + (COLD_LOAD_SYSTEMS if a.cache != "warm" else ())
         save_systems: tuple[str, ...] = SAVE_SYSTEMS
-        if d.num_experts:  # no dp_reshardable route for a mixture of experts: neither Megatron's own load nor adopt
-            save_systems = tuple(s for s in save_systems if s != "mcoredp")
-            load_systems = tuple(s for s in load_systems if s.split("_")[0] not in ("mcoredp", "adopt"))
+        if d.num_experts:  # megatron-core has no dp_reshardable route for a mixture of experts at a new EP; adopt has
+            load_systems = tuple(s for s in load_systems if s != "mcoredp")
             row["mcoredp_load_route"] = MOE_NO_DP_RESHARDABLE
             if (src[3] > 1) != (dst[3] > 1):  # the chained dense + expert optimizer becomes one, or the reverse
                 load_systems = tuple(s for s in load_systems if s.split("_")[0] != "mcore")
@@ -347,7 +347,7 @@ def print_row(r: dict[str, Any]) -> None:
             print(f"  {s} save: peak memory (own shard + RSS growth) = {frac:.3f}x the rank's own shard "
                   f"(worst rank; own shards {'/'.join(f'{b / mb:.0f}' for b in r['own_bytes']['save'])} MB)")
     if r.get("num_experts") and r.get("mcoredp_load_route"):
-        print(f"  mcoredp and adopt: {r['mcoredp_load_route']}")
+        print(f"  mcoredp load: {r['mcoredp_load_route']}")
         print(f"  mcore load: {r.get('mcore_load_route') or 'megatron-core fully_reshardable at the new EP'}")
     elif r.get("mcoredp_load_route"):
         print(f"  mcoredp load: {r['mcoredp_load_route']} ((TP, PP) {tuple(r['from'][:2])} -> {tuple(r['to'][:2])}); "

@@ -103,6 +103,7 @@ def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
     except CheckpointFileError as e:
         raise CLIError(str(e)) from None
     table = summary.pop("tensor_table")
+    experts_line = summary.pop("experts_line", None)
     if args.json:
         if args.tensors:
             summary["tensor_table"] = table
@@ -111,8 +112,13 @@ def _inspect_megatron(path: str, args: argparse.Namespace) -> int:
     lay = summary["layout"]
     print(f"checkpoint   {path}  ({summary['format']}: Megatron's own, adopted at any layout with --tenplex)")
     print(f"iteration    {summary['iteration']}  (consumed samples {summary['consumed_samples']})")
-    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}  ({summary.get('layout_source', 'as the index shows it')})  "
+    experts = summary.get("experts")
+    print(f"layout       tp={lay['tp']} pp={lay['pp']} dp={lay['dp']}"
+          + (f" ep={lay.get('ep', 1)} expert-tp={experts['expert_tp']}" if experts else "")
+          + f"  ({summary.get('layout_source', 'as the index shows it')})  "
           f"distributed optimizer: {summary['distributed_optimizer']}")
+    if experts_line:
+        print(f"experts      {experts_line}")
     print(f"tensors      {summary['tensors']} ({summary['model_parameters']:,} model parameters), "
           f"{summary['chunks']} stored chunks")
     print(f"bytes        {_fmt_bytes(summary['bytes'])} in {len(summary['files'])} files")

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from tenplex_megatron.plan.experts import is_expert_key
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
@@ -64,6 +65,11 @@ def describe_legacy(path: str, load: Callable[[str], Any], model: dict[str, Tens
                     module_names: dict[str, str]) -> tuple[PTC, dict[str, Any], Any]:
     """The legacy iteration directory ``path`` as a PTC for ``model`` (checked against it), with rank 0's state dict
     and the args; ``load(relative path)`` reads one file (``torch.load`` at adoption, tensor stubs in the cli)."""
+    experts = sorted(k for k in model if is_expert_key(k))
+    if experts:
+        raise MegatronCheckpointError(f"{path}: tensor {experts[0]!r}: a mixture of experts in Megatron's legacy "
+                                      "torch format is not adopted (save it as torch_dist, Megatron-LM's default, or "
+                                      "with --tenplex)")
     layout = legacy_layout(path)
     first = load(os.path.join(rank_dir(0, 0, layout.pp), MODEL_FILE))
     version = first.get("checkpoint_version")

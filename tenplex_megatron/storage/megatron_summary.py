@@ -20,12 +20,23 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.plan.experts import ExpertSummary, expert_summary
 from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.megatron_ptc import common_dict, common_state
+from tenplex_megatron.storage.megatron_ptc import (
+    TorchDistCheckpoint,
+    common_dict,
+    common_state,
+    describe_torch_dist,
+    index_model_metas,
+    is_optimizer_key,
+    sharding_type,
+)
 
-_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+\.\w+")
+# a dense buffer's bucket (a chained optimizer's first sub-optimizer, or the only one)
+_BUCKET = re.compile(r"(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_\d+\.dtype_.+\.bucket_idx_\d+"
+                     r"\.\w+")
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -125,7 +136,7 @@ def saved_layout(index: DcpIndex) -> dict[str, int]:
     emb = index.tensors.get("embedding.word_embeddings.weight")
     tp = len({offsets[0] for offsets, _ in emb.chunks}) if emb is not None else 0
     for key, t in index.tensors.items() if not tp else ():
-        if key.startswith("optimizer."):
+        if is_optimizer_key(key):
             continue
         first = 1 if key.startswith("decoder.layers.") else 0
         for axis in range(first, len(t.size)):
@@ -140,27 +151,46 @@ def saved_layout(index: DcpIndex) -> dict[str, int]:
     return {"tp": tp, "pp": pp, "dp": max(world // (tp * pp), 1)}
 
 
+def _described(path: str, index: DcpIndex, common: dict[str, Any], sharding: str | None,
+               source: str) -> tuple[dict[str, Any] | None, ExpertSummary | None, str | None]:
+    """The saving layout (EP and expert TP included) and the experts as ``plan`` describes the checkpoint, or why it
+    cannot (a model ``plan`` does not know, buffers that do not fit): (layout, experts, error)."""
+    try:
+        ck = TorchDistCheckpoint(path, index, common, sharding, source)
+        metas, layer_keys = index_model_metas(ck)
+        wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in metas.values())
+                                              else set())
+        ptc = describe_torch_dist(ck, metas, layer_keys, wanted)
+    except CheckpointFileError as e:
+        return None, None, str(e)
+    return dict(ptc.layout), expert_summary(ptc, ptc.layout), None
+
+
 def summarize(path: str) -> dict[str, Any]:
-    """Iteration, layout, optimizer format, tensors and bytes of the ``torch_dist`` checkpoint ``path``."""
+    """Iteration, layout, optimizer format, tensors and bytes of the ``torch_dist`` checkpoint ``path``; the layout
+    and the experts as ``plan`` describes it where it can (else the layout as the index alone shows it)."""
     index = read_dcp_metadata(path)
     try:
-        common = read_common(*common_state(path, index))
+        source, data = common_state(path, index)
+        common = read_common(source, data)
         problem = None
     except CheckpointFileError as e:
-        common, problem = {}, str(e)
+        source, common, problem = "common.pt", {}, str(e)
     args = common.get("args")
-    opt = common.get("optimizer") if isinstance(common.get("optimizer"), dict) else {}
-    sharding = opt.get("param_state_sharding_type") or (
-        (common.get("content_metadata") or {}).get("distrib_optim_sharding_type")
-        if any(k.startswith("optimizer.distributed.") for k in index.tensors) else None)
-    model = {k: t for k, t in index.tensors.items() if not k.startswith("optimizer.")}
+    sharding = sharding_type(path, common, index)
+    model = {k: t for k, t in index.tensors.items() if not is_optimizer_key(k)}
     files = sorted({i.relative_path for i in index.items.values()})
+    layout, experts, why = _described(path, index, common, sharding, source) if problem is None else (None, None,
+                                                                                                       problem)
     return {
         "path": path,
         "format": f"megatron torch_dist ({sharding or 'no distributed optimizer'})",
         "iteration": common.get("iteration"),
         "consumed_samples": common.get("consumed_samples", getattr(args, "consumed_train_samples", None)),
-        "layout": saved_layout(index),
+        "layout": layout or saved_layout(index),
+        "layout_source": ("as plan describes it" if layout else f"as the index alone shows it (not described: {why})"),
+        "experts": experts.to_json() if experts is not None else None,
+        "experts_line": experts.line() if experts is not None else None,
         "distributed_optimizer": sharding is not None,
         "padded_vocab_size": (model.get("embedding.word_embeddings.weight").size[0]
                               if "embedding.word_embeddings.weight" in model else None),

@@ -14,8 +14,10 @@ iteration 4 and exits; a TP=1 x DP=2 run that loads it and trains iterations 5-8
 micro-batch 1, over the command line's 2, before Megatron-LM checks its flags).
 And Megatron-LM's own checkpoint: a TP=2 run *without* ``--tenplex`` saving at
 iteration 4 in its own format (``torch_dist`` dp_reshardable, or ``torch``),
-adopted by a TP=1 x DP=2 run with ``--tenplex``. The restarted losses must equal
-the uninterrupted run's, step by step.
+adopted by a TP=1 x DP=2 run with ``--tenplex``; and a mixture of experts at EP=2
+saving its own ``torch_dist`` (the chained dense + expert optimizer, dp_reshardable)
+without ``--tenplex``, adopted at EP=1 x DP=2. The restarted losses must equal the
+uninterrupted run's, step by step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import sysconfig
 import pytest
 
 from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.distcp_index import read_dcp_metadata
 from tests.harness import ROOT, flip
 
 pytestmark = pytest.mark.megatron_lm
@@ -211,15 +214,29 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script
 
 
 # Megatron-LM's own save (no --tenplex): torch_dist with the distributed optimizer (dp_reshardable, its default), or
-# the legacy torch format (one model_optim_rng.pt and one distrib_optim.pt per rank).
+# the legacy torch format (one model_optim_rng.pt and one distrib_optim.pt per rank); and a mixture of experts at EP2
+# in torch_dist (the chained optimizer's dense buffer and the experts' own, dp_reshardable) adopted at EP1 x DP2.
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
+       "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
+
+OWN = {"torch_dist": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"], "tp=2,pp=1,dp=1"),
+       "torch": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"], "tp=2,pp=1,dp=1"),
+       "torch_dist-moe": ([*MOE, "--expert-model-parallel-size", "2"], [*MOE, "--expert-model-parallel-size", "1"],
+                          "tp=1,pp=1,dp=2,ep=2")}
+
+
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
-@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
-def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: str, fmt: str) -> None:
-    ref = _reference(script, 95)
-    ckpt = tmp_path / "ckpt"
-    log = _run(script, 2, 95, ["--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4",
-                               "--ckpt-format", fmt], tenplex=False)
+@pytest.mark.parametrize("case", list(OWN))
+def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: str, case: str) -> None:
+    fmt, moe = case.split("-")[0], case.endswith("-moe")
+    saving, adopting, layout = OWN[case]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    # the mixture of experts trains on uninterrupted to iteration 8 (its losses are the reference: Megatron-LM's
+    # MoE at DP2 reads other samples than the dense TP2 reference), and its iteration-4 checkpoint is adopted
+    log = _run(script, None, 95, [*saving, "--save", str(ckpt), "--save-interval", "4", "--ckpt-format", fmt,
+                                  *([] if moe else ["--exit-interval", "4"])], tenplex=False)
     assert "> tenplex:" not in log, log[-3000:]
+    ref = _losses(log) if moe else _reference(script, 95)
     it4 = ckpt / "iter_0000004"
     if fmt == "torch_dist":
         # core_v0.19 keeps the common state inside the .distcp files (no common.pt)
@@ -228,13 +245,19 @@ def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: 
         assert json.loads((it4 / "metadata.json").read_text())["sharded_backend"] == "torch_dist"  # Megatron's
     else:
         assert sorted(os.listdir(it4)) == ["mp_rank_00", "mp_rank_01"], sorted(os.listdir(it4))
-    first = _losses(log)
-    for it in range(1, 5):  # Megatron's own sampler at DP=1 reads the samples tenplex's does
-        assert first[it] == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, first[it], ref[it])
+    if moe:  # Megatron-LM's default: the experts' sub-optimizer's own dp_reshardable buckets, one group per EP rank
+        keys = read_dcp_metadata(str(it4)).tensors
+        assert {k.split(".gbuf_idx_")[0] for k in keys if k.startswith("chained_1.optimizer.distributed.")} == \
+            {f"chained_1.optimizer.distributed.dp_group_idx_{g}" for g in (0, 1)}, sorted(keys)
+        (ckpt / "latest_checkpointed_iteration.txt").write_text("4")
+    else:
+        first = _losses(log)
+        for it in range(1, 5):  # Megatron's own sampler at DP=1 reads the samples tenplex's does
+            assert first[it] == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, first[it], ref[it])
 
-    log = _run(script, 1, 95, ["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4"])
-    assert re.search(r"> tenplex: loaded iteration 4 from \S+iter_0000004: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2",
-                     log), log[-3000:]
+    log = _run(script, None, 95, [*adopting, "--load", str(ckpt), "--save", str(out), "--save-interval", "4"])
+    assert re.search(rf"> tenplex: loaded iteration 4 from \S+iter_0000004: layout {layout} -> tp=1,pp=1,dp=2", log), \
+        log[-3000:]
     lines = _log_lines(log)
     assert [(it, consumed) for it, consumed, _ in lines] == [(5, 40), (6, 48), (7, 56), (8, 64)], lines
     resumed = _losses(log)
@@ -242,7 +265,7 @@ def test_megatron_lm_own_checkpoint_adopted_at_another_layout(tmp_path, script: 
     print(table)
     for it, loss in resumed.items():
         assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it], table)
-    meta = json.loads((ckpt / "iter_0000008" / "metadata.json").read_text())
+    meta = json.loads((out / "iter_0000008" / "metadata.json").read_text())
     assert meta["format"] == "tenplex-megatron" and meta["layout"] == {"tp": 1, "pp": 1, "dp": 2}
     assert meta["iteration"] == 8 and meta["consumed_samples"] == 64
 
@@ -343,9 +366,6 @@ def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_
         opened = [line.split("\t", 1)[1] for line in (tmp_path / f"open_{node}.log").read_text().splitlines()]
         assert opened and all(p.startswith(str(tmp_path / f"mem_{node}") + os.sep) for p in opened), (node, opened)
 
-
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
-       "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
 
 #: What GPU runs turn on, through Megatron-LM's own loop and parser: name -> (flags of the uninterrupted run and of
 #: the save, flags of the restart). The restart keeps --sequence-parallel on its command line at TP 1 (Megatron-LM

@@ -42,8 +42,9 @@ def test_bench_reshard_tiny_runs_and_every_system_loads_correctly(tmp_path) -> N
 
 @pytest.mark.slow  # about 50 CPU-seconds more than make test's budget leaves: pytest -m slow tests/multiproc
 def test_bench_reshard_moe_row_restarts_at_a_new_ep(tmp_path) -> None:
-    """The MoE row (issue #35): a mixture of experts saved at EP2 x expert DP2 and loaded at EP4 by tenplex and by
-    megatron-core's own fully_reshardable load, both reproducing the saving job's losses, with its RATIO lines."""
+    """The MoE row (issue #35): a mixture of experts saved at EP2 x expert DP2 and loaded at EP4 by tenplex, by
+    megatron-core's own fully_reshardable load and by tenplex adopting megatron-core's dp_reshardable save (the
+    chained dense + expert optimizer's buckets), all reproducing the saving job's losses, with its RATIO lines."""
     out = tmp_path / "bench.json"
     p = subprocess.run(
         [sys.executable, "-m", "benchmarks.reshard", "--moe-only", "--moe-models", "tiny-moe", "--moe-transitions",
@@ -53,9 +54,11 @@ def test_bench_reshard_moe_row_restarts_at_a_new_ep(tmp_path) -> None:
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     (run,) = json.loads(out.read_text())["runs"]
     assert (run["model"], run["num_experts"], run["from"], run["to"]) == ("tiny-moe", 4, [1, 1, 4, 2], [1, 1, 4, 4])
-    for system in ("tenplex", "tenplex_noverify", "mcore", "central", "tenplex_cold", "mcore_cold", "central_cold"):
+    for system in ("tenplex", "tenplex_noverify", "mcore", "central", "adopt", "tenplex_cold", "mcore_cold",
+                   "central_cold", "adopt_cold"):
         assert run["check"][system]["ok"], (system, run["check"][system])
-    assert "adopt_load" not in run and "mcoredp_save" not in run and run["mcoredp_load_route"].startswith("none")
+    assert run["adopt_load"] and run["mcoredp_save"] and "mcoredp_load" not in run
+    assert run["mcoredp_load_route"].startswith("none")
     for line in ("RATIO load_time tiny-moe:ep2-ep4 tenplex/mcore = ", "RATIO load_time_cold tiny-moe:ep2-ep4 tenplex/mcore = ",
                  "RATIO save_time tiny-moe:ep2-ep4 tenplex/mcore = ", "RATIO bytes_read tiny-moe:ep2-ep4 tenplex/destination = "):
         assert line in p.stdout, p.stdout[-3000:]

@@ -4,7 +4,8 @@ layout: the adopted state equals the state at save element for element, losses c
 and bad input fails on every rank, naming what is wrong, before the job's state is touched.
 
 One writer launch writes every checkpoint (and, at the same layout with --tenplex, the uninterrupted reference
-run with a tenplex checkpoint of the same state); one adopter launch adopts them all and tries the bad inputs.
+run with a tenplex checkpoint of the same state, one per job and layout: the MoE formats share theirs); one adopter
+launch adopts them all (some at a second layout) and tries the bad inputs.
 ``inspect`` and ``plan --to`` then run on the written checkpoints with torch blocked (no further launch).
 """
 
@@ -16,6 +17,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -29,6 +31,11 @@ RUNNER = os.path.join(ROOT, "tests", "multiproc", "megatron_adopt_run.py")
 MODEL = [a for a in TINY_GPT if a != "--tenplex"] + ["--vocab-size", "96", "--swiglu", "--train-iters", "6"]
 DIST = ["--use-distributed-optimizer"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
+# DeepSeek-style routing: sigmoid scores, the aux-loss-free expert bias (a router buffer, no optimizer state), and a
+# shared expert every token goes through (dense parameters, in the dense buffer beside the router)
+MOE_DS = [*MOE, "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+          "--moe-router-bias-update-rate", "0.01", "--moe-shared-expert-intermediate-size", "64"]
+EP2 = [*layout_flags(1, 1), "--expert-model-parallel-size", "2"]
 # name: (training flags, saving layout, extra flags of the writer only, adopting layout)
 SCENARIOS = {
     "tp2_dp_reshardable": (DIST, layout_flags(2, 1), [], layout_flags(1, 1)),  # TP2 -> TP1 x DP2
@@ -48,9 +55,20 @@ SCENARIOS = {
     "pp2_bf16_plain_legacy_torch": (["--bf16"], layout_flags(1, 2), ["--ckpt-format", "torch"], layout_flags(1, 1)),
     # a mixture of experts saved at EP2 by megatron-core (fully_reshardable: the chained dense + expert optimizer's
     # state in model space), adopted at EP1 x DP2 (the experts' sub-optimizer joins the dense one)
-    "ep2_moe_fully_reshardable": ([*DIST, *MOE], [*layout_flags(1, 1), "--expert-model-parallel-size", "2"],
-                                  ["--dist-ckpt-optim-fully-reshardable"], layout_flags(1, 1)),
+    "ep2_moe_fully_reshardable": ([*DIST, *MOE_DS], EP2, ["--dist-ckpt-optim-fully-reshardable"],
+                                  layout_flags(1, 1)),
+    # Megatron-LM's default format for a mixture of experts at EP2: the chained optimizer's dense buffer (router, shared
+    # expert) and the experts' own buffer (each EP rank's experts, cut over expert DP), adopted at EP1 x DP2
+    "ep2_moe_dp_reshardable": ([*DIST, *MOE_DS], EP2, [], layout_flags(1, 1)),
 }
+#: adoptions besides each scenario's own: name -> (scenario whose Megatron checkpoint is adopted, adopting layout)
+EXTRA_ADOPTIONS = {
+    # the experts' buffer read at another EP and PP (the first stage's rank reads the last stage's norm's state)
+    "ep2_moe_dp_reshardable_at_pp2": ("ep2_moe_dp_reshardable", layout_flags(1, 2)),
+}
+ADOPTIONS = {**{name: (name, s[3]) for name, s in SCENARIOS.items()}, **EXTRA_ADOPTIONS}
+#: each scenario's uninterrupted reference run: the first scenario's that trains the same job at the same layout
+REF = {name: next(n for n, o in SCENARIOS.items() if o[:2] == s[:2]) for name, s in SCENARIOS.items()}
 
 
 def _run(tmp: str, name: str, tasks: list[dict]) -> str:
@@ -60,6 +78,19 @@ def _run(tmp: str, name: str, tasks: list[dict]) -> str:
     r = torchrun(2, [path], timeout=900, script=RUNNER)
     assert r.returncode == 0, r.log[-4000:]
     return r.log
+
+
+def _edit_common(ckpt: str, edit: Callable[[dict], None]) -> None:
+    """Change a torch_dist checkpoint's common state (the test crafts bad input from its own trusted file)."""
+    legacy = os.path.join(ckpt, "common.pt")
+    if os.path.isfile(legacy):
+        common = torch.load(legacy, weights_only=False)
+    else:  # megatron-core 0.19+: the common state is an object in the .distcp files; a common.pt is read first
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        common = load_common_state_dict(ckpt)
+    edit(common)
+    torch.save(common, legacy)
 
 
 def _rewrite_index(ckpt: str, old: str, new: str) -> None:
@@ -86,12 +117,9 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     for name, (train, saving, writer_only, _) in SCENARIOS.items():
         writers.append({"flags": [*MODEL, *train, *saving, *writer_only, "--save", f"{tmp}/{name}/mc",
                                   "--exit-interval", "3"]})
-        writers.append({"flags": [*MODEL, *train, *saving, "--tenplex", "--save", f"{tmp}/{name}/ref",
-                                  "--save-interval", "3", "--tenplex-metrics", f"{tmp}/{name}/ref.jsonl"]})
-    # Megatron's dp_reshardable save of a mixture of experts (refused below, naming what to save instead)
-    moe_ep2 = SCENARIOS["ep2_moe_fully_reshardable"]
-    writers.append({"flags": [*MODEL, *moe_ep2[0], *moe_ep2[1], "--save", f"{tmp}/moe_dp_reshardable",
-                              "--exit-interval", "3"]})
+        if REF[name] == name:
+            writers.append({"flags": [*MODEL, *train, *saving, "--tenplex", "--save", f"{tmp}/{name}/ref",
+                                      "--save-interval", "3", "--tenplex-metrics", f"{tmp}/{name}/ref.jsonl"]})
     _run(tmp, "writers", writers)
     base = f"{tmp}/tp2_dp_reshardable/mc/iter_0000003"
     bad = {}
@@ -112,19 +140,15 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     with open(os.path.join(bad["version"], "metadata.json"), "w") as f:
         json.dump({**meta, "sharded_backend_version": 99}, f)
     _rewrite_index(bad["optimizer"], ".exp_avg_sq", ".momentum_buffer")
-    legacy = os.path.join(bad["pickle"], "common.pt")
-    if os.path.isfile(legacy):
-        common = torch.load(legacy, weights_only=False)
-    else:  # megatron-core 0.19+: the common state is an object in the .distcp files; a common.pt is read first
-        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
-
-        common = load_common_state_dict(bad["pickle"])
-    torch.save({**common, "extra": NotPlain()}, legacy)
+    # a mixture of experts whose saved args name another EP than its expert buffer's groups show
+    bad["moe_ep"] = shutil.copytree(f"{tmp}/ep2_moe_dp_reshardable/mc/iter_0000003", f"{tmp}/bad_moe_ep")
+    _edit_common(bad["moe_ep"], lambda c: setattr(c["args"], "expert_model_parallel_size", 4))
+    _edit_common(bad["pickle"], lambda c: c.update(extra=NotPlain()))
     adopters = []
-    for name, (train, _, _, adopting) in SCENARIOS.items():
-        adopters.append({"flags": [*MODEL, *train, *adopting, "--tenplex", "--load", f"{tmp}/{name}/mc/iter_0000003",
-                                   "--tenplex-resave", f"{tmp}/{name}/resaved", "--save", f"{tmp}/{name}/out",
-                                   "--tenplex-metrics", f"{tmp}/{name}/got.jsonl"]})
+    for name, (scenario, adopting) in ADOPTIONS.items():
+        adopters.append({"flags": [*MODEL, *SCENARIOS[scenario][0], *adopting, "--tenplex", "--load",
+                                   f"{tmp}/{scenario}/mc/iter_0000003", "--tenplex-resave", f"{tmp}/{name}/resaved",
+                                   "--save", f"{tmp}/{name}/out", "--tenplex-metrics", f"{tmp}/{name}/got.jsonl"]})
     tp1 = [*MODEL, *DIST, *layout_flags(1, 1)]
     adopters += [
         {"flags": [*tp1, "--ffn-hidden-size", "128"], "load": base,
@@ -139,28 +163,34 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
          "error": "mp_rank_01/model_optim_rng.pt: missing (the checkpoint was written at TP2 PP1)"},
         {"flags": [*MODEL, *layout_flags(1, 1)], "load": bad["plain"],
          "error": "mp_rank_00/model_optim_rng.pt: optimizer state ['exp_avg', 'momentum_buffer', 'step'] of"},
-        {"flags": [*MODEL, *DIST, *MOE, *layout_flags(1, 1)], "load": f"{tmp}/moe_dp_reshardable/iter_0000003",
-         "error": "a chained (dense + expert) distributed optimizer saved dp_reshardable is not adopted yet: save "
-                  "the mixture of experts with --dist-ckpt-optim-fully-reshardable, or with --tenplex"},
+        {"flags": [*MODEL, *DIST, *MOE_DS, *layout_flags(1, 1)], "load": bad["moe_ep"],
+         "error": "the expert buffer has 2 groups (EP 2 at expert TP 1 x PP 1); the saved args record "
+                  "expert_model_parallel_size=4"},
     ]
     return tmp, _run(tmp, "adopters", adopters)
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("name", list(ADOPTIONS))
 def test_adopted_state_equals_saved_and_losses_continue(adopted: tuple[str, str], name: str) -> None:
     tmp, log = adopted
+    scenario = ADOPTIONS[name][0]
     got = read_full_tensors(os.path.join(tmp, name, "resaved", "iter_0000003"))
-    ref = read_full_tensors(os.path.join(tmp, name, "ref", "iter_0000003"))
+    ref = read_full_tensors(os.path.join(tmp, REF[scenario], "ref", "iter_0000003"))
     assert sorted(got) == sorted(ref)
     assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in got)
     if "bf16" in name:
         assert any(k.startswith("optimizer.state.fp32_param.") for k in got)
+    if "moe" in name:  # every expert's, the router's and (DeepSeek-style) the shared expert's and expert bias
+        want = ["optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight",
+                "optimizer.state.exp_avg_sq.decoder.layers.mlp.router.weight", "decoder.layers.mlp.router.expert_bias",
+                "optimizer.state.exp_avg.decoder.layers.mlp.shared_experts.linear_fc2.weight"]
+        assert all(k in got for k in want), sorted(got)
     for key in ref:
         assert got[key].dtype == ref[key].dtype and torch.equal(got[key], ref[key]), key
     assert find_checkpoint(os.path.join(tmp, name, "out")) == os.path.join(tmp, name, "out", "iter_0000006")
     after = metrics(os.path.join(tmp, name, "got.jsonl"))
     assert [m["iteration"] for m in after] == [4, 5, 6]
-    before = {m["iteration"]: m for m in metrics(os.path.join(tmp, name, "ref.jsonl"))}
+    before = {m["iteration"]: m for m in metrics(os.path.join(tmp, REF[scenario], "ref.jsonl"))}
     for m in after:
         assert m["samples"] == before[m["iteration"]]["samples"]
         if "bf16" not in name:  # the oracle is fp32; bf16's state is compared above
@@ -199,7 +229,16 @@ def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, st
         assert summary["iteration"] == 3 and summary["consumed_samples"] == 24, summary
         assert summary["layout"] == dict(zip(("tp", "pp", "dp"), layout)), summary
         assert summary["format"] == "megatron torch_dist (dp_reshardable)" and summary["padded_vocab_size"] == 96
-    ref = read_full_tensors(f"{tmp}/tp2_legacy_torch/ref/iter_0000003")
+    for name, sharding in (("ep2_moe_dp_reshardable", "dp_reshardable"), ("ep2_moe_fully_reshardable",
+                                                                          "fully_reshardable")):
+        summary = json.loads(_cli(code, env, "inspect", f"{tmp}/{name}/mc", "--json"))
+        assert summary["format"] == f"megatron torch_dist ({sharding})" and summary["distributed_optimizer"], summary
+        assert summary["layout"] == {"tp": 1, "pp": 1, "dp": 2, "ep": 2}, summary
+        assert summary["layout_source"] == "as plan describes it", summary
+        experts = summary["experts"]
+        assert (experts["num_experts"], experts["ep"], experts["expert_tp"], experts["expert_dp"]) == (4, 2, 1, 1)
+        assert experts["complete"] and experts["expert_tensors"] > 0, experts
+    ref = read_full_tensors(f"{tmp}/{REF['tp2_legacy_torch']}/ref/iter_0000003")
     params = sum(t.numel() for k, t in ref.items() if not k.startswith("optimizer."))
     tied_copy = ref["embedding.word_embeddings.weight"].numel()  # PP2: the last stage's copy, counted as stored
     for name, layout, optimizer in (("tp2_legacy_torch", (2, 1), "distributed (distrib_optim.pt)"),
@@ -231,16 +270,13 @@ def test_plan_on_megatron_checkpoints_without_torch(adopted: tuple[str, str]) ->
     for name, (_, _, _, adopting) in SCENARIOS.items():
         tp, pp = (int(adopting[adopting.index(f) + 1]) for f in ("--tensor-model-parallel-size",
                                                                    "--pipeline-model-parallel-size"))
-        to = f"tp={tp},pp={pp},dp={2 // (tp * pp)}"
-        if "moe" in name:  # plan does not describe Megatron's own MoE checkpoints yet: refused, naming the tensor
-            p = subprocess.run([sys.executable, "-c", code, "plan", f"{tmp}/{name}/mc", "--to", to], capture_output=True,
-                               text=True, env=env, timeout=120)
-            assert p.returncode == 2 and "tensor 'decoder.layers.mlp.router.weight': not a parameter" in p.stderr, \
-                p.stderr[-2000:]
-            continue
-        got = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/mc", "--to", to, "--json"))
-        want = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/ref", "--to", to, "--json"))
-        assert got["from"] == want["from"] and got["to"] == want["to"], (got, want)
-        assert got["distributed_optimizer"] == want["distributed_optimizer"], name
-        assert got["padded_vocab_size"] == want["padded_vocab_size"] == 96, name
-        assert got["bytes_per_rank"] == want["bytes_per_rank"] and got["bytes_total"] > 0, (name, got, want)
+        tos = [f"tp={tp},pp={pp},dp={2 // (tp * pp)}"]
+        if "moe" in name:  # a mixture of experts (router, experts, shared experts, expert bias) at other EP and PP
+            tos += ["tp=1,pp=2,dp=1", "tp=1,pp=1,dp=2,ep=2"]
+        for to in tos:
+            got = json.loads(_cli(code, env, "plan", f"{tmp}/{name}/mc", "--to", to, "--json"))
+            want = json.loads(_cli(code, env, "plan", f"{tmp}/{REF[name]}/ref", "--to", to, "--json"))
+            assert got["from"] == want["from"] and got["to"] == want["to"], (got, want)
+            assert got["distributed_optimizer"] == want["distributed_optimizer"], name
+            assert got["padded_vocab_size"] == want["padded_vocab_size"] == 96, name
+            assert got["bytes_per_rank"] == want["bytes_per_rank"] and got["bytes_total"] > 0, (name, to, got, want)

@@ -109,13 +109,18 @@ def _optimizer_json(ck: TorchDistCheckpoint, files: DistcpFiles, *, trust: bool)
     """Param groups (without params) and step in ``optimizer_state_json``'s form: ``dp_reshardable`` keeps them in
     a sharded object per DP group, ``fully_reshardable`` and plain optimizers in ``common.pt`` (a mixture of experts'
     chained optimizer: one record per sub-optimizer, keyed 0, 1, ...)."""
-    if ck.sharding_type == "dp_reshardable":
-        key = next((k for k, _ in ck.storage if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_0\.optimizer"
-                                                             r"/shard_0_\d+", k)), None)
-        if key is None:
+    if ck.sharding_type == "dp_reshardable":  # one object per sub-optimizer (chained: dense, then experts)
+        keys = {}
+        for k, _ in ck.storage:
+            m = re.fullmatch(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_0\.optimizer/shard_0_\d+", k)
+            if m:
+                keys.setdefault(int(m.group(1) or 0), k)
+        if not keys:
             raise MegatronCheckpointError(f"{ck.path}: no distributed-optimizer param groups (dp_group_idx_0.optimizer)")
-        obj = read_object(ck, key, files, trust=trust)
-        states = obj if isinstance(obj, list) else [obj]
+        states = []
+        for _, key in sorted(keys.items()):
+            obj = read_object(ck, key, files, trust=trust)
+            states.extend(obj if isinstance(obj, list) else [obj])
     else:
         opt = ck.common.get("optimizer") or {}
         if opt and all(isinstance(k, int) for k in opt):  # megatron-core's chained optimizer (dense, then experts)
