@@ -7,8 +7,13 @@ that the real GPTModel, DDP, DistributedOptimizer and pipeline schedules run
 over gloo. It also gives megatron-core's torch norm what apex's and Transformer
 Engine's norms give it on a GPU: sequence parallelism (the norm's parameters
 marked ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their
-grads over TP); and it keeps pipeline outputs alive until gloo has sent them
-(see :func:`_keep_pipeline_outputs`). It refuses to run when a GPU is present: on a GPU nothing is
+grads over TP); it keeps pipeline outputs alive until gloo has sent them
+(see :func:`_keep_pipeline_outputs`); and it provides what the ``grouped_gemm`` package
+provides on a GPU for megatron-core's grouped-GEMM experts (``GroupedMLP``,
+``--moe-grouped-gemm``): ``grouped_gemm.ops.gmm``, a pure-torch grouped matmul with the
+package's forward and backward (``cpu_grouped_gemm.py``), registered as the module
+``grouped_gemm`` before megatron-core imports ``grouped_gemm_util`` (see
+:func:`_grouped_gemm`). It refuses to run when a GPU is present: on a GPU nothing is
 redirected.
 """
 
@@ -16,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from tenplex_megatron.training import cpu_grouped_gemm
 
 _INSTALLED = False
 
@@ -159,6 +167,18 @@ def _moe_without_te() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = to_cpu
 
 
+def _grouped_gemm() -> None:
+    """Register the CPU ``grouped_gemm`` stand-in (``cpu_grouped_gemm.gmm``) before megatron-core's
+    ``grouped_gemm_util`` imports the package; if that module was imported already, point it at the stand-in too."""
+    package = cpu_grouped_gemm.module()
+    sys.modules["grouped_gemm"] = package
+    sys.modules["grouped_gemm.ops"] = package.ops
+    util = sys.modules.get("megatron.core.transformer.moe.grouped_gemm_util")
+    if util is not None:
+        util.grouped_gemm = package
+        util.ops = package.ops
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA calls to the CPU for this process (idempotent)."""
     global _INSTALLED
@@ -166,6 +186,7 @@ def install() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("tenplex_megatron.training.cpu_shim must not be used on a GPU machine")
+    _grouped_gemm()  # first: before anything below imports megatron-core's modules
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
