@@ -1,9 +1,12 @@
-"""What a checkpoint holds of a mixture of experts: the expert count, EP / expert TP / expert DP, and which routed
-experts are stored incompletely (an expert-parallel save that dropped experts). Pure Python.
+"""What a checkpoint holds of a mixture of experts: the expert count, EP / expert TP / expert DP, which routed
+experts are stored incompletely (an expert-parallel save that dropped experts), and which kind of experts wrote
+them. Pure Python.
 
 A routed expert's tensor stacks (layer, expert) on its first two axes (megatron-core's ``SequentialMLP``:
-``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape (layers, experts, ...)), so each (layer, expert)
-pair's elements can be counted from the stored chunks alone, without a model.
+``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape (layers, experts, ...); its ``GroupedMLP``,
+``--moe-grouped-gemm``: ``decoder.layers.mlp.experts.weight1`` and ``weight2`` in the parameters' own memory order,
+see ``integrations/megatron_core/grouped.py``), so each (layer, expert) pair's elements can be counted from the
+stored chunks alone, without a model.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.plan.sim.gpt_catalogue import EXPERTS
+from tenplex_megatron.plan.sim.gpt_catalogue import EXPERTS, GROUPED_SUFFIXES
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,33 @@ class ExpertSummary:
                 f"expert DP={self.expert_dp}, {len(self.tensors)} expert tensors: {what}")
 
 
+#: The sequential experts' (SequentialMLP's, and Transformer Engine's TEGroupedMLP's) fc1 weight
+SEQUENTIAL_SUFFIX = "mlp.experts.experts.linear_fc1.weight"
+#: Each kind as its flags and its megatron-core module name it
+KINDS = {"grouped": "grouped-GEMM experts (megatron-core's GroupedMLP, --moe-grouped-gemm)",
+         "sequential": "sequential experts (megatron-core's SequentialMLP, without --moe-grouped-gemm)"}
+
+
+def expert_kind(keys: Any) -> str | None:
+    """``grouped`` or ``sequential`` from the model tensors' keys (None: no routed experts)."""
+    kinds = {("grouped" if k.endswith(GROUPED_SUFFIXES["weight1"]) else "sequential") for k in keys
+             if k.endswith((GROUPED_SUFFIXES["weight1"], SEQUENTIAL_SUFFIX))}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def check_expert_kind(where: str, saved_keys: Any, job_kind: str | None) -> None:
+    """Refuse (naming both kinds and the flag) a checkpoint whose routed experts are of the other kind than the
+    job's: GroupedMLP's tensors are its parameters' memory order, SequentialMLP's another, and re-sharding does not
+    transpose between them."""
+    saved = expert_kind(saved_keys)
+    if saved is None or job_kind is None or saved == job_kind:
+        return
+    flag = "without --moe-grouped-gemm" if saved == "sequential" else "with --moe-grouped-gemm"
+    raise ValueError(f"{where}: the checkpoint holds {KINDS[saved]}, the job builds {KINDS[job_kind]}; tenplex does "
+                     f"not re-shard between the two kinds (their weights are stored transposed from each other): "
+                     f"restart {flag}")
+
+
 def is_expert_key(key: str, param: str | None = None) -> bool:
     """Whether a tensor (or the optimizer state of ``param``) is a routed expert's."""
     return EXPERTS in (param or key)
@@ -62,10 +92,15 @@ def missing_experts(ptc: PTC) -> dict[str, tuple[tuple[int, int], ...]]:
             continue
         c = sc.chunk
         (l0, e0), (nl, ne) = c.offsets[:2], c.shape[:2]
-        each = c.numel // (nl * ne) if nl * ne else 0  # a flat range lies in a one-expert box (megatron's)
-        for layer in range(l0, l0 + nl):
-            for e in range(e0, e0 + ne):
-                per[t.key][(layer, e)] += each
+        # the box is (layer, expert) slabs end to end in row-major order; a flat range covers part of some of them
+        slab = math.prod(c.shape) // (nl * ne) if nl * ne else 0
+        if not slab:
+            continue
+        lo, hi = c.flat if c.flat is not None else (0, slab * nl * ne)
+        for j in range(lo // slab, -(-hi // slab)):
+            got = min(hi, (j + 1) * slab) - max(lo, j * slab)
+            if got > 0:
+                per[t.key][(l0 + j // ne, e0 + j % ne)] += got
     out = {}
     for key, t in ptc.tensors.items():
         if not is_expert_key(key, t.param) or len(t.global_shape) < 3:

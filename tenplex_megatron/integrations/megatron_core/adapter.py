@@ -26,6 +26,7 @@ from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.save import SaveResult, save
 from tenplex_megatron.execute.collective import rank
 from tenplex_megatron.integrations.megatron_core import extra_state
+from tenplex_megatron.integrations.megatron_core.grouped import expert_module_kind
 from tenplex_megatron.integrations.megatron_core.legacy import open_legacy
 from tenplex_megatron.integrations.megatron_core.native import opener_for
 from tenplex_megatron.integrations.megatron_core.optimizer import (
@@ -37,6 +38,7 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
     sub_optimizers,
 )
 from tenplex_megatron.integrations.megatron_core.sharded import describe_job, unwrap
+from tenplex_megatron.plan.experts import check_expert_kind
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 
@@ -97,9 +99,11 @@ class MegatronCoreAdapter:
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
         # before anything is allocated or loaded: a state layout this megatron-core does not reproduce is refused,
-        # and so is another mixture of experts (expert count, router kind)
+        # and so is another mixture of experts (expert count, router kind, grouped or sequential experts)
         mcore_versions.check_checkpoint(metadata.get("megatron_core"), "metadata.json")
         check_moe_record(metadata, self.job.spec.to_json())
+        check_expert_kind("metadata.json", saved_tensor_keys(metadata),
+                          expert_module_kind([unwrap(m) for m in self.job.model]))
         if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
@@ -188,6 +192,11 @@ def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
         if (a or default) != (b or default):
             raise ValueError(f"tensor {router!r}: the checkpoint's {what} ({field_name}) is {a}, the model's is {b}: "
                              "a checkpoint of another mixture-of-experts model")
+
+
+def saved_tensor_keys(metadata: dict[str, Any]) -> list[str]:
+    """The tensor keys a tenplex checkpoint's metadata lists (none for a foreign checkpoint read in place)."""
+    return [str(t.get("key", "")) for t in ((metadata.get("ptc") or {}).get("tensors") or []) if isinstance(t, dict)]
 
 
 def stores_moments(metadata: dict[str, Any]) -> bool:

@@ -2,8 +2,9 @@
 
 The model's chunks come from ``GPTModel.sharded_state_dict()`` (global shape,
 offsets, prepended layer axis, ``replica_id``; ``ShardedTensorFactory`` entries
-such as SwiGLU's fc1 are expanded by building them on meta tensors). The
-distributed optimizer's chunks are each DP rank's contiguous flat range of the
+such as SwiGLU's fc1 are expanded by building them on meta tensors; GroupedMLP's
+experts, whose factory transposes, are described in their own memory order by
+``grouped.py``). The distributed optimizer's chunks are each DP rank's contiguous flat range of the
 TP-local parameter (``param_range``), described as a flat range of that box, so
 saving needs no gather. The plain optimizer's come from its own
 ``sharded_state_dict``. Every chunk keeps a reference to the live tensor, so
@@ -26,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
+from tenplex_megatron.integrations.megatron_core.grouped import grouped_weights, native_box
 from tenplex_megatron.integrations.megatron_core.optimizer import is_distributed_optimizer, sub_optimizers
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
@@ -74,6 +76,7 @@ class _Ctx:
     etp: int  # the experts' TP (megatron-core's expert_tensor_parallel_size)
     stages: dict[int, str]  # id(param) -> "first" / "last" for non-layer parameters
     tied: int | None  # id of the word embedding shared with the output layer
+    grouped: dict[int, str]  # id(param) -> "weight1" / "weight2" of a GroupedMLP (grouped-GEMM experts)
 
 
 def _meta(sh: Any, dtype: torch.dtype, param: torch.Tensor, ctx: _Ctx, param_key: str | None) -> TensorMeta:
@@ -122,7 +125,8 @@ def _factory_chunks(
     out = []
     full = data.view(-1) if flat is None else data
     for sub in parts:
-        if not sub.data.is_contiguous():
+        # a part must be a contiguous view of the parameter (a copy, such as a transposed one, maps to no interval)
+        if not sub.data.is_contiguous() or (sub.data is not probe and sub.data._base is not probe):
             raise PTCError(f"tensor {factory.key!r}: factory part is not a contiguous slice; cannot describe it")
         lo = sub.data.storage_offset()
         hi = lo + sub.data.numel()
@@ -134,6 +138,19 @@ def _factory_chunks(
         if s < e:
             out.append(_tensor_chunk(sub, full[s - a : e - a], (s - lo, e - lo), param, ctx, param_key))
     return out
+
+
+def _grouped_chunks(
+    factory: Any, data: torch.Tensor, param: torch.Tensor, flat: tuple[int, int] | None, ctx: _Ctx,
+) -> list[LocalChunk]:
+    """A GroupedMLP weight (or its optimizer state, keyed ``optimizer.state.<name>.<weight's key>``) as one box of
+    its own tensor (``grouped.py``): the whole parameter, or a distributed-optimizer rank's flat range of it."""
+    box = native_box(factory, param, ctx.grouped[id(param)])
+    state = box.key.startswith("optimizer.state.")
+    meta = TensorMeta(key=box.key, global_shape=box.global_shape, dtype=torch_dtype_name(data.dtype),
+                      tp_axis=box.tp_axis, stage="layers", param=box.key.split(".", 3)[3] if state else None)
+    chunk = Chunk(box.key, box.offsets, box.shape, flat)
+    return [LocalChunk(meta, chunk, data if flat is not None else data.view(-1), _is_main(box.replica_id))]
 
 
 def _entries(tree: Any) -> Iterable[Any]:
@@ -149,6 +166,8 @@ def _expand(
 ) -> list[LocalChunk]:
 
     if isinstance(sh, ShardedTensorFactory):
+        if id(param) in ctx.grouped:
+            return _grouped_chunks(sh, data, param, flat, ctx)
         return _factory_chunks(sh, data, param, flat, ctx, param_key)
     return [_tensor_chunk(sh, data, flat, param, ctx, param_key)]
 
@@ -210,7 +229,8 @@ def _context(job: Any) -> _Ctx:
             out = model.shared_embedding_or_output_weight()
             stages[id(out)] = "first"  # the last stage's copy of the word embedding
             tied = id(out)
-    return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, job.layout.expert_tp, stages, tied)
+    return _Ctx(job.padded_vocab_size, job.spec.vocab_size, job.layout.tp, job.layout.expert_tp, stages, tied,
+                grouped_weights([unwrap(m) for m in job.model]))
 
 
 def model_chunks(job: Any) -> list[LocalChunk]:

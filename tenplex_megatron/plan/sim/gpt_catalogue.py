@@ -32,6 +32,8 @@ class GPTDims:
     position-embedding table. ``num_experts`` makes every layer's MLP a mixture of experts (megatron-core's
     ``SequentialMLP``, ``--moe-layer-freq 1``): a router, that many routed experts of width ``moe_ffn_hidden_size``
     (default ``ffn_hidden_size``) and optionally shared experts; ``moe_router_topk`` changes no tensor.
+    ``moe_grouped_gemm``: the routed experts are megatron-core's ``GroupedMLP`` (two tensors per layer in their
+    parameters' memory order, ``integrations/megatron_core/grouped.py``).
     """
 
     num_layers: int
@@ -52,6 +54,7 @@ class GPTDims:
     moe_router_topk: int = 2
     moe_shared_expert_intermediate_size: int | None = None
     moe_router_enable_expert_bias: bool = False
+    moe_grouped_gemm: bool = False
 
     @property
     def ffn(self) -> int:
@@ -104,6 +107,7 @@ class GPTDims:
             moe_router_topk=int(model.get("moe_router_topk") or 2),
             moe_shared_expert_intermediate_size=model.get("moe_shared_expert_intermediate_size"),
             moe_router_enable_expert_bias=bool(model.get("moe_router_enable_expert_bias", False)),
+            moe_grouped_gemm=bool(model.get("moe_grouped_gemm", False)),
         )
 
 
@@ -132,9 +136,19 @@ LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_q
                  "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2,
                  "mlp.shared_experts.linear_fc1.weight": 1, "mlp.shared_experts.linear_fc2.weight": 2,
                  "mlp.experts.experts.linear_fc1.weight": 2, "mlp.experts.experts.linear_fc1.bias": 2,
-                 "mlp.experts.experts.linear_fc2.weight": 3}
-#: What names a routed expert's tensor (megatron-core's SequentialMLP: ``...mlp.experts.experts.linear_fc1.weight``).
+                 "mlp.experts.experts.linear_fc2.weight": 3, "mlp.experts.weight1": 4, "mlp.experts.weight2": 2}
+#: What names a routed expert's tensor (megatron-core's SequentialMLP: ``...mlp.experts.experts.linear_fc1.weight``;
+#: its GroupedMLP: ``...mlp.experts.weight1``).
 EXPERTS = ".mlp.experts."
+#: The grouped-GEMM experts' (GroupedMLP's) two tensors, by parameter: [layers, experts, hidden, parts, ffn] and
+#: [layers, experts, ffn, hidden], each EP rank's experts one box per layer (one parameter)
+GROUPED_SUFFIXES = {"weight1": "mlp.experts.weight1", "weight2": "mlp.experts.weight2"}
+
+
+def is_grouped(t: TensorMeta) -> bool:
+    """Whether ``t`` (a parameter or its optimizer state) is a GroupedMLP weight: one box holds all of an EP rank's
+    experts of a layer."""
+    return (t.param or t.key).endswith(tuple(GROUPED_SUFFIXES.values()))
 
 
 def is_expert(t: TensorMeta) -> bool:
@@ -198,20 +212,24 @@ EXPERT_BIAS = "mlp.router.expert_bias"
 
 def _moe_layers(d: GPTDims, layer: Callable[..., TensorMeta], dt: str, parts: int) -> list[tuple[TensorMeta, bool]]:
     """A mixture-of-experts MLP's tensors (every layer's): router, its expert bias, the routed experts stacked as
-    (layer, expert, ...), shared experts (megatron-core 0.16's keys and shapes for SequentialMLP)."""
+    (layer, expert, ...), shared experts (megatron-core 0.16's keys and shapes for SequentialMLP, or GroupedMLP's
+    two weights, which have no biases)."""
     h, e, ef = d.hidden_size, int(d.num_experts or 0), d.expert_ffn
     ef1 = 2 * ef if d.swiglu else ef
     sf = d.moe_shared_expert_intermediate_size
     sf1 = (2 * sf if d.swiglu else sf) if sf else 0
     bias = d.add_bias_linear
+    g = d.moe_grouped_gemm
     return [
         (layer("mlp.router.weight", (e, h)), True),
         (layer("mlp.router.bias", (e,)), bias),
         (replace(layer(EXPERT_BIAS, (e,)), dtype="float32"), d.moe_router_enable_expert_bias),
-        (layer("mlp.experts.experts.linear_fc1.weight", (e, ef1, h), parts), True),
-        (layer("mlp.experts.experts.linear_fc1.bias", (e, ef1), parts), bias),
-        (layer("mlp.experts.experts.linear_fc2.weight", (e, h, ef)), True),
-        (layer("mlp.experts.experts.linear_fc2.bias", (e, h)), bias),
+        (layer("mlp.experts.experts.linear_fc1.weight", (e, ef1, h), parts), not g),
+        (layer("mlp.experts.experts.linear_fc1.bias", (e, ef1), parts), bias and not g),
+        (layer("mlp.experts.experts.linear_fc2.weight", (e, h, ef)), not g),
+        (layer("mlp.experts.experts.linear_fc2.bias", (e, h)), bias and not g),
+        (layer(GROUPED_SUFFIXES["weight1"], (e, h, parts, ef)), g),
+        (layer(GROUPED_SUFFIXES["weight2"], (e, ef, h)), g),
         (layer("mlp.shared_experts.linear_fc1.weight", (sf1, h), parts), bool(sf)),
         (layer("mlp.shared_experts.linear_fc2.weight", (h, sf or 0)), bool(sf)),
     ]

@@ -6,8 +6,8 @@ is two), PP x VPP splits the layer axis evenly (pipeline rank r holds virtual
 stages r, r + PP, ...), the embedding lives on the first
 stage (and, tied, on the last), the final norm and output layer on the last.
 A routed expert's tensor (layer, expert, ...) is split whole along the expert axis by EP (EP rank r holds experts
-r E/EP to (r + 1) E/EP - 1, one box per expert as megatron-core's SequentialMLP describes them) and by the experts' own
-TP; at EP > 1 the experts have a replica group (expert DP) and an optimizer buffer of their own.
+r E/EP to (r + 1) E/EP - 1, one box per expert as megatron-core's SequentialMLP describes them, or one box for all of
+them, a GroupedMLP parameter) and by the experts' own TP; at EP > 1 the experts have a replica group (expert DP) and an optimizer buffer of their own.
 Under the distributed optimizer each model-parallel rank's parameters are laid
 end to end in one buffer, padded to a multiple of DP, and each DP rank owns a
 contiguous 1/DP of it. Megatron-core orders and pads its buckets its own way,
@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta, dtype_size
-from tenplex_megatron.plan.sim.gpt_catalogue import is_expert
+from tenplex_megatron.plan.sim.gpt_catalogue import is_expert, is_grouped
 from tenplex_megatron.plan.writers import assign_grouped
 
 
@@ -88,6 +88,8 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
         if per % group_layers:
             raise LayoutError(f"tensor {t.key!r}: a stage's {per} layers do not split into groups of {group_layers}")
         local = shape[1] // layout.ep if expert else 0
+        if expert and is_grouped(t):  # GroupedMLP: one parameter holds all of the EP rank's experts of a layer
+            group_experts = local
         tp = layout.expert_tp if expert else layout.tp
         out = []
         for stage in range(pp_rank, layout.stages, layout.pp):
