@@ -55,6 +55,8 @@ MOE_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_pre_softmax"
 UNMAPPED = {
     "apply_layernorm_1p": ("--apply-layernorm-1p", "the norms' stored weights are weight - 1 (zero-centred gamma)"),
     "qk_layernorm": ("--qk-layernorm", "the query/key norms have no place in the Hugging Face model"),
+    "moe_grouped_gemm": ("--moe-grouped-gemm", "megatron-core's GroupedMLP keeps the experts in two grouped weights, "
+                         "transposed from Mixtral's experts.N.w1/w3/w2, which map onto SequentialMLP's"),
 }
 
 

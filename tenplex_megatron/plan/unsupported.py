@@ -13,15 +13,25 @@ UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
      "Megatron FSDP shards parameters in its own buffers, which tenplex does not describe"),
     ("use_torch_fsdp2", False, "--use-torch-fsdp2",
      "torch FSDP2 shards parameters as DTensors, which tenplex does not describe"),
-    ("moe_grouped_gemm", False, "--moe-grouped-gemm",
-     "the grouped-GEMM experts (GroupedMLP, TEGroupedMLP) are not described yet: give SequentialMLP's experts"),
 )
 
 
 def unsupported_flags(args: Any) -> list[str]:
     """One line per unsupported feature that ``args`` (Megatron-LM's parsed flags, or saved args) turns on."""
+    return _turned_on(args, UNSUPPORTED)
+
+
+#: Flags refused in Megatron's own checkpoints' saved args only (a running job with them is re-sharded).
+SAVED_ONLY: tuple[tuple[str, Any, str, str], ...] = (
+    ("moe_grouped_gemm", False, "--moe-grouped-gemm",
+     "Megatron's own checkpoint of grouped-GEMM experts is not adopted yet (GroupedMLP's weights are stored there "
+     "transposed, under SequentialMLP's keys); tenplex's own checkpoints of GroupedMLP experts re-shard"),
+)
+
+
+def _turned_on(args: Any, table: tuple[tuple[str, Any, str, str], ...]) -> list[str]:
     out = []
-    for attr, off, flag, why in UNSUPPORTED:
+    for attr, off, flag, why in table:
         value = args.get(attr, off) if isinstance(args, dict) else getattr(args, attr, off)
         if value is None or value is False or value == off:
             continue
@@ -31,7 +41,7 @@ def unsupported_flags(args: Any) -> list[str]:
 
 def check_saved_args(path: str, args: Any) -> None:
     """Refuse a checkpoint whose saved args turn on a feature tenplex cannot re-shard, naming the file and field."""
-    problems = unsupported_flags(args) if args is not None else []
+    problems = [*unsupported_flags(args), *_turned_on(args, SAVED_ONLY)] if args is not None else []
     if problems:
         raise ValueError(f"{path}: saved args: " + "; ".join(problems))
 
@@ -53,4 +63,13 @@ def unsupported_job_flags(args: Any) -> list[str]:
         value = args.get(attr, off) if isinstance(args, dict) else getattr(args, attr, off)
         if value is not None and value is not False and value != off:
             out.append(f"{flag}: {why}")
+    if _get(args, "moe_grouped_gemm", False) and _get(args, "transformer_impl", "local") == "transformer_engine" \
+            and not _get(args, "moe_use_legacy_grouped_gemm", False):
+        out.append("--moe-grouped-gemm with --transformer-impl transformer_engine: Transformer Engine's grouped experts "
+                   "(TEGroupedMLP) have not been run with tenplex yet; add --moe-use-legacy-grouped-gemm (megatron-core's "
+                   "GroupedMLP, which tenplex re-shards) or leave out --moe-grouped-gemm (SequentialMLP)")
     return out
+
+
+def _get(args: Any, attr: str, default: Any) -> Any:
+    return args.get(attr, default) if isinstance(args, dict) else getattr(args, attr, default)

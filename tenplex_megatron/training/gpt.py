@@ -77,6 +77,7 @@ class GPTSpec:
     moe_router_bias_update_rate: float = 1e-3
     moe_shared_expert_intermediate_size: int | None = None
     moe_z_loss_coeff: float | None = None
+    moe_grouped_gemm: bool = False  # megatron-core's GroupedMLP experts (the local spec's grouped GEMM), not SequentialMLP
 
     @property
     def query_groups(self) -> int | None:
@@ -327,7 +328,7 @@ def gpt_chunks(spec: GPTSpec, layout: ParallelLayout, config: Any, padded_vocab:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec_layers = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
+    spec_layers = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=spec.moe_grouped_gemm,
                                            normalization=spec.normalization)
     vpp = layout.vpp if layout.vpp > 1 else None
     return [
@@ -397,7 +398,8 @@ def build_scheduler(spec: GPTSpec, optimizer: Any, global_batch_size: int) -> An
 
 def moe_config(spec: GPTSpec) -> dict[str, Any]:
     """megatron-core's ``TransformerConfig`` fields for a mixture-of-experts spec (none for a dense one). The experts
-    are megatron-core's ``SequentialMLP`` (the local spec); the grouped GEMM needs a GPU and is not built here."""
+    are megatron-core's ``SequentialMLP``, or with ``moe_grouped_gemm`` its ``GroupedMLP`` (the local spec's grouped
+    GEMM, the ``grouped_gemm`` package's ``gmm``; on a CPU the shim's stand-in)."""
     if not spec.num_experts:
         return {}
     return dict(
@@ -412,6 +414,7 @@ def moe_config(spec: GPTSpec) -> dict[str, Any]:
         moe_router_bias_update_rate=spec.moe_router_bias_update_rate,
         moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
         moe_z_loss_coeff=spec.moe_z_loss_coeff,
+        moe_grouped_gemm=spec.moe_grouped_gemm,
     )
 
 

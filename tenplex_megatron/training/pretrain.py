@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
                    help="FFN width of the shared experts every token also goes through (default: none)")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="megatron-core's grouped-GEMM experts (GroupedMLP: each layer's local experts in two "
+                   "weights, the grouped_gemm package's gmm; needs --bf16 and --disable-bias-linear) instead of "
+                   "SequentialMLP's; a checkpoint re-shards only into the same kind of experts")
     g.add_argument("--expert-model-parallel-size", type=int, default=None, help="expert parallelism (EP): ranks "
                    "the experts are divided among; must divide --num-experts (default 1, or chosen by --tenplex-layout)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -314,6 +318,11 @@ def check_moe_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, g
                      f"{args.num_experts} (each EP rank holds whole experts)")
     if args.expert_tensor_parallel_size is not None and args.expert_tensor_parallel_size < 1:
         parser.error(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} must be >= 1")
+    if args.moe_grouped_gemm and not (args.bf16 and not args.add_bias_linear):
+        missing = " and ".join(f for f, ok in (("--bf16", args.bf16), ("--disable-bias-linear",
+                                                                        not args.add_bias_linear)) if not ok)
+        parser.error(f"--moe-grouped-gemm needs {missing}: megatron-core's GroupedMLP runs the grouped GEMM in bf16 "
+                     "only and has no biases")
 
 
 def spec_from_args(args: argparse.Namespace) -> GPTSpec:

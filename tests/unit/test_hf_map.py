@@ -200,10 +200,12 @@ def test_from_model_json_reads_the_trainers_spec() -> None:
 
 
 @pytest.mark.parametrize("field, flag", [("apply_layernorm_1p", "--apply-layernorm-1p"),
-                                         ("qk_layernorm", "--qk-layernorm")])
+                                         ("qk_layernorm", "--qk-layernorm"),
+                                         ("moe_grouped_gemm", "--moe-grouped-gemm")])
 def test_settings_the_mapping_does_not_express_are_refused_naming_the_flag(field: str, flag: str) -> None:
-    """A model whose math differs with the same tensor shapes (zero-centred norm weights, query/key norms) is refused
-    for export and import alike, rather than written wrong; off (False, as Megatron-LM records it) is fine."""
+    """A model whose math differs with the same tensor shapes (zero-centred norm weights, query/key norms), or whose
+    experts are GroupedMLP's grouped weights, is refused for export and import alike, rather than written wrong; off
+    (False, as Megatron-LM records it) is fine."""
     model = LLAMA_FACTS.to_model_json()
     assert ModelFacts.from_model_json({**model, field: False}) == LLAMA_FACTS
     with pytest.raises(HFMapError, match=f"{field}=True \\({flag}\\): not mapped"):

@@ -26,7 +26,6 @@ def test_defaults_pass() -> None:
     ({"context_parallel_size": 2}, "--context-parallel-size 2: context parallelism is not re-sharded yet"),
     ({"use_megatron_fsdp": True}, "--use-megatron-fsdp: Megatron FSDP"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2: torch FSDP2"),
-    ({"moe_grouped_gemm": True}, "--moe-grouped-gemm: the grouped-GEMM experts"),
 ])
 def test_each_feature_named(kw: dict, needle: str) -> None:
     (line,) = unsupported_flags(_args(**kw))
@@ -37,6 +36,29 @@ def test_each_feature_named(kw: dict, needle: str) -> None:
 def test_moe_with_sequential_experts_passes() -> None:
     """Mixture of experts and expert parallelism are re-sharded (SequentialMLP's experts): not refused."""
     assert unsupported_flags(_args(num_experts=8, expert_model_parallel_size=4)) == []
+
+
+def test_grouped_gemm_experts() -> None:
+    """megatron-core's GroupedMLP (--moe-grouped-gemm with the local spec, or with --moe-use-legacy-grouped-gemm) is
+    re-sharded; Transformer Engine's TEGroupedMLP (the flag with --transformer-impl transformer_engine) has not run
+    with tenplex and is refused in a job naming both flags; Megatron's own checkpoint saved with the flag is refused
+    naming the file, since its adoption is not described yet."""
+    from tenplex_megatron.plan.unsupported import unsupported_job_flags
+
+    local = _args(num_experts=8, moe_grouped_gemm=True, transformer_impl="local")
+    assert unsupported_flags(local) == [] and unsupported_job_flags(local) == []
+    legacy = _args(num_experts=8, moe_grouped_gemm=True, transformer_impl="transformer_engine",
+                   moe_use_legacy_grouped_gemm=True)
+    assert unsupported_job_flags(legacy) == []
+    (problem,) = unsupported_job_flags(_args(num_experts=8, moe_grouped_gemm=True,
+                                             transformer_impl="transformer_engine"))
+    assert problem.startswith("--moe-grouped-gemm with --transformer-impl transformer_engine: Transformer Engine's "
+                              "grouped experts (TEGroupedMLP) have not been run with tenplex yet")
+    assert "--moe-use-legacy-grouped-gemm" in problem
+    assert unsupported_job_flags({"moe_grouped_gemm": True, "transformer_impl": "transformer_engine"}) == [problem]
+    with pytest.raises(ValueError, match=r"^ckpt/common.pt: saved args: --moe-grouped-gemm: Megatron's own checkpoint "
+                                         r"of grouped-GEMM experts is not adopted yet"):
+        check_saved_args("ckpt/common.pt", {"moe_grouped_gemm": True})
 
 
 def test_saved_args_name_the_file() -> None:
