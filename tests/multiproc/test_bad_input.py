@@ -23,6 +23,7 @@ pytestmark = pytest.mark.dist
 
 MODEL = ["--vocab-size", "96", "--swiglu", "--use-distributed-optimizer", "--train-iters", "4"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--expert-model-parallel-size", "2"]
+GROUPED = ["--moe-grouped-gemm", "--bf16"]  # megatron-core's GroupedMLP experts (bf16 only)
 
 
 def _digest(path: str) -> dict[str, str]:
@@ -76,10 +77,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         _job("no_such_flag", [*TINY_GPT, *MODEL, "--no-such-flag"]),
         _job("moe_ckpt", [*TINY_GPT, *MODEL, *MOE, "--save", os.path.join(root, "moe"), "--exit-interval", "1"]),
         _job("moe_ep_divides", [*TINY_GPT, *MODEL, *MOE[:-1], "3"]),
+        _job("grouped_ckpt", [*TINY_GPT, *MODEL, *MOE, *GROUPED, "--save", os.path.join(root, "grouped"),
+                              "--exit-interval", "1"]),
     ], os.path.join(root, "first"))
     assert runs["moe_ckpt"].returncode == 0, runs["moe_ckpt"].log[-3000:]
-    moe = os.path.join(root, "moe")
-    moe_before = _digest(moe)
+    assert runs["grouped_ckpt"].returncode == 0, runs["grouped_ckpt"].log[-3000:]
+    moe, grouped = os.path.join(root, "moe"), os.path.join(root, "grouped")
+    moe_before, grouped_before = _digest(moe), _digest(grouped)
     assert runs["ckpt"].returncode == 0, runs["ckpt"].log[-3000:]
     before = _digest(ckpt)
     other_model = [*TINY_GPT, *MODEL, *layout_flags(2, 1), "--load", ckpt, "--save", os.path.join(root, "out")]
@@ -110,8 +114,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         _job("moe_experts", [*TINY_GPT, *MODEL, *MOE[:1], "8", *MOE[2:], "--load", moe]),
         _job("moe_router", [*TINY_GPT, *MODEL, *MOE, "--moe-router-score-function", "sigmoid",
                             "--moe-router-enable-expert-bias", "--load", moe]),
+        _job("grouped_into_sequential", [*TINY_GPT, *MODEL, *MOE, "--bf16", "--load", grouped]),
+        _job("sequential_into_grouped", [*TINY_GPT, *MODEL, *MOE, *GROUPED, "--load", moe]),
     ], os.path.join(root, "second")))
-    assert _digest(moe) == moe_before
+    assert _digest(moe) == moe_before and _digest(grouped) == grouped_before
     return Results(root, ckpt, before, runs)
 
 
@@ -217,6 +223,22 @@ def test_moe_checkpoint_of_other_experts_or_router_is_refused(results: Results) 
     assert r.returncode != 0
     assert ("the checkpoint's router's expert bias (aux-loss-free balancing) (moe_router_enable_expert_bias) is "
             "False, the model's is True") in r.log
+
+
+def test_checkpoint_of_the_other_kind_of_experts_is_refused(results: Results) -> None:
+    """Grouped-GEMM experts (GroupedMLP) and sequential ones (SequentialMLP) store their weights transposed from each
+    other: a load across kinds, either way, is refused naming both kinds and the flag that fits the checkpoint,
+    before any state is touched (the checkpoints' digests are unchanged: fixture)."""
+    grouped = "grouped-GEMM experts (megatron-core's GroupedMLP, --moe-grouped-gemm)"
+    sequential = "sequential experts (megatron-core's SequentialMLP, without --moe-grouped-gemm)"
+    r = results.runs["grouped_into_sequential"]
+    assert r.returncode != 0
+    assert f"metadata.json: the checkpoint holds {grouped}, the job builds {sequential};" in r.log
+    assert "restart with --moe-grouped-gemm" in r.log and "planning failed on 2 rank(s)" in r.log
+    r = results.runs["sequential_into_grouped"]
+    assert r.returncode != 0
+    assert f"the checkpoint holds {sequential}, the job builds {grouped};" in r.log
+    assert "restart without --moe-grouped-gemm" in r.log
 
 
 def test_moe_expert_parallel_size_must_divide_experts(results: Results) -> None:
