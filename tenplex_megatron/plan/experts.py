@@ -52,13 +52,13 @@ class ExpertSummary:
 
 #: The sequential experts' (SequentialMLP's, and Transformer Engine's TEGroupedMLP's) fc1 weight
 SEQUENTIAL_SUFFIX = "mlp.experts.experts.linear_fc1.weight"
-#: Each kind as its flags and its megatron-core module name it
+#: Each kind as an error names it: megatron-core's module and the flag
 KINDS = {"grouped": "grouped-GEMM experts (megatron-core's GroupedMLP, --moe-grouped-gemm)",
          "sequential": "sequential experts (megatron-core's SequentialMLP, without --moe-grouped-gemm)"}
 
 
 def expert_kind(keys: Any) -> str | None:
-    """``grouped`` or ``sequential`` from the model tensors' keys (None: no routed experts)."""
+    """``grouped`` or ``sequential`` from the model tensors' keys (None: no routed experts, or both kinds)."""
     kinds = {("grouped" if k.endswith(GROUPED_SUFFIXES["weight1"]) else "sequential") for k in keys
              if k.endswith((GROUPED_SUFFIXES["weight1"], SEQUENTIAL_SUFFIX))}
     return kinds.pop() if len(kinds) == 1 else None

@@ -4,9 +4,9 @@ The model's chunks come from ``GPTModel.sharded_state_dict()`` (global shape,
 offsets, prepended layer axis, ``replica_id``; ``ShardedTensorFactory`` entries
 such as SwiGLU's fc1 are expanded by building them on meta tensors; GroupedMLP's
 experts, whose factory transposes, are described in their own memory order by
-``grouped.py``). The distributed optimizer's chunks are each DP rank's contiguous flat range of the
-TP-local parameter (``param_range``), described as a flat range of that box, so
-saving needs no gather. The plain optimizer's come from its own
+``grouped.py``). The distributed optimizer's chunks are each DP rank's
+contiguous flat range of the TP-local parameter (``param_range``), described as
+a flat range of that box, so saving needs no gather. The plain optimizer's come from its own
 ``sharded_state_dict``. Every chunk keeps a reference to the live tensor, so
 loading writes straight into the model and the optimizer.
 """
