@@ -186,7 +186,7 @@ _RECORDED_ARGS = (
     # mixture of experts (a dense job records None / the defaults)
     "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_token_dispatcher_type", "moe_aux_loss_coeff",
     "moe_router_load_balancing_type", "moe_router_score_function", "moe_router_enable_expert_bias",
-    "moe_shared_expert_intermediate_size",
+    "moe_shared_expert_intermediate_size", "moe_grouped_gemm",
     # routing settings a Hugging Face Mixtral export or import checks (hf_map.MOE_ROUTING)
     "moe_router_pre_softmax", "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_router_num_groups",
     "moe_router_group_topk", "moe_expert_capacity_factor", "moe_input_jitter_eps",
