@@ -322,7 +322,7 @@ V_GG, V_GG_PLAIN = Variant(moe="mixtral", bf16=True, grouped=True), Variant(moe=
 #: bf16 (GroupedMLP's only precision) with the layout-dependent reduction order: up to 1.9e-5 relative on these
 #: transitions, and the same size for SequentialMLP's experts in bf16; describing weight1 with its gate/up axis in the
 #: wrong place moved the losses by 6e-4 to 2e-3 (measured 2026-11-27 on the 2-core CPU runner, scratch runs of these
-#: jobs at commit 49efc9e, the wrong description a local edit of grouped.py)
+#: jobs on branch moe-grouped, in the commit that added them; the wrong description a local edit of grouped.py)
 GROUPED_LOSS_RTOL = 1e-4
 EP2, EP1_DP2 = (1, 1, 2, 1, 2, 0), (1, 1, 2, 1, 1, 0)
 #: name -> (source: a reference (layout, variant) or another scenario's re-save, destination, variant, extra flags of
