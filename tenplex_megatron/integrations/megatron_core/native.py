@@ -147,13 +147,13 @@ def open_megatron(path: str, job: Any, *, trust_pickles: bool = False) -> Opened
     Nothing of the job is touched: an error here (another model, a missing file, a format not understood)
     leaves every rank's state as it was."""
     ck = open_torch_dist(path, trust_pickles=trust_pickles)
+    check_saved_args(ck.common_source, ck.common.get("args"))  # a feature tenplex refuses, named before describing
     model, layer_keys, _ = describe_model(job)
     wanted = {"exp_avg", "exp_avg_sq"} | ({"fp32_param"} if any(t.dtype != "float32" for t in model.values()) else set())
     ptc = describe_torch_dist(ck, model, layer_keys, wanted)
     source = DistcpSource(path, {k: t.dtype for k, t in ptc.tensors.items()})
     common = ck.common
     args = common.get("args")
-    check_saved_args(ck.common_source, args)
     iteration = int(common.get("iteration", 0))
     consumed = common.get("consumed_samples", getattr(args, "consumed_train_samples", None))
     meta = {
