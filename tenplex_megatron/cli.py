@@ -226,8 +226,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    src = meta.get("layout", {})
-    print(f"plan         tp={src.get('tp')},pp={src.get('pp')},dp={src.get('dp')} -> {dst}  "
+    src = meta.get("layout") or {}
+    try:  # the saving layout as layouts print (EP, expert TP, VPP, SP included), else the raw degrees
+        shown = str(ParallelLayout.from_json(src))
+    except (KeyError, TypeError, ValueError):
+        shown = f"tp={src.get('tp')},pp={src.get('pp')},dp={src.get('dp')}"
+    print(f"plan         {shown} -> {dst}  "
           f"({dst.world_size} ranks, distributed optimizer: {distopt}, padded vocab {padded})")
     print(f"state        {_fmt_bytes(report['state_bytes'])}")
     print(f"read total   {_fmt_bytes(report['bytes_total'])}  "

@@ -156,3 +156,7 @@ def test_plan_of_a_checkpoint_agrees_with_plan_of_the_model(tmp_path, name, src,
     assert got["plan_seconds"] > 0 and got["read_seconds"] > 0
     want = _cli_report(name, src, dst, distopt, 2)
     assert {k: got[k] for k in FIGURES[:-1]} == {k: want[k] for k in FIGURES[:-1]}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", str(tmp_path), "--to", dst]) == 0
+    assert out.getvalue().startswith(f"plan         {s} -> {ParallelLayout.parse(dst)}  "), out.getvalue()
