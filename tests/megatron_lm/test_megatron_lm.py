@@ -17,7 +17,8 @@ iteration 4 in its own format (``torch_dist`` dp_reshardable, or ``torch``),
 adopted by a TP=1 x DP=2 run with ``--tenplex``; and a mixture of experts at EP=2
 saving its own ``torch_dist`` (the chained dense + expert optimizer, dp_reshardable)
 without ``--tenplex``, adopted at EP=1 x DP=2. The restarted losses must equal the
-uninterrupted run's, step by step.
+uninterrupted run's, step by step. What GPU runs turn on (sequence parallelism, an interleaved pipeline, fp16)
+and a mixture of experts at a new EP, expert TP, TP or PP (one case on 4 processes) go through the same oracle.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ import sysconfig
 
 import pytest
 
+from tenplex_megatron.plan.experts import expert_summary
+from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.distcp_index import read_dcp_metadata
 from tests.harness import ROOT, flip
@@ -121,7 +125,7 @@ def patched_script(tmp_path: pathlib.Path) -> str:
     return str(work / "pretrain_gpt.py")
 
 
-def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True) -> str:
+def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True, nproc: int = 2) -> str:
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -138,7 +142,7 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: boo
     if cpu:
         env["TORCH_COMPILE_DISABLE"] = "1"  # jit_fuser is torch.compile: its C++ warm-up builds cost ~40 s a launch here
     backend = ["--distributed-backend", "gloo"] if cpu else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", RUNNER, script,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RUNNER, script,
            *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),
            *(["--tensor-model-parallel-size", str(tp)] if tp is not None else []), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -216,8 +220,15 @@ def test_megatron_lm_restart_at_another_layout_continues_losses(tmp_path, script
 # Megatron-LM's own save (no --tenplex): torch_dist with the distributed optimizer (dp_reshardable, its default), or
 # the legacy torch format (one model_optim_rng.pt and one distrib_optim.pt per rank); and a mixture of experts at EP2
 # in torch_dist (the chained optimizer's dense buffer and the experts' own, dp_reshardable) adopted at EP1 x DP2.
-MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "allgather",
-       "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
+def _moe(dispatcher: str = "allgather") -> list[str]:
+    """4 experts, top-2 routing, the load-balancing loss on. The bias-activation fusions need a GPU; megatron-core's
+    expert MLP cannot add biases at EP1 x expert TP1, so none (as MoE recipes do)."""
+    return ["--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", dispatcher,
+            "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear", "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion"]
+
+
+MOE, MOE_A2A = _moe(), _moe("alltoall")
 
 OWN = {"torch_dist": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"], "tp=2,pp=1,dp=1"),
        "torch": (["--tensor-model-parallel-size", "2"], ["--tensor-model-parallel-size", "1"], "tp=2,pp=1,dp=1"),
@@ -382,44 +393,100 @@ GPU_FLAGS = {
                          "--loss-scale-window", "2", "--no-masked-softmax-fusion"],
                         ["--tensor-model-parallel-size", "1", "--fp16", "--initial-loss-scale", "1024",
                          "--loss-scale-window", "2", "--no-masked-softmax-fusion"]),
-    # a mixture of experts (4 experts, top-2, the load-balancing loss on) at EP2 restarted at EP1 x DP2: the experts'
-    # own sub-optimizer joins the dense one. The bias-activation fusions need a GPU; megatron-core's expert MLP
-    # cannot add biases at EP1 x expert TP1, so none (as MoE recipes do).
-    "moe-EP2-EP1DP2": ([*MOE, "--expert-model-parallel-size", "2"], [*MOE, "--expert-model-parallel-size", "1"]),
 }
 
 
-@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
-@pytest.mark.parametrize("name", list(GPU_FLAGS))
-def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, name: str) -> None:
-    """Sequence parallelism, an interleaved pipeline, fp16 with loss scaling and a mixture of experts at a new EP under
-    Megatron-LM: train at A and save at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the
-    uninterrupted run at A."""
-    a, b = GPU_FLAGS[name]
-    ref = _losses(_run(script, None, 95, a))
+def _restart_oracle(script: str, tmp_path: pathlib.Path, a: list[str], b: list[str], nproc: int = 2,
+                    rel: float = 1e-5) -> tuple[dict, dict, str]:
+    """Train at A (flags ``a``) uninterrupted; train at A again saving at iteration 4 with --tenplex and exit; restart
+    at B (flags ``b``), saving at iteration 8. Iterations 5-8 must equal the uninterrupted run's. Returns the
+    metadata of both checkpoints (iteration 4 at A, 8 at B) and the restart's log."""
+    ref = _losses(_run(script, None, 95, a, nproc=nproc))
     assert sorted(ref) == list(range(1, 9)) and all(loss == loss for loss in ref.values()), ref  # no NaN
     ckpt = tmp_path / "ckpt"
-    log = _run(script, None, 95, [*a, "--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"])
+    log = _run(script, None, 95, [*a, "--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"],
+               nproc=nproc)
     assert "> tenplex: saved iteration 4" in log, log[-3000:]
-    meta = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())
-    assert meta["layout"].get("sp", False) == ("--sequence-parallel" in a)
-    assert meta["layout"].get("vpp", 1) == (2 if "--num-layers-per-virtual-pipeline-stage" in a else 1)
-    ep = int(a[a.index("--expert-model-parallel-size") + 1]) if "--expert-model-parallel-size" in a else 1
-    assert meta["layout"].get("ep", 1) == ep
-    if ep > 1:  # every expert saved once, whole, from the two EP ranks
-        assert meta["model"]["num_experts"] == 4
-        fc1 = [c for c in meta["ptc"]["chunks"] if c["key"] == "decoder.layers.mlp.experts.experts.linear_fc1.weight"]
-        assert sorted((c["offsets"][0], c["offsets"][1]) for c in fc1) == [(la, e) for la in range(2) for e in range(4)]
-        assert {c["at"]["rank"] for c in fc1} == {0, 1}
-    log = _run(script, None, 95, [*b, "--load", str(ckpt)])
+    log = _run(script, None, 95, [*b, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4"], nproc=nproc)
     assert re.search(r"> tenplex: loaded iteration 4 from \S+", log), log[-3000:]
     resumed = _losses(log)
     assert sorted(resumed) == [5, 6, 7, 8], log[-3000:]
     table = "\n".join(f"{it}: uninterrupted {ref[it]:.6f} restarted {resumed[it]:.6f}" for it in sorted(resumed))
     print(table)
-    rel = 1e-4 if "--fp16" in a else 1e-5
     for it, loss in resumed.items():
         assert loss == pytest.approx(ref[it], rel=rel, abs=5e-6), (it, loss, ref[it], table)
+    metas = [json.loads((ckpt / f"iter_000000{it}" / "metadata.json").read_text()) for it in (4, 8)]
+    return metas[0], metas[1], log
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+@pytest.mark.parametrize("name", list(GPU_FLAGS))
+def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, name: str) -> None:
+    """Sequence parallelism, an interleaved pipeline and fp16 with loss scaling under Megatron-LM: train at A and save
+    at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the uninterrupted run at A."""
+    a, b = GPU_FLAGS[name]
+    meta, _, _ = _restart_oracle(script, tmp_path, a, b, rel=1e-4 if "--fp16" in a else 1e-5)
+    assert meta["layout"].get("sp", False) == ("--sequence-parallel" in a)
+    assert meta["layout"].get("vpp", 1) == (2 if "--num-layers-per-virtual-pipeline-stage" in a else 1)
+
+
+TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # megatron-core needs SP with MoE at TP > 1
+
+
+def _ep(ep: int, etp: int | None = None) -> list[str]:
+    return ["--expert-model-parallel-size", str(ep),
+            *(["--expert-tensor-parallel-size", str(etp)] if etp is not None else [])]
+
+
+#: A mixture of experts restarted at another EP, expert TP, TP or PP under Megatron-LM: name -> (ranks, flags at A,
+#: flags at B, layout A, layout B as the checkpoints record them; ParallelLayout.parse's spelling).
+MOE_CASES = {
+    # the experts' own sub-optimizer (EP > 1) joins the dense one, and back
+    "moe-EP2-EP1DP2": (2, [*MOE, *_ep(2)], [*MOE, *_ep(1)], "tp=1,pp=1,dp=2,ep=2", "tp=1,pp=1,dp=2"),
+    "moe-EP1DP2-EP2": (2, [*MOE, *_ep(1)], [*MOE, *_ep(2)], "tp=1,pp=1,dp=2", "tp=1,pp=1,dp=2,ep=2"),
+    # each stage gets its own layers' experts
+    "moe-EP2-PP2EP1": (2, [*MOE, *_ep(2)], [*MOE, *_ep(1), "--pipeline-model-parallel-size", "2"],
+                       "tp=1,pp=1,dp=2,ep=2", "tp=1,pp=2,dp=1"),
+    # experts cut along their FFN dimension by TP (expert TP = TP)
+    "moe-EP2-TP2EP1": (2, [*MOE, *_ep(2)], [*MOE, *_ep(1), *TP2_SP], "tp=1,pp=1,dp=2,ep=2", "tp=2,pp=1,dp=1,sp"),
+    # expert TP 2 -> 1 at TP 2: the experts whole again, spread over EP 2
+    "moe-ETP2-ETP1EP2": (2, [*MOE, *TP2_SP, *_ep(1, 2)], [*MOE, *TP2_SP, *_ep(2, 1)], "tp=2,pp=1,dp=1,sp",
+                         "tp=2,pp=1,dp=1,sp,ep=2,etp=1"),
+    # 4 ranks: EP2 x expert DP2 -> EP4, the alltoall dispatcher
+    "moe-EP2DP2-EP4": (4, [*MOE_A2A, *_ep(2)], [*MOE_A2A, *_ep(4)], "tp=1,pp=1,dp=4,ep=2", "tp=1,pp=1,dp=4,ep=4"),
+}
+
+
+def _check_experts(meta: dict, layout: str, nproc: int) -> None:
+    """The checkpoint records ``layout`` (EP and expert TP included) and every expert of both layers once, in full,
+    saved by the ranks the layout spreads the experts over."""
+    want = ParallelLayout.parse(layout)
+    assert meta["layout"] == want.to_json(), (meta["layout"], layout)
+    assert meta["model"]["num_experts"] == 4
+    summary = expert_summary(PTC.from_json(meta["ptc"]), meta["layout"])
+    assert summary is not None and summary.complete, summary
+    assert (summary.num_experts, summary.ep, summary.expert_tp) == (4, want.ep, want.expert_tp)
+    fc1 = [c for c in meta["ptc"]["chunks"] if c["key"] == "decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    # (layer, expert) pieces: each expert cut into expert-TP pieces along its FFN dimension, saved once
+    pieces = sorted((c["offsets"][0], c["offsets"][1], c["offsets"][2]) for c in fc1)
+    assert len(pieces) == len(set(pieces)) == 2 * 4 * want.expert_tp, pieces
+    assert {(la, e) for la, e, _ in pieces} == {(la, e) for la in range(2) for e in range(4)}
+    # the writers: the ranks of each (expert TP, EP, PP) coordinate hold their own pieces (expert DP replicas share
+    # the writing), so at least that many ranks wrote experts: no rank gathered them
+    assert len({c["at"]["rank"] for c in fc1}) >= want.expert_tp * want.ep * want.pp, fc1
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+@pytest.mark.parametrize("name", list(MOE_CASES))
+def test_megatron_lm_moe_restart_continues_losses(tmp_path, script: str, name: str) -> None:
+    """A mixture of experts (4 experts, top-2, the load-balancing loss on) under Megatron-LM at a new EP, expert TP,
+    TP or PP: train at A and save at iteration 4 with --tenplex, restart at B (saving at 8); iterations 5-8 equal the
+    uninterrupted run at A, the restart logs A -> B, and both checkpoints record their layout and every expert."""
+    nproc, a, b, layout_a, layout_b = MOE_CASES[name]
+    meta_a, meta_b, log = _restart_oracle(script, tmp_path, a, b, nproc=nproc)
+    assert f": layout {ParallelLayout.parse(layout_a)} -> {ParallelLayout.parse(layout_b)}, " in log, log[-3000:]
+    _check_experts(meta_a, layout_a, nproc)
+    _check_experts(meta_b, layout_b, nproc)
 
 
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
