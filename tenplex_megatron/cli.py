@@ -361,10 +361,11 @@ def cmd_layouts(args: argparse.Namespace) -> int:
             "gpus_per_node": args.gpus_per_node, "global_batch_size": args.global_batch_size,
             "memory_gib": args.memory_gb, "distributed_optimizer": args.distributed_optimizer,
             "flops_per_gpu": hardware.flops_per_gpu, "best": usable[0].key if usable else None,
-            "candidates": [c.to_json() for c in ranking],
+            "candidates": [{**c.to_json(), **({"expert_tp": c.layout.expert_tp, "expert_dp": c.layout.expert_dp}
+                                              if dims.num_experts else {})} for c in ranking],
         }, indent=1))
     else:
-        _print_layouts(args, dims.bf16, total_parameters(dims), hardware, ranking, shown)
+        _print_layouts(args, dims.bf16, total_parameters(dims), hardware, ranking, shown, bool(dims.num_experts))
     if not usable:
         raise CLIError(f"no usable layout for {args.gpus} GPUs: every candidate is refused (reasons above)")
     return 0
@@ -378,7 +379,9 @@ def _fmt_count(n: int) -> str:
 
 
 def _print_layouts(args: argparse.Namespace, bf16: bool, params: int, hw: Hardware,
-                   ranking: tuple[LayoutCandidate, ...], shown: list[LayoutCandidate]) -> None:
+                   ranking: tuple[LayoutCandidate, ...], shown: list[LayoutCandidate], moe: bool = False) -> None:
+    """The ranking as a table; for a mixture of experts with each candidate's expert TP x EP x expert DP (the key
+    names expert TP only where it differs from TP) and the EP and expert TP communication."""
     budget = f"{args.memory_gb:g} GiB per rank" if args.memory_gb else "no memory limit"
     print(f"layouts      {args.model} ({_fmt_count(params)} parameters, {'bf16' if bf16 else 'fp32'}) on {args.gpus} "
           f"GPUs, {args.gpus_per_node} per node; global batch {args.global_batch_size}; {budget}; "
@@ -387,16 +390,24 @@ def _print_layouts(args: argparse.Namespace, bf16: bool, params: int, hw: Hardwa
           f"node, {hw.inter_node_bandwidth / 1e9:g} GB/s between nodes (tenplex_megatron/plan/autolayout.py)")
     usable = sum(c.usable for c in ranking)
     print(f"candidates   {len(ranking)}: {usable} usable, {len(ranking) - usable} excluded")
+    if moe:
+        print("experts      ETPxEPxEDP: expert TP x EP x expert DP; --sequence-parallel assumed (megatron-core needs "
+              "it with MoE at TP > 1)")
+    width, head = (38, f"{'ETPxEPxEDP':>12} ") if moe else (24, "")
     if shown:
-        print(f"\n{'#':>3}  {'layout':<24} {'micro-batches':>13}  {'memory/rank':>11}  {'(weights+grads+optim+activ)':<27}  "
-              f"{'s/iter':>8}  (bubble, TP, PP, DP comm)")
+        print(f"\n{'#':>3}  {'layout':<{width}} {head}{'micro-batches':>13}  "
+              f"{'memory/rank':>11}  {'(weights+grads+optim+activ)':<27}  {'s/iter':>8}  "
+              f"(bubble, TP, PP, DP{', EP, expert TP' if moe else ''} comm)")
     for i, c in enumerate(shown, 1):
         mem, t = c.memory, c.modelled
         assert mem is not None and t is not None
         parts = "+".join(f"{x / GIB:.1f}" for x in (mem.weights, mem.gradients, mem.optimizer, mem.activations))
-        comm = ", ".join(f"{x:.2f}" for x in (t.bubble, t.tp_comm, t.pp_comm, t.dp_comm))
+        comm = ", ".join(f"{x:.2f}" for x in (t.bubble, t.tp_comm, t.pp_comm, t.dp_comm,
+                                              *((t.ep_comm, t.etp_comm) if moe else ())))
         how = "measured" if c.measured_seconds is not None else "modelled"
-        print(f"{i:>3}  {c.key:<24} {c.num_microbatches:>13}  {mem.total / GIB:>7.2f} GiB  {parts:<27}  "
+        lay = c.layout
+        experts = f"{f'{lay.expert_tp}x{lay.ep}x{lay.expert_dp}':>12} " if moe else ""
+        print(f"{i:>3}  {c.key:<{width}} {experts}{c.num_microbatches:>13}  {mem.total / GIB:>7.2f} GiB  {parts:<27}  "
               f"{c.seconds:>8.3f}  ({comm}) {how}")
     if len(shown) < usable:
         print(f"     ... {usable - len(shown)} more usable (--top 0 shows all)")

@@ -9,8 +9,8 @@ Use (``patches/megatron-lm-core_v0.16.x.patch`` does this in ``pretrain_gpt.py``
 ``install`` wraps ``save_checkpoint``, ``load_checkpoint`` and
 ``build_pretraining_data_loader`` where ``megatron.training.training`` looks
 them up, and ``validate_args`` where ``initialize_megatron`` calls it: with
-``--tenplex-layout auto|FILE.json`` TP, PP and the micro-batch size are chosen
-for ``WORLD_SIZE`` there (:func:`choose_layout_for_args`), after Megatron-LM
+``--tenplex-layout auto|FILE.json`` TP, PP, VPP, the micro-batch size and, for a mixture of experts, EP and
+expert TP are chosen for ``WORLD_SIZE`` there (:func:`choose_layout_for_args`), after Megatron-LM
 parsed its flags and before it checks them or builds any process group;
 flags given on the command line still win. With ``--tenplex`` a save goes through tenplex and a load re-shards
 the newest tenplex checkpoint to the restarted job's layout; a ``--load``
@@ -60,7 +60,7 @@ from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
-from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
+from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
 from tenplex_megatron.plan.unsupported import unsupported_flags, unsupported_job_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -81,7 +81,8 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
 
 
 _FIXING_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-                 "ep": "--expert-model-parallel-size", "micro_batch_size": "--micro-batch-size"}
+                 "ep": "--expert-model-parallel-size", "expert_tp": "--expert-tensor-parallel-size",
+                 "micro_batch_size": "--micro-batch-size"}
 # Megatron-LM features the layout choice does not model: refused with --tenplex-layout rather than ignored
 _UNMODELLED = (("context_parallel_size", 1, "--context-parallel-size"),
                # the choice decides VPP itself (1 or an interleaving): a given one is refused, not ignored
@@ -102,24 +103,25 @@ def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int)
     for name, default, flag in _UNMODELLED:
         if getattr(args, name, default) not in (default, None):
             raise LayoutError(f"{flag} is not modelled by --tenplex-layout: give the layout explicitly")
-    if _given(argv, "--expert-tensor-parallel-size"):  # EP is chosen; the experts' TP stays TP's
-        raise LayoutError("--expert-tensor-parallel-size is not modelled by --tenplex-layout: give the layout "
-                          "explicitly")
     if not getattr(args, "global_batch_size", None):
         raise LayoutError("--global-batch-size is required: the layout choice keeps the global batch fixed")
     dims = gpt_dims(args)
     attr = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
-            "ep": "expert_model_parallel_size", "micro_batch_size": "micro_batch_size"}
+            "ep": "expert_model_parallel_size", "expert_tp": "expert_tensor_parallel_size",
+            "micro_batch_size": "micro_batch_size"}
     fixed = {k: int(getattr(args, attr[k])) for k, flag in _FIXING_FLAGS.items() if _given(argv, flag)}
     return LayoutRequest(args.tenplex_layout, dims, world, local_world, int(args.global_batch_size),
                          memory_gb=elastic.memory_gb(args.tenplex_memory_budget), tp=fixed.get("tp"),
                          pp=fixed.get("pp"), micro_batch_size=fixed.get("micro_batch_size"), ep=fixed.get("ep"),
                          distributed_optimizer=bool(args.use_distributed_optimizer),
-                         make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by))
+                         make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by),
+                         expert_tp=fixed.get("expert_tp"),
+                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
 
 
 def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chosen | None:
-    """With ``--tenplex-layout``: set ``args``' TP, PP and micro-batch size for torchrun's ``WORLD_SIZE``.
+    """With ``--tenplex-layout``: set ``args``' TP, PP, VPP, micro-batch size (and a mixture of experts' EP and
+    expert TP) for torchrun's ``WORLD_SIZE``.
 
     None without the flag. No legal layout: every refused candidate printed, exit 2, and under torchrun's
     elastic agent the agent is stopped (``frontdoor/elastic.refuse``)."""
@@ -136,11 +138,14 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
     args.tensor_model_parallel_size = chosen.layout.tp
     args.pipeline_model_parallel_size = chosen.layout.pp
     args.expert_model_parallel_size = chosen.layout.ep
+    moe = bool(getattr(args, "num_experts", None))
+    if moe:  # Megatron-LM's validate_args sets TP's only when None
+        args.expert_tensor_parallel_size = chosen.layout.expert_tp
     args.micro_batch_size = chosen.micro_batch_size
     if chosen.layout.vpp > 1:  # an interleaved pipeline: Megatron-LM's validate_args derives VPP from it
         args.num_virtual_stages_per_pipeline_rank = chosen.layout.vpp
-    _log.info("--tenplex-layout %s: %s, micro-batch %d (%s)", args.tenplex_layout, chosen.layout,
-              chosen.micro_batch_size, chosen.why)
+    _log.info("--tenplex-layout %s: %s (%s)", args.tenplex_layout,
+              describe_layout(chosen.layout, chosen.micro_batch_size, moe), chosen.why)
     return chosen
 
 

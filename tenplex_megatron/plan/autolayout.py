@@ -1,8 +1,10 @@
-"""Choose TP, PP, DP (EP for a mixture of experts) and the micro-batch size for a world size: legal, fits memory,
-fastest. Pure Python.
+"""Choose TP, PP, DP (EP and expert TP for a mixture of experts) and the micro-batch size for a world size: legal,
+fits memory, fastest. Pure Python.
 
 Every (TP, PP, DP) with TP x PP x DP = world size is a candidate, for a mixture of experts with every EP that
-divides the experts and, with the experts' TP (megatron-core's default: TP) and PP, the world size, and with every
+divides the experts and every expert TP that divides the experts' FFN hidden size such that expert TP x EP x PP
+divides the world size (megatron-core's ``initialize_model_parallel``: the experts' data-parallel size is what is
+left, world / (expert TP x EP x PP); expert TP need not equal TP), and with every
 micro-batch size offered; each is legal or refused with every reason, gets a
 per-rank memory estimate and a modelled iteration time, and the candidates are
 ranked: legal and fitting first, fastest first, a measured time (where one is
@@ -24,22 +26,31 @@ The estimates are models, documented here, not measurements:
   fp32 (with ``flash_attention`` - FlashAttention or selective recomputation,
   which keep no seq x seq scores - the 5 x heads x seq / hidden term drops), times the layers on the stage, times the micro-batches the 1F1B
   schedule keeps in flight on stage s: min(PP - s, micro-batches); an interleaved pipeline (VPP virtual stages
-  per rank) keeps 1 + (PP - 1) / (PP x VPP) times that. A routed expert's parameters are divided over
-  expert TP x EP instead of TP, and its optimizer state over expert DP (world / (expert TP x EP x PP)). Logits,
+  per rank) keeps 1 + (PP - 1) / (PP x VPP) times that. A routed expert's parameters (weights, gradients) are
+  divided over expert TP x EP instead of TP, and its optimizer state over expert DP (world / (expert TP x EP x
+  PP)); a mixture of experts' activations are counted as a dense layer's. Logits,
   temporary buffers, the CUDA context and allocator fragmentation are left out:
   give the budget less than the device's memory to leave room for them.
 * Iteration time: compute 6 x params x tokens / (world x FLOP/s per GPU) (for a mixture of experts the active
-  parameters: the dense ones and top-k of the experts); EP sends each micro-batch's routed tokens (top-k copies of
-  its hidden states) to other EP ranks and back, forward and backward, per layer ((EP - 1) / EP of them leave the
-  rank, over the intra-node link when expert TP x EP fits a node); the
+  parameters: the dense ones and top-k of the experts); the
   pipeline bubble adds compute x (PP - 1) / (micro-batches x VPP) (an interleaved pipeline's smaller bubble, for
-  VPP times the stage-to-stage sends and pipeline slots); TP costs four ring
-  all-reduces of one micro-batch's activations per layer and micro-batch
+  VPP times the stage-to-stage sends and pipeline slots); TP costs ring
+  all-reduces of one micro-batch's activations per layer and micro-batch, two for attention and two for a dense
+  MLP (or a mixture of experts' shared experts), forward and backward
   (2 (TP - 1) / TP of the bytes over the intra-node link: it grows with the TP
-  degree); PP sends activations and their gradients between stages (intra-node
+  degree); a mixture of experts' routed experts replace the dense MLP's two (megatron-core's alltoall
+  dispatcher): each rank routes its 1/TP of a micro-batch's tokens (sequence parallelism, which megatron-core
+  needs with MoE at TP > 1), top-k copies of them, R bytes; EP sends them to the other EP ranks and back,
+  forward and backward (4 x R x (EP - 1) / EP, over the intra-node link when expert TP x EP fits a node), and
+  expert TP all-gathers them over the expert TP group before the experts and reduce-scatters the experts'
+  output after, forward and backward (4 x R x (expert TP - 1): expert TP cuts each expert's FFN, so every rank
+  of the group needs every routed token; the group lies within a node). So for the same experts per rank, EP
+  costs (EP - 1) / EP of R where expert TP costs (expert TP - 1) R: at a TP that attention needs, the experts
+  are cheaper whole (expert TP 1) and spread over EP, unless too few experts leave only expert TP to divide
+  their memory. PP sends activations and their gradients between stages (intra-node
   link when the job fits on one node, the inter-node link otherwise); DP reduces
   the gradients of the busiest stage (a ring all-reduce, or with the distributed
-  optimizer a reduce-scatter of gradients plus an all-gather of parameters),
+  optimizer a reduce-scatter of gradients plus an all-gather of parameters; the experts' over expert DP),
   over the intra-node link when every DP group lies within a node; and each of
   the (micro-batches + PP - 1) pipeline slots costs a fixed overhead (kernel
   launches, scheduling). Nothing is assumed to overlap.
@@ -47,6 +58,7 @@ The estimates are models, documented here, not measurements:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -100,10 +112,12 @@ class TimeEstimate:
     dp_comm: float
     overhead: float
     ep_comm: float = 0.0
+    etp_comm: float = 0.0  # expert TP's all-gathers and reduce-scatters of the routed tokens
 
     @property
     def total(self) -> float:
-        return self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.overhead + self.ep_comm
+        return (self.compute + self.bubble + self.tp_comm + self.pp_comm + self.dp_comm + self.overhead + self.ep_comm
+                + self.etp_comm)
 
 
 @dataclass(frozen=True)
@@ -189,8 +203,11 @@ def parse_candidate_key(text: str) -> tuple[ParallelLayout, int]:
 
 
 def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int | None,
-                    *, world_size: int | None = None, gpus_per_node: int | None = None) -> list[str]:
-    """Every rule the candidate breaks (empty: legal). World size, GPUs per node, global batch: checked when given."""
+                    *, world_size: int | None = None, gpus_per_node: int | None = None,
+                    sequence_parallel: bool = True) -> list[str]:
+    """Every rule the candidate breaks (empty: legal). World size, GPUs per node, global batch: checked when given.
+    ``sequence_parallel``: whether the job runs with ``--sequence-parallel`` (megatron-core trains a mixture of
+    experts at TP > 1 only with it)."""
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     out = []
     if gpus_per_node is not None and tp > gpus_per_node:
@@ -206,12 +223,9 @@ def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     elif layout.vpp > 1 and dims.num_layers % (pp * layout.vpp):
         out.append(f"PP x VPP = {pp} x {layout.vpp} does not divide the {dims.num_layers} layers")
     if dims.num_experts:
-        if dims.num_experts % layout.ep:
-            out.append(f"EP={layout.ep} does not divide the {dims.num_experts} experts")
-        if dims.expert_ffn % layout.expert_tp:
-            out.append(f"expert TP={layout.expert_tp} does not divide the experts' FFN hidden size ({dims.expert_ffn})")
-    elif layout.ep > 1:
-        out.append(f"EP={layout.ep} needs a mixture-of-experts model")
+        out.extend(_expert_reasons(dims, layout, gpus_per_node, sequence_parallel))
+    elif layout.ep > 1 or layout.etp:
+        out.append(f"EP={layout.ep} / expert TP={layout.expert_tp} need a mixture-of-experts model")
     if world_size is not None and layout.world_size != world_size:
         out.append(f"TP x PP x DP = {tp} x {pp} x {dp} = {layout.world_size} is not the world size {world_size}")
     if micro_batch_size < 1:
@@ -229,29 +243,68 @@ def illegal_reasons(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     return out
 
 
+def _expert_reasons(dims: GPTDims, layout: ParallelLayout, gpus_per_node: int | None,
+                    sequence_parallel: bool) -> list[str]:
+    """The rules megatron-core 0.16 sets a mixture of experts' EP and expert TP (``initialize_model_parallel``,
+    ``TransformerConfig``, ``MoELayer``)."""
+    etp, out = layout.expert_tp, []
+    if dims.num_experts and dims.num_experts % layout.ep:
+        out.append(f"EP={layout.ep} does not divide the {dims.num_experts} experts")
+    if dims.expert_ffn % etp:
+        out.append(f"expert TP={etp} does not divide the experts' FFN hidden size ({dims.expert_ffn})")
+    if gpus_per_node is not None and etp > gpus_per_node:
+        out.append(f"expert TP={etp} spans more than the {gpus_per_node} GPUs of a node")
+    if layout.tp > 1 and not sequence_parallel:
+        out.append(f"TP={layout.tp} with a mixture of experts needs --sequence-parallel (megatron-core refuses to "
+                   "train without it)")
+    if dims.add_bias_linear and etp > 1:
+        out.append(f"expert TP={etp} with linear biases: megatron-core adds experts' biases only at expert TP 1 "
+                   "(give --disable-bias-linear)")
+    elif dims.add_bias_linear and layout.ep == 1:
+        out.append("EP=1 x expert TP=1 with linear biases: megatron-core's expert MLP fails there (give "
+                   "--disable-bias-linear)")
+    return out
+
+
 def stage_parameters(dims: GPTDims, layout: ParallelLayout, make_vocab_size_divisible_by: int = 128,
                      experts: bool | None = None) -> list[int]:
     """Parameters held by one rank of each pipeline stage (the tied embedding counted on both ends); a routed
     expert's divided over expert TP x EP. ``experts`` True / False: only the routed experts' / only the others."""
-    padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, layout.tp)
-    per = [0] * layout.pp
-    for t in gpt_tensors(dims, padded, optimizer=False).values():
-        if experts is not None and is_expert(t) != experts:
+    return list(_stage_parameters(dims, layout.tp, layout.pp, layout.ep, layout.expert_tp,
+                                  make_vocab_size_divisible_by, experts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_parameters(dims: GPTDims, tp: int, pp: int, ep: int, etp: int, make_vocab_size_divisible_by: int,
+                      experts: bool | None) -> tuple[int, ...]:
+    """:func:`stage_parameters` by the degrees it depends on (the candidates of a ranking share them)."""
+    padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, tp)
+    per = [0] * pp
+    each = 0  # the transformer layers' parameters on every stage
+    for numel, split, expert, stage, tied in _parameter_rows(dims, padded):
+        if experts is not None and expert != experts:
             continue
-        if is_expert(t):
-            n = t.numel // layout.ep // (layout.expert_tp if t.tp_axis is not None else 1)
+        if expert:
+            n = numel // ep // (etp if split else 1)
         else:
-            n = t.numel // layout.tp if t.tp_axis is not None else t.numel
-        if t.stage == "layers":
-            for s in range(layout.pp):
-                per[s] += n // layout.pp
-        elif t.stage == "last":
+            n = numel // tp if split else numel
+        if stage == "layers":
+            each += n // pp
+        elif stage == "last":
             per[-1] += n
         else:
             per[0] += n
-            if t.tied and layout.pp > 1:
+            if tied and pp > 1:
                 per[-1] += n
-    return per
+    return tuple(n + each for n in per)
+
+
+@functools.lru_cache(maxsize=256)
+def _parameter_rows(dims: GPTDims, padded_vocab: int) -> tuple[tuple[int, bool, bool, str, bool], ...]:
+    """(elements, TP-split, a routed expert's, stage, tied) of every parameter: what the estimates need of the
+    model's tensors, built once per model and padded vocabulary (a ranking evaluates thousands of candidates)."""
+    return tuple((t.numel, t.tp_axis is not None, is_expert(t), t.stage, t.tied)
+                 for t in gpt_tensors(dims, padded_vocab, optimizer=False).values())
 
 
 def activation_bytes_per_layer(dims: GPTDims, micro_batch_size: int, tp: int, flash_attention: bool = False) -> float:
@@ -272,22 +325,20 @@ def estimate_memory(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int
     per_layer = activation_bytes_per_layer(dims, micro_batch_size, layout.tp, flash_attention)
     layers = dims.num_layers // layout.pp
     interleave = 1 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp > 1 else 1.0
-    best: MemoryEstimate | None = None
     expert = stage_parameters(dims, layout, make_vocab_size_divisible_by, experts=True)
+    expert_dp = layout.expert_dp
+    best: tuple[int, int, int, int, int] | None = None  # (total, weights, optimizer, activations, stage)
     for s, n in enumerate(stage_parameters(dims, layout, make_vocab_size_divisible_by)):
         dense_optim, expert_optim = optim_b * (n - expert[s]), optim_b * expert[s]
-        est = MemoryEstimate(
-            weights=weight_b * n,
-            gradients=4 * n,
-            optimizer=(math.ceil(dense_optim / layout.dp) + math.ceil(expert_optim / layout.expert_dp)
-                       if distributed_optimizer else dense_optim + expert_optim),
-            activations=math.ceil(per_layer * layers * min(layout.pp - s, m) * interleave),
-            stage=s,
-        )
-        if best is None or est.total > best.total:
-            best = est
+        optim = (math.ceil(dense_optim / layout.dp) + math.ceil(expert_optim / expert_dp)
+                 if distributed_optimizer else dense_optim + expert_optim)
+        act = math.ceil(per_layer * layers * min(layout.pp - s, m) * interleave)
+        total = weight_b * n + 4 * n + optim + act
+        if best is None or total > best[0]:  # the first stage of the busiest
+            best = (total, n, optim, act, s)
     assert best is not None
-    return best
+    _, n, optim, act, stage = best
+    return MemoryEstimate(weights=weight_b * n, gradients=4 * n, optimizer=optim, activations=act, stage=stage)
 
 
 def total_parameters(dims: GPTDims, make_vocab_size_divisible_by: int = 128) -> int:
@@ -301,8 +352,8 @@ def active_parameters(dims: GPTDims, make_vocab_size_divisible_by: int = 128) ->
     its routed experts."""
     padded = padded_vocab_size(dims.vocab_size, make_vocab_size_divisible_by, 1)
     total = 0
-    for t in gpt_tensors(dims, padded, optimizer=False).values():
-        total += t.numel * dims.moe_router_topk // int(dims.num_experts or 1) if is_expert(t) else t.numel
+    for numel, _, expert, _, _ in _parameter_rows(dims, padded):
+        total += numel * dims.moe_router_topk // int(dims.num_experts or 1) if expert else numel
     return total
 
 
@@ -320,7 +371,9 @@ def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, 
     act_width = 2 if dims.bf16 else 4
     act = dims.seq_length * micro_batch_size * dims.hidden_size * act_width  # one micro-batch's hidden states
     layers = dims.num_layers // pp
-    tp_comm = m * layers * 4 * 2 * (tp - 1) / tp * act / hardware.intra_node_bandwidth
+    # attention's two all-reduces, and a dense MLP's (or shared experts') two: a routed MLP's go to EP / expert TP
+    all_reduces = 4 if not dims.num_experts or dims.moe_shared_expert_intermediate_size else 2
+    tp_comm = m * layers * all_reduces * 2 * (tp - 1) / tp * act / hardware.intra_node_bandwidth
     one_node = world <= gpus_per_node
     pp_bw = hardware.intra_node_bandwidth if one_node else hardware.inter_node_bandwidth
     pp_comm = 2 * m * vpp * act / pp_bw if pp > 1 else 0.0
@@ -336,14 +389,16 @@ def estimate_time(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, 
         return share * params * (4 + weight_b) if distributed_optimizer else 2 * share * params * 4
 
     dp_bytes = reduce_bytes(stages[busiest] - expert[busiest], dp) + reduce_bytes(expert[busiest], layout.expert_dp)
-    ep_comm = 0.0
-    if dims.num_experts and layout.ep > 1:
-        ep_bw = hardware.intra_node_bandwidth if layout.expert_tp * layout.ep <= gpus_per_node else \
-            hardware.inter_node_bandwidth
-        ep_comm = m * layers * 4 * dims.moe_router_topk * act * (layout.ep - 1) / layout.ep / ep_bw
+    ep_comm = etp_comm = 0.0
+    if dims.num_experts:
+        etp, ep = layout.expert_tp, layout.ep
+        routed = dims.moe_router_topk * act / tp  # this rank's share of the sequence (SP), top-k copies
+        ep_bw = hardware.intra_node_bandwidth if etp * ep <= gpus_per_node else hardware.inter_node_bandwidth
+        ep_comm = m * layers * 4 * routed * (ep - 1) / ep / ep_bw
+        etp_comm = m * layers * 4 * routed * (etp - 1) / hardware.intra_node_bandwidth
     return TimeEstimate(compute=compute, bubble=bubble, tp_comm=tp_comm, pp_comm=pp_comm,
                         dp_comm=dp_bytes / dp_bw, overhead=(m * vpp + pp - 1) * hardware.slot_overhead_s,
-                        ep_comm=ep_comm)
+                        ep_comm=ep_comm, etp_comm=etp_comm)
 
 
 def _virtual_stages(pp: int, num_layers: int | None) -> Iterable[int]:
@@ -353,22 +408,25 @@ def _virtual_stages(pp: int, num_layers: int | None) -> Iterable[int]:
         yield from (v for v in range(2, num_layers // pp + 1) if (num_layers // pp) % v == 0)
 
 
-def _factorizations(world_size: int, num_experts: int | None = None,
-                    num_layers: int | None = None) -> Iterable[ParallelLayout]:
+@functools.lru_cache(maxsize=1024)
+def _divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+def _factorizations(world_size: int, num_experts: int | None = None, num_layers: int | None = None,
+                    expert_ffn: int | None = None) -> Iterable[ParallelLayout]:
     """Every TP x PP x DP = world size, with every VPP that divides a rank's ``num_layers`` (when given); for a
-    mixture of experts each with every EP dividing the experts for which expert TP (= TP) x EP x PP divides the
-    world size."""
-    for tp in range(1, world_size + 1):
-        if world_size % tp:
-            continue
-        for pp in range(1, world_size // tp + 1):
-            if (world_size // tp) % pp:
-                continue
+    mixture of experts each with every EP dividing the experts and every expert TP dividing the experts' FFN
+    hidden size (``expert_ffn``) for which expert TP x EP x PP divides the world size (megatron-core's rule)."""
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
-            for ep in range(1, (num_experts or 1) + 1):
-                if (num_experts or 1) % ep == 0 and world_size % (tp * ep * pp) == 0:
-                    for vpp in _virtual_stages(pp, num_layers):
-                        yield ParallelLayout(tp, pp, dp, vpp=vpp, ep=ep)
+            experts = [(ep, etp) for ep in _divisors(num_experts) if (world_size // pp) % ep == 0
+                       for etp in _divisors(world_size // (pp * ep)) if expert_ffn and expert_ffn % etp == 0] \
+                if num_experts else [(1, tp)]
+            for ep, etp in experts:
+                for vpp in _virtual_stages(pp, num_layers):
+                    yield ParallelLayout(tp, pp, dp, vpp=vpp, ep=ep, etp=etp)
 
 
 def _check_inputs(world_size: int, gpus_per_node: int, global_batch_size: int, memory_gb: float | None,
@@ -387,14 +445,15 @@ def evaluate(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, globa
              world_size: int | None = None, gpus_per_node: int | None = None, memory_gb: float | None = None,
              measured_seconds: float | None = None, fixed: Mapping[str, int] | None = None,
              hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
-             make_vocab_size_divisible_by: int = 128, flash_attention: bool = False) -> LayoutCandidate:
+             make_vocab_size_divisible_by: int = 128, flash_attention: bool = False,
+             sequence_parallel: bool = True) -> LayoutCandidate:
     """One candidate: its legality (and ``fixed`` degrees, e.g. ``{"tp": 2}``), memory, fit and modelled time."""
     reasons = illegal_reasons(dims, layout, micro_batch_size, global_batch_size, world_size=world_size,
-                              gpus_per_node=gpus_per_node)
+                              gpus_per_node=gpus_per_node, sequence_parallel=sequence_parallel)
     for name, value in (fixed or {}).items():
         got = micro_batch_size if name == "micro_batch_size" else getattr(layout, name)
         if got != value:
-            reasons.append(f"{'micro-batch size' if name == 'micro_batch_size' else name.upper()} is fixed at {value}")
+            reasons.append(f"{_FIXED_NAMES.get(name, name.upper())} is fixed at {value}")
     if reasons:
         return LayoutCandidate(layout, micro_batch_size, legal=False, fits=False, reasons=tuple(reasons),
                                measured_seconds=measured_seconds)
@@ -412,6 +471,9 @@ def evaluate(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, globa
                            memory=memory, modelled=modelled, measured_seconds=measured_seconds)
 
 
+_FIXED_NAMES = {"micro_batch_size": "micro-batch size", "expert_tp": "expert TP"}
+
+
 def _rank_key(c: LayoutCandidate) -> tuple:
     if c.usable:  # measured first (a fact about this machine, in other units than the model), then fastest
         group, score = (0 if c.measured_seconds is not None else 1), c.seconds
@@ -419,36 +481,38 @@ def _rank_key(c: LayoutCandidate) -> tuple:
         group, score = 2, float(c.memory.total if c.memory else 0)
     else:
         group, score = 3, 0.0
-    return group, score, c.layout.tp, c.layout.pp, c.layout.vpp, c.layout.ep, c.micro_batch_size
+    return group, score, c.layout.tp, c.layout.pp, c.layout.vpp, c.layout.ep, c.layout.expert_tp, c.micro_batch_size
 
 
 def rank_layouts(dims: GPTDims, world_size: int, gpus_per_node: int, global_batch_size: int, *,
                  memory_gb: float | None = None, micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES,
                  measured: Mapping[str, float] | None = None, fixed: Mapping[str, int] | None = None,
                  hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
-                 make_vocab_size_divisible_by: int = 128, flash_attention: bool = False) -> tuple[LayoutCandidate, ...]:
+                 make_vocab_size_divisible_by: int = 128, flash_attention: bool = False,
+                 sequence_parallel: bool = True) -> tuple[LayoutCandidate, ...]:
     """Every candidate for ``world_size``, ranked: usable ones first, measured then modelled, fastest first.
 
     ``measured`` maps candidate keys (``tp=2,pp=1,dp=2,mbs=4``) to seconds per
     iteration at this world size; ``memory_gb`` (GiB per rank) None means no
-    limit; ``fixed`` pins degrees the user set (keys ``tp``, ``pp``, ``dp``,
+    limit; ``fixed`` pins degrees the user set (keys ``tp``, ``pp``, ``dp``, ``vpp``, ``ep``, ``expert_tp``,
     ``micro_batch_size``): other candidates are refused saying so. ``flash_attention``:
-    no stored attention scores (FlashAttention or selective recomputation).
+    no stored attention scores (FlashAttention or selective recomputation). ``sequence_parallel``: the job runs
+    with ``--sequence-parallel`` (without it a mixture of experts is refused at TP > 1, as megatron-core does).
     """
     _check_inputs(world_size, gpus_per_node, global_batch_size, memory_gb, micro_batch_sizes)
-    unknown = set(fixed or {}) - {"tp", "pp", "dp", "vpp", "ep", "micro_batch_size"}
+    unknown = set(fixed or {}) - {"tp", "pp", "dp", "vpp", "ep", "expert_tp", "micro_batch_size"}
     if unknown:
-        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp, vpp, ep and micro_batch_size")
+        raise LayoutError(f"cannot fix {sorted(unknown)}: only tp, pp, dp, vpp, ep, expert_tp and micro_batch_size")
     measured = dict(measured or {})
     out = []
-    for layout in _factorizations(world_size, dims.num_experts, dims.num_layers):
+    for layout in _factorizations(world_size, dims.num_experts, dims.num_layers, dims.expert_ffn):
         for mbs in sorted(set(micro_batch_sizes)):
             key = candidate_key(layout, mbs)
             out.append(evaluate(dims, layout, mbs, global_batch_size, world_size=world_size,
                                 gpus_per_node=gpus_per_node, memory_gb=memory_gb, measured_seconds=measured.get(key),
                                 fixed=fixed, hardware=hardware, distributed_optimizer=distributed_optimizer,
                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by,
-                                flash_attention=flash_attention))
+                                flash_attention=flash_attention, sequence_parallel=sequence_parallel))
     return tuple(sorted(out, key=_rank_key))
 
 
@@ -456,12 +520,14 @@ def choose_layout(dims: GPTDims, world_size: int, gpus_per_node: int, global_bat
                   memory_gb: float | None = None, micro_batch_sizes: Sequence[int] = DEFAULT_MICRO_BATCH_SIZES,
                   measured: Mapping[str, float] | None = None, fixed: Mapping[str, int] | None = None,
                   hardware: Hardware = Hardware(), distributed_optimizer: bool = True,
-                  make_vocab_size_divisible_by: int = 128, flash_attention: bool = False) -> LayoutChoice:
+                  make_vocab_size_divisible_by: int = 128, flash_attention: bool = False,
+                  sequence_parallel: bool = True) -> LayoutChoice:
     """The top of :func:`rank_layouts`; :class:`LayoutError` listing every refused candidate when none is usable."""
     ranking = rank_layouts(dims, world_size, gpus_per_node, global_batch_size, memory_gb=memory_gb,
                            micro_batch_sizes=micro_batch_sizes, measured=measured, fixed=fixed, hardware=hardware,
                            distributed_optimizer=distributed_optimizer,
-                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, flash_attention=flash_attention)
+                           make_vocab_size_divisible_by=make_vocab_size_divisible_by, flash_attention=flash_attention,
+                           sequence_parallel=sequence_parallel)
     if not ranking[0].usable:
         budget = f"{memory_gb:g} GiB per rank" if memory_gb is not None else "no memory limit"
         raise LayoutError(

@@ -3,7 +3,7 @@
 A trainer (``training/layout_choice.py``, the Megatron-LM hook) turns its flags into a :class:`LayoutRequest`
 for the world size torchrun gave it; :func:`choose` answers with the layout and micro-batch size: a user's
 table row, or the top of the ranking (``plan/autolayout.py``) where measured iteration times (``measure``)
-rank ahead of modelled ones. Explicitly given TP, PP, EP or micro-batch size fix that degree.
+rank ahead of modelled ones. Explicitly given TP, PP, EP, expert TP or micro-batch size fix that degree.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ class LayoutRequest:
     ep: int | None = None  # a mixture of experts' EP, when given (else chosen among the EPs dividing the experts)
     vpp: int | None = None  # virtual pipeline stages per rank, when given (else chosen: 1 or an interleaving)
     make_vocab_size_divisible_by: int = 128
+    expert_tp: int | None = None  # a mixture of experts' expert TP, when given (else chosen, TP's or another)
+    sequence_parallel: bool = True  # --sequence-parallel: without it a mixture of experts stays at TP 1
 
 
 @dataclass(frozen=True)
@@ -54,12 +56,24 @@ def rank(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> Lay
     """The ranked candidates for ``req`` (``measured``: seconds per iteration by candidate key at this world size).
 
     :class:`LayoutError` listing every refused candidate when none is usable."""
-    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep), ("vpp", req.vpp)) if v is not None}
+    fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep), ("vpp", req.vpp),
+                               ("expert_tp", req.expert_tp)) if v is not None}
     mbs = (req.micro_batch_size,) if req.micro_batch_size is not None else DEFAULT_MICRO_BATCH_SIZES
     return choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
                          memory_gb=req.memory_gb, micro_batch_sizes=mbs, fixed=fixed or None, measured=measured,
                          distributed_optimizer=req.distributed_optimizer,
-                         make_vocab_size_divisible_by=req.make_vocab_size_divisible_by)
+                         make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
+                         sequence_parallel=req.sequence_parallel)
+
+
+def describe_layout(layout: ParallelLayout, micro_batch_size: int, moe: bool) -> str:
+    """How a trainer names a chosen layout: ``tp=2,pp=1,dp=4,sp,ep=4,etp=1, micro-batch 2``, for a mixture of experts
+    with its expert layout spelled out (``expert TP 1 x EP 4 x expert DP 2``: the layout's string omits expert TP
+    when it equals TP)."""
+    text = f"{layout}, micro-batch {micro_batch_size}"
+    if moe:
+        text += f", expert TP {layout.expert_tp} x EP {layout.ep} x expert DP {layout.expert_dp}"
+    return text
 
 
 def to_measure(choice: LayoutChoice, measured: Mapping[str, float], top: int) -> tuple[LayoutCandidate, ...]:

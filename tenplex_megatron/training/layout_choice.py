@@ -10,8 +10,9 @@ throughput model; ``measure`` ranks iteration times measured at this world
 size (``training/measure.py`` times the best few first, once) ahead of the
 model; a JSON file is a user's table (``plan/layout_files.py``). Explicit
 ``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` /
-``--expert-model-parallel-size`` / ``--micro-batch-size`` still win: they fix that degree. For a mixture of
-experts EP is chosen too (expert TP stays TP's: ``--expert-tensor-parallel-size`` is refused with it).
+``--expert-model-parallel-size`` / ``--expert-tensor-parallel-size`` / ``--micro-batch-size`` still win: they fix
+that degree. For a mixture of experts EP and expert TP are chosen too (expert TP may differ from TP; at TP > 1 only
+with ``--sequence-parallel``, which megatron-core needs there).
 
 With no legal layout, the error lists every candidate refused and why, and
 under torchrun's elastic agent the worker also asks its agent to stop
@@ -37,7 +38,8 @@ def request(args: argparse.Namespace, world: int, local_world: int) -> LayoutReq
                          tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                          micro_batch_size=args.micro_batch_size, ep=args.expert_model_parallel_size,
                          distributed_optimizer=args.use_distributed_optimizer,
-                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                         expert_tp=args.expert_tensor_parallel_size, sequence_parallel=bool(args.sequence_parallel))
 
 
 def times_path(args: argparse.Namespace) -> str | None:
@@ -58,7 +60,8 @@ def choose_for(args: argparse.Namespace, world: int, local_world: int) -> Chosen
 
 
 def apply(args: argparse.Namespace) -> Chosen | None:
-    """Set ``args``' TP, PP, EP, VPP and micro-batch size from the chosen layout (None: no ``--tenplex-layout``).
+    """Set ``args``' TP, PP, EP, expert TP, VPP and micro-batch size from the chosen layout (None: no
+    ``--tenplex-layout``).
 
     Raises SystemExit naming every refused candidate; under torchrun's elastic agent it also stops the agent.
     """
@@ -67,7 +70,7 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     world, local_world = elastic.world()
     args.tenplex_layout_request = None
     try:
-        for flag in ("expert_tensor_parallel_size", "num_layers_per_virtual_pipeline_stage",
+        for flag in ("num_layers_per_virtual_pipeline_stage",
                      "num_virtual_stages_per_pipeline_rank"):  # the choice decides VPP itself (1 or interleaved)
             if getattr(args, flag) is not None:
                 raise LayoutError(f"--{flag.replace('_', '-')} is not modelled by --tenplex-layout: give the layout "
@@ -80,6 +83,8 @@ def apply(args: argparse.Namespace) -> Chosen | None:
     args.tensor_model_parallel_size = chosen.layout.tp
     args.pipeline_model_parallel_size = chosen.layout.pp
     args.expert_model_parallel_size = chosen.layout.ep
+    if args.num_experts:
+        args.expert_tensor_parallel_size = chosen.layout.expert_tp
     if chosen.layout.vpp > 1:  # an interleaved pipeline (read by virtual_stages, as if given on the command line)
         args.num_virtual_stages_per_pipeline_rank = chosen.layout.vpp
     args.micro_batch_size = chosen.micro_batch_size

@@ -40,11 +40,12 @@ WARMUP, TIMED = MEASURE_WARMUP, MEASURE_TIMED  # iterations per candidate: not t
 
 
 def _time_candidate(spec: GPTSpec, args: argparse.Namespace, tp: int, pp: int, mbs: int,
-                    ckpt: str | None, ep: int = 1, vpp: int = 1) -> float:
-    """Collective: seconds per forward+backward of one global batch at (tp, pp, mbs; EP for a mixture of experts,
-    VPP for an interleaved pipeline), the slowest rank's median."""
+                    ckpt: str | None, ep: int = 1, vpp: int = 1, etp: int = 0) -> float:
+    """Collective: seconds per forward+backward of one global batch at (tp, pp, mbs; EP and expert TP for a mixture
+    of experts, VPP for an interleaved pipeline), the slowest rank's median."""
     world = torch.distributed.get_world_size()
-    layout = ParallelLayout(tp, pp, world // (tp * pp), vpp=vpp, ep=ep)
+    layout = ParallelLayout(tp, pp, world // (tp * pp), vpp=vpp, sp=bool(args.sequence_parallel and tp > 1), ep=ep,
+                            etp=etp)
     saved = read_metadata(ckpt).get("padded_vocab_size") if ckpt else None
     padded = (restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved)
               if args.tenplex_vocab_padding == "keep"
@@ -94,7 +95,7 @@ def measure_and_choose(args: argparse.Namespace, spec: GPTSpec) -> int:
             + (f" from {ckpt}" if ckpt else ""))
     for c in todo:
         s = _time_candidate(spec, args, c.layout.tp, c.layout.pp, c.micro_batch_size, ckpt, c.layout.ep,
-                            c.layout.vpp)
+                            c.layout.vpp, c.layout.etp)
         times = with_measurement(times, world, c.key, s)
         _print0(f"> tenplex-megatron: measured {c.key}: {s * 1000:.1f} ms per forward+backward "
                 f"(modelled {c.seconds:.3g} s)")
@@ -105,6 +106,8 @@ def measure_and_choose(args: argparse.Namespace, spec: GPTSpec) -> int:
     chosen = choose(req, times[world])
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = chosen.layout.tp, chosen.layout.pp
     args.expert_model_parallel_size = chosen.layout.ep
+    if spec.num_experts:
+        args.expert_tensor_parallel_size = chosen.layout.expert_tp
     args.virtual_pipeline_model_parallel_size = chosen.layout.vpp
     args.micro_batch_size = chosen.micro_batch_size
     args.tenplex_layout_why = chosen.why

@@ -46,6 +46,7 @@ from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.plan.layout_choice import describe_layout
 from tenplex_megatron.plan.unsupported import UNSUPPORTED
 from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
@@ -435,8 +436,8 @@ def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, 
     except ValueError as e:  # LayoutError included: the message names the flag or constraint
         raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     if getattr(args, "tenplex_layout_why", None):
-        _print0(f"> tenplex-megatron: --tenplex-layout {args.tenplex_layout}: {layout}, micro-batch "
-                f"{args.micro_batch_size} ({args.tenplex_layout_why})")
+        _print0(f"> tenplex-megatron: --tenplex-layout {args.tenplex_layout}: "
+                f"{describe_layout(layout, args.micro_batch_size, bool(spec.num_experts))} ({args.tenplex_layout_why})")
     _print0(f"> tenplex-megatron: layout {layout} (world {torch.distributed.get_world_size()}), "
             f"{job.num_microbatches} micro-batches per step, padded vocabulary {padded}")
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
