@@ -4,7 +4,7 @@ Each case runs the real pre-training flow (``training.pretrain.run``, what
 scripts/pretrain_gpt.py runs) under torchrun (gloo, real megatron-core GPTModel,
 DDP and optimizer): a reference run of 8 steps at layout A saves at step 3; a
 second job at layout B loads that checkpoint, immediately saves what it loaded
-(``--tenplex-resave``), then trains steps 4..8. The 88 jobs run in 7 torchrun
+(``--tenplex-resave``), then trains steps 4..8. The 89 jobs run in 7 torchrun
 launches (``matrix_run.py``: jobs of one world size share a process group, each
 with megatron-core's parallel state built afresh); every case keeps its own
 assertions. GPT-style models (learned positions, LayerNorm, biases) and a
@@ -365,6 +365,8 @@ SCENARIOS: dict[str, Scenario] = {
     "rt-back-(1, 1, 2)-(1, 1, 1)": Scenario("rt-there-(1, 1, 2)-(1, 1, 1)", (1, 1, 2), V_PLAIN, iters=SAVE_AT),
     **{n: Scenario(src, dst, v, extra=extra) for n, (src, dst, v, extra, _) in MOE_TRANSITIONS.items()},
     "moe-rng-same": Scenario((EP2, V_MOE), EP2, V_MOE, iters=SAVE_AT),
+    # TP 2 given, EP and expert TP left to --tenplex-layout auto (MOE_AUTO_ETP)
+    "moe-auto-ETP": Scenario(((2, 1, 1, 1, 1, 0), V_MOE_SP), (2, 1, 1), V_MOE_SP, extra=("--tenplex-layout", "auto")),
     "rng-same": Scenario(((2, 1, 1), V_DIST), (2, 1, 1), V_DIST, iters=SAVE_AT),
     "rng-changed-a": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT),
     "rng-changed-b": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT, solo=True),
@@ -645,3 +647,27 @@ def test_mixture_of_experts_rng(runs: Runs) -> None:
     assert saved["0"]["tracker"]["expert-parallel-rng"] != saved["1"]["tracker"]["expert-parallel-rng"]
     changed = _rng(_resaved(runs.resume("moe-EP2-EP1DP2")))
     assert changed["1"]["tracker"]["expert-parallel-rng"] != saved["1"]["tracker"]["expert-parallel-rng"]
+
+
+def test_auto_chooses_and_applies_expert_tp(runs: Runs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--tenplex-layout auto`` for a mixture of experts with TP 2 given (and --sequence-parallel), restarting from
+    an expert TP 2 checkpoint: the job ran the model's choice, expert TP 1 x EP 2 (experts whole, spread over EP:
+    cheaper than expert TP's gathers in the model), built megatron-core's expert groups for it, loaded the
+    checkpoint re-sharded into it and trained: every iteration's metrics and the re-save record that layout, every
+    tensor equals the original, and the losses continue the uninterrupted expert TP 2 run's."""
+    from tenplex_megatron.training.pretrain import parse_args
+
+    sc = SCENARIOS["moe-auto-ETP"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    args = parse_args([*TINY_GPT, *sc.variant.flags(), *_layout_flags(sc.dst), *sc.extra])  # what the job parsed
+    want = ParallelLayout(2, 1, 1, sp=True, ep=args.expert_model_parallel_size, etp=args.expert_tensor_parallel_size)
+    assert (want.tp, want.expert_tp, want.ep) == (2, 1, 2), want
+    ref = runs.reference(*sc.src)  # type: ignore[misc]
+    d = runs.resume("moe-auto-ETP")
+    assert _recorded_layout(_resaved(d)) == want
+    got = metrics(os.path.join(d, "metrics.jsonl"))
+    assert [m["iteration"] for m in got] == list(range(SAVE_AT + 1, TRAIN_ITERS + 1))
+    assert all(ParallelLayout.from_json(m["layout"]) == want for m in got)
+    assert_tensors_equal(_ckpt(ref), _resaved(d), sc.variant.vocab)
+    assert_losses_continue(ref, d, LOSS_RTOL)
