@@ -125,11 +125,11 @@ FLAGS: tuple[Flag, ...] = (
          "checkpoints", action="store_true"),
     # --- layout choice and elastic restarts
     Flag("--tenplex-layout",
-         "choose TP, PP, DP and the micro-batch size for the world size of every (re)start: auto (legal layouts "
-         "that fit memory, ranked by a throughput model), measure (pretrain_gpt.py only: also time the best 3 in "
-         "this job the first time at a world size; the times are kept in the checkpoint directory) or a user's "
-         "table (FILE.json); --tensor/--pipeline-model-parallel-size and --micro-batch-size given on the command "
-         "line still win",
+         "choose TP, PP, DP and the micro-batch size (a mixture of experts' EP and expert TP too) for the world "
+         "size of every (re)start: auto (legal layouts that fit memory, ranked by a throughput model), measure "
+         "(pretrain_gpt.py only: also time the best 3 in this job the first time at a world size; the times are "
+         "kept in the checkpoint directory) or a user's table (FILE.json); --tensor/--pipeline/--expert-model-"
+         "parallel-size, --expert-tensor-parallel-size and --micro-batch-size given on the command line still win",
          "layout", metavar="auto|measure|FILE.json", doc_default="off (the layout flags as given)"),
     Flag("--tenplex-memory-budget", "per-rank memory for --tenplex-layout auto (default: the GPU's memory; none "
          "on the CPU)", "layout", type=float, metavar="GB", doc_default="the GPU's memory"),

@@ -87,3 +87,23 @@ def test_unknown_model_and_bad_flags_are_named() -> None:
     assert p.returncode == 2 and "world size must be a positive integer, got 0" in p.stderr
     p = _cli("--model", "tiny", "--gpus", "4", "--micro-batch-sizes", "1,x")
     assert p.returncode == 2 and "--micro-batch-sizes" in p.stderr
+
+
+def test_layouts_of_a_mixture_of_experts_show_the_expert_layout() -> None:
+    """Mixtral 8x7B on 16 GPUs: each row names expert TP x EP x expert DP and the EP and expert TP communication; the
+    top row is the library's choice (expert TP 1 below TP 4: the experts whole, spread over EP); JSON has both."""
+    p = _cli("--model", "mixtral-8x7b", "--gpus", "16", "--global-batch-size", "256", "--top", "4")
+    assert p.returncode == 0, p.stderr
+    assert "(bubble, TP, PP, DP, EP, expert TP comm)" in p.stdout
+    rows = re.findall(r"^\s+\d+\s+(\S+,mbs=\d+)\s+(\d+)x(\d+)x(\d+)\s+\d+\s+.*\(([^)]*)\) modelled$", p.stdout, re.M)
+    assert len(rows) == 4, p.stdout
+    best = choose_layout(load_model("mixtral-8x7b"), 16, 8, 256, memory_gb=80).best
+    assert rows[0][0] == best.key and best.layout.expert_tp == 1 < best.layout.tp
+    for key, etp, ep, edp, comm in rows:
+        layout, _ = parse_candidate_key(key)
+        assert (layout.expert_tp, layout.ep, layout.expert_dp) == (int(etp), int(ep), int(edp))
+        assert len(comm.split(", ")) == 6 and (float(comm.split(", ")[5]) > 0) == (layout.expert_tp > 1)
+    p = _cli("--model", "mixtral-8x7b", "--gpus", "16", "--global-batch-size", "256", "--json")
+    cands = json.loads(p.stdout)["candidates"]
+    assert all(c["expert_tp"] * c.get("ep", 1) * c["expert_dp"] * c["pp"] == 16 for c in cands)
+    assert cands[0]["expert_tp"] == 1 and cands[0]["modelled"]["etp_comm"] == 0
