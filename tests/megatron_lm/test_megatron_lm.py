@@ -452,6 +452,10 @@ MOE_CASES = {
     # expert TP 2 -> 1 at TP 2: the experts whole again, spread over EP 2
     "moe-ETP2-ETP1EP2": (2, [*MOE, *TP2_SP, *_ep(1, 2)], [*MOE, *TP2_SP, *_ep(2, 1)], "tp=2,pp=1,dp=1,sp",
                          "tp=2,pp=1,dp=1,sp,ep=2,etp=1"),
+    # the same restart with EP and expert TP left to the hook's --tenplex-layout auto (TP 2 given): it chooses the
+    # experts whole over EP 2 (plan/autolayout.py: cheaper than expert TP's gathers) and Megatron-LM builds that
+    "moe-ETP2-auto": (2, [*MOE, *TP2_SP, *_ep(1, 2)], [*MOE, *TP2_SP, "--tenplex-layout", "auto"],
+                      "tp=2,pp=1,dp=1,sp", "tp=2,pp=1,dp=1,sp,ep=2,etp=1"),
     # 4 ranks: EP2 x expert DP2 -> EP4, the alltoall dispatcher
     "moe-EP2DP2-EP4": (4, [*MOE_A2A, *_ep(2)], [*MOE_A2A, *_ep(4)], "tp=1,pp=1,dp=4,ep=2", "tp=1,pp=1,dp=4,ep=4"),
 }
@@ -485,6 +489,9 @@ def test_megatron_lm_moe_restart_continues_losses(tmp_path, script: str, name: s
     nproc, a, b, layout_a, layout_b = MOE_CASES[name]
     meta_a, meta_b, log = _restart_oracle(script, tmp_path, a, b, nproc=nproc)
     assert f": layout {ParallelLayout.parse(layout_a)} -> {ParallelLayout.parse(layout_b)}, " in log, log[-3000:]
+    if "auto" in b:  # the hook's choice, logged with the expert layout spelled out
+        assert "> tenplex: --tenplex-layout auto: tp=2,pp=1,dp=1,ep=2,etp=1, micro-batch 2, expert TP 1 x EP 2 x " \
+               "expert DP 1 (auto: best of " in log, log[-3000:]
     _check_experts(meta_a, layout_a, nproc)
     _check_experts(meta_b, layout_b, nproc)
 
