@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 from benchmarks.kit import plots
-from benchmarks.kit.agents import Cluster
+from benchmarks.kit.agents import KEEP_ALIVE_ATTEMPTS, Cluster, rdzv_conf
 from benchmarks.kit.elastic_analysis import (
     PHASES,
     Change,
@@ -105,7 +105,8 @@ def nodes_for(policy: str, gpus: int, gpus_per_node: int, mp: int) -> int:
 
 
 def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float, target: int, mp: int,
-           timeout: float, from_first_iteration: bool) -> dict[str, Any]:
+           timeout: float, from_first_iteration: bool, keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS,
+           ) -> dict[str, Any]:
     """Run one policy through the trace until the target iteration; what happened, for the report."""
     ckpt, log = os.path.join(work, f"{policy}.ckpt"), os.path.join(work, f"{policy}.metrics.jsonl")
     shutil.rmtree(ckpt, ignore_errors=True)  # a reused --workdir: start afresh
@@ -113,7 +114,8 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
         if name.startswith(f"{policy}.node") or name == f"{policy}.metrics.jsonl":
             os.unlink(os.path.join(work, name))
     cluster = Cluster(policy, PRETRAIN, [*flags, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log],
-                      max_nodes=max(e.nodes for e in trace.events), nproc=trace.gpus_per_node, log_dir=work)
+                      max_nodes=max(e.nodes for e in trace.events), nproc=trace.gpus_per_node, log_dir=work,
+                      rdzv_conf=rdzv_conf(keep_alive_attempts))
     changes: list[Change] = []
     nodes, pending, reached = 0, list(trace.events), None
     t0 = time.time()
@@ -305,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the trace's t=0: the launch, or the job's first iteration (after the first start-up, "
                    "which an oversubscribed CPU can make longer than the trace's first phase)")
     p.add_argument("--timeout", type=float, default=900, help="seconds per policy")
+    p.add_argument("--keep-alive-attempts", type=int, default=None,
+                   help=f"missed 1-second rendezvous heartbeats before an agent counts as lost (default "
+                   f"{KEEP_ALIVE_ATTEMPTS}; --quick: 10, for shared CI cores where a heartbeat can stall)")
     p.add_argument("--out", default=None, help="the report as JSON")
     p.add_argument("--plot", default=None, help="PNG (default: next to --out, or in the work directory)")
     p.add_argument("--workdir", default=None, help="kept (default: a temporary directory, removed)")
@@ -314,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         a.train_iters = a.train_iters or 200
         a.save_interval = 5
         a.clock = "first-iteration"
+        a.keep_alive_attempts = a.keep_alive_attempts or 10
     if not a.trace or not a.train_iters:
         p.error("give --trace and --train-iters (or --quick)")
     policies = [x for x in a.policies.split(",") if x]
@@ -342,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     for policy in policies:
         r = replay(policy, trace, [*flags, *per_policy[policy]], work, a.time_scale, a.train_iters,
-                   start.tp * start.pp, a.timeout, a.clock == "first-iteration")
+                   start.tp * start.pp, a.timeout, a.clock == "first-iteration",
+                   a.keep_alive_attempts or KEEP_ALIVE_ATTEMPTS)
         print(f"{policy}: iteration {r['iterations']} in {num(r['time_to_target'], '.1f')} s, "
               f"{len(r['changes'])} allocation changes", flush=True)
         runs.append(r)

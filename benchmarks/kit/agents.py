@@ -23,7 +23,20 @@ import psutil
 from benchmarks.kit.launch import env
 
 # last_call_timeout: how long the rendezvous waits for more nodes after MIN joined; keep-alives detect lost agents
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=600"
+# (an agent whose heartbeat is older than interval x attempts seconds is taken for lost)
+KEEP_ALIVE_ATTEMPTS = 3
+
+
+def rdzv_conf(keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS) -> str:
+    """torchrun's ``--rdzv-conf`` for the benchmarks' agents. On oversubscribed cores an agent's heartbeat thread can
+    stall for seconds: taken for lost, the node that hosts the job is dropped from the rendezvous and a node that
+    joins then forms a world of its own beside it; more attempts trade that away for slower detection of a lost
+    agent."""
+    return (f"last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt={keep_alive_attempts},"
+            "join_timeout=600")
+
+
+RDZV_CONF = rdzv_conf()
 
 
 def free_port() -> int:
@@ -81,12 +94,13 @@ class Cluster:
     failures: list[str] = field(default_factory=list)
     port: int = 0
     round: int = 0
+    rdzv_conf: str = RDZV_CONF
 
     def _start(self, node: int) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", f"1:{self.max_nodes}",
                "--nproc-per-node", str(self.nproc), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", f"{self.name}-{self.round}",
-               "--rdzv-conf", RDZV_CONF, "--max-restarts", "100", "--monitor-interval", "0.5",
+               "--rdzv-conf", self.rdzv_conf, "--max-restarts", "100", "--monitor-interval", "0.5",
                self.script, *self.args]
         # a separate rendezvous store per round (torch 2.13's shared store hung re-rendezvous when a node joined)
         e = dict(env(), TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
