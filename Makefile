@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-compat test-fast test-gpu gpu-check gpu-wheels lint bench venv dist docs clean etcd
+.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels lint bench venv dist docs clean etcd
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -38,6 +38,13 @@ test: $(VENV)/.installed etcd
 	$(PY) -m ruff check tenplex_megatron benchmarks scripts tests examples
 	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests examples
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
+
+# The benchmarks' --quick runs with their checks (tests/multiproc/test_bench_*.py, marker bench, the MoE row's slow
+# one included): every benchmark still runs end to end and its systems reproduce the losses, apart from make test's
+# 15-minute budget (they are a quarter of its CPU time, the elastic replay alone three policies of torchrun agents).
+test-bench: $(VENV)/.installed
+	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests
+	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m bench tests/multiproc
 
 # Both ends of the supported megatron-core range (tenplex_megatron/mcore_versions.py), each in a venv of its own
 # (scripts/compat_venv.sh: the pinned set with that megatron-core in place of 0.16.1): the re-shard matrix's core

@@ -18,7 +18,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bench]
 BENCH = ["-m", "benchmarks.deepspeed"]
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bench]
 
 
 def test_bench_elastic_quick_every_policy_reaches_the_target_on_the_same_loss_curve(tmp_path) -> None:

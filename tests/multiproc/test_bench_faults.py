@@ -12,7 +12,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bench]
 
 
 def test_bench_faults_quick(tmp_path) -> None:

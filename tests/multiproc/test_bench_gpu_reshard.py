@@ -12,7 +12,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bench]
 
 
 def test_bench_gpu_reshard_cpu_tiny(tmp_path) -> None:

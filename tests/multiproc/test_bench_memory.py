@@ -17,7 +17,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bench]
 
 
 def test_bench_memory_quick_runs_and_every_restart_loads_correctly(tmp_path) -> None:

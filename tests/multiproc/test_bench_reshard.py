@@ -15,7 +15,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.bench]
 
 
 def test_bench_reshard_tiny_runs_and_every_system_loads_correctly(tmp_path) -> None:
