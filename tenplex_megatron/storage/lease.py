@@ -164,6 +164,9 @@ def check(directory: str, job: str, take_over: bool = False, now: float | None =
 
 _HELD: dict[str, Lease] = {}  # real path of a directory -> this process's lease on it
 _LOCK = threading.Lock()
+#: one rewrite of a held lease's file at a time in this process, taken before _LOCK: the heartbeat's renewal and a
+#: release must not interleave (a renewal after the release would mark the lease live again)
+_WRITE = threading.Lock()
 _BEAT: dict[int, threading.Thread] = {}  # pid -> its heartbeat thread (a forked child starts its own)
 
 
@@ -248,27 +251,31 @@ def fence(directory: str) -> None:
                       "stops without committing, applying retention or removing partial saves")
 
 
+def _rewrite(lease: Lease) -> None:
+    """Replace the lease's file atomically, through a temporary name no other writer uses (a forked child
+    inherits the lease and renews it from its own heartbeat thread)."""
+    tmp = f"{lease.path}.{uuid.uuid4().hex}.tmp"
+    _write(lease, tmp)
+    os.replace(tmp, lease.path)
+
+
 def renew(lease: Lease) -> Lease:
     """Rewrite this generation's file with a fresh heartbeat (only while it is the newest)."""
     if max(generations(lease.directory), default=0) != lease.generation:
         return lease
     new = replace(lease, heartbeat=time.time())
-    tmp = f"{new.path}.{new.token}.tmp"
-    _write(new, tmp)
-    os.replace(tmp, new.path)
+    _rewrite(new)
     return new
 
 
 def release(directory: str) -> None:
     """Give the lease back (a clean end): the next job, of any id, takes it over at once."""
-    with _LOCK:
-        mine = _HELD.pop(_key(directory), None)
-    if mine is None or max(generations(directory), default=0) != mine.generation:
-        return
-    done = replace(mine, heartbeat=time.time(), released=True)
-    tmp = f"{done.path}.{done.token}.tmp"
-    _write(done, tmp)
-    os.replace(tmp, done.path)
+    with _WRITE:
+        with _LOCK:
+            mine = _HELD.pop(_key(directory), None)
+        if mine is None or max(generations(directory), default=0) != mine.generation:
+            return
+        _rewrite(replace(mine, heartbeat=time.time(), released=True))
 
 
 def _beat() -> None:
@@ -278,7 +285,16 @@ def _beat() -> None:
             leases = list(_HELD.items())
         period = min((lease.ttl for _, lease in leases), default=DEFAULT_TTL) / HEARTBEATS_PER_TTL
         time.sleep(period)
-        for key, lease in leases:
+        _beat_once(leases)
+
+
+def _beat_once(leases: list[tuple[str, Lease]]) -> None:
+    """One heartbeat: renew each of ``leases`` (a list made before the heartbeat's sleep) still held as it was."""
+    for key, lease in leases:
+        with _WRITE:
+            with _LOCK:
+                if _HELD.get(key) is not lease:  # released (or taken again) since the list was made
+                    continue
             try:
                 new = renew(lease)
             except OSError as e:  # a full or vanished filesystem: the lease may expire; the fence still holds

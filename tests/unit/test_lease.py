@@ -133,6 +133,21 @@ def test_released_lease_is_taken_at_once(tmp_path) -> None:
     assert lease.acquire(d, "job-b").generation == 2
 
 
+def test_a_heartbeat_racing_a_release_does_not_mark_the_lease_live_again(tmp_path) -> None:
+    """The heartbeat lists the held leases, sleeps, then renews: a release in between must win (seen in CI: the two
+    wrote one temporary file and the release's rename failed; a renewal after it would have undone it)."""
+    d = str(tmp_path / "ckpt")
+    lease.acquire(d, "job-a", ttl=600)
+    with lease._LOCK:
+        listed = list(lease._HELD.items())  # what the heartbeat thread holds while it sleeps
+    lease.release(d)
+    lease._beat_once(listed)
+    assert lease.current(d).released
+    assert not [f for f in os.listdir(lease.lease_dir(d)) if f.endswith(".tmp")]
+    assert lease.acquire(d, "job-b").generation == 2  # taken at once
+    lease.release(d)
+
+
 def test_racing_rounds_get_distinct_generations_one_owner(tmp_path) -> None:
     d = str(tmp_path / "ckpt")
     procs = [_holder(d, "job") for _ in range(4)]
