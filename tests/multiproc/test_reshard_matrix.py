@@ -309,12 +309,12 @@ OVERLAP_TRANSITIONS = {"overlap-DP2-TP2": ((1, 1, 2), (2, 1, 1)), "overlap-TP2-D
 FP16_TRANSITIONS = {f"fp16-{regime}": ((2, 1, 1), (1, 1, 2), Variant(fp16=regime)) for regime in FP16_SCALERS}
 #: Mixture-of-experts models (Mixtral-style: SwiGLU experts, no biases; top-2 routing with the load-balancing loss
 #: on): "mixtral" with the allgather dispatcher; "deepseek" with sigmoid scores, the aux-loss-free expert bias (router
-#: state that is not a parameter) and the alltoall dispatcher.
+#: state that is not a parameter), a shared expert beside the routed ones and the alltoall dispatcher.
 MOE_BASE = ("--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear")
 MOE_FLAGS = {"mixtral": (*MOE_BASE, "--moe-aux-loss-coeff", "0.01"),
              "deepseek": (*MOE_BASE, "--moe-aux-loss-coeff", "0.01", "--moe-router-score-function", "sigmoid",
                           "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.01",
-                          "--moe-token-dispatcher-type", "alltoall")}
+                          "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size", "32")}
 V_MOE, V_MOE_SP, V_MOE_DS = Variant(moe="mixtral"), Variant(moe="mixtral", sp=True), Variant(moe="deepseek")
 #: grouped-GEMM experts (GroupedMLP runs in bf16 only), with the distributed and the plain optimizer
 V_GG, V_GG_PLAIN = Variant(moe="mixtral", bf16=True, grouped=True), Variant(moe="mixtral", bf16=True, grouped=True,
@@ -616,6 +616,8 @@ def test_mixture_of_experts(runs: Runs, name: str) -> None:
     if v.moe == "deepseek":
         bias = full["decoder.layers.mlp.router.expert_bias"]
         assert bias.shape == (2, 4) and bool(bias.abs().sum() > 0)  # the balancing state moved: it is compared
+        shared = [k for k in full if k.startswith("decoder.layers.mlp.shared_experts.")]
+        assert shared and all(f"optimizer.state.exp_avg.{k}" in full for k in shared), shared  # and its moments
     assert_tensors_equal(_ckpt(ref), _resaved(d), v.vocab)
     assert_losses_continue(ref, d, GROUPED_LOSS_RTOL if v.grouped else LOSS_RTOL)
     if v.grouped and dst[0] == ref_layout[0]:  # no TP change: the first step's forward is the uninterrupted run's
