@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -144,8 +145,9 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
     args.micro_batch_size = chosen.micro_batch_size
     if chosen.layout.vpp > 1:  # an interleaved pipeline: Megatron-LM's validate_args derives VPP from it
         args.num_virtual_stages_per_pipeline_rank = chosen.layout.vpp
+    sp = bool(getattr(args, "sequence_parallel", False)) and chosen.layout.tp > 1  # Megatron-LM drops SP at TP 1
     _log.info("--tenplex-layout %s: %s (%s)", args.tenplex_layout,
-              describe_layout(chosen.layout, chosen.micro_batch_size, moe), chosen.why)
+              describe_layout(dataclasses.replace(chosen.layout, sp=sp), chosen.micro_batch_size, moe), chosen.why)
     return chosen
 
 

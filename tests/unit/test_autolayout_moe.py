@@ -227,6 +227,7 @@ def test_megatron_lm_hook_applies_the_chosen_expert_tp(monkeypatch, capsys) -> N
         (2, 1, chosen.layout.ep)
     out = capsys.readouterr().out
     assert f"expert TP 1 x EP {chosen.layout.ep} x expert DP {chosen.layout.expert_dp}" in out, out
+    assert f"tp=2,pp={chosen.layout.pp},dp={chosen.layout.dp},sp," in out, out  # SP, as the trainer prints it
 
 
 def test_trainer_applies_the_chosen_expert_tp(monkeypatch) -> None:
