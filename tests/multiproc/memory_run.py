@@ -1,7 +1,9 @@
 """Engine-level runner for host-memory snapshots with tiny tensors: each rank is a node (``OUT/mem_<rank>``).
 
-``all OUT``: replication and a load at a new layout after one node lost its
-memory, a snapshot that does not fit (error, or the durable fallback), another
+``all OUT``: replication and a load at a new layout and at the same one after one
+node lost its memory (each rank's rank-local entry, opaque bytes as Transformer
+Engine's ``_extra_state`` is, back exactly at the same layout: rank 1's received
+from node 0's replica), a snapshot that does not fit (error, or the durable fallback), another
 job's snapshot, another model's, more replicas than nodes, retention, a killed
 persist helper. ``crash POINT OUT``: a durable and a memory snapshot of
 iteration 1, then a snapshot of iteration 2 whose rank 1 is SIGKILLed at
@@ -39,12 +41,22 @@ from tests.logs import logged
 ROWS, COLS = 8, 6
 
 
+LOCAL = "rank_local:tiny._extra_state"
+
+
 def expected(value: float, cols: int = COLS) -> torch.Tensor:
     return torch.full((ROWS, cols), value) + torch.arange(ROWS * cols, dtype=torch.float32).view(ROWS, cols)
 
 
+def local_state(value: float, rank: int) -> torch.Tensor:
+    """A rank's own state at ``value``: different on every rank, as an FP8 amax history is."""
+    return torch.tensor([value, float(rank), -value, 0.5 + rank], dtype=torch.float32)
+
+
 class Tiny:
-    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated."""
+    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated; ``state``
+    rank-local bytes (the engine's optional ``rank_local`` / ``prepare_rank_local``), taken back at the same layout
+    only."""
 
     framework = "tiny"
     seed = 7
@@ -58,6 +70,7 @@ class Tiny:
         self.off[axis] = self.rank * n
         self.w = full.narrow(axis, self.rank * n, n).contiguous()
         self.b = torch.full((cols,), value)
+        self.state = local_state(value, self.rank)
 
     def layout(self) -> dict[str, Any]:
         return {"axis": self.axis, "world": self.world}
@@ -77,11 +90,23 @@ class Tiny:
     def metadata(self) -> dict[str, Any]:
         return {}
 
+    def rank_local(self) -> dict[str, Any]:
+        return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})}
+
+    def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
+        if metadata.get("layout") != self.layout():
+            return None
+        got = read(LOCAL).view(torch.float32)
+        return lambda: setattr(self, "state", got)
+
     def restore(self, metadata: dict[str, Any]) -> None:
         self.it = int(metadata["iteration"])
 
     def after_load(self, metadata: dict[str, Any]) -> None:
         return None
+
+    def state_is(self, value: float) -> bool:
+        return bool(torch.equal(self.state, local_state(value, self.rank)))
 
     def matches(self, value: float) -> bool:
         full = expected(value, self.cols)
@@ -137,8 +162,12 @@ def scenarios(out: str) -> dict[str, Any]:
     back = Tiny(0.0, axis=1)  # another layout: columns instead of rows
     loaded = restart.load_snapshot(back, t, choice)
     res["new_layout_equal"] = back.matches(1.0)
+    res["new_layout_local_left"] = back.state_is(0.0)  # another layout: rank-local state not taken back
     res["received"], res["from_durable"] = loaded.bytes_received, loaded.bytes_from_durable
     res["verified"] = loaded.result.bytes_verified
+    same = Tiny(0.0)  # the snapshot's layout: rank 1's file (chunks and rank-local entry) from node 0's replica
+    loaded = restart.load_snapshot(same, t, choice)
+    res["same_layout"] = [same.matches(1.0), same.state_is(1.0), loaded.bytes_received]
 
     small = tier(out, limit=1000)
     before = directory.committed_iterations(small.mem)
@@ -215,9 +244,12 @@ def mixed(out: str) -> dict[str, Any]:
     c = restart.choose(m, os.path.join(out, "ckpt"))
     back = Tiny(0.0, axis=1)
     got = restart.load_snapshot(back, m, c)
+    same = Tiny(0.0)  # the snapshot's layout: rank 1's rank-local entry from the durable file, rank 0's from memory
+    restart.load_snapshot(same, m, c)
     state.close(m)
     return {"persisted": persisted, "chosen": c.iteration, "durable": list(c.durable), "equal": back.matches(13.0),
-            "from_durable": got.bytes_from_durable, "received": got.bytes_received}
+            "from_durable": got.bytes_from_durable, "received": got.bytes_received,
+            "same_layout": [same.matches(13.0), same.state_is(13.0)]}
 
 
 def crash(point: str, out: str) -> None:
