@@ -54,15 +54,15 @@ def local_state(value: float, rank: int) -> torch.Tensor:
 
 
 class Tiny:
-    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated; ``state``
-    rank-local bytes (the engine's optional ``rank_local`` / ``prepare_rank_local``), taken back at the same layout
-    only."""
+    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated; with
+    ``local``, ``state``: rank-local bytes (the engine's optional ``rank_local`` / ``prepare_rank_local``), taken
+    back at the same layout only."""
 
     framework = "tiny"
     seed = 7
     rng_tracker = False
 
-    def __init__(self, value: float, axis: int = 0, cols: int = COLS):
+    def __init__(self, value: float, axis: int = 0, cols: int = COLS, local: bool = False):
         self.rank, self.world, self.axis, self.cols, self.it = dist.get_rank(), dist.get_world_size(), axis, cols, 0
         full = expected(value, cols)
         n = (ROWS if axis == 0 else cols) // self.world
@@ -70,7 +70,7 @@ class Tiny:
         self.off[axis] = self.rank * n
         self.w = full.narrow(axis, self.rank * n, n).contiguous()
         self.b = torch.full((cols,), value)
-        self.state = local_state(value, self.rank)
+        self.local, self.state = local, local_state(value, self.rank)
 
     def layout(self) -> dict[str, Any]:
         return {"axis": self.axis, "world": self.world}
@@ -91,10 +91,10 @@ class Tiny:
         return {}
 
     def rank_local(self) -> dict[str, Any]:
-        return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})}
+        return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})} if self.local else {}
 
     def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
-        if metadata.get("layout") != self.layout():
+        if not self.local or metadata.get("layout") != self.layout():
             return None
         got = read(LOCAL).view(torch.float32)
         return lambda: setattr(self, "state", got)
@@ -131,8 +131,8 @@ def warnings_logged() -> Iterator[list[str]]:
             got.extend(r.getMessage() for r in records if r.levelno >= logging.WARNING)
 
 
-def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:
-    a = Tiny(value)
+def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None, local: bool = False) -> Any:
+    a = Tiny(value, local=local)
     a.it = it
     return snapshot(a, t, persist=persist)
 
@@ -149,7 +149,7 @@ def scenarios(out: str) -> dict[str, Any]:
     me = dist.get_rank()
     res: dict[str, Any] = {}
     t = tier(out, persist_interval=1000)
-    s = snap(t, 1.0, 1)
+    s = snap(t, 1.0, 1, local=True)
     background.drain(t)  # the helper processes copy the replicas in the background
     res["files"] = sorted(os.listdir(s.path))
     res["replicated"] = s.bytes_replicated
@@ -159,13 +159,13 @@ def scenarios(out: str) -> dict[str, Any]:
     dist.barrier()
     choice = restart.choose(t, None)
     res["chosen"] = choice.iteration if choice else None
-    back = Tiny(0.0, axis=1)  # another layout: columns instead of rows
+    back = Tiny(0.0, axis=1, local=True)  # another layout: columns instead of rows
     loaded = restart.load_snapshot(back, t, choice)
     res["new_layout_equal"] = back.matches(1.0)
     res["new_layout_local_left"] = back.state_is(0.0)  # another layout: rank-local state not taken back
     res["received"], res["from_durable"] = loaded.bytes_received, loaded.bytes_from_durable
     res["verified"] = loaded.result.bytes_verified
-    same = Tiny(0.0)  # the snapshot's layout: rank 1's file (chunks and rank-local entry) from node 0's replica
+    same = Tiny(0.0, local=True)  # the snapshot's layout: rank 1's file (chunks, rank-local entry) from node 0's
     loaded = restart.load_snapshot(same, t, choice)
     res["same_layout"] = [same.matches(1.0), same.state_is(1.0), loaded.bytes_received]
 
@@ -235,16 +235,16 @@ def mixed(out: str) -> dict[str, Any]:
     whole in the durable checkpoint of the same iteration, which completes it (node 1's rank file only)."""
     me = dist.get_rank()
     m = tier(out, replicas=1, persist_interval=1)
-    snap(m, 13.0, 13)
+    snap(m, 13.0, 13, local=True)
     persisted = [os.path.basename(x) for x in background.drain(m)]
     dist.barrier()
     if me == 0:
         shutil.rmtree(os.path.join(out, "mem_1", "iter_0000013"))
     dist.barrier()
     c = restart.choose(m, os.path.join(out, "ckpt"))
-    back = Tiny(0.0, axis=1)
+    back = Tiny(0.0, axis=1, local=True)
     got = restart.load_snapshot(back, m, c)
-    same = Tiny(0.0)  # the snapshot's layout: rank 1's rank-local entry from the durable file, rank 0's from memory
+    same = Tiny(0.0, local=True)  # its layout: rank 1's rank-local entry from the durable file, rank 0's from memory
     restart.load_snapshot(same, m, c)
     state.close(m)
     return {"persisted": persisted, "chosen": c.iteration, "durable": list(c.durable), "equal": back.matches(13.0),
