@@ -3,9 +3,10 @@
 A snapshot writes each rank's chunks into its node's memory directory in the format of a tenplex checkpoint (the
 same writer assignment, files and metadata as :func:`engine.save.save_chunks`, the rank's rank-local entries
 included: Transformer Engine's ``_extra_state`` in its own file, listed in metadata.json's ``rank_local`` section)
-and commits it on every node atomically (``directory.commit``); then the nodes' helper processes copy it into the memory of ``replicas - 1``
-other nodes (``memory/replication.py``) and, every ``persist_interval`` snapshots, to the durable ``--save``
-directory (``memory/background.py``), both off the training path. Every phase runs through the phase runner, so
+and commits it on every node atomically (``directory.commit``); then the nodes' helper processes copy its whole
+files and metadata into the memory of ``replicas - 1`` other nodes (``memory/replication.py``) and, every
+``persist_interval`` snapshots, to the durable ``--save`` directory (``memory/background.py``), both off the
+training path. Every phase runs through the phase runner, so
 a failure on any rank is raised on all of them.
 """
 

@@ -61,7 +61,8 @@ def job(name: str, args: list[str], fault: str | None = None) -> dict:
 
 
 TE_RESTARTS = {"same": 2, "tp1": 1}  # restart tag -> TP (world 2: TP2 is the saving layout, TP1 x DP2 another)
-TE_MEM_RESTARTS = {"mem_same": (2, "mem"), "mem_tp1": (1, "mem"), "mem_flipped": (2, "mem_flipped")}  # tag -> TP, memory
+# restarts from host memory: tag -> (TP, memory directory)
+TE_MEM_RESTARTS = {"mem_same": (2, "mem"), "mem_tp1": (1, "mem"), "mem_flipped": (2, "mem_flipped")}
 
 
 def te_job(name: str, args: list[str]) -> dict:
