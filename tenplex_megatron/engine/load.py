@@ -174,7 +174,9 @@ def load_chunks(
             verify_blocks(p.opened.files, p.todo, share)
         if local is None:
             return None
-        return local(p.opened.metadata, rank_local.reader(path, p.opened.metadata, me))
+        files = p.opened.files  # tenplex's own files (a memory snapshot's included) read through their source
+        raw = files.entry if isinstance(files, SourceFiles) else None
+        return local(p.opened.metadata, rank_local.reader(path, p.opened.metadata, me, raw))
 
     apply_local = run_phase(f"load from {path}: verifying checksums", check_and_verify)
 

@@ -46,11 +46,40 @@ def saved_entries(metadata: dict[str, Any], rank: int) -> dict[str, dict[str, An
     return None if section is None else dict(section.get("entries") or {})
 
 
-def reader(path: str, metadata: dict[str, Any], rank: int) -> Callable[[str], torch.Tensor]:
+def stored_entries(metadata: dict[str, Any], rank: int) -> list[tuple[str, str, int]]:
+    """(file, entry, byte count) of each rank-local entry with bytes that rank ``rank`` saved (an empty entry is its
+    record alone: nothing to read)."""
+    section = (metadata.get("rank_local") or {}).get(str(rank)) or {}
+    file = section.get("file")
+    if not isinstance(file, str):
+        return []
+    return [(file, name, int(rec["nbytes"])) for name, rec in sorted((section.get("entries") or {}).items())
+            if int(rec["nbytes"])]
+
+
+def entry_sizes(metadata: dict[str, Any]) -> dict[tuple[str, str], int]:
+    """(file, entry) -> byte count of every rank's rank-local entries with bytes."""
+    return {(f, n): b for r in (metadata.get("rank_local") or {}) for f, n, b in stored_entries(metadata, int(r))}
+
+
+def read_file_entry(path: str, file: str, name: str, nbytes: int) -> torch.Tensor:
+    """Entry ``name`` (``nbytes`` uint8) of ``file`` in checkpoint ``path``, as a tensor of its own (a copy)."""
+    f = SafetensorsReader(confine(path, file))
+    try:
+        return f.flat(name, "uint8", nbytes).clone()
+    finally:
+        f.close()
+
+
+def reader(path: str, metadata: dict[str, Any], rank: int,
+           raw: Callable[[str, str, int], torch.Tensor] | None = None) -> Callable[[str], torch.Tensor]:
     """``read(name)``: entry ``name`` of rank ``rank``'s rank-local state in checkpoint ``path`` as a uint8 tensor of
-    its own (a copy, not a view of the file), its size and every block CRC checked; errors name the file and entry."""
+    its own (a copy, not a view of the file), its size and every block CRC checked; errors name the file and entry.
+    ``raw(file, name, nbytes)``: where the bytes come from (default: the file in ``path``; a host-memory snapshot's
+    source reads its node's memory, the durable checkpoint, or what a peer sent)."""
     section = (metadata.get("rank_local") or {}).get(str(rank)) or {}
     entries = section.get("entries") or {}
+    fetch = raw or (lambda file, name, nbytes: read_file_entry(path, file, name, nbytes))
 
     def read(name: str) -> torch.Tensor:
         rec = entries.get(name)
@@ -62,11 +91,7 @@ def reader(path: str, metadata: dict[str, Any], rank: int) -> Callable[[str], to
         fname = section.get("file")
         if not isinstance(fname, str):
             raise CheckpointFileError(f"{path}: metadata.json names no file for rank {rank}'s rank-local state")
-        f = SafetensorsReader(confine(path, fname))
-        try:
-            data = f.flat(name, "uint8", nbytes).clone()
-        finally:
-            f.close()
+        data = fetch(fname, name, nbytes)
         got = list(block_crc32(data, int(section["block_bytes"])))
         if got != list(rec.get("block_crc32") or []):
             raise CheckpointFileError(f"{path}/{fname}: rank-local entry {name!r} fails its block checksums "

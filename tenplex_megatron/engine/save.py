@@ -55,12 +55,35 @@ def writer_assignment(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, i
     return holdings, assign_writers(holdings), all_meta
 
 
-def rank_tensors(chunks: list[LocalChunk], writers: dict[Chunk, int], me: int) -> dict[str, torch.Tensor]:
-    """The flat tensors rank ``me`` writes to its shard file: each chunk the assignment gave it, once, by name."""
+#: an adapter's rank-local state (``Adapter.rank_local``): entry name -> (flat uint8 bytes, JSON record)
+RankLocal = dict[str, tuple[torch.Tensor, dict[str, Any]]]
+
+
+def describe_for_save(adapter: Adapter) -> tuple[list[LocalChunk], RankLocal]:
+    """This rank's chunks and its rank-local state (the adapter's optional ``rank_local``; none without it)."""
+    rank_local = getattr(adapter, "rank_local", None)  # optional: state only this rank can take back
+    return adapter.describe(), (rank_local() if rank_local is not None else {})
+
+
+def local_records(local: RankLocal) -> dict[str, Any]:
+    """What a rank's save info carries of its rank-local state (``rank_info["rank_local"]``; empty: nothing)."""
+    return {"rank_local": {name: rec for name, (_, rec) in local.items()}} if local else {}
+
+
+def local_tensors(local: RankLocal) -> dict[str, torch.Tensor]:
+    """The rank-local entries a rank's file holds: those with bytes (an empty one is its record alone)."""
+    return {name: t for name, (t, _) in local.items() if t.numel()}
+
+
+def rank_tensors(chunks: list[LocalChunk], writers: dict[Chunk, int], me: int,
+                 local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The flat tensors rank ``me`` writes to its file: each chunk the assignment gave it, once, by name, then its
+    rank-local entries (:func:`local_tensors`)."""
     mine: dict[str, torch.Tensor] = {}
     for lc in chunks:
         if writers.get(lc.chunk) == me:
             mine.setdefault(chunk_name(lc.chunk), lc.data.reshape(-1))
+    mine.update(local or {})
     return mine
 
 
@@ -106,8 +129,8 @@ def save_chunks(
     ``rank_info``: JSON this rank contributes (its RNG state, say); ``metadata``
     is called on rank 0 with every rank's and returns the framework's own part
     of metadata.json. ``keep``: after the commit, keep only the newest ``keep``.
-    ``local``: this rank's rank-local entries (flat uint8, ``engine/rank_local.py``), written in its own file;
-    ``rank_info["rank_local"]`` holds their records.
+    ``local``: this rank's rank-local entries (flat uint8, ``engine/rank_local.py``: :func:`local_tensors`),
+    written in its own file; ``rank_info["rank_local"]`` holds their records (:func:`local_records`).
     """
     t0 = time.perf_counter()
     me = rank()
@@ -135,8 +158,7 @@ def save_chunks(
     holdings, writers, all_meta = run_phase(f"{what}: preparing the directory", prepare)
 
     def write() -> tuple[int, dict[str, tuple[int, ...]]]:
-        mine = rank_tensors(chunks, writers, me)
-        mine.update(local or {})
+        mine = rank_tensors(chunks, writers, me, local)
         if not mine:
             return 0, {}
         return write_safetensors(
@@ -177,18 +199,12 @@ def save(adapter: Adapter, save_dir: str, keep: int | None = None) -> SaveResult
     The engine adds what every framework shares: the layout and every rank's RNG
     streams; the adapter adds its own non-tensor state (:meth:`Adapter.metadata`).
     """
-    def describe() -> tuple[list[LocalChunk], dict[str, Any]]:
-        rank_local = getattr(adapter, "rank_local", None)  # optional: state only this rank can take back
-        return adapter.describe(), (rank_local() if rank_local is not None else {})
-
-    chunks, local = run_phase(f"save to {save_dir}: describing the job", describe)
+    chunks, local = run_phase(f"save to {save_dir}: describing the job", lambda: describe_for_save(adapter))
 
     def metadata(infos: list[dict[str, Any]]) -> dict[str, Any]:
         return {"framework": adapter.framework, **adapter.metadata(),
                 "rng": {str(r): i["rng"] for r, i in enumerate(infos)}}
 
-    info: dict[str, Any] = {"rng": rng.capture(tracker=adapter.rng_tracker)}
-    if local:
-        info["rank_local"] = {name: rec for name, (_, rec) in local.items()}
+    info = {"rng": rng.capture(tracker=adapter.rng_tracker), **local_records(local)}
     return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(), info, metadata, keep,
-                       {name: t for name, (t, _) in local.items() if t.numel()})  # an empty one: its record alone
+                       local_tensors(local))

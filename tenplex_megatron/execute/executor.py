@@ -81,21 +81,29 @@ class SourceFiles:
     def bytes_verified(self) -> int:
         return self.verifier.bytes_verified
 
-    def flat(self, sc: StoredChunk) -> torch.Tensor:
-        """The stored chunk as a flat tensor, its file opened and size-checked once; no checksum is checked here."""
-        loc = sc.location
-        reader = self.readers.get(loc.file)
+    def _reader(self, file: str) -> SafetensorsReader:
+        """``file`` opened and size-checked once."""
+        reader = self.readers.get(file)
         if reader is None:
-            path = self.paths.get(loc.file)
+            path = self.paths.get(file)
             if path is None:
-                path = self.paths[loc.file] = confine(self.ckpt_dir, loc.file)
+                path = self.paths[file] = confine(self.ckpt_dir, file)
             reader = SafetensorsReader(path)
-            expected = self.sizes.get(loc.file)
+            expected = self.sizes.get(file)
             if expected is not None and reader.size != expected:
                 reader.close()
                 raise CheckpointFileError(f"{path}: size {reader.size} bytes, the metadata recorded {expected} (damaged or truncated)")
-            self.readers[loc.file] = reader
-        return reader.flat(loc.name, self.dtypes[sc.chunk.key], sc.chunk.numel)
+            self.readers[file] = reader
+        return reader
+
+    def flat(self, sc: StoredChunk) -> torch.Tensor:
+        """The stored chunk as a flat tensor, its file opened and size-checked once; no checksum is checked here."""
+        return self._reader(sc.location.file).flat(sc.location.name, self.dtypes[sc.chunk.key], sc.chunk.numel)
+
+    def entry(self, file: str, name: str, nbytes: int) -> torch.Tensor:
+        """A rank-local entry (``engine/rank_local.py``) of a stored file as uint8 bytes of its own (a copy: it
+        outlives the file's mapping); the caller checks its block CRCs."""
+        return self._reader(file).flat(name, "uint8", nbytes).clone()
 
     def check(self, sc: StoredChunk, flat: torch.Tensor, piece: Piece) -> bool:
         """Verify the checksummed blocks ``piece`` reads of ``flat`` (``sc``'s data); returns whether a checksum covers it."""

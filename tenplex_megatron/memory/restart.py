@@ -6,7 +6,9 @@ same answer on every rank); one the live nodes hold only in part is completed fr
 same iteration (the rank files they lack). The plan is the engine's; its source chunks on this node are read
 through a memory map, the rest is received over torch.distributed from ranks of the nodes that hold them (whole
 checksum blocks covering what each piece reads, once per receiving rank, senders balanced: :func:`fetch_from_peers`)
-and verified against the recorded block CRC-32s before anything is copied into the model.
+and verified against the recorded block CRC-32s before anything is copied into the model. A rank's rank-local
+entries (Transformer Engine's ``_extra_state``, ``engine/rank_local.py``) come the same ways, from its own rank
+file: at the snapshot's layout only (no other can take them back), whole, their block CRC-32s checked by the reader.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron.engine import rank_local
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
@@ -152,12 +155,29 @@ class MemorySource(SourceFiles):
         self.durable = set(durable)
         self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
+        self.local_sizes = rank_local.entry_sizes(meta)  # (file, rank-local entry) -> its byte count
 
     def buffer(self, sc: StoredChunk) -> torch.Tensor:
         key = (sc.location.file, sc.location.name)
         if key not in self.received:
             self.received[key] = torch.empty(sc.chunk.numel * dtype_size(self.dtypes[sc.chunk.key]), dtype=torch.uint8)
         return self.received[key]
+
+    def local_buffer(self, key: PeerKey) -> torch.Tensor:
+        """Where a rank-local entry received from a peer goes (whole)."""
+        k = (key.file, key.name)
+        if k not in self.received:
+            self.received[k] = torch.empty(self.local_sizes[k], dtype=torch.uint8)
+        return self.received[k]
+
+    def entry(self, file: str, name: str, nbytes: int) -> torch.Tensor:
+        if self.stored(file):
+            return super().entry(file, name, nbytes)
+        got = self.received.get((file, name))
+        if got is None or got.numel() != nbytes:
+            raise CheckpointFileError(f"{self.ckpt_dir}/{file}: rank-local entry {name!r} was not received from the "
+                                      "nodes holding the file")
+        return got.clone()
 
     def stored(self, file: str) -> bool:
         """Whether this rank reads ``file`` from storage itself (its node's memory, or the durable checkpoint)
@@ -189,8 +209,9 @@ def held_everywhere(tier: MemoryTier, choice: Choice) -> bool:
     return all(set(tier.nodes) <= set(nodes) for nodes in choice.holders.values())
 
 
-def fetch_from_peers(tier: MemoryTier, choice: Choice) -> Any:
-    """The load's ``fetch`` step: receive the whole checksum blocks of remote chunks that this rank's pieces read."""
+def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = False) -> Any:
+    """The load's ``fetch`` step: receive the whole checksum blocks of remote chunks that this rank's pieces read
+    and (``with_rank_local``: the snapshot's layout is the job's) this rank's own rank-local entries, whole."""
     stats = {"sent": 0, "received": 0}
 
     def fetch(plan: Any, sources: tuple[StoredChunk, ...], files: MemorySource) -> None:
@@ -204,8 +225,10 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice) -> Any:
                 bb = sc.location.block_bytes or size
                 blocks = touched_blocks(*piece_runs(p), dtype_size(files.dtypes[sc.chunk.key]), bb)
                 wanted.setdefault(p.source, []).extend((b * bb, min((b + 1) * bb, size)) for b in blocks)
-            return [PeerRequest(_key(sources[s]), lo, hi).to_json() for s, rs in wanted.items()
-                    for lo, hi in merge_ranges(rs)]
+            own = rank_local.stored_entries(choice.metadata, rank()) if with_rank_local else []
+            return [*(PeerRequest(_key(sources[s]), lo, hi).to_json() for s, rs in wanted.items()
+                      for lo, hi in merge_ranges(rs)),
+                    *(PeerRequest(PeerKey(f, n), 0, nbytes).to_json() for f, n, nbytes in own if not files.stored(f))]
 
         asked = [[PeerRequest.from_json(q) for q in reqs] for reqs in
                  gather_phase("load from memory: gathering what each rank receives from peers", requests)]
@@ -224,19 +247,26 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice) -> Any:
         me = rank()
         readers: dict[PeerKey, torch.Tensor] = {}
 
+        def target(k: PeerKey) -> torch.Tensor:
+            return files.local_buffer(k) if (k.file, k.name) in files.local_sizes else files.buffer(by_key[k])
+
         def open_sends() -> None:
             for t in transfers:
                 if t.sender == me and t.key not in readers:
+                    nbytes = files.local_sizes.get((t.key.file, t.key.name))
+                    if nbytes is not None:  # a rank-local entry
+                        readers[t.key] = files.entry(t.key.file, t.key.name, nbytes)
+                        continue
                     sc = by_key.get(t.key)
                     if sc is None:  # another rank's source: find its chunk in the full PTC
                         sc = next(c for c in files.ptc.chunks if _key(c) == t.key)
                     readers[t.key] = files.flat(sc).view(torch.uint8)
             for t in transfers:
                 if t.receiver == me:
-                    files.buffer(by_key[t.key])
+                    target(t.key)
 
         run_phase("load from memory: opening what this rank sends", open_sends)
-        sent, received = exchange(transfers, me, lambda k: readers[k], lambda k: files.buffer(by_key[k]), cpu_group())
+        sent, received = exchange(transfers, me, lambda k: readers[k], target, cpu_group())
         stats["sent"] += sent
         stats["received"] += received
 
@@ -266,7 +296,9 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: Choice, *, verify:
         opened.append(src)
         return Opened(label, choice.metadata, src.ptc, src)
 
-    fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice)
+    same_layout = getattr(adapter, "prepare_rank_local", None) is not None \
+        and choice.metadata.get("layout") == adapter.layout()  # rank-local state can apply: fetch it too
+    fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice, same_layout)
     res = load(adapter, label, None, strict=True, verify=verify, opener=opener, host=f"memory-node:{tier.node}",
                fetch=fetch)
     got = fetch.stats if fetch is not None else {"received": 0, "sent": 0}

@@ -1,10 +1,12 @@
 """Collective host-memory snapshot: each rank's chunks copied into its node's memory, committed on every node.
 
 A snapshot writes each rank's chunks into its node's memory directory in the format of a tenplex checkpoint (the
-same writer assignment, files and metadata as :func:`engine.save.save_chunks`) and commits it on every node
-atomically (``directory.commit``); then the nodes' helper processes copy it into the memory of ``replicas - 1``
-other nodes (``memory/replication.py``) and, every ``persist_interval`` snapshots, to the durable ``--save``
-directory (``memory/background.py``), both off the training path. Every phase runs through the phase runner, so
+same writer assignment, files and metadata as :func:`engine.save.save_chunks`, the rank's rank-local entries
+included: Transformer Engine's ``_extra_state`` in its own file, listed in metadata.json's ``rank_local`` section)
+and commits it on every node atomically (``directory.commit``); then the nodes' helper processes copy its whole
+files and metadata into the memory of ``replicas - 1`` other nodes (``memory/replication.py``) and, every
+``persist_interval`` snapshots, to the durable ``--save`` directory (``memory/background.py``), both off the
+training path. Every phase runs through the phase runner, so
 a failure on any rank is raised on all of them.
 """
 
@@ -19,7 +21,17 @@ from tenplex_megatron import log as tlog
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import holdings_json
-from tenplex_megatron.engine.save import SaveResult, build_metadata, rank_tensors, save, writer_assignment
+from tenplex_megatron.engine.save import (
+    RankLocal,
+    SaveResult,
+    build_metadata,
+    describe_for_save,
+    local_records,
+    local_tensors,
+    rank_tensors,
+    save,
+    writer_assignment,
+)
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
 from tenplex_megatron.execute.executor import plain_ops
 from tenplex_megatron.memory import background, node_dir, replication
@@ -82,9 +94,9 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
     clock = _Clock()
     it = adapter.iteration()
     what = f"memory snapshot of iteration {it} in {tier.mem}"
-    chunks = run_phase(f"{what}: describing the job", adapter.describe)
+    chunks, local = run_phase(f"{what}: describing the job", lambda: describe_for_save(adapter))
     clock.mark("describe")
-    gathered = gather_phase(f"{what}: gathering chunk lists", lambda: _node_room(tier, chunks))
+    gathered = gather_phase(f"{what}: gathering chunk lists", lambda: _node_room(tier, chunks, local))
     clock.mark("gather")
     holdings, writers, all_meta = writer_assignment([g["holdings"] for g in gathered])
     commit_durable = background.resolve(tier, [g["persist"] for g in gathered], what)
@@ -100,9 +112,10 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
     clock.mark("prepare")
     if commit_durable:
         tier.pending = tier.pending_meta = None
-    size, sums = run_phase(f"{what}: copying into node memory", lambda: _write_rank_file(tier, chunks, writers, it))
+    size, sums = run_phase(f"{what}: copying into node memory",
+                           lambda: _write_rank_file(tier, chunks, writers, it, local))
     clock.mark("copy")
-    infos = gather_phase(f"{what}: gathering file lists", lambda: _file_info(adapter, tier, size, sums))
+    infos = gather_phase(f"{what}: gathering file lists", lambda: _file_info(adapter, tier, size, sums, local))
     clock.mark("infos")
     meta = broadcast_json(run_phase(f"{what}: building metadata",
                                     lambda: _metadata(adapter, tier, writers, infos, all_meta, it)), 0)
@@ -117,19 +130,20 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
                           phases=clock.phases())
 
 
-def _node_room(tier: MemoryTier, chunks: Any) -> dict[str, Any]:
-    """This rank's chunk list, and (its node's first rank) the room in the node's memory directory and the
-    background work's progress: gathered, so every rank decides alike."""
+def _node_room(tier: MemoryTier, chunks: Any, local: RankLocal) -> dict[str, Any]:
+    """This rank's chunk list and rank-local bytes, and (its node's first rank) the room in the node's memory
+    directory and the background work's progress: gathered, so every rank decides alike."""
     committed = directory.committed_iterations(tier.mem) if tier.leader else []
     spares = node_dir.spare_bytes(tier.mem, tier.held_ranks()) if tier.leader else 0
-    return {"holdings": holdings_json(chunks), "free": node_dir.free_bytes(tier.mem) + spares,
+    return {"holdings": holdings_json(chunks), "local": sum(t.numel() for t, _ in local.values()),
+            "free": node_dir.free_bytes(tier.mem) + spares,
             "used": node_dir.used_bytes(tier.mem, committed), "persist": background.node_progress(tier, 0.0)}
 
 
 def _shortfall(tier: MemoryTier, holdings: Any, writers: dict[Any, int], gathered: list[dict[str, Any]]) -> list[str]:
     """For each node the snapshot (its own files and the replicas it keeps) would not fit: a line saying so."""
     node_of = tier.node_of()
-    written: dict[int, int] = {}
+    written = {r: int(g.get("local", 0)) for r, g in enumerate(gathered) if g.get("local")}
     for h in holdings:
         if writers.get(h.chunk) == h.rank:
             written[h.rank] = written.get(h.rank, 0) + h.nbytes
@@ -199,12 +213,12 @@ def _clear_stale(tier: MemoryTier) -> list[str]:
     return removed
 
 
-def _write_rank_file(tier: MemoryTier, chunks: Any, writers: dict[Any, int], it: int
+def _write_rank_file(tier: MemoryTier, chunks: Any, writers: dict[Any, int], it: int, local: RankLocal
                      ) -> tuple[int, dict[str, tuple[int, ...]]]:
     """This rank's file of the snapshot in the node's staging directory (over its spare file's pages where one
-    waits); returns its size and block CRCs (nothing to write: 0, {})."""
+    waits): its chunks and rank-local entries; returns its size and block CRCs (nothing to write: 0, {})."""
     me = rank()
-    mine = rank_tensors(chunks, writers, me)
+    mine = rank_tensors(chunks, writers, me, local_tensors(local))
     if not mine:
         return 0, {}
     path = os.path.join(directory.partial_dir(tier.mem, it), directory.rank_file_name(me))
@@ -218,9 +232,11 @@ def _write_rank_file(tier: MemoryTier, chunks: Any, writers: dict[Any, int], it:
                              reuse=reuse)
 
 
-def _file_info(adapter: Adapter, tier: MemoryTier, size: int, sums: dict[str, tuple[int, ...]]) -> dict[str, Any]:
-    """This rank's part of the metadata: its RNG state, its file (name, size, block CRCs) and node."""
-    return {"info": {"rng": rng.capture(tracker=adapter.rng_tracker)},
+def _file_info(adapter: Adapter, tier: MemoryTier, size: int, sums: dict[str, tuple[int, ...]],
+               local: RankLocal) -> dict[str, Any]:
+    """This rank's part of the metadata: its RNG state and rank-local records, its file (name, size, block CRCs)
+    and node."""
+    return {"info": {"rng": rng.capture(tracker=adapter.rng_tracker), **local_records(local)},
             "file": directory.rank_file_name(rank()) if sums else None, "size": size, "host": tier.node,
             "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
 

@@ -457,6 +457,8 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
     if restarted is not None and restarted.memory is not None:
         _note_loaded(args, restarted.result.seconds)
         print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))
+        if args.tenplex_resave:
+            save_job(job, args.tenplex_resave)
     elif restarted is not None or (mck is not None and args.tenplex):
         # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
         res = restarted.result if restarted is not None else adopt_megatron_checkpoint(

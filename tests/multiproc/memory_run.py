@@ -1,7 +1,9 @@
 """Engine-level runner for host-memory snapshots with tiny tensors: each rank is a node (``OUT/mem_<rank>``).
 
-``all OUT``: replication and a load at a new layout after one node lost its
-memory, a snapshot that does not fit (error, or the durable fallback), another
+``all OUT``: replication and a load at a new layout and at the same one after one
+node lost its memory (each rank's rank-local entry, opaque bytes as Transformer
+Engine's ``_extra_state`` is, back exactly at the same layout: rank 1's received
+from node 0's replica), a snapshot that does not fit (error, or the durable fallback), another
 job's snapshot, another model's, more replicas than nodes, retention, a killed
 persist helper. ``crash POINT OUT``: a durable and a memory snapshot of
 iteration 1, then a snapshot of iteration 2 whose rank 1 is SIGKILLed at
@@ -39,18 +41,28 @@ from tests.logs import logged
 ROWS, COLS = 8, 6
 
 
+LOCAL = "rank_local:tiny._extra_state"
+
+
 def expected(value: float, cols: int = COLS) -> torch.Tensor:
     return torch.full((ROWS, cols), value) + torch.arange(ROWS * cols, dtype=torch.float32).view(ROWS, cols)
 
 
+def local_state(value: float, rank: int) -> torch.Tensor:
+    """A rank's own state at ``value``: different on every rank, as an FP8 amax history is."""
+    return torch.tensor([value, float(rank), -value, 0.5 + rank], dtype=torch.float32)
+
+
 class Tiny:
-    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated."""
+    """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated; with
+    ``local``, ``state``: rank-local bytes (the engine's optional ``rank_local`` / ``prepare_rank_local``), taken
+    back at the same layout only."""
 
     framework = "tiny"
     seed = 7
     rng_tracker = False
 
-    def __init__(self, value: float, axis: int = 0, cols: int = COLS):
+    def __init__(self, value: float, axis: int = 0, cols: int = COLS, local: bool = False):
         self.rank, self.world, self.axis, self.cols, self.it = dist.get_rank(), dist.get_world_size(), axis, cols, 0
         full = expected(value, cols)
         n = (ROWS if axis == 0 else cols) // self.world
@@ -58,6 +70,7 @@ class Tiny:
         self.off[axis] = self.rank * n
         self.w = full.narrow(axis, self.rank * n, n).contiguous()
         self.b = torch.full((cols,), value)
+        self.local, self.state = local, local_state(value, self.rank)
 
     def layout(self) -> dict[str, Any]:
         return {"axis": self.axis, "world": self.world}
@@ -77,11 +90,23 @@ class Tiny:
     def metadata(self) -> dict[str, Any]:
         return {}
 
+    def rank_local(self) -> dict[str, Any]:
+        return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})} if self.local else {}
+
+    def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
+        if not self.local or metadata.get("layout") != self.layout():
+            return None
+        got = read(LOCAL).view(torch.float32)
+        return lambda: setattr(self, "state", got)
+
     def restore(self, metadata: dict[str, Any]) -> None:
         self.it = int(metadata["iteration"])
 
     def after_load(self, metadata: dict[str, Any]) -> None:
         return None
+
+    def state_is(self, value: float) -> bool:
+        return bool(torch.equal(self.state, local_state(value, self.rank)))
 
     def matches(self, value: float) -> bool:
         full = expected(value, self.cols)
@@ -106,8 +131,8 @@ def warnings_logged() -> Iterator[list[str]]:
             got.extend(r.getMessage() for r in records if r.levelno >= logging.WARNING)
 
 
-def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None) -> Any:
-    a = Tiny(value)
+def snap(t: state.MemoryTier, value: float, it: int, persist: bool | None = None, local: bool = False) -> Any:
+    a = Tiny(value, local=local)
     a.it = it
     return snapshot(a, t, persist=persist)
 
@@ -124,7 +149,7 @@ def scenarios(out: str) -> dict[str, Any]:
     me = dist.get_rank()
     res: dict[str, Any] = {}
     t = tier(out, persist_interval=1000)
-    s = snap(t, 1.0, 1)
+    s = snap(t, 1.0, 1, local=True)
     background.drain(t)  # the helper processes copy the replicas in the background
     res["files"] = sorted(os.listdir(s.path))
     res["replicated"] = s.bytes_replicated
@@ -134,11 +159,15 @@ def scenarios(out: str) -> dict[str, Any]:
     dist.barrier()
     choice = restart.choose(t, None)
     res["chosen"] = choice.iteration if choice else None
-    back = Tiny(0.0, axis=1)  # another layout: columns instead of rows
+    back = Tiny(0.0, axis=1, local=True)  # another layout: columns instead of rows
     loaded = restart.load_snapshot(back, t, choice)
     res["new_layout_equal"] = back.matches(1.0)
+    res["new_layout_local_left"] = back.state_is(0.0)  # another layout: rank-local state not taken back
     res["received"], res["from_durable"] = loaded.bytes_received, loaded.bytes_from_durable
     res["verified"] = loaded.result.bytes_verified
+    same = Tiny(0.0, local=True)  # the snapshot's layout: rank 1's file (chunks, rank-local entry) from node 0's
+    loaded = restart.load_snapshot(same, t, choice)
+    res["same_layout"] = [same.matches(1.0), same.state_is(1.0), loaded.bytes_received]
 
     small = tier(out, limit=1000)
     before = directory.committed_iterations(small.mem)
@@ -206,18 +235,21 @@ def mixed(out: str) -> dict[str, Any]:
     whole in the durable checkpoint of the same iteration, which completes it (node 1's rank file only)."""
     me = dist.get_rank()
     m = tier(out, replicas=1, persist_interval=1)
-    snap(m, 13.0, 13)
+    snap(m, 13.0, 13, local=True)
     persisted = [os.path.basename(x) for x in background.drain(m)]
     dist.barrier()
     if me == 0:
         shutil.rmtree(os.path.join(out, "mem_1", "iter_0000013"))
     dist.barrier()
     c = restart.choose(m, os.path.join(out, "ckpt"))
-    back = Tiny(0.0, axis=1)
+    back = Tiny(0.0, axis=1, local=True)
     got = restart.load_snapshot(back, m, c)
+    same = Tiny(0.0, local=True)  # its layout: rank 1's rank-local entry from the durable file, rank 0's from memory
+    restart.load_snapshot(same, m, c)
     state.close(m)
     return {"persisted": persisted, "chosen": c.iteration, "durable": list(c.durable), "equal": back.matches(13.0),
-            "from_durable": got.bytes_from_durable, "received": got.bytes_received}
+            "from_durable": got.bytes_from_durable, "received": got.bytes_received,
+            "same_layout": [same.matches(13.0), same.state_is(13.0)]}
 
 
 def crash(point: str, out: str) -> None:

@@ -14,7 +14,10 @@ exit status and output recorded as its own launch would have given them).
 Transformer Engine's ``_extra_state`` rides along the two shared launches (TE itself needs a GPU: megatron-core's
 linear layers carry its kind of extra state, tests/fake_te.py): saved per rank at TP2, restored byte for byte at
 TP2, dropped with one warning at TP1 x DP2, the losses continuing the uninterrupted run's either way; a flipped
-byte in it is refused at load.
+byte in it is refused at load. The same through host memory (``--tenplex-memory``): a TP2 job snapshots iteration 3
+into node memory (persisted to --save in the background) and stops; restarts from the snapshot get the bytes back
+exactly at TP2 and drop them with one warning at TP1 x DP2; a snapshot whose rank-local entry has a flipped byte is
+skipped as damaged, that rank file read from the persisted durable copy instead, the bytes again exact.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ def job(name: str, args: list[str], fault: str | None = None) -> dict:
 
 
 TE_RESTARTS = {"same": 2, "tp1": 1}  # restart tag -> TP (world 2: TP2 is the saving layout, TP1 x DP2 another)
+# restarts from host memory: tag -> (TP, memory directory)
+TE_MEM_RESTARTS = {"mem_same": (2, "mem"), "mem_tp1": (1, "mem"), "mem_flipped": (2, "mem_flipped")}
 
 
 def te_job(name: str, args: list[str]) -> dict:
@@ -144,6 +149,9 @@ class Results:
     second: dict[str, Run]
     flipped_name: str
     te_flipped: str  # the rank-local entry whose byte was flipped
+    te_mem_flipped: str  # the same in the host-memory snapshot's copy
+    te_mem_saved: dict[tuple[str, str], bytes]  # the rank-local entries of the snapshot in node memory
+    te_mem_persisted: dict[tuple[str, str], bytes]  # and of its durable copy, persisted in the background
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +164,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         job("disk_full", ["--save", f"{root}/disk_full", "--save-interval", "2"], "save.tensors@1#4:enospc"),
         te_job("te_ref", [*layout_flags(2, 1), "--save", f"{root}/te/ckpt", "--save-interval", str(TE_SAVE_AT),
                           "--tenplex-metrics", f"{root}/te/ref.jsonl"]),
+        te_job("te_mem", [*layout_flags(2, 1), "--save", f"{root}/te/mem_ckpt", "--save-interval", str(TE_SAVE_AT),
+                          "--exit-interval", str(TE_SAVE_AT), "--tenplex-memory", f"{root}/te/mem",
+                          "--tenplex-replicas", "1"]),
     ], f"{root}/first")
     assert first["clean"].returncode == 0, first["clean"].log[-3000:]
     clean_iter2 = shard_digests(f"{saved}/iter_0000002")
@@ -176,6 +187,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         te_flipped = flip_rank_local_byte(te_bad)
     else:
         te_flipped = ""
+    te_mem_snap = f"{root}/te/mem/iter_{TE_SAVE_AT:07d}"
+    if first["te_mem"].returncode == 0:
+        te_mem_saved = rank_local_bytes(te_mem_snap)
+        te_mem_persisted = rank_local_bytes(f"{root}/te/mem_ckpt/iter_{TE_SAVE_AT:07d}")
+        shutil.copytree(f"{root}/te/mem", f"{root}/te/mem_flipped")
+        te_mem_flipped = flip_rank_local_byte(f"{root}/te/mem_flipped/iter_{TE_SAVE_AT:07d}")
+    else:
+        te_mem_saved, te_mem_persisted, te_mem_flipped = {}, {}, ""
     second = run_scenarios(2, [
         *[job(f"resume{i}", ["--save", kills[p].save, "--load", kills[p].save]) for i, p in enumerate(KILL_POINTS)],
         *[job(f"load_fault{i}", ["--load", saved], fault) for i, (fault, _) in enumerate(LOAD_FAULTS)],
@@ -184,8 +203,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         *[te_job(f"te_{tag}", [*layout_flags(tp, 1), "--load", te_src, "--tenplex-resave", f"{root}/te/resaved_{tag}",
                                "--tenplex-metrics", f"{root}/te/{tag}.jsonl"]) for tag, tp in TE_RESTARTS.items()],
         te_job("te_flipped", [*layout_flags(2, 1), "--load", te_bad]),
+        # no --save: nothing is written to the memory directories or the durable copy (each restart sees them alike)
+        *[te_job(f"te_{tag}", [*layout_flags(tp, 1), "--tenplex-memory", f"{root}/te/{mem}", "--load",
+                               f"{root}/te/mem_ckpt", "--tenplex-resave", f"{root}/te/resaved_{tag}",
+                               "--tenplex-metrics", f"{root}/te/{tag}.jsonl"])
+          for tag, (tp, mem) in TE_MEM_RESTARTS.items()],
     ], f"{root}/second")
-    return Results(root, clean_iter2, saved, first, kills, second, name, te_flipped)
+    return Results(root, clean_iter2, saved, first, kills, second, name, te_flipped, te_mem_flipped, te_mem_saved,
+                   te_mem_persisted)
 
 
 @pytest.mark.parametrize("point", KILL_POINTS)
@@ -292,3 +317,56 @@ def test_te_extra_state_flipped_byte_refused(results: Results) -> None:
     r = results.second["te_flipped"]
     assert r.returncode != 0
     assert "rank_00001.safetensors" in r.log and results.te_flipped in r.log and "checksum" in r.log, r.log[-3000:]
+
+
+def test_te_extra_state_snapshot_in_memory_and_persisted(results: Results) -> None:
+    """A snapshot in node memory keeps each rank's extra state in its rank file, listed as a durable save lists it;
+    the background persist carries it to --save unchanged; both equal the durable save of the same state."""
+    r = results.first["te_mem"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    assert "snapshot of iteration 3 in host memory" in r.log and "persisted" in r.log
+    durable = rank_local_bytes(f"{results.root}/te/ckpt/iter_{TE_SAVE_AT:07d}")  # te_ref's save of iteration 3
+    assert results.te_mem_saved and sorted({rank for rank, _ in results.te_mem_saved}) == ["0", "1"]
+    assert results.te_mem_saved == durable  # the same training up to iteration 3 (the CPU is deterministic)
+    assert results.te_mem_persisted == results.te_mem_saved
+
+
+def test_te_extra_state_restored_exactly_from_memory_at_the_same_layout(results: Results) -> None:
+    r = results.second["te_mem_same"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    assert "loaded iteration 3 from host memory" in r.log and "0 bytes read from durable storage" in r.log
+    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
+    resaved = rank_local_bytes(f"{results.root}/te/resaved_mem_same/iter_{TE_SAVE_AT:07d}")
+    assert resaved == results.te_mem_saved  # loaded into the modules, saved again from them: byte for byte
+    _te_losses_continue(results.root, "mem_same")
+
+
+def test_te_extra_state_from_memory_dropped_with_one_warning_at_a_new_layout(results: Results) -> None:
+    r = results.second["te_mem_tp1"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    assert "loaded iteration 3 from host memory" in r.log
+    warnings = [line for line in r.log.splitlines() if "_extra_state" in line]
+    assert len(warnings) == 1, warnings
+    assert "warning:" in warnings[0] and "amax history re-warm" in warnings[0] and "tp=2,pp=1,dp=1" in warnings[0]
+    resaved = rank_local_bytes(f"{results.root}/te/resaved_mem_tp1/iter_{TE_SAVE_AT:07d}")
+    assert resaved and not any(any(b) for b in resaved.values())  # the fresh modules' state: nothing restored
+    _te_losses_continue(results.root, "mem_tp1")
+
+
+def test_te_extra_state_damaged_in_memory_falls_back_to_the_durable_copy(results: Results) -> None:
+    """A flipped byte in rank 1's extra state in node memory: that copy is skipped as damaged (one warning naming
+    the file, entry and checksum), the snapshot completed with rank 1's file from the persisted durable copy, and
+    the bytes come back exactly."""
+    r = results.second["te_mem_flipped"]
+    assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
+    skipped = r.log.split("> tenplex: ")  # each line the library logs, continuation lines (failing ranks) included
+    skipped = [x for x in skipped if x.startswith("warning: skipping a damaged copy")]
+    assert len(skipped) == 1 and "rank 1: CheckpointFileError" in skipped[0], skipped
+    assert "rank_00001.safetensors" in skipped[0] and results.te_mem_flipped in skipped[0]
+    assert "fails its block checksums" in skipped[0], skipped
+    loaded = next(line for line in r.log.splitlines() if "loaded iteration 3 from host memory" in line)
+    assert "0 bytes read from durable storage" not in loaded, loaded  # rank 1's file: the durable copy's
+    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
+    resaved = rank_local_bytes(f"{results.root}/te/resaved_mem_flipped/iter_{TE_SAVE_AT:07d}")
+    assert resaved == results.te_mem_saved
+    _te_losses_continue(results.root, "mem_flipped")

@@ -15,6 +15,7 @@ import os
 import pytest
 
 from tests.harness import ROOT, torchrun
+from tests.multiproc.memory_run import COLS, ROWS
 
 pytestmark = pytest.mark.dist
 RUNNER = os.path.join(ROOT, "tests", "multiproc", "memory_run.py")
@@ -35,6 +36,8 @@ def test_memory_tier_scenarios(tmp_path) -> None:
         assert g["replicated"] > 0
         # node 1 lost its memory: snapshot 1 is complete on node 0 alone and loads at another layout
         assert g["chosen"] == 1 and g["new_layout_equal"] and g["from_durable"] == 0
+        assert g["new_layout_local_left"]  # rank-local state is taken back at the snapshot's layout only
+        assert g["same_layout"][:2] == [True, True], g["same_layout"]  # ...where it comes back byte for byte
         assert g["verified"] > 0
         assert "does not fit" in g["overflow"] and "MemoryFullError" in g["overflow"] and g["overflow_untouched"]
         assert g["fallback"]
@@ -48,11 +51,14 @@ def test_memory_tier_scenarios(tmp_path) -> None:
         assert g["persisted_killed"] == []
         assert g["persisted_after"] or me != 0
     assert got[0]["received"] == 0 and got[1]["received"] > 0  # node 1's rank received its part from node 0
+    # at the same layout rank 1 receives from node 0 its rows of w, b (rank 0's file) and its 16 rank-local bytes
+    assert got[0]["same_layout"][2] == 0 and got[1]["same_layout"][2] == (ROWS // 2 * COLS + COLS) * 4 + 16
     # mixed sources: node 0's file from its memory (node 1's rank receives its part), node 1's from durable storage
     assert got[0]["mixed"]["persisted"] == ["iter_0000013"]  # committed by rank 0
     for g in got:
         m = g["mixed"]
         assert m["chosen"] == 13 and m["durable"] == ["rank_00001.safetensors"] and m["equal"], m
+        assert m["same_layout"] == [True, True], m  # rank 1's rank-local entry read from the durable file
         assert m["from_durable"] > 0
     assert got[0]["mixed"]["received"] == 0 and got[1]["mixed"]["received"] > 0
     assert got[0]["replica_warning"] and "one copy per node" in got[0]["replica_warning"][0]

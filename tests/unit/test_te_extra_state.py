@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTenso
 
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load_chunks
-from tenplex_megatron.engine.rank_local import PREFIX, reader
+from tenplex_megatron.engine.rank_local import PREFIX, entry_sizes, read_file_entry, reader, stored_entries
 from tenplex_megatron.engine.save import save_chunks
 from tenplex_megatron.integrations.megatron_core import extra_state, sharded
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -206,3 +206,23 @@ def test_verify_checks_rank_local_entries(tmp_path) -> None:
     bad = verify_checkpoint(path, workers=1)
     assert not bad.ok and bad.damaged_files() == ["rank_00000.safetensors"] and bad.damaged_tensors() == [name]
     assert "rank 0's rank-local entry" in bad.damage[0].why and "fails its checksum in block 0" in bad.damage[0].why
+
+
+def test_entries_listed_and_read_through_another_source(tmp_path) -> None:
+    """What a host-memory restart uses: each rank's stored entries from metadata.json (which a peer sends), and the
+    reader over bytes from elsewhere (received from a peer), whose block CRCs are checked all the same."""
+    src = _job()
+    src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
+    path = _save(tmp_path, src)
+    with open(f"{path}/metadata.json") as f:
+        meta = json.load(f)
+    names = [f"{PREFIX}model0.0._extra_state", f"{PREFIX}model0.1._extra_state"]  # Plain holds none
+    assert stored_entries(meta, 0) == [("rank_00000.safetensors", n, 12) for n in names]
+    assert stored_entries(meta, 1) == [] and stored_entries({}, 0) == []
+    assert entry_sizes(meta) == {("rank_00000.safetensors", n): 12 for n in names}
+    sent = {n: read_file_entry(path, "rank_00000.safetensors", n, 12) for n in names}
+    got = reader(path, meta, 0, raw=lambda file, name, nbytes: sent[name])(names[0])
+    assert torch.equal(got.view(torch.float32), torch.tensor([3.0, 2.0, 1.0]))
+    garbled = reader(path, meta, 0, raw=lambda file, name, nbytes: torch.zeros(nbytes, dtype=torch.uint8))
+    with pytest.raises(CheckpointFileError, match=r"model0\.0\._extra_state' fails its block checksums"):
+        garbled(names[0])

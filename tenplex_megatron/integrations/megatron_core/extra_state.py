@@ -118,7 +118,7 @@ def prepare(job: Any, metadata: dict[str, Any], read: Callable[[str], torch.Tens
     have = sorted(k for k, m in live.items() if m.get_extra_state() is not None)
     if not saved:
         if have and metadata.get("rank_local") is None:
-            _warn_dropped(have, "the checkpoint holds none (not a tenplex save of it, or a host-memory snapshot)")
+            _warn_dropped(have, "the checkpoint holds none (not a tenplex save of it)")
         return None
     if metadata.get("layout") != job.layout.to_json():
         _warn_dropped(sorted(saved), f"saved at layout {_layout(metadata.get('layout'))}, loaded at {job.layout}")
