@@ -350,7 +350,8 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         measured = read_layout_times(args.times).get(args.gpus, {}) if args.times else {}
         ranking = rank_layouts(dims, args.gpus, args.gpus_per_node, args.global_batch_size, memory_gb=args.memory_gb,
                                micro_batch_sizes=args.micro_batch_sizes, measured=measured, hardware=hardware,
-                               distributed_optimizer=args.distributed_optimizer, flash_attention=args.flash_attention)
+                               distributed_optimizer=args.distributed_optimizer, flash_attention=args.flash_attention,
+                               sequence_parallel=args.sequence_parallel)
     except LayoutError as e:
         raise CLIError(str(e)) from None
     usable = [c for c in ranking if c.usable]
@@ -360,6 +361,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
             "model": args.model, "parameters": total_parameters(dims), "world_size": args.gpus,
             "gpus_per_node": args.gpus_per_node, "global_batch_size": args.global_batch_size,
             "memory_gib": args.memory_gb, "distributed_optimizer": args.distributed_optimizer,
+            "sequence_parallel": args.sequence_parallel,
             "flops_per_gpu": hardware.flops_per_gpu, "best": usable[0].key if usable else None,
             "candidates": [{**c.to_json(), **({"expert_tp": c.layout.expert_tp, "expert_dp": c.layout.expert_dp}
                                               if dims.num_experts else {})} for c in ranking],
@@ -385,14 +387,14 @@ def _print_layouts(args: argparse.Namespace, bf16: bool, params: int, hw: Hardwa
     budget = f"{args.memory_gb:g} GiB per rank" if args.memory_gb else "no memory limit"
     print(f"layouts      {args.model} ({_fmt_count(params)} parameters, {'bf16' if bf16 else 'fp32'}) on {args.gpus} "
           f"GPUs, {args.gpus_per_node} per node; global batch {args.global_batch_size}; {budget}; "
-          f"distributed optimizer: {args.distributed_optimizer}")
+          f"distributed optimizer: {args.distributed_optimizer}; sequence parallelism: {args.sequence_parallel}")
     print(f"model        {hw.flops_per_gpu / 1e12:g} TFLOP/s per GPU, {hw.intra_node_bandwidth / 1e9:g} GB/s within a "
           f"node, {hw.inter_node_bandwidth / 1e9:g} GB/s between nodes (tenplex_megatron/plan/autolayout.py)")
     usable = sum(c.usable for c in ranking)
     print(f"candidates   {len(ranking)}: {usable} usable, {len(ranking) - usable} excluded")
     if moe:
-        print("experts      ETPxEPxEDP: expert TP x EP x expert DP; --sequence-parallel assumed (megatron-core needs "
-              "it with MoE at TP > 1)")
+        print("experts      ETPxEPxEDP: expert TP x EP x expert DP" + ("" if args.sequence_parallel else
+              "; TP 1 only: megatron-core needs --sequence-parallel with MoE at TP > 1"))
     width, head = (38, f"{'ETPxEPxEDP':>12} ") if moe else (24, "")
     if shown:
         print(f"\n{'#':>3}  {'layout':<{width}} {head}{'micro-batches':>13}  "
@@ -582,6 +584,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--tflops-per-gpu", type=float, default=Hardware().flops_per_gpu / 1e12,
                     help="achieved TFLOP/s per GPU for the modelled times (default %(default)g)")
     la.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    la.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                    help="the job runs without --sequence-parallel: part of each layer's activations stays whole on "
+                         "every TP rank, and a mixture of experts stays at TP 1")
     la.add_argument("--flash-attention", action="store_true",
                     help="no stored attention scores (FlashAttention or selective recomputation) in the memory estimate")
     la.add_argument("--top", type=int, default=0, help="print only the best N usable candidates (0: all)")
@@ -611,3 +616,6 @@ def main(argv: list[str] | None = None) -> int:
     except (CLIError, cli_simulate.SimulateError) as e:
         print(f"tenplex_megatron: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly, as a Unix filter does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

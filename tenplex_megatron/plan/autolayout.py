@@ -18,17 +18,22 @@ The estimates are models, documented here, not measurements:
   reduces gradients in fp32 with bf16), optimizer state (fp32 main weights in
   bf16 plus two Adam moments: 12 or 8 bytes/param, divided over DP with the
   distributed optimizer) - with bf16 and the distributed optimizer this is
-  Megatron's 6 + 12/DP bytes per parameter - and activations: per layer and
-  micro-batch ``seq x mbs x hidden x (34 + 5 x heads x seq / hidden)`` bytes
-  (Korthikanti et al., 16-bit activations, no recomputation) divided by TP
-  (exact with sequence parallelism; without it 10 x seq x mbs x hidden of that
-  stays whole on every TP rank, so this is optimistic there), doubled for
-  fp32 (with ``flash_attention`` - FlashAttention or selective recomputation,
-  which keep no seq x seq scores - the 5 x heads x seq / hidden term drops), times the layers on the stage, times the micro-batches the 1F1B
+  Megatron's 6 + 12/DP bytes per parameter - and activations (Korthikanti et al., 16-bit activations, no
+  recomputation, doubled for fp32) per layer, micro-batch and token: 10 x hidden bytes that sequence
+  parallelism divides by TP and that stay whole on every TP rank without it (LayerNorm, attention and MLP inputs,
+  dropout masks), plus, divided by TP, 8 x hidden + 5 x heads x seq for attention (the second term, the stored
+  seq x seq scores, drops with ``flash_attention``: FlashAttention or selective recomputation) and 2 x (FC1's
+  width + the FFN's) for the MLP (FC1 is twice the FFN with SwiGLU; a GELU MLP of 4 x hidden makes this
+  Korthikanti's 34 x hidden + 5 x heads x seq). A mixture of experts' MLP stores instead, routing being balanced,
+  the router's fp32 logits and probabilities (8 x experts bytes) and for each of the top-k copies of a token the
+  experts' input (2 x hidden, gathered over expert TP: times expert TP), their FC1 output and activation (each cut
+  by expert TP) and their output weighted at the combine (2 x hidden), and the shared experts' MLP; all that
+  divided by TP too (each rank routes 1/TP of the tokens under sequence parallelism). That times the layers on
+  the stage, times the micro-batches the 1F1B
   schedule keeps in flight on stage s: min(PP - s, micro-batches); an interleaved pipeline (VPP virtual stages
   per rank) keeps 1 + (PP - 1) / (PP x VPP) times that. A routed expert's parameters (weights, gradients) are
   divided over expert TP x EP instead of TP, and its optimizer state over expert DP (world / (expert TP x EP x
-  PP)); a mixture of experts' activations are counted as a dense layer's. Logits,
+  PP)). Logits,
   temporary buffers, the CUDA context and allocator fragmentation are left out:
   give the budget less than the device's memory to leave room for them.
 * Iteration time: compute 6 x params x tokens / (world x FLOP/s per GPU) (for a mixture of experts the active
@@ -307,22 +312,42 @@ def _parameter_rows(dims: GPTDims, padded_vocab: int) -> tuple[tuple[int, bool, 
                  for t in gpt_tensors(dims, padded_vocab, optimizer=False).values())
 
 
-def activation_bytes_per_layer(dims: GPTDims, micro_batch_size: int, tp: int, flash_attention: bool = False) -> float:
-    """One layer's stored activations for one micro-batch on one TP rank (Korthikanti et al., divided by TP)."""
+def activation_bytes_per_layer(dims: GPTDims, micro_batch_size: int, tp: int, flash_attention: bool = False, *,
+                               expert_tp: int = 1, sequence_parallel: bool = True) -> float:
+    """One layer's stored activations for one micro-batch on one TP rank: Korthikanti et al.'s terms, the MLP's from
+    its widths and a mixture of experts' from its routed token copies (the module's docstring has the model)."""
     s, h, a = dims.seq_length, dims.hidden_size, dims.num_attention_heads
-    width = 1 if dims.bf16 else 2  # the formula counts 16-bit activations
-    scores = 0 if flash_attention else 5 * a * s / h
-    return s * micro_batch_size * h * (34 + scores) * width / tp
+    width = 1 if dims.bf16 else 2  # the terms count bytes of 16-bit activations
+    whole = 10 * h  # LayerNorm inputs, attention and MLP inputs, two dropout masks: split by TP only with SP
+    split = 8 * h + (0 if flash_attention else 5 * a * s)  # QK^T, the values' product, the projection's input
+    if dims.num_experts:
+        k, fe = dims.moe_router_topk, dims.expert_ffn
+        # router logits and probabilities in fp32; each of top-k copies per token: the experts' input, gathered over
+        # expert TP, their FC1 output and activation (each cut by expert TP) and the output weighted at the combine
+        split += 8 * dims.num_experts / width + k * (2 * h * expert_tp + 2 * _fc1_width(dims, fe) + 2 * fe + 2 * h)
+        shared = dims.moe_shared_expert_intermediate_size
+        if shared:
+            split += 2 * _fc1_width(dims, shared) + 2 * shared
+    else:
+        split += 2 * _fc1_width(dims, dims.ffn) + 2 * dims.ffn  # FC1's output and the activation's
+    per_token = whole / (tp if sequence_parallel else 1) + split / tp
+    return s * micro_batch_size * per_token * width
+
+
+def _fc1_width(dims: GPTDims, ffn: int) -> int:
+    """FC1's output width: the FFN's, twice it for a gated (SwiGLU) MLP."""
+    return 2 * ffn if dims.swiglu else ffn
 
 
 def estimate_memory(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, global_batch_size: int, *,
                     distributed_optimizer: bool = True, make_vocab_size_divisible_by: int = 128,
-                    flash_attention: bool = False) -> MemoryEstimate:
+                    flash_attention: bool = False, sequence_parallel: bool = True) -> MemoryEstimate:
     """Per-rank bytes of the busiest pipeline stage for a legal candidate (the module's docstring has the model)."""
     m = global_batch_size // (layout.dp * micro_batch_size)
     weight_b = 2 if dims.bf16 else 4
     optim_b = 12 if dims.bf16 else 8
-    per_layer = activation_bytes_per_layer(dims, micro_batch_size, layout.tp, flash_attention)
+    per_layer = activation_bytes_per_layer(dims, micro_batch_size, layout.tp, flash_attention,
+                                           expert_tp=layout.expert_tp, sequence_parallel=sequence_parallel)
     layers = dims.num_layers // layout.pp
     interleave = 1 + (layout.pp - 1) / (layout.pp * layout.vpp) if layout.vpp > 1 else 1.0
     expert = stage_parameters(dims, layout, make_vocab_size_divisible_by, experts=True)
@@ -458,7 +483,8 @@ def evaluate(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, globa
         return LayoutCandidate(layout, micro_batch_size, legal=False, fits=False, reasons=tuple(reasons),
                                measured_seconds=measured_seconds)
     kw = {"distributed_optimizer": distributed_optimizer, "make_vocab_size_divisible_by": make_vocab_size_divisible_by}
-    memory = estimate_memory(dims, layout, micro_batch_size, global_batch_size, flash_attention=flash_attention, **kw)
+    memory = estimate_memory(dims, layout, micro_batch_size, global_batch_size, flash_attention=flash_attention,
+                             sequence_parallel=sequence_parallel, **kw)
     modelled = estimate_time(dims, layout, micro_batch_size, global_batch_size, gpus_per_node or layout.world_size,
                              hardware=hardware, **kw)
     fits = memory_gb is None or memory.total <= memory_gb * GIB

@@ -35,7 +35,10 @@ FLAGS = [*TINY_GPT[:_MBS], *TINY_GPT[_MBS + 2:], "--vocab-size", "96", "--train-
          "--save-interval", str(SAVE_EVERY), "--tenplex-layout", "auto"]
 # torchrun's c10d rendezvous store lives in the first agent to bind the endpoint (the head node): the node lost
 # here is the other one. (Losing the store's host ends the rendezvous: torchrun's etcd backend avoids that.)
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+# keep-alives: an agent whose heartbeat is older than 10 s is taken for lost. On CI's two busy cores a live agent's
+# heartbeat thread can stall for seconds, and taken for lost, the node that joins forms a world of its own beside it
+# (benchmarks.elastic --quick met that with 3); a lost node's detection costs those seconds here
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=10,join_timeout=300"
 
 
 def _free_port() -> int:

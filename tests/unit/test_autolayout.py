@@ -271,11 +271,16 @@ def test_ranking_properties(dims, world, gpn, gbs, mbs, budget, distopt, data) -
 
 
 def test_activation_formula_is_documented_megatron_form() -> None:
-    """seq x mbs x hidden x (34 + 5 heads seq / hidden) bytes for 16-bit activations, divided by TP."""
+    """A GELU MLP of 4 x hidden: seq x mbs x hidden x (34 + 5 heads seq / hidden) bytes for 16-bit activations,
+    divided by TP with sequence parallelism; without it 10 x seq x mbs x hidden stays whole on every TP rank."""
     d = load_model("gpt3-1.3b")
     assert activation_bytes_per_layer(d, 1, 1) == 2048 * 2048 * (34 + 5 * 16 * 2048 / 2048)
     assert activation_bytes_per_layer(d, 4, 2) == 4 * activation_bytes_per_layer(d, 1, 1) / 2
-    assert activation_bytes_per_layer(TINY, 1, 1) == 2 * 32 * 64 * (34 + 5 * 4 * 32 / 64)  # fp32: twice the bytes
+    assert activation_bytes_per_layer(d, 1, 4, sequence_parallel=False) == \
+        2048 * 2048 * (10 + (24 + 5 * 16 * 2048 / 2048) / 4)  # Korthikanti et al.'s tensor-parallel form
+    assert activation_bytes_per_layer(d, 1, 1, sequence_parallel=False) == activation_bytes_per_layer(d, 1, 1)
+    # SwiGLU (TINY: FFN 256 = 4h, FC1 512 wide): 18h + 5as for the rest, 2 x (512 + 256) for the MLP; fp32 doubles
+    assert activation_bytes_per_layer(TINY, 1, 1) == 2 * 32 * (18 * 64 + 5 * 4 * 32 + 2 * (512 + 256))
 
 
 def test_an_interleaved_pipeline_is_chosen_where_its_smaller_bubble_pays() -> None:

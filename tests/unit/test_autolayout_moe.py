@@ -83,15 +83,19 @@ def test_experts_with_biases_need_expert_tp_1_and_ep_above_1() -> None:
 
 def test_auto_keeps_the_experts_whole_at_a_tp_that_attention_gets() -> None:
     """TP 2 fixed (the user's --tensor-model-parallel-size): the choice cuts the experts by EP, not by TP's 2. The
-    reason is the model's: for the same experts per rank (expert TP x EP = 2) and the same memory, expert TP 2
-    all-gathers and reduce-scatters every routed token over its group (4 x (2 - 1) R) where EP 2 sends half of them
-    (4 x R x 1/2), so expert TP 1 x EP 2 is modelled faster by exactly that difference."""
+    reason is the model's: for the same experts per rank (expert TP x EP = 2), expert TP 2 all-gathers and
+    reduce-scatters every routed token over its group (4 x (2 - 1) R) where EP 2 sends half of them (4 x R x 1/2),
+    so expert TP 1 x EP 2 is modelled faster by exactly that difference; and expert TP keeps the gathered tokens
+    (2 x hidden per routed copy on each of its ranks), EP not."""
     choice = choose_layout(MOE, 8, 8, 32, micro_batch_sizes=(1,), fixed={"tp": 2, "pp": 1})
     best = choice.best
     assert best.layout.tp == 2 and best.layout.expert_tp == 1 and best.layout.ep > 1
     by_layout = {c.layout: c for c in choice.ranking}
     cut = by_layout[replace(best.layout, ep=best.layout.ep // 2, etp=2)]  # expert TP = TP, same experts per rank
-    assert cut.usable and cut.memory == best.memory and cut.layout.expert_dp == best.layout.expert_dp
+    assert cut.usable and cut.layout.expert_dp == best.layout.expert_dp
+    assert replace(cut.memory, activations=0) == replace(best.memory, activations=0)
+    h, k, tokens = MOE.hidden_size, MOE.moe_router_topk, MOE.seq_length // 2  # per rank: 1/TP of the sequence
+    assert cut.memory.activations - best.memory.activations == MOE.num_layers * tokens * k * 2 * h * (2 - 1)
     assert best.modelled.etp_comm == 0 and cut.modelled.etp_comm > 0
     assert cut.modelled.total - best.modelled.total == pytest.approx(
         cut.modelled.etp_comm + cut.modelled.ep_comm - best.modelled.ep_comm)
@@ -151,6 +155,26 @@ def test_memory_counts_each_ranks_experts() -> None:
     # expert DP is 8 at EP 1 and 2 at EP 4: each rank keeps 12 bytes x (its experts / expert DP) of optimizer state
     assert m4.optimizer - m1.optimizer == pytest.approx(12 * (e4[0] / four.expert_dp - e1[0] / one.expert_dp), abs=2)
     assert m1.activations == m4.activations
+
+
+def test_moe_activations_count_the_routed_copies() -> None:
+    """MOE (hidden 256, 8 heads, seq 128, bf16, SwiGLU, 8 experts of FFN 512, top-2), per token: 10h + 8h + 5as for
+    the rest of the layer, 8 x 8 bytes of fp32 router logits and probabilities, and per routed copy the experts'
+    input 2h (times expert TP), FC1 2 x 1024, the activation 2 x 512 and the weighted output 2h; all over TP."""
+    h, rest = 256, 18 * 256 + 5 * 8 * 128
+    copy = 2 * h + 2 * 1024 + 2 * 512 + 2 * h
+    assert autolayout.activation_bytes_per_layer(MOE, 1, 1) == 128 * (rest + 64 + 2 * copy)
+    assert autolayout.activation_bytes_per_layer(MOE, 2, 2) == 2 * 128 * (rest + 64 + 2 * copy) / 2
+    # expert TP 2: each rank gets every copy of its expert TP group's tokens, with half of each expert's FFN
+    assert autolayout.activation_bytes_per_layer(MOE, 1, 1, expert_tp=2) == 128 * (rest + 64 + 2 * (copy + 2 * h))
+    # top-k and a shared expert (FFN 384) add theirs; the routed experts' count past the dense MLP they replace
+    top4 = replace(MOE, moe_router_topk=4, moe_shared_expert_intermediate_size=384)
+    assert autolayout.activation_bytes_per_layer(top4, 1, 1) == 128 * (rest + 64 + 4 * copy + 2 * 768 + 2 * 384)
+    dense = replace(MOE, num_experts=None)
+    assert autolayout.activation_bytes_per_layer(MOE, 1, 1) > autolayout.activation_bytes_per_layer(dense, 1, 1)
+    # estimate_memory uses the layout's expert TP (at TP 2: expert TP 2 unless set to 1)
+    etp1, etp2 = ParallelLayout(tp=2, dp=4, etp=1), ParallelLayout(tp=2, dp=4)
+    assert estimate_memory(MOE, etp2, 1, 32).activations > estimate_memory(MOE, etp1, 1, 32).activations
 
 
 def test_auto_chooses_ep_when_only_ep_fits() -> None:

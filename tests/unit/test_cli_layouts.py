@@ -107,3 +107,23 @@ def test_layouts_of_a_mixture_of_experts_show_the_expert_layout() -> None:
     cands = json.loads(p.stdout)["candidates"]
     assert all(c["expert_tp"] * c.get("ep", 1) * c["expert_dp"] * c["pp"] == 16 for c in cands)
     assert cands[0]["expert_tp"] == 1 and cands[0]["modelled"]["etp_comm"] == 0
+
+
+def test_layouts_without_sequence_parallelism() -> None:
+    """--no-sequence-parallel: a dense model's candidates at TP > 1 need more activation memory (10 x hidden bytes a
+    token stay whole on every TP rank); a mixture of experts keeps only TP 1 candidates, the others refused with
+    megatron-core's reason."""
+    args = ("--model", "gpt3-1.3b", "--gpus", "8", "--json")
+    sp, nosp = (json.loads(_cli(*args, *extra).stdout) for extra in ((), ("--no-sequence-parallel",)))
+    assert sp["sequence_parallel"] is True and nosp["sequence_parallel"] is False
+    act = {flag: {c["key"]: c["memory"]["activations"] for c in doc["candidates"] if c["legal"]}
+           for flag, doc in ((True, sp), (False, nosp))}
+    for key, with_sp in act[True].items():
+        layout, _ = parse_candidate_key(key)
+        assert (act[False][key] > with_sp) == (layout.tp > 1), key
+    p = _cli("--model", "mixtral-8x7b", "--gpus", "16", "--global-batch-size", "256", "--memory-gb", "120",
+             "--flash-attention", "--no-sequence-parallel")
+    assert p.returncode == 0, p.stderr
+    assert "TP 1 only: megatron-core needs --sequence-parallel with MoE at TP > 1" in p.stdout
+    rows = re.findall(r"^\s+\d+\s+(\S+,mbs=\d+)\s", p.stdout, re.M)
+    assert rows and all(parse_candidate_key(key)[0].tp == 1 for key in rows), p.stdout
