@@ -233,7 +233,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         shown = f"tp={src.get('tp')},pp={src.get('pp')},dp={src.get('dp')}"
     print(f"plan         {shown} -> {dst}  "
           f"({dst.world_size} ranks, distributed optimizer: {distopt}, padded vocab {padded})")
-    print(f"state        {_fmt_bytes(report['state_bytes'])}")
+    copies = "" if report["distinct_state_bytes"] == report["state_bytes"] else \
+        f" stored, {_fmt_bytes(report['distinct_state_bytes'])} of it distinct (the rest: copies it keeps of replicas)"
+    print(f"state        {_fmt_bytes(report['state_bytes'])}{copies}")
     print(f"read total   {_fmt_bytes(report['bytes_total'])}  "
           f"(per rank max {_fmt_bytes(report['bytes_per_rank_max'])}, mean {_fmt_bytes(report['bytes_per_rank_mean'])})")
     if args.gpus_per_node:
@@ -432,6 +434,7 @@ def plan_report(plan: Any, source: PTC, dst: ParallelLayout, gpus_per_node: int 
     vals = list(per_rank.values()) or [0]
     return {
         "state_bytes": source.total_bytes(),
+        "distinct_state_bytes": source.distinct_bytes(),
         "bytes_total": sum(vals),
         "bytes_per_rank_max": max(vals),
         "bytes_per_rank_mean": sum(vals) / len(vals),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import NoReturn
 
 import torch
@@ -34,16 +35,24 @@ def memory_gb(budget: float | None) -> float | None:
 
 def refuse(prog: str, spec: str, world_size: int, error: Exception) -> NoReturn:
     """Log why no layout can run at ``world_size`` and exit 2; under torchrun's elastic agent with restarts
-    left, rank 0 also SIGTERMs its agent (which ends the job with a failure rather than restart it forever)."""
+    left, with the agent stopped (which ends the job with a failure rather than restart it forever)."""
     # the message first (every rank: whichever survives the agent's shutdown says it), then stop the agent
     _log.error("%s: --tenplex-layout %s at world size %d: %s", prog, spec, world_size, error)
-    if int(os.environ.get("RANK", "0")) == 0:
-        stop_agent()
-    raise SystemExit(2)
+    stop_agent_and_exit(2)
 
 
-def stop_agent() -> None:
-    """Under torchrun's elastic agent with restarts left: SIGTERM it (this worker's parent), so that it ends the job
-    with a failure instead of restarting a job no restart can fix."""
+def stop_agent_and_exit(code: int, wait_seconds: float = 60.0) -> NoReturn:
+    """Exit ``code``; under torchrun's elastic agent with restarts left, this node's agent stopped instead of
+    restarting a job no restart can fix. Local rank 0 SIGTERMs it (its parent); the other local ranks wait for the
+    agent to stop them (up to ``wait_seconds``): exiting first, they could let it restart the group before the
+    signal lands."""
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0":
-        os.kill(os.getppid(), signal.SIGTERM)
+        agent = os.getppid()
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            os.kill(agent, signal.SIGTERM)
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's SIGTERM ends this process, saving nothing
+            deadline = time.monotonic() + wait_seconds
+            while os.getppid() == agent and time.monotonic() < deadline:
+                time.sleep(0.1)
+    raise SystemExit(code)

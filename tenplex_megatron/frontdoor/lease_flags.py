@@ -78,9 +78,7 @@ def stop_when_fenced(prog: str) -> Iterator[None]:
         if why is None:
             raise
         _log.error("%s: %s", prog, why)
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # every node's agent
-            elastic.stop_agent()
-        raise SystemExit(3) from None
+        elastic.stop_agent_and_exit(3)  # every node's agent
 
 
 def release(args: Any) -> None:

@@ -250,7 +250,13 @@ class PTC:
         return out
 
     def total_bytes(self) -> int:
+        """Every stored chunk's bytes, replicas included: what the checkpoint holds."""
         return sum(sc.chunk.numel * dtype_size(self.tensors[sc.chunk.key].dtype) for sc in self.chunks)
+
+    def distinct_bytes(self) -> int:
+        """Each stored tensor's bytes once: the state itself, whatever copies of it the checkpoint keeps."""
+        stored = {sc.chunk.key for sc in self.chunks}
+        return sum(t.numel * dtype_size(t.dtype) for k, t in self.tensors.items() if k in stored)
 
     def to_json(self) -> dict[str, Any]:
         return {

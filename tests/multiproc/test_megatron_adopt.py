@@ -280,3 +280,6 @@ def test_plan_on_megatron_checkpoints_without_torch(adopted: tuple[str, str]) ->
             assert got["distributed_optimizer"] == want["distributed_optimizer"], name
             assert got["padded_vocab_size"] == want["padded_vocab_size"] == 96, name
             assert got["bytes_per_rank"] == want["bytes_per_rank"] and got["bytes_total"] > 0, (name, to, got, want)
+            # the same state, whatever copies each format keeps of it (Megatron's: each TP rank's of replicated
+            # parameters' optimizer state)
+            assert got["distinct_state_bytes"] == want["distinct_state_bytes"] <= got["state_bytes"], (name, got, want)

@@ -332,6 +332,13 @@ def test_identical_replicas_spread_reads_across_destinations() -> None:
     assert all(rp.bytes_read == 128 for rp in plan.ranks.values())  # a replica is read once, not once per copy
 
 
+def test_stored_bytes_count_replicas_and_distinct_bytes_do_not() -> None:
+    """``w`` (8 x 4 fp32, 128 bytes) on three ranks: the checkpoint holds 384 bytes, 128 of them distinct; a tensor
+    the checkpoint does not store counts in neither."""
+    source = PTC({**W, "absent": TensorMeta("absent", (2,), "float32")}, _replicated_source(["a", "b", "c"]).chunks)
+    assert (source.total_bytes(), source.distinct_bytes()) == (3 * 128, 128)
+
+
 def test_identical_replicas_spread_reads_across_chunks_of_one_destination() -> None:
     source = _replicated_source(["hostA", "hostB"])
     plan = plan_reshard(source, W, {0: [Chunk("w", (0, 0), (8, 4))]})
