@@ -196,19 +196,29 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path, memory: boo
 
 
 def test_no_legal_layout_fails_once_with_every_reason(tmp_path) -> None:
-    """3 processes, 4 heads, 2 layers, global batch 8: nothing is legal. Every candidate is listed with its reasons,
-    no state is touched, and the elastic agent is stopped instead of restarting the job (max-restarts 3)."""
+    """Two nodes of 3 processes, 4 heads, 2 layers, global batch 8: nothing is legal at world size 6. Every
+    candidate is listed with its reasons, no state is touched, and each node's elastic agent is stopped instead of
+    restarting the job (max-restarts 3): local rank 0 signals it, the node's other ranks wait for it."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:1", "--nproc-per-node", "3",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "3",
-           PRETRAIN, *FLAGS, "--save", str(tmp_path / "ckpt")]
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "3",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "no-legal",
+           "--max-restarts", "3", PRETRAIN, *FLAGS, "--save", str(tmp_path / "ckpt")]
     t0 = time.time()
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    log = p.stdout + p.stderr
-    assert p.returncode != 0
-    assert "--tenplex-layout auto at world size 3" in log, log[-3000:]
-    assert "tp=1,pp=1,dp=3" in log and "does not divide the global batch" in log, log[-3000:]
-    assert "TP=3 does not divide the attention heads" in log
-    assert "Restarting" not in log and log.count("--tenplex-layout auto at world size 3") <= 3  # one attempt
+    nodes = [subprocess.Popen(cmd, env=env, stdout=open(tmp_path / f"{n}.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True) for n in ("a", "b")]
+    try:
+        codes = [p.wait(timeout=240) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                _lose_node(p)
+    for n, code in zip(("a", "b"), codes):
+        log = (tmp_path / f"{n}.log").read_text()
+        assert code != 0, log[-3000:]
+        assert "--tenplex-layout auto at world size 6" in log, log[-3000:]
+        assert "tp=1,pp=1,dp=6" in log and "does not divide the global batch" in log, log[-3000:]
+        assert "TP=3 does not divide the attention heads" in log
+        assert "Restarting" not in log and log.count("--tenplex-layout auto at world size 6") <= 3, log[-3000:]
     assert not os.path.exists(tmp_path / "ckpt")
     assert time.time() - t0 < 120
