@@ -273,6 +273,26 @@ def _te_losses_continue(root: str, tag: str) -> None:
         assert m["loss"] == pytest.approx(want[m["iteration"]], rel=2e-6), (tag, m)
 
 
+def _te_restored_exactly(root: str, r: Run, tag: str, want: dict[tuple[str, str], bytes]) -> None:
+    """Restart ``tag`` restored every module's extra state: loaded into the modules and saved again from them, it
+    equals ``want`` byte for byte, and the losses continue."""
+    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
+    resaved = rank_local_bytes(f"{root}/te/resaved_{tag}/iter_{TE_SAVE_AT:07d}")
+    assert resaved == want
+    _te_losses_continue(root, tag)
+
+
+def _te_dropped_with_one_warning(root: str, r: Run, tag: str) -> None:
+    """Restart ``tag`` at a new layout dropped the extra state with one warning naming the saving layout: the
+    modules keep their fresh state, and the losses continue."""
+    warnings = [line for line in r.log.splitlines() if "_extra_state" in line]
+    assert len(warnings) == 1, warnings
+    assert "warning:" in warnings[0] and "amax history re-warm" in warnings[0] and "tp=2,pp=1,dp=1" in warnings[0]
+    resaved = rank_local_bytes(f"{root}/te/resaved_{tag}/iter_{TE_SAVE_AT:07d}")
+    assert resaved and not any(any(b) for b in resaved.values())  # the fresh modules' state: nothing restored
+    _te_losses_continue(root, tag)
+
+
 def test_te_extra_state_saved_per_rank(results: Results) -> None:
     """Each rank's transformer-layer linears' extra state is in its own file, listed per rank in metadata.json."""
     r = results.first["te_ref"]
@@ -295,22 +315,13 @@ def test_te_extra_state_saved_per_rank(results: Results) -> None:
 def test_te_extra_state_restored_exactly_at_the_same_layout(results: Results) -> None:
     r = results.second["te_same"]
     assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
-    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
-    saved = rank_local_bytes(f"{results.root}/te/ckpt/iter_{TE_SAVE_AT:07d}")
-    resaved = rank_local_bytes(f"{results.root}/te/resaved_same/iter_{TE_SAVE_AT:07d}")
-    assert resaved == saved  # loaded into the modules, saved again from them: byte for byte
-    _te_losses_continue(results.root, "same")
+    _te_restored_exactly(results.root, r, "same", rank_local_bytes(f"{results.root}/te/ckpt/iter_{TE_SAVE_AT:07d}"))
 
 
 def test_te_extra_state_dropped_with_one_warning_at_a_new_layout(results: Results) -> None:
     r = results.second["te_tp1"]
     assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
-    warnings = [line for line in r.log.splitlines() if "_extra_state" in line]
-    assert len(warnings) == 1, warnings
-    assert "warning:" in warnings[0] and "amax history re-warm" in warnings[0] and "tp=2,pp=1,dp=1" in warnings[0]
-    resaved = rank_local_bytes(f"{results.root}/te/resaved_tp1/iter_{TE_SAVE_AT:07d}")
-    assert resaved and not any(any(b) for b in resaved.values())  # the fresh modules' state: nothing restored
-    _te_losses_continue(results.root, "tp1")
+    _te_dropped_with_one_warning(results.root, r, "tp1")
 
 
 def test_te_extra_state_flipped_byte_refused(results: Results) -> None:
@@ -335,22 +346,14 @@ def test_te_extra_state_restored_exactly_from_memory_at_the_same_layout(results:
     r = results.second["te_mem_same"]
     assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
     assert "loaded iteration 3 from host memory" in r.log and "0 bytes read from durable storage" in r.log
-    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
-    resaved = rank_local_bytes(f"{results.root}/te/resaved_mem_same/iter_{TE_SAVE_AT:07d}")
-    assert resaved == results.te_mem_saved  # loaded into the modules, saved again from them: byte for byte
-    _te_losses_continue(results.root, "mem_same")
+    _te_restored_exactly(results.root, r, "mem_same", results.te_mem_saved)
 
 
 def test_te_extra_state_from_memory_dropped_with_one_warning_at_a_new_layout(results: Results) -> None:
     r = results.second["te_mem_tp1"]
     assert r.returncode == 0 and "tenplex-megatron: done" in r.log, r.log[-3000:]
     assert "loaded iteration 3 from host memory" in r.log
-    warnings = [line for line in r.log.splitlines() if "_extra_state" in line]
-    assert len(warnings) == 1, warnings
-    assert "warning:" in warnings[0] and "amax history re-warm" in warnings[0] and "tp=2,pp=1,dp=1" in warnings[0]
-    resaved = rank_local_bytes(f"{results.root}/te/resaved_mem_tp1/iter_{TE_SAVE_AT:07d}")
-    assert resaved and not any(any(b) for b in resaved.values())  # the fresh modules' state: nothing restored
-    _te_losses_continue(results.root, "mem_tp1")
+    _te_dropped_with_one_warning(results.root, r, "mem_tp1")
 
 
 def test_te_extra_state_damaged_in_memory_falls_back_to_the_durable_copy(results: Results) -> None:
@@ -366,7 +369,4 @@ def test_te_extra_state_damaged_in_memory_falls_back_to_the_durable_copy(results
     assert "fails its block checksums" in skipped[0], skipped
     loaded = next(line for line in r.log.splitlines() if "loaded iteration 3 from host memory" in line)
     assert "0 bytes read from durable storage" not in loaded, loaded  # rank 1's file: the durable copy's
-    assert "_extra_state of 8 module(s) restored exactly" in r.log and "re-warm" not in r.log
-    resaved = rank_local_bytes(f"{results.root}/te/resaved_mem_flipped/iter_{TE_SAVE_AT:07d}")
-    assert resaved == results.te_mem_saved
-    _te_losses_continue(results.root, "mem_flipped")
+    _te_restored_exactly(results.root, r, "mem_flipped", results.te_mem_saved)
