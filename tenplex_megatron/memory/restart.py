@@ -157,18 +157,19 @@ class MemorySource(SourceFiles):
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
         self.local_sizes = rank_local.entry_sizes(meta)  # (file, rank-local entry) -> its byte count
 
-    def buffer(self, sc: StoredChunk) -> torch.Tensor:
-        key = (sc.location.file, sc.location.name)
+    def _receive_into(self, key: tuple[str, str], nbytes: int) -> torch.Tensor:
+        """The buffer for ``key``'s bytes received from peers (``nbytes``), made on first use."""
         if key not in self.received:
-            self.received[key] = torch.empty(sc.chunk.numel * dtype_size(self.dtypes[sc.chunk.key]), dtype=torch.uint8)
+            self.received[key] = torch.empty(nbytes, dtype=torch.uint8)
         return self.received[key]
+
+    def buffer(self, sc: StoredChunk) -> torch.Tensor:
+        return self._receive_into((sc.location.file, sc.location.name),
+                                  sc.chunk.numel * dtype_size(self.dtypes[sc.chunk.key]))
 
     def local_buffer(self, key: PeerKey) -> torch.Tensor:
         """Where a rank-local entry received from a peer goes (whole)."""
-        k = (key.file, key.name)
-        if k not in self.received:
-            self.received[k] = torch.empty(self.local_sizes[k], dtype=torch.uint8)
-        return self.received[k]
+        return self._receive_into((key.file, key.name), self.local_sizes[(key.file, key.name)])
 
     def entry(self, file: str, name: str, nbytes: int) -> torch.Tensor:
         if self.stored(file):
