@@ -27,13 +27,13 @@ from benchmarks.kit.launch import env
 KEEP_ALIVE_ATTEMPTS = 3
 
 
-def rdzv_conf(keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS) -> str:
-    """torchrun's ``--rdzv-conf`` for the benchmarks' agents. On oversubscribed cores an agent's heartbeat thread can
-    stall for seconds: taken for lost, the node that hosts the job is dropped from the rendezvous and a node that
-    joins then forms a world of its own beside it; more attempts trade that away for slower detection of a lost
-    agent."""
+def rdzv_conf(keep_alive_attempts: int = KEEP_ALIVE_ATTEMPTS, join_timeout: int = 600) -> str:
+    """torchrun's ``--rdzv-conf`` for the benchmarks' (and the elastic tests') agents. On oversubscribed cores an
+    agent's heartbeat thread can stall for seconds: taken for lost, the node that hosts the job is dropped from the
+    rendezvous and a node that joins then forms a world of its own beside it; more attempts trade that away for
+    slower detection of a lost agent."""
     return (f"last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt={keep_alive_attempts},"
-            "join_timeout=600")
+            f"join_timeout={join_timeout}")
 
 
 RDZV_CONF = rdzv_conf()

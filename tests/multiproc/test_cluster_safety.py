@@ -17,6 +17,7 @@ import time
 import psutil
 import pytest
 
+from benchmarks.kit.agents import rdzv_conf
 from benchmarks.kit.etcd import start_etcd
 from tenplex_megatron.storage import directory, lease
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics
@@ -154,7 +155,7 @@ def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None
     assert its[-1] == second_ran[-1] and directory.tracker_iteration(ckpt) == its[-1]
 
 
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=300"
+RDZV_CONF = rdzv_conf(keep_alive_attempts=3, join_timeout=300)
 ETCD_ITERS = 60
 
 

@@ -25,6 +25,7 @@ import time
 import psutil
 import pytest
 
+from benchmarks.kit.agents import rdzv_conf
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics, torchrun
 
 pytestmark = pytest.mark.dist
@@ -38,7 +39,7 @@ FLAGS = [*TINY_GPT[:_MBS], *TINY_GPT[_MBS + 2:], "--vocab-size", "96", "--train-
 # keep-alives: an agent whose heartbeat is older than 10 s is taken for lost. On CI's two busy cores a live agent's
 # heartbeat thread can stall for seconds, and taken for lost, the node that joins forms a world of its own beside it
 # (benchmarks.elastic --quick met that with 3); a lost node's detection costs those seconds here
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=10,join_timeout=300"
+RDZV_CONF = rdzv_conf(keep_alive_attempts=10, join_timeout=300)
 
 
 def _free_port() -> int:
