@@ -1,7 +1,7 @@
 """Every ``--tenplex-*`` flag and every ``TENPLEX_*`` environment variable, defined once.
 
 Two front doors take the flags: the reference trainer (``scripts/pretrain_gpt.py``, ``training/pretrain.py``)
-and the Megatron-LM hook (``integrations/megatron_lm.py``). Both add them with :func:`add_flags` from the one
+and the Megatron-LM hook (``frontdoor/megatron_lm.py``). Both add them with :func:`add_flags` from the one
 table :data:`FLAGS` (name, help, argparse settings and which front doors take it), so a flag means the same
 thing, with the same help text, wherever it is given. :data:`ENV_VARS` lists every environment variable the
 package, its scripts and its tests read. ``python -m tenplex_megatron.docs_reference`` writes both tables
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 TRAINER = "pretrain_gpt.py"  # scripts/pretrain_gpt.py and `torchrun -m tenplex_megatron.training.pretrain`
-HOOK = "Megatron-LM"  # a Megatron-LM checkout patched with patches/, through integrations/megatron_lm.py
+HOOK = "Megatron-LM"  # a Megatron-LM checkout patched with patches/, through frontdoor/megatron_lm.py
 BOTH = (TRAINER, HOOK)
 
 # Groups, in the order the reference lists them: (key, title, the docs page that explains them, its title)

@@ -1,7 +1,7 @@
 """The ``--tenplex-memory`` flags, their checks and the tier they open: one definition for both trainers.
 
 ``scripts/pretrain_gpt.py`` (``training/pretrain.py``) and the Megatron-LM hook
-(``integrations/megatron_lm.py``) take the same host-memory flags with the same
+(``frontdoor/megatron_lm.py``) take the same host-memory flags with the same
 meanings, checks and end-of-job rule (:func:`finish`).
 """
 

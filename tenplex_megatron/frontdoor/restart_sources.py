@@ -7,10 +7,11 @@ else nothing (a fresh start, or ``--tenplex-init-from-hf``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult
-from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, MegatronCoreAdapter, load_job
 from tenplex_megatron.memory import fallback
 from tenplex_megatron.memory import restart as memory_restart
 from tenplex_megatron.memory.state import MemoryTier
@@ -42,13 +43,14 @@ def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool
     return Sources(memory, ckpt, mck)
 
 
-def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: str | None, *,
-            verify: bool) -> fallback.Restart:
-    """Collective: load ``sources``' snapshot or durable checkpoint into ``job``, re-sharded; a damaged copy falls
-    back to the next (``memory/fallback.py``)."""
+def restart(adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult], tier: MemoryTier | None,
+            sources: Sources, load_dir: str | None, *, verify: bool) -> fallback.Restart:
+    """Collective: load ``sources``' snapshot (through a fresh ``adapter()``) or durable checkpoint (``load_durable``
+    of its path) into the job, re-sharded; a damaged copy falls back to the next (``memory/fallback.py``). The
+    engine comes in as an adapter and a loader, so that every front door shares this order."""
     return fallback.restart(
-        lambda c: memory_restart.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
-        lambda path: load_job(job, path, verify=verify), tier, sources.memory, load_dir, sources.tenplex)
+        lambda c: memory_restart.load_snapshot(adapter(), tier, c, verify=verify),
+        load_durable, tier, sources.memory, load_dir, sources.tenplex)
 
 
 def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:

@@ -35,6 +35,7 @@ from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
     MegatronCoreAdapter,
     adopt_megatron_checkpoint,
+    load_job,
     save_job,
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
@@ -453,7 +454,10 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
     layout, mck = job.layout, sources.megatron
     restarted = None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
-        restarted = restart_sources.restart(job, tier, sources, args.load, verify=not args.tenplex_no_verify)
+        verify = not args.tenplex_no_verify
+        restarted = restart_sources.restart(lambda: MegatronCoreAdapter(job),
+                                            lambda path: load_job(job, path, verify=verify), tier, sources,
+                                            args.load, verify=verify)
     if restarted is not None and restarted.memory is not None:
         _note_loaded(args, restarted.result.seconds)
         print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))

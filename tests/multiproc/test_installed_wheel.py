@@ -255,7 +255,7 @@ def attempt(name, fn):
         out[name] = f"{type(e).__name__}: {e}"
 attempt("deepspeed itself", lambda: __import__("deepspeed"))
 attempt("deepspeed", lambda: __import__("tenplex_megatron.integrations.deepspeed"))
-attempt("megatron-lm", lambda: __import__("tenplex_megatron.integrations.megatron_lm", fromlist=["x"]).install())
+attempt("megatron-lm", lambda: __import__("tenplex_megatron.frontdoor.megatron_lm", fromlist=["x"]).install())
 attempt("hf", lambda: require("transformers", "hf"))
 attempt("bench", lambda: require("matplotlib.pyplot", "bench"))
 attempt("megatron-core", lambda: __import__("tenplex_megatron.integrations.megatron_core.adapter"))

@@ -225,7 +225,7 @@ def _mlm_args(**kw: object) -> argparse.Namespace:
 def test_megatron_lm_hook_chooses_or_keeps_ep() -> None:
     """The Megatron-LM hook: EP and expert TP chosen unless --expert-model-parallel-size /
     --expert-tensor-parallel-size is given; without --sequence-parallel a mixture of experts stays at TP 1."""
-    from tenplex_megatron.integrations.megatron_lm import layout_request
+    from tenplex_megatron.frontdoor.megatron_lm import layout_request
 
     req = layout_request(_mlm_args(), [], 8, 8)
     assert req.ep is None and req.expert_tp is None and not req.sequence_parallel
@@ -239,7 +239,7 @@ def test_megatron_lm_hook_chooses_or_keeps_ep() -> None:
 def test_megatron_lm_hook_applies_the_chosen_expert_tp(monkeypatch, capsys) -> None:
     """--tenplex-layout auto under Megatron-LM with TP 2 and --sequence-parallel: Megatron-LM's args get the chosen
     expert TP (1: validate_args would otherwise set TP's 2) and EP, and the log line spells the expert layout."""
-    from tenplex_megatron.integrations.megatron_lm import choose_layout_for_args
+    from tenplex_megatron.frontdoor.megatron_lm import choose_layout_for_args
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

@@ -24,7 +24,7 @@ def _tenplex_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Acti
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:
-    from tenplex_megatron.integrations import megatron_lm
+    from tenplex_megatron.frontdoor import megatron_lm
     from tenplex_megatron.training.pretrain import build_parser
 
     return {flags.TRAINER: build_parser(), flags.HOOK: megatron_lm.add_tenplex_args(argparse.ArgumentParser())}

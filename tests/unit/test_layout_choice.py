@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tenplex_megatron.integrations.megatron_lm import choose_layout_for_args, layout_request
+from tenplex_megatron.frontdoor.megatron_lm import choose_layout_for_args, layout_request
 from tenplex_megatron.plan.autolayout import candidate_key
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.layout_choice import LayoutRequest, choose, rank, to_measure

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tenplex_megatron.integrations.megatron_lm import TenplexBatchSampler
+from tenplex_megatron.frontdoor.megatron_lm import TenplexBatchSampler
 
 
 @pytest.mark.parametrize("dp,mbs", [(1, 2), (2, 2), (4, 1), (2, 4)])

@@ -55,7 +55,7 @@ def test_megatron_lm_hook_takes_the_same_flags_and_refuses_bad_ones(flags: list[
                                                                       capsys: pytest.CaptureFixture) -> None:
     import argparse
 
-    from tenplex_megatron.integrations import megatron_lm
+    from tenplex_megatron.frontdoor import megatron_lm
 
     parser = megatron_lm.add_tenplex_args(argparse.ArgumentParser())
     good = parser.parse_args(["--tenplex", "--tenplex-memory", "--tenplex-replication-rate", "25"])

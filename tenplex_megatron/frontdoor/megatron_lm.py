@@ -2,7 +2,7 @@
 
 Use (``patches/megatron-lm-core_v0.16.x.patch`` does this in ``pretrain_gpt.py``)::
 
-    from tenplex_megatron.integrations import megatron_lm as tenplex
+    from tenplex_megatron.frontdoor import megatron_lm as tenplex
     tenplex.install()
     pretrain(..., extra_args_provider=tenplex.extra_args_provider(previous_provider))
 
@@ -50,6 +50,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
     MegatronCoreAdapter,
     adopt_megatron_checkpoint,
     current_layout,
+    load_job,
     save_job,
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
@@ -312,7 +313,9 @@ def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tie
 
     args = get_args()
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    got = restart_sources.restart(job, tier, sources, load_dir, verify=not args.tenplex_no_verify)
+    verify = not args.tenplex_no_verify
+    got = restart_sources.restart(lambda: MegatronCoreAdapter(job), lambda path: load_job(job, path, verify=verify),
+                                  tier, sources, load_dir, verify=verify)
     res = got.result
     flops = _resumed(args, job, res)
     if got.memory is not None:
