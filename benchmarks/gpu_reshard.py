@@ -42,13 +42,14 @@ import torch
 
 from benchmarks.kit.disk import evict_page_cache
 from benchmarks.kit.report import machine, ratio_line
-from tenplex_megatron.execute.executor import SourceFiles, execute_plan, prepare_sources
+from tenplex_megatron.execute.executor import execute_plan, prepare_sources
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.planner import RankPlan, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors, load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab, source_from_layout
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, write_safetensors
+from tenplex_megatron.storage.source_files import SourceFiles
 
 MODELS = ["gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b"]
 SYSTEMS = ["staged", "direct", "mcore"]

@@ -25,7 +25,6 @@ from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
 from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
 from tenplex_megatron.execute.executor import (
     ExecStats,
-    SourceFiles,
     block_intervals,
     execute_plan,
     plain_ops,
@@ -39,6 +38,7 @@ from tenplex_megatron.plan.verify_share import share_blocks
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.source import Opened
+from tenplex_megatron.storage.source_files import SourceFiles
 
 
 @dataclass(frozen=True)

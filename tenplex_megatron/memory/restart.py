@@ -24,8 +24,6 @@ from tenplex_megatron.engine import rank_local
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
-from tenplex_megatron.execute.executor import SourceFiles
-from tenplex_megatron.execute.verify import piece_runs, touched_blocks
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.peers import cpu_group, exchange
 from tenplex_megatron.memory.state import MemoryTier
@@ -33,11 +31,13 @@ from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, merge_rang
 from tenplex_megatron.plan.ptc import PTC, StoredChunk, dtype_size
 from tenplex_megatron.plan.restart_policy import Choice, DurableListing, ForeignSnapshotError, Snapshot, pick_snapshot
 from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.block_verify import piece_runs, touched_blocks
 from tenplex_megatron.storage.confine import confine_all
 from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
 from tenplex_megatron.storage.source import Opened
+from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 
 

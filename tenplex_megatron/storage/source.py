@@ -2,7 +2,7 @@
 
 A source hands out each stored chunk as a flat tensor and, where its format
 records checksums, queues and checks the blocks a load will read. tenplex's
-own safetensors shards (``execute.executor.SourceFiles``) verify; another
+own safetensors shards (``storage.source_files.SourceFiles``) verify; another
 framework's files (DeepSpeed's ``global_stepN``, a Hugging Face directory)
 carry no checksums and inherit :class:`UncheckedSource`'s no-ops, so the
 executor never asks what kind of source it has.

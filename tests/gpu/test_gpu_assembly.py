@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from tenplex_megatron.execute.executor import SourceFiles, execute_plan
+from tenplex_megatron.execute.executor import execute_plan
 from tenplex_megatron.execute.staged import execute_staged
 from tenplex_megatron.memory import shm_write
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -27,6 +27,7 @@ from tenplex_megatron.plan.planner import plan_reshard
 from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.storage import staged_write
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, write_safetensors
+from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.staging import StagingRing
 from tests.staging_support import damage_last_byte_read, staging_tensors, write_source
 

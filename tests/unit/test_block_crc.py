@@ -12,12 +12,12 @@ import torch
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load_chunks
 from tenplex_megatron.engine.save import save_chunks
-from tenplex_megatron.execute.executor import ExecStats, SourceFiles, execute_plan, prepare_sources
-from tenplex_megatron.execute.verify import default_threads, piece_runs, touched_blocks
+from tenplex_megatron.execute.executor import ExecStats, execute_plan, prepare_sources
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import Piece, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.sharding import layout_chunks
+from tenplex_megatron.storage.block_verify import default_threads, piece_runs, touched_blocks
 from tenplex_megatron.storage.safetensors_io import (
     BLOCK_BYTES,
     CheckpointFileError,
@@ -26,6 +26,7 @@ from tenplex_megatron.storage.safetensors_io import (
     read_header,
     write_safetensors,
 )
+from tenplex_megatron.storage.source_files import SourceFiles
 from tests.harness import downgrade_to_format_1, rewrite_metadata
 
 FILE = "shard.safetensors"

@@ -22,13 +22,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tenplex_megatron.execute.executor import SourceFiles, execute_plan
+from tenplex_megatron.execute.executor import execute_plan
 from tenplex_megatron.execute.staged import box_view, execute_staged
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import Piece, plan_reshard
 from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.plan.staging import ALIGN, split_piece, stage_batches
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, block_crc32, read_header, write_safetensors
+from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.staged_write import write_tensors
 from tenplex_megatron.storage.staging import buffer_bytes, staging_bytes, staging_mode
 from tests.staging_support import staging_tensors, write_source

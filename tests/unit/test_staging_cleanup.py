@@ -21,13 +21,13 @@ import pytest
 import torch
 
 from tenplex_megatron.execute import staged as staged_mod
-from tenplex_megatron.execute.executor import SourceFiles
 from tenplex_megatron.execute.staged import execute_staged
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import plan_reshard
 from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.storage import staged_write
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
+from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.staging import StagingRing
 from tests.staging_support import damage_last_byte_read, staging_tensors, write_source
 
