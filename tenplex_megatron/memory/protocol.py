@@ -12,11 +12,13 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tenplex_megatron.errors import TenplexError
+
 FORMAT = "tenplex-memory-helper"
 VERSION = 1
 
 
-class ProtocolError(ValueError):
+class ProtocolError(TenplexError, ValueError):
     """A line that is not a message of this protocol (unknown op, other version, missing or mistyped field)."""
 
 

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
 PTC_FORMAT_VERSION = 1
 
 DTYPE_SIZES = {
@@ -28,7 +30,7 @@ DTYPE_SIZES = {
 }
 
 
-class PTCError(ValueError):
+class PTCError(TenplexError, ValueError):
     """A PTC (or a chunk in it) that is malformed or inconsistent."""
 
 

@@ -17,13 +17,14 @@ import math
 import os
 from dataclasses import dataclass
 
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.json_pos import JSONFileError, Path, loads_located, where
 
 TRACE_VERSION = 1
 _TOP_FIELDS = {"version", "name", "description", "gpus_per_node", "events", "end"}
 
 
-class TraceError(ValueError):
+class TraceError(TenplexError, ValueError):
     """A trace file that does not parse or holds a malformed event; the message names the line and column."""
 
 
