@@ -8,6 +8,8 @@ Public API for your own megatron-core training loop::
     res = load_checkpoint(load_dir, model, optimizer, scheduler)  # at any TP/PP/DP
     it, n = res.iteration, res.consumed_samples
 
+Every error the package raises is a :class:`TenplexError` (``except TenplexError`` catches them all).
+
 Packages, each depending only on those after it: ``training`` (the reference
 trainer) and ``integrations`` (megatron-core, Megatron-LM, DeepSpeed adapters)
 -> ``engine`` (framework-neutral collective save/load) -> ``execute`` (plans into
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
 __version__ = "0.2.0"
-__all__ = ["LoadResult", "SaveResult", "__version__", "load_checkpoint", "save_checkpoint"]
+__all__ = ["LoadResult", "SaveResult", "TenplexError", "__version__", "load_checkpoint", "save_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:

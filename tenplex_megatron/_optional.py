@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from tenplex_megatron.errors import TenplexError
+
 DIST = "tenplex-megatron"
 
 
-class MissingExtraError(ImportError):
+class MissingExtraError(TenplexError, ImportError):
     """An optional dependency (or one of its own imports) is not installed; the message names the extra."""
 
 

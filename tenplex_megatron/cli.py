@@ -24,6 +24,7 @@ from typing import Any
 
 from tenplex_megatron import __version__, cli_simulate
 from tenplex_megatron._optional import require
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.plan.autolayout import (
     GIB,
@@ -62,7 +63,7 @@ from tenplex_megatron.storage.megatron_summary import read_common, read_torch_pi
 from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, default_workers, verify_checkpoint
 
 
-class CLIError(RuntimeError):
+class CLIError(TenplexError, RuntimeError):
     """A user-facing error: printed without a traceback, exit status 2."""
 
 

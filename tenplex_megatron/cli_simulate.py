@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from tenplex_megatron._optional import require
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.autolayout import Hardware
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.plan.layout_files import load_layout_table, read_layout_times
@@ -38,7 +39,7 @@ from tenplex_megatron.plan.simulate import (
 from tenplex_megatron.plan.trace import Trace, TraceError, load_trace
 
 
-class SimulateError(RuntimeError):
+class SimulateError(TenplexError, RuntimeError):
     """A bad flag or input file; the CLI prints it without a traceback."""
 
 

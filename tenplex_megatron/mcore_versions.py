@@ -16,6 +16,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from tenplex_megatron.errors import TenplexError
+
 #: The supported range, as pyproject.toml declares it (tests/unit/test_mcore_versions.py keeps the two in step):
 #: every release line from MIN up to, not including, BELOW.
 MIN = (0, 15)
@@ -37,11 +39,11 @@ STATE_LAYOUT_V1 = "mcore-state-v1"
 STATE_LAYOUTS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {STATE_LAYOUT_V1: ((0, 15), (0, 20))}
 
 
-class UnsupportedMegatronCoreError(ImportError):
+class UnsupportedMegatronCoreError(TenplexError, ImportError):
     """The megatron-core that would be imported is outside the supported range."""
 
 
-class StateLayoutError(ValueError):
+class StateLayoutError(TenplexError, ValueError):
     """A checkpoint written with a megatron-core state layout the installed version does not reproduce."""
 
 

@@ -19,10 +19,12 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from tenplex_megatron.errors import TenplexError
+
 T = TypeVar("T")
 
 
-class RankFailure(RuntimeError):
+class RankFailure(TenplexError, RuntimeError):
     """One or more ranks failed a phase; the message lists each rank with its exception's type and message."""
 
     def __init__(self, message: str, failures: dict[int, str]):

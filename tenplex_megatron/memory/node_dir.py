@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tenplex_megatron.plan.restart_policy import DurableListing, Snapshot
+from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
@@ -31,6 +32,8 @@ from tenplex_megatron.storage.files import CheckpointFileError
 NODE_FILE = "tenplex-node.json"
 NODE_FORMAT = "tenplex-memory-node"
 NODE_VERSION = 1
+NODE_ID_FORMAT = VersionedFormat(f"{NODE_FORMAT} file", "version", (NODE_VERSION,), CheckpointFileError,
+                                 name=NODE_FORMAT)
 SPARE_DIR = "tenplex-spare"  # retired snapshots' own rank files, overwritten by the next snapshot
 _SPARE_RE = re.compile(r"rank_\d{5}\.safetensors")
 
@@ -57,8 +60,9 @@ def node_id(mem: str) -> str:
             got = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointFileError(f"{path}: unreadable node id ({e}); remove it to make a new one") from None
-    if not isinstance(got, dict) or got.get("format") != NODE_FORMAT or not isinstance(got.get("node"), str):
-        raise CheckpointFileError(f"{path}: not a {NODE_FORMAT} file")
+    NODE_ID_FORMAT.check(got, path)
+    if not isinstance(got.get("node"), str):
+        raise CheckpointFileError(f"{path}: not a {NODE_FORMAT} file (its 'node' is not a string)")
     return got["node"]
 
 

@@ -12,12 +12,19 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.plan.versioned import VersionedFormat
+
 FORMAT = "tenplex-memory-helper"
 VERSION = 1
 
 
-class ProtocolError(ValueError):
+class ProtocolError(TenplexError, ValueError):
     """A line that is not a message of this protocol (unknown op, other version, missing or mistyped field)."""
+
+
+MESSAGE_FORMAT = VersionedFormat(f"{FORMAT} message", "version", (VERSION,), ProtocolError, name=FORMAT,
+                                 version_label=f"{FORMAT} version")
 
 
 @dataclass(frozen=True)
@@ -130,11 +137,7 @@ def _parse(line: bytes | str) -> dict[str, Any]:
         d = json.loads(line)
     except ValueError as e:
         raise ProtocolError(f"not JSON ({e}): {line[:80]!r}") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise ProtocolError(f"not a {FORMAT} message: {line[:80]!r}")
-    if d.get("version") != VERSION:
-        raise ProtocolError(f"{FORMAT} version {d.get('version')!r}, this helper speaks version {VERSION}")
-    return d
+    return MESSAGE_FORMAT.check(d, f"line {line[:80]!r}")
 
 
 def _field(d: dict[str, Any], name: str, kind: type) -> Any:

@@ -32,6 +32,7 @@ from tenplex_megatron.engine.save import (
     save,
     writer_assignment,
 )
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
 from tenplex_megatron.execute.executor import plain_ops
 from tenplex_megatron.memory import background, node_dir, replication
@@ -45,7 +46,7 @@ log = tlog.get("memory")
 HEADER_MARGIN = 1 << 20  # per rank file: the safetensors header and alignment, over the tensors' bytes
 
 
-class MemoryFullError(RuntimeError):
+class MemoryFullError(TenplexError, RuntimeError):
     """A snapshot would not fit the memory directory of a node (found before anything is written)."""
 
 

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
 GPT2 = "gpt2"
 LLAMA = "llama"
 MIXTRAL = "mixtral"
@@ -60,7 +62,7 @@ UNMAPPED = {
 }
 
 
-class HFMapError(ValueError):
+class HFMapError(TenplexError, ValueError):
     """A model or a Hugging Face config that the mapping cannot express; the message names the field."""
 
 

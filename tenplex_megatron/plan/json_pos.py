@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
 Path = tuple[str | int, ...]
 
 
-class JSONFileError(ValueError):
+class JSONFileError(TenplexError, ValueError):
     """A JSON file that does not parse: the message names the file, line and column."""
 
 

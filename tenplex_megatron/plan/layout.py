@@ -6,8 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
 
-class LayoutError(ValueError):
+
+class LayoutError(TenplexError, ValueError):
     """A parallel layout that cannot hold the model or does not match the world size."""
 
 

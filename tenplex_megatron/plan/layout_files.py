@@ -25,6 +25,7 @@ from tenplex_megatron.plan.autolayout import candidate_key, illegal_reasons, par
 from tenplex_megatron.plan.json_pos import JSONFileError, Path, loads_located, where
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
+from tenplex_megatron.plan.versioned import VersionedFormat
 
 TABLE_VERSION = 1
 TIMES_VERSION = 1
@@ -77,11 +78,12 @@ def _located(text: str, name: str) -> tuple[object, dict[Path, tuple[int, int]]]
 
 
 def _versioned(doc: object, name: str, pos: dict[Path, tuple[int, int]], body: str, version: int) -> dict:
-    if not isinstance(doc, dict) or not isinstance(doc.get(body), dict):
-        raise LayoutError(f"{where(name, pos, ())}: expected an object {{\"version\": {version}, \"{body}\": {{...}}}}")
-    if doc.get("version") != version:
-        raise LayoutError(f"{where(name, pos, ('version',))}: version {doc.get('version')!r} is not supported "
-                          f"(this tenplex-megatron reads version {version})")
+    shape = f'{{"version": {version}, "{body}": {{...}}}}'
+    VersionedFormat(shape, "version", (version,), LayoutError).check(doc, where(name, pos, ()),
+                                                                     where(name, pos, ("version",)))
+    assert isinstance(doc, dict)
+    if not isinstance(doc.get(body), dict):
+        raise LayoutError(f"{where(name, pos, (body,))}: expected an object {shape}")
     extra = sorted(set(doc) - {"version", body, "_comment"})
     if extra:
         raise LayoutError(f"{where(name, pos, (extra[0],))}: unknown field(s) {', '.join(map(repr, extra))}")

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
 
 @dataclass(frozen=True)
 class BufferParam:
@@ -49,7 +51,7 @@ class Bucket:
     pieces: tuple[Piece, ...]
 
 
-class BucketArgsError(ValueError):
+class BucketArgsError(TenplexError, ValueError):
     """Saved args whose DDP bucketing the layout here cannot reproduce."""
 
 

@@ -17,11 +17,12 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.geometry import Rect, chunk_rects, intersect
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
 
 
-class PlanError(ValueError):
+class PlanError(TenplexError, ValueError):
     """The destination cannot be built from the source; the message names the tensor."""
 
 

@@ -12,6 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.plan.versioned import VersionedFormat
+
 PTC_FORMAT_VERSION = 1
 
 DTYPE_SIZES = {
@@ -28,8 +31,12 @@ DTYPE_SIZES = {
 }
 
 
-class PTCError(ValueError):
+class PTCError(TenplexError, ValueError):
     """A PTC (or a chunk in it) that is malformed or inconsistent."""
+
+
+PTC_FORMAT = VersionedFormat('a PTC: {"ptc_version": 1, "tensors": [...], "chunks": [...]}', "ptc_version",
+                             (PTC_FORMAT_VERSION,), PTCError, version_label="PTC version")
 
 
 def dtype_size(dtype: str) -> int:
@@ -268,11 +275,7 @@ class PTC:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> PTC:
-        if not isinstance(d, dict):
-            raise PTCError("PTC metadata is not a JSON object")
-        version = d.get("ptc_version")
-        if version != PTC_FORMAT_VERSION:
-            raise PTCError(f"unsupported PTC version {version!r} (this build reads {PTC_FORMAT_VERSION})")
+        PTC_FORMAT.check(d, "PTC metadata")
         try:
             tensors = {t.key: t for t in (TensorMeta.from_json(x) for x in d["tensors"])}
             chunks = tuple(StoredChunk.from_json(x) for x in d["chunks"])

@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
 
-class ForeignSnapshotError(ValueError):
+
+class ForeignSnapshotError(TenplexError, ValueError):
     """A node's memory holds a snapshot of another job: never loaded."""
 
 

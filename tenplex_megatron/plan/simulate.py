@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.autolayout import (
     DEFAULT_MICRO_BATCH_SIZES,
     Hardware,
@@ -56,7 +57,7 @@ POLICY_KINDS = ("auto", "measure", "dp_only", "table")
 SHRINK_MODES = ("failure", "notice")
 
 
-class SimulationError(ValueError):
+class SimulationError(TenplexError, ValueError):
     """Inputs the simulator cannot run with (a policy without its table, a bad cost); the message says which."""
 
 

@@ -17,14 +17,19 @@ import math
 import os
 from dataclasses import dataclass
 
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.json_pos import JSONFileError, Path, loads_located, where
+from tenplex_megatron.plan.versioned import VersionedFormat
 
 TRACE_VERSION = 1
 _TOP_FIELDS = {"version", "name", "description", "gpus_per_node", "events", "end"}
 
 
-class TraceError(ValueError):
+class TraceError(TenplexError, ValueError):
     """A trace file that does not parse or holds a malformed event; the message names the line and column."""
+
+
+TRACE_FORMAT = VersionedFormat('a trace: {"version": 1, "events": [...]}', "version", (TRACE_VERSION,), TraceError)
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,7 @@ def parse_trace(text: str, name: str) -> Trace:
     def fail(path: Path, msg: str) -> TraceError:
         return TraceError(f"{where(name, pos, path)}: {msg}")
 
-    if not isinstance(doc, dict):
-        raise fail((), "expected an object {\"version\": 1, \"events\": [...]}")
-    if doc.get("version") != TRACE_VERSION:
-        raise fail(("version",), f"version {doc.get('version')!r} is not supported (expected {TRACE_VERSION})")
+    TRACE_FORMAT.check(doc, where(name, pos, ()), where(name, pos, ("version",)))
     extra = sorted(set(doc) - _TOP_FIELDS)
     if extra:
         raise fail((extra[0],), f"unknown field {extra[0]!r} (known: {', '.join(sorted(_TOP_FIELDS))})")

@@ -26,6 +26,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
@@ -35,6 +36,8 @@ FORMAT_NAME = "tenplex-megatron"
 #    the blocks it reads; 1: one ``crc32`` per stored tensor (still read: such tensors are checked whole).
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
+METADATA_FORMAT = VersionedFormat(f"{FORMAT_NAME} metadata file", "format_version", READ_VERSIONS, CheckpointFileError,
+                                  name=FORMAT_NAME, version_label="format version")
 METADATA_FILE = "metadata.json"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _LEGACY_RANK_RE = re.compile(r"mp_rank_\d{2}(_\d{3})?")
@@ -137,13 +140,7 @@ def read_metadata(ckpt_dir: str) -> dict[str, Any]:
         raise CheckpointFileError(f"{path}: missing (not a complete tenplex checkpoint)") from None
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointFileError(f"{path}: malformed JSON: {e}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise CheckpointFileError(f"{path}: not a {FORMAT_NAME} metadata file")
-    version = meta.get("format_version")
-    if type(version) is not int or version not in READ_VERSIONS:
-        raise CheckpointFileError(
-            f"{path}: format version {version!r}, this build reads {', '.join(map(str, READ_VERSIONS))}"
-        )
+    METADATA_FORMAT.check(meta, path)
     files = meta.get("files", {})
     if not isinstance(files, dict) or not all(type(v) is int and v >= 0 for v in files.values()):
         raise CheckpointFileError(f"{path}: 'files' must map file names to sizes in bytes")

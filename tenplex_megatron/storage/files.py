@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 
+from tenplex_megatron.errors import TenplexError
 
-class CheckpointFileError(RuntimeError):
+
+class CheckpointFileError(TenplexError, RuntimeError):
     """A checkpoint file that is missing, truncated or malformed; the message names it."""
 
 

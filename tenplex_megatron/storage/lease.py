@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir
 
@@ -52,6 +53,10 @@ class LeaseError(CheckpointFileError):
 
 class FencedError(LeaseError):
     """A newer generation owns the directory: this writer must neither commit nor delete anything there."""
+
+
+LEASE_FORMAT = VersionedFormat(f"{FORMAT} file", "version", (VERSION,), LeaseError, name=FORMAT,
+                               version_label="lease format version")
 
 
 @dataclass(frozen=True)
@@ -109,11 +114,7 @@ def _parse(directory: str, path: str, text: str) -> Lease:
         d = json.loads(text)
     except ValueError as e:
         raise LeaseError(f"{path}: malformed lease file ({e}); remove it if no job writes into {directory}") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise LeaseError(f"{path}: not a {FORMAT} file")
-    if type(d.get("version")) is not int or d["version"] > VERSION:
-        raise LeaseError(f"{path}: lease format version {d.get('version')!r}, this build reads up to {VERSION} "
-                         "(a newer tenplex-megatron holds this directory)")
+    LEASE_FORMAT.check(d, path)
     try:
         return Lease(directory, str(d["job"]), int(d["generation"]), str(d["holder"]), str(d["token"]),
                      float(d["heartbeat"]), float(d["ttl"]), bool(d.get("released", False)))

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.training.tokenizer import Tokenizer
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
@@ -27,6 +28,8 @@ INDEX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 
                 8: np.uint16}
 META_FORMAT = "tenplex-megatron/indexed-dataset-meta"
 META_VERSION = 1
+META_DOCUMENT = VersionedFormat("tenplex-megatron dataset record", "version", (META_VERSION,), ValueError,
+                                name=META_FORMAT, version_label="dataset record version")
 _SCAN_ELEMENTS = 1 << 24
 
 
@@ -76,10 +79,7 @@ class DatasetMeta:
 
     @classmethod
     def from_json(cls, d: Any, path: str) -> DatasetMeta:
-        if not isinstance(d, dict) or d.get("format") != META_FORMAT:
-            raise ValueError(f"{path}: not a tenplex-megatron dataset record")
-        if d.get("version") != META_VERSION:
-            raise ValueError(f"{path}: dataset record version {d.get('version')!r}, this version reads {META_VERSION}")
+        META_DOCUMENT.check(d, path)
         try:
             t = d["tokenizer"]
             rec = TokenizerRecord(str(t["type"]), int(t["vocab_size"]), None if t["eod"] is None else int(t["eod"]),

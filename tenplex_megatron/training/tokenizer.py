@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from tenplex_megatron.errors import TenplexError
+
 BYTE_VOCAB_SIZE = 257
 GPT2_EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_TYPES = ("ByteLevel", "GPT2BPETokenizer", "HuggingFaceTokenizer")
@@ -49,7 +51,7 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens
                       "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "spiece.model")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(TenplexError, ValueError):
     """A tokenizer flag or file that cannot be used; the message names the flag and the file."""
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.optimizer_json import fresh_step, step_in_groups
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
 
@@ -35,7 +36,7 @@ STATE_KEYS = ("exp_avg", "exp_avg_sq")  # Adam's moments: what torch Adam/AdamW 
 SUPPORTED_OPTIMIZERS = ("Adam", "AdamW", "FusedAdam")  # FusedAdam: DeepSpeed's (its default on GPUs)
 
 
-class DeepSpeedStateError(ValueError):
+class DeepSpeedStateError(TenplexError, ValueError):
     """A DeepSpeed engine or checkpoint this integration cannot describe."""
 
 
