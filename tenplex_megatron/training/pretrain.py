@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from tenplex_megatron import flags
 from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -41,9 +42,6 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
-from tenplex_megatron.memory import state
-from tenplex_megatron.memory.snapshot import snapshot
-from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
@@ -351,20 +349,18 @@ def run(args: argparse.Namespace) -> None:
 
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
-    lease_flags.claim(args, "pretrain_gpt.py")  # when main() did not (several jobs in one launch)
+    ckpt = Checkpointer(args, "pretrain_gpt.py")  # the leases: claimed by main() already, or here (several jobs)
     layout = layout_from_args(args)
     spec = spec_from_args(args)
-    tier = memory_flags.open_memory(args)
-    sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    sources = ckpt.sources(args.load)  # the --tenplex-memory tier opened first
     padded = _padded_vocab(args, spec, layout, sources)
     from_hf = _hf_init_dir(args, spec, sources)
     job = _build_job(args, spec, layout, padded)
-    _restore(args, job, tier, sources, from_hf)
-    _train(args, job, tier, _train_dataset(args, spec))
-    if tier is not None:  # over: training is, and its last state goes to --save
-        memory_flags.finish(tier, over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
-        state.close(tier)
-    lease_flags.release(args)
+    _restore(args, job, ckpt, sources, from_hf)
+    _train(args, job, ckpt, _train_dataset(args, spec))
+    # over: training is, and its last state goes to --save
+    ckpt.finish(over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
+    ckpt.close()
     _print0("> tenplex-megatron: done")
 
 
@@ -446,7 +442,7 @@ def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, 
     return job
 
 
-def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
+def _restore(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer,
              sources: restart_sources.Sources, from_hf: str | None) -> None:
     """Collective: the job's state from the first source that has one, in the shared load-source order
     (``frontdoor/restart_sources.py``: host memory, a tenplex checkpoint, Megatron's own: adopted by tenplex with
@@ -454,10 +450,8 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
     layout, mck = job.layout, sources.megatron
     restarted = None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
-        verify = not args.tenplex_no_verify
-        restarted = restart_sources.restart(lambda: MegatronCoreAdapter(job),
-                                            lambda path: load_job(job, path, verify=verify), tier, sources,
-                                            args.load, verify=verify)
+        restarted = ckpt.restart(lambda: MegatronCoreAdapter(job),
+                                 lambda path: load_job(job, path, verify=not args.tenplex_no_verify), sources, args.load)
     if restarted is not None and restarted.memory is not None:
         _note_loaded(args, restarted.result.seconds)
         print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))
@@ -515,7 +509,7 @@ def _train_dataset(args: argparse.Namespace, spec: GPTSpec) -> Any:
     return dataset
 
 
-def _train(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None, dataset: Any) -> None:
+def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, dataset: Any) -> None:
     """Collective: train to ``--train-iters`` (or ``--exit-interval``), saving every ``--save-interval`` and at the
     end; with ``--tenplex``, SIGTERM (a scheduler's notice, torchrun's agent restarting for a node that joined or
     left) makes every rank stop after the same iteration, save and return."""
@@ -532,13 +526,13 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None, d
             if metrics is not None:  # skipped: the fp16 loss scaler skipped this step
                 _write_metrics(metrics, job, start, loss, skipped=job.skipped_iterations > skipped)
             if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-                _save(job, args, tier)
+                _save(job, args, ckpt)
             if stopper is not None and stopper.agreed():
                 _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                         + ("" if args.save else " (no --save: nothing is saved)"))
                 break
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        _save(job, args, tier)
+        _save(job, args, ckpt)
 
 
 def _metrics_file(args: argparse.Namespace) -> contextlib.AbstractContextManager[TextIO | None]:
@@ -598,11 +592,10 @@ def _loss_scale(job: Any) -> float | None:
     return float(scaler.scale.item()) if scaler is not None else None
 
 
-def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
-          persist: bool | None = None) -> None:
+def _save(job: Any, args: argparse.Namespace, ckpt: Checkpointer) -> None:
     gpt.sync_params(job)
-    if tier is not None:
-        snap = snapshot(MegatronCoreAdapter(job), tier, persist=persist)
+    if ckpt.tier is not None:
+        snap = ckpt.save(lambda: MegatronCoreAdapter(job), lambda: save_job(job, args.save, keep=args.tenplex_keep))
         for line in memory_flags.describe_snapshot(snap, job.iteration):
             print_tenplex(line)
         return
@@ -619,7 +612,7 @@ def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return
-    res = save_job(job, args.save, keep=args.tenplex_keep)
+    res = ckpt.save(lambda: MegatronCoreAdapter(job), lambda: save_job(job, args.save, keep=args.tenplex_keep))
     _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
     for path in res.removed:
         _print0(f"> tenplex: removed {path}")
