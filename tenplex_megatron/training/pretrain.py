@@ -77,13 +77,8 @@ from tenplex_megatron.training.tokenizer import (
 MEGATRON_FLAGS_NOT_SUPPORTED = {flag: why for _, _, flag, why in UNSUPPORTED}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
-        description="GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex.",
-        allow_abbrev=False,
-    )
-    g = p.add_argument_group("model")
+def _model_flags(g: argparse._ArgumentGroup) -> None:
+    """The model's shape, precision and fp16 loss scaling (Megatron-LM's names and defaults)."""
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--num-attention-heads", type=int, required=True)
@@ -115,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int, default=1000,
                    help="fp16: steps without overflow before the dynamic scale doubles")
     g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows in a row before the scale halves")
-    g = p.add_argument_group("parallelism")
+
+
+def _parallelism_flags(g: argparse._ArgumentGroup) -> None:
+    """TP, PP, VPP, sequence parallelism and the data-parallel gradient and optimizer options."""
     g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default 1 (or chosen)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
@@ -132,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-gather the distributed optimizer's updated weights overlapped with the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per bucket with --overlap-grad-reduce (default: max(40M, 1M x DP))")
-    g = p.add_argument_group("mixture of experts")
+
+
+def _moe_flags(g: argparse._ArgumentGroup) -> None:
+    """A mixture of experts: routing, experts' width, EP and expert TP."""
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense MLPs)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN width (default: "
                    "--ffn-hidden-size)")
@@ -156,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the experts are divided among; must divide --num-experts (default 1, or chosen by --tenplex-layout)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
-    g = p.add_argument_group("training")
+
+
+def _training_flags(g: argparse._ArgumentGroup) -> None:
+    """Batch sizes, iterations, the learning-rate schedule and the optimizer."""
     g.add_argument("--micro-batch-size", type=int, default=None, help="required unless --tenplex-layout chooses it")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--train-iters", type=int, required=True)
@@ -170,11 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--seed", type=int, default=1234)
-    g = p.add_argument_group("data")
+
+
+def _data_flags(g: argparse._ArgumentGroup) -> None:
+    """Mock data or megatron-core's GPTDataset."""
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", default="969,30,1")
-    g = p.add_argument_group("checkpointing and logging")
+
+
+def _checkpoint_flags(g: argparse._ArgumentGroup) -> None:
+    """Where and how often to save and load without tenplex, and the log interval."""
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -185,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
                    "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
     g.add_argument("--log-interval", type=int, default=1)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex.",
+        allow_abbrev=False,
+    )
+    _model_flags(p.add_argument_group("model"))
+    _parallelism_flags(p.add_argument_group("parallelism"))
+    _moe_flags(p.add_argument_group("mixture of experts"))
+    _training_flags(p.add_argument_group("training"))
+    _data_flags(p.add_argument_group("data"))
+    _checkpoint_flags(p.add_argument_group("checkpointing and logging"))
     flags.add_flags(p.add_argument_group("tenplex"), flags.TRAINER)  # every --tenplex* flag: tenplex_megatron/flags.py
     return p
 
