@@ -26,6 +26,7 @@ runs: quick, its memory figures rough).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from benchmarks.kit.disk import dir_size
@@ -63,9 +65,7 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # ---- steps, each run in a fresh process -------------------------------------------------------------------------
 
 def step_make(model: str, dtype: str, out: str) -> dict[str, Any]:
-    import torch
-    import transformers
-
+    torch, transformers = _lib().torch, _lib().transformers
     cls_name, kw = MODELS[model]
     cfg = getattr(transformers, cls_name)(**kw, **COMMON[cls_name])
     torch.set_default_dtype(getattr(torch, DTYPES[dtype]))
@@ -76,9 +76,7 @@ def step_make(model: str, dtype: str, out: str) -> dict[str, Any]:
 
 
 def step_plain(src: str, out: str, dtype: str) -> dict[str, Any]:
-    import torch
-    import transformers
-
+    torch, transformers = _lib().torch, _lib().transformers
     m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, DTYPES[dtype]))
     m.save_pretrained(out)
     return {}
@@ -86,8 +84,7 @@ def step_plain(src: str, out: str, dtype: str) -> dict[str, Any]:
 
 def _rank_boxes(mapping: Any, padded: int, tp: int, pp: int, rank: int) -> list[Any]:
     """Rank ``rank``'s boxes of a TP x PP megatron-core job (TP fastest), as megatron-core shards them."""
-    from tenplex_megatron.plan.ptc import Chunk
-
+    Chunk = _lib().Chunk  # noqa: N806 (the class)
     t, p = rank % tp, rank // tp
     out = []
     for key, m in mapping.megatron.items():
@@ -123,30 +120,26 @@ def _rank_boxes(mapping: Any, padded: int, tp: int, pp: int, rank: int) -> list[
 
 def _import_rank(hf_dir: str, tp: int, pp: int, rank: int, fill: list | None = None) -> tuple[list, list, int]:
     """Plan and read rank ``rank``'s slice of the transformers directory; returns (chunks, tensors, bytes read)."""
-    import torch
-
-    from tenplex_megatron.execute.executor import execute_plan, prepare_sources
-    from tenplex_megatron.integrations.hf.source import open_hf
-    from tenplex_megatron.plan.hf_map import build_mapping, facts_from_hf_config
-    from tenplex_megatron.plan.layout import padded_vocab_size
-    from tenplex_megatron.plan.planner import plan_reshard
-    from tenplex_megatron.plan.ptc import TensorMeta
-    from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
-
-    opened = open_hf(hf_dir)
-    facts = facts_from_hf_config(opened.metadata["config"])
-    mapping = build_mapping(facts)
-    padded = padded_vocab_size(facts.vocab_size, 128, tp)
+    lib = _lib()
+    opened = lib.open_hf(hf_dir)
+    facts, mapping, padded = _job_mapping(opened.metadata["config"], tp)
     chunks = _rank_boxes(mapping, padded, tp, pp, rank)
-    dst = {k: TensorMeta(k, (padded, *m.shape[1:]) if m.vocab_rows else m.shape, opened.ptc.tensors[k].dtype,
-                         vocab_rows=m.vocab_rows) for k, m in mapping.megatron.items()}
-    plan = plan_reshard(opened.ptc, dst, {rank: chunks}, strict=False)
+    dst = {k: lib.TensorMeta(k, (padded, *m.shape[1:]) if m.vocab_rows else m.shape, opened.ptc.tensors[k].dtype,
+                             vocab_rows=m.vocab_rows) for k, m in mapping.megatron.items()}
+    plan = lib.plan_reshard(opened.ptc, dst, {rank: chunks}, strict=False)
     mine = plan.ranks[rank]
-    prepare_sources(mine, plan.sources, opened.files)
-    tensors = [torch.empty(c.numel, dtype=TORCH_DTYPES[dst[c.key].dtype]) for c in chunks]
-    stats = execute_plan(mine, plan.sources, opened.files, tensors)
+    lib.prepare_sources(mine, plan.sources, opened.files)
+    tensors = [lib.torch.empty(c.numel, dtype=lib.TORCH_DTYPES[dst[c.key].dtype]) for c in chunks]
+    stats = lib.execute_plan(mine, plan.sources, opened.files, tensors)
     opened.files.close()
     return chunks, tensors, stats.bytes_read
+
+
+def _job_mapping(config: dict[str, Any], tp: int) -> tuple[Any, Any, int]:
+    """The transformers config's model facts, its megatron-core mapping and the padded vocabulary at ``tp``."""
+    lib = _lib()
+    facts = lib.facts_from_hf_config(config)
+    return facts, lib.build_mapping(facts), lib.padded_vocab_size(facts.vocab_size, 128, tp)
 
 
 def step_import(hf_dir: str, tp: int, pp: int, rank: int) -> dict[str, Any]:
@@ -156,24 +149,12 @@ def step_import(hf_dir: str, tp: int, pp: int, rank: int) -> dict[str, Any]:
 
 def step_tenplex_ckpt(hf_dir: str, tp: int, pp: int, out: str) -> dict[str, Any]:
     """A tenplex checkpoint of the whole TP x PP job (every rank's chunks, saved by one process: setup only)."""
-    import torch
-    import torch.distributed as dist
-
-    from tenplex_megatron.engine.chunks import LocalChunk
-    from tenplex_megatron.engine.save import save_chunks
-    from tenplex_megatron.integrations.hf.source import read_hf_dir
-    from tenplex_megatron.plan.hf_map import build_mapping, facts_from_hf_config
-    from tenplex_megatron.plan.layout import padded_vocab_size
-    from tenplex_megatron.plan.ptc import TensorMeta
-    from tenplex_megatron.storage.safetensors_io import torch_dtype_name
-
+    lib = _lib()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo")
-    facts = facts_from_hf_config(read_hf_dir(hf_dir).config)
-    mapping = build_mapping(facts)
-    padded = padded_vocab_size(facts.vocab_size, 128, tp)
+    lib.dist.init_process_group("gloo")
+    facts, mapping, padded = _job_mapping(lib.read_hf_dir(hf_dir).config, tp)
     seen: set = set()
-    local: list[LocalChunk] = []
+    local: list[Any] = []
     for r in range(tp * pp):
         chunks, tensors, _ = _import_rank(hf_dir, tp, pp, r)
         for c, t in zip(chunks, tensors):
@@ -182,19 +163,16 @@ def step_tenplex_ckpt(hf_dir: str, tp: int, pp: int, out: str) -> dict[str, Any]
             seen.add((c.key, c.offsets))
             m = mapping.megatron[c.key]
             shape = (padded, *m.shape[1:]) if m.vocab_rows else m.shape
-            local.append(LocalChunk(TensorMeta(c.key, shape, torch_dtype_name(t.dtype), vocab_rows=m.vocab_rows),
-                                    c, t.view(c.shape), True))
-    meta = {"framework": "megatron-core", "model": facts.to_model_json(), "padded_vocab_size": padded}
-    save_chunks(local, out, 0, {"tp": tp, "pp": pp, "dp": 1}, {}, lambda infos: meta)
-    dist.destroy_process_group()
-    del torch
+            meta = lib.TensorMeta(c.key, shape, lib.torch_dtype_name(t.dtype), vocab_rows=m.vocab_rows)
+            local.append(lib.LocalChunk(meta, c, t.view(c.shape), True))
+    doc = {"framework": "megatron-core", "model": facts.to_model_json(), "padded_vocab_size": padded}
+    lib.save_chunks(local, out, 0, {"tp": tp, "pp": pp, "dp": 1}, {}, lambda infos: doc)
+    lib.dist.destroy_process_group()
     return {}
 
 
 def step_export(ckpt: str, out: str) -> dict[str, Any]:
-    from tenplex_megatron.integrations.hf.export import export_hf
-
-    res = export_hf(ckpt, out, max_shard_bytes=2 * 10**9)
+    res = _lib().export_hf(ckpt, out, max_shard_bytes=2 * 10**9)
     return {"largest_tensor_bytes": res.largest_tensor_bytes, "bytes": res.bytes}
 
 
@@ -203,6 +181,36 @@ STEPS = {"make": step_make, "plain": step_plain, "import": step_import, "tenplex
 
 
 FRESH = True  # each step in a fresh process (--quick: all in this one, for speed: its memory figures are rough)
+
+
+@functools.cache
+def _lib() -> SimpleNamespace:
+    """Everything the steps use, imported once per process at the first call (the parent never imports torch or
+    transformers: its baseline stays small); a fresh step's process calls it before it measures."""
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401 (imported before the measured work)
+    from transformers.models.llama import modeling_llama  # noqa: F401
+
+    from tenplex_megatron.engine.chunks import LocalChunk
+    from tenplex_megatron.engine.save import save_chunks
+    from tenplex_megatron.execute.executor import execute_plan, prepare_sources
+    from tenplex_megatron.integrations.hf.export import export_hf
+    from tenplex_megatron.integrations.hf.source import open_hf, read_hf_dir
+    from tenplex_megatron.plan.hf_map import build_mapping, facts_from_hf_config
+    from tenplex_megatron.plan.layout import padded_vocab_size
+    from tenplex_megatron.plan.planner import plan_reshard
+    from tenplex_megatron.plan.ptc import Chunk, TensorMeta
+    from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES, torch_dtype_name
+
+    transformers.AutoModelForCausalLM  # noqa: B018 (resolve the lazy attribute)
+    return SimpleNamespace(
+        torch=torch, dist=dist, transformers=transformers, LocalChunk=LocalChunk, save_chunks=save_chunks,
+        execute_plan=execute_plan, prepare_sources=prepare_sources, export_hf=export_hf, open_hf=open_hf,
+        read_hf_dir=read_hf_dir, build_mapping=build_mapping, facts_from_hf_config=facts_from_hf_config,
+        padded_vocab_size=padded_vocab_size, plan_reshard=plan_reshard, Chunk=Chunk, TensorMeta=TensorMeta,
+        TORCH_DTYPES=TORCH_DTYPES, torch_dtype_name=torch_dtype_name)
 
 
 def run_step(name: str, *args: Any) -> dict[str, Any]:
@@ -219,16 +227,7 @@ def run_step(name: str, *args: Any) -> dict[str, Any]:
 
 def _child(name: str, args: list[Any]) -> None:
     """Import everything a step uses first, so its figures are the work alone (not module imports)."""
-    import torch  # noqa: F401
-    import transformers
-    from transformers.models.gpt2 import modeling_gpt2  # noqa: F401
-    from transformers.models.llama import modeling_llama  # noqa: F401
-
-    import tenplex_megatron.engine.save  # noqa: F401
-    import tenplex_megatron.execute.executor  # noqa: F401
-    import tenplex_megatron.integrations.hf.export  # noqa: F401
-
-    transformers.AutoModelForCausalLM  # noqa: B018 (resolve the lazy attribute)
+    _lib()
     print(json.dumps(measure(name, args)))
 
 

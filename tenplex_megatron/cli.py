@@ -24,6 +24,7 @@ from typing import Any
 
 from tenplex_megatron import __version__, cli_simulate
 from tenplex_megatron._optional import require
+from tenplex_megatron.cli_options import add_job_options, distributed_optimizer, gpus_per_node
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.plan.autolayout import (
@@ -206,7 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except LayoutError as e:
         raise CLIError(str(e)) from None
     vocab, divisible_by = _vocab(shape, source)
-    distopt = meta.get("use_distributed_optimizer", False) if args.distributed_optimizer is None else args.distributed_optimizer
+    distopt = distributed_optimizer(args, meta.get("use_distributed_optimizer", False))
     saved_vocab = meta.get("padded_vocab_size")
     if args.vocab_padding == "keep":
         padded = restart_padded_vocab_size(vocab, divisible_by, dst.tp, saved_vocab)
@@ -305,7 +306,7 @@ def _plan_model(args: argparse.Namespace) -> int:
         dst.check_fits(shape)
     except (KeyError, LayoutError) as e:
         raise CLIError(str(e).strip("'\"")) from None
-    distopt = True if args.distributed_optimizer is None else args.distributed_optimizer
+    distopt = distributed_optimizer(args)
     run = dry_run(dims, src, dst, distopt, args.gpus_per_node)
     reads = list(run.read_bytes.values())
     report = {
@@ -348,6 +349,7 @@ def cmd_layouts(args: argparse.Namespace) -> int:
         dims = load_model(args.model)
     except KeyError as e:
         raise CLIError(str(e).strip("'\"")) from None
+    args.gpus_per_node, args.distributed_optimizer = gpus_per_node(args), distributed_optimizer(args)
     hardware = Hardware(flops_per_gpu=args.tflops_per_gpu * 1e12)
     try:
         measured = read_layout_times(args.times).get(args.gpus, {}) if args.times else {}
@@ -565,29 +567,20 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(fn=cmd_verify)
     q = sub.add_parser("plan", help="dry run: bytes each destination rank would read for a new layout")
     q.add_argument("checkpoint", nargs="?", help="checkpoint directory (or use --model and --from)")
-    q.add_argument("--model", help="plan for a model in the packaged model catalogue without a checkpoint, e.g. gpt3-175b")
     q.add_argument("--from", dest="source", help="source layout with --model")
     q.add_argument("--to", required=True, help="destination layout, e.g. tp=2,pp=2,dp=1")
-    q.add_argument("--gpus-per-node", type=int, default=None)
-    q.add_argument("--distributed-optimizer", dest="distributed_optimizer", action="store_true", default=None)
-    q.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
+    add_job_options(q, ("model", "gpus_per_node", "distributed_optimizer"))
     q.add_argument("--vocab-padding", choices=["keep", "megatron"], default="keep")
     q.add_argument("--per-rank", action="store_true")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_plan)
     la = sub.add_parser("layouts", help="rank every TP/PP/DP/micro-batch for a GPU count: memory, modelled time, "
                                         "why a layout is excluded")
-    la.add_argument("--model", required=True, help="a model in the packaged catalogue, e.g. gpt3-1.3b")
     la.add_argument("--gpus", type=int, required=True, help="world size: the number of GPUs (processes)")
-    la.add_argument("--gpus-per-node", type=int, default=8, help="TP stays within a node (default 8)")
-    la.add_argument("--memory-gb", type=float, default=80.0, help="memory budget per rank in GiB (default 80)")
-    la.add_argument("--global-batch-size", type=int, default=512, help="fixed at every world size (default 512)")
+    add_job_options(la, required=("model",))
     la.add_argument("--micro-batch-sizes", type=_int_list, default=[1, 2, 4, 8],
                     help="micro-batch sizes to try, comma-separated (default 1,2,4,8)")
     la.add_argument("--times", help="measured iteration times (JSON written by --tenplex-layout measure)")
-    la.add_argument("--tflops-per-gpu", type=float, default=Hardware().flops_per_gpu / 1e12,
-                    help="achieved TFLOP/s per GPU for the modelled times (default %(default)g)")
-    la.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     la.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                     help="the job runs without --sequence-parallel: part of each layer's activations stays whole on "
                          "every TP rank, and a mixture of experts stays at TP 1")

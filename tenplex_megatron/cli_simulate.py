@@ -15,6 +15,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from tenplex_megatron._optional import require
+from tenplex_megatron.cli_options import add_job_options, distributed_optimizer
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.autolayout import Hardware
 from tenplex_megatron.plan.layout import LayoutError
@@ -69,7 +70,7 @@ def add_parser(sub: Any) -> None:
     s = sub.add_parser("simulate", help="replay a GPU-allocation trace on paper: each policy's layouts, restarts "
                                         "and time to a target iteration (no GPU, no torch)")
     s.add_argument("--trace", required=True, help="configs/traces/NAME.json")
-    s.add_argument("--model", required=True, help="a model in the packaged catalogue, e.g. gpt3-xl")
+    add_job_options(s, required=("model", "global_batch_size"))
     s.add_argument("--model-catalogue", default=None, help="a models.json of your own (default: the packaged one)")
     s.add_argument("--policies", default="auto,dp_only",
                    help=f"comma-separated, first is compared with the others: {', '.join(POLICY_KINDS)} (default "
@@ -79,24 +80,18 @@ def add_parser(sub: Any) -> None:
                    help="dp_only's fixed TP,PP (default: the table's, else auto's, layout at the first allocation)")
     s.add_argument("--times", default=None,
                    help="measured seconds per iteration (tenplex_layout_times.json); otherwise modelled")
-    s.add_argument("--global-batch-size", type=int, required=True)
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--target-iteration", type=int, help="the iteration to reach")
     g.add_argument("--target-at", type=_target_at, metavar="POLICY=MINUTES",
                    help="the target is the iteration POLICY reaches after MINUTES (e.g. to compare with a paper's time)")
-    s.add_argument("--gpus-per-node", type=int, default=None,
-                   help="GPUs of each of the trace's nodes (default: the trace's gpus_per_node)")
     s.add_argument("--time-scale", type=float, default=1.0, help="seconds per trace time unit (60: minutes)")
     s.add_argument("--repeat", type=int, default=1, help="play the trace this many times in a row (needs its end)")
     s.add_argument("--clock", choices=["launch", "first-iteration"], default="launch",
                    help="the trace's t=0: the launch, or the job's first iteration")
-    s.add_argument("--memory-gb", type=float, default=None, help="memory budget per rank in GiB (default: none)")
-    s.add_argument("--tflops-per-gpu", type=float, default=Hardware().flops_per_gpu / 1e12)
     s.add_argument("--intra-node-gbps", type=float, default=Hardware().intra_node_bandwidth / 1e9,
                    help="GB/s within a node for the throughput model")
     s.add_argument("--inter-node-gbps", type=float, default=Hardware().inter_node_bandwidth / 1e9,
                    help="GB/s between nodes for the throughput model")
-    s.add_argument("--no-distributed-optimizer", dest="distributed_optimizer", action="store_false")
     s.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     c = Costs()
     s.add_argument("--start-s", type=float, default=c.start_s, help="launch to first iteration, load excluded")
@@ -175,7 +170,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                       args.measure_trial_s, args.shrink, args.exact_bytes_max_gpus)
         times = read_layout_times(args.times) if args.times else None
         job = Job(dims, args.global_batch_size, args.target_iteration or 1, memory_gb=args.memory_gb,
-                  distributed_optimizer=args.distributed_optimizer,
+                  distributed_optimizer=distributed_optimizer(args),
                   make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hardware=hw)
         sim = Simulator(job, costs, trace.gpus_per_node, times)
         policies = _policies(args, sim, trace)

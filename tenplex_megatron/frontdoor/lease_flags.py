@@ -82,7 +82,8 @@ def stop_when_fenced(prog: str) -> Iterator[None]:
 
 
 def release(args: Any) -> None:
-    """A clean end: give back the leases this process holds (the next job takes them at once)."""
+    """A clean end: give back the leases this process holds (the next job takes them at once); a later
+    :func:`claim` with the same flags claims them again (a job rebuilt in the same process)."""
     for d in getattr(args, "tenplex_leases", None) or ():
         lease.release(d)
-    args.tenplex_leases = []
+    args.tenplex_leases = None

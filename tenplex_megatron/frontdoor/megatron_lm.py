@@ -35,13 +35,15 @@ import argparse
 import atexit
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron import flags, log
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import elastic, lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import elastic, memory_flags, restart_sources
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -55,10 +57,6 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
-from tenplex_megatron.memory import state
-from tenplex_megatron.memory.restart import discard_after
-from tenplex_megatron.memory.snapshot import snapshot
-from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
@@ -72,8 +70,45 @@ from tenplex_megatron.storage.directory import (
 )
 
 _log = log.get("megatron_lm")
-_ORIGINALS: dict[str, Callable[..., Any]] = {}
-_MEMORY: dict[str, MemoryTier | None] = {}  # "tier": the --tenplex-memory tier, once opened
+#: where :func:`install` keeps the hook's state: on the module it patches (``megatron.training.training``)
+HOOK_ATTRIBUTE = "_tenplex_hook"
+
+
+class Hook:
+    """The installed hook: Megatron-LM's original functions (read-only) and the job's :class:`Checkpointer`, built
+    when Megatron-LM checks its flags and closed at exit (or by an in-process restart, which builds the next)."""
+
+    def __init__(self, originals: Mapping[str, Callable[..., Any]]) -> None:
+        self.originals: Mapping[str, Callable[..., Any]] = MappingProxyType(dict(originals))
+        self.checkpointer: Checkpointer | None = None
+
+    def checkpointer_for(self, args: Any) -> Checkpointer:
+        """The job's Checkpointer, built from Megatron-LM's parsed ``args`` at the first call (the leases claimed:
+        before any process group when :func:`_validate_args` calls it), closed at exit."""
+        if self.checkpointer is None:
+            self.checkpointer = Checkpointer(args, "pretrain_gpt.py")
+            atexit.register(self.checkpointer.close)
+        return self.checkpointer
+
+    def close(self) -> None:
+        """Close the job's Checkpointer (helpers stopped, leases released); the next use builds a new one."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+            self.checkpointer = None
+
+
+def installed() -> Hook:
+    """The hook :func:`install` put in place (RuntimeError before)."""
+    import megatron.training.training as train_mod
+
+    hook = getattr(train_mod, HOOK_ATTRIBUTE, None)
+    if hook is None:
+        raise RuntimeError("tenplex_megatron.frontdoor.megatron_lm.install() was not called")
+    return hook
+
+
+def _original(name: str) -> Callable[..., Any]:
+    return installed().originals[name]
 
 
 def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -82,9 +117,9 @@ def add_tenplex_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
-_FIXING_FLAGS = {"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-                 "ep": "--expert-model-parallel-size", "expert_tp": "--expert-tensor-parallel-size",
-                 "micro_batch_size": "--micro-batch-size"}
+_FIXING_FLAGS = MappingProxyType({"tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size",
+                                  "ep": "--expert-model-parallel-size", "expert_tp": "--expert-tensor-parallel-size",
+                                  "micro_batch_size": "--micro-batch-size"})
 # Megatron-LM features the layout choice does not model: refused with --tenplex-layout rather than ignored
 _UNMODELLED = (("context_parallel_size", 1, "--context-parallel-size"),
                # the choice decides VPP itself (1 or an interleaving): a given one is refused, not ignored
@@ -162,15 +197,15 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
         for problem in problems:
             _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
         raise SystemExit(2)
+    hook = installed()
     if hasattr(args, "tenplex_take_over"):  # before any process group: another live job's directory is refused
         try:
-            lease_flags.claim(args, "pretrain_gpt.py")
+            hook.checkpointer_for(args)
         except SystemExit as e:
             _log.error("%s", e.code)
             raise SystemExit(2) from None
-        atexit.register(lease_flags.release, args)
     choose_layout_for_args(args)
-    return _ORIGINALS["validate_args"](args, *a, **kw)
+    return hook.originals["validate_args"](args, *a, **kw)
 
 
 def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -226,52 +261,39 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
 
     args = get_args()
     if not getattr(args, "tenplex", False) or kw.get("non_persistent_ckpt"):
-        return _ORIGINALS["save_checkpoint"](iteration, model, optimizer, opt_param_scheduler,
-                                             num_floating_point_operations_so_far, *a, **kw)
+        return _original("save_checkpoint")(iteration, model, optimizer, opt_param_scheduler,
+                                            num_floating_point_operations_so_far, *a, **kw)
     job = _job(model, optimizer, opt_param_scheduler)
     job.iteration = iteration
     job.consumed_samples = int(args.consumed_train_samples)
     extra = {"num_floating_point_operations_so_far": num_floating_point_operations_so_far}
-    opened = "tier" in _MEMORY
-    tier = _memory_tier(args)
-    if tier is not None and not opened:  # no --load: the job started afresh, older runs' snapshots are left behind
-        discard_after(tier, None)
-    with lease_flags.stop_when_fenced("pretrain_gpt.py"):  # a newer generation of this job owns the directory
-        if tier is not None:  # a snapshot into node memory; replication and persist go on in the background
-            for line in memory_flags.describe_snapshot(snapshot(MegatronCoreAdapter(job, extra), tier), iteration):
-                _log.info(line)
-            return
-        res = save_job(job, args.save, extra=extra, keep=args.tenplex_keep)
+    ckpt = installed().checkpointer_for(args)
+    opened = ckpt.memory_opened
+    if ckpt.memory() is not None and not opened:  # no --load: a fresh start, older runs' snapshots left behind
+        ckpt.forget_older_snapshots()
+    # a snapshot into node memory (replication and persist go on in the background), else a durable save; a newer
+    # generation of this job owning the directory stops this one
+    res = ckpt.save(lambda: MegatronCoreAdapter(job, extra),
+                    lambda: save_job(job, args.save, extra=extra, keep=args.tenplex_keep))
+    if ckpt.tier is not None:
+        for line in memory_flags.describe_snapshot(res, iteration):
+            _log.info(line)
+        return
     _log.info("saved iteration %d to %s in %.2f s", iteration, res.path, res.seconds)
-
-
-def _memory_tier(args: Any) -> MemoryTier | None:
-    """Collective at first use (the first save or load, reached by every rank): the ``--tenplex-memory`` tier."""
-    if not (getattr(args, "tenplex", False) and getattr(args, "tenplex_memory", None)):
-        return None
-    if "tier" not in _MEMORY:
-        _MEMORY["tier"] = memory_flags.open_memory(args)
-        atexit.register(_close_memory)
-    return _MEMORY["tier"]
-
-
-def _close_memory() -> None:
-    """At exit: stop this node's helper process (local: the collective end is :func:`maybe_finalize_async_save`)."""
-    tier = _MEMORY.get("tier")
-    if tier is not None:
-        state.close(tier)
 
 
 def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *a: Any, **kw: Any) -> Any:
     """Megatron-LM's end-of-checkpointing call (every rank, before each exit and at the end of ``pretrain``); with
     ``--tenplex-memory`` and ``terminate`` the last snapshot is replicated and, once training is over, persisted."""
-    out = _ORIGINALS["maybe_finalize_async_save"](blocking, terminate, *a, **kw)
-    tier = _MEMORY.get("tier")
+    hook = installed()
+    out = hook.originals["maybe_finalize_async_save"](blocking, terminate, *a, **kw)
+    ckpt = hook.checkpointer
+    tier = ckpt.tier if ckpt is not None else None
     if terminate and tier is not None and tier.last is not None:
         from megatron.training import get_args
 
         args = get_args()
-        memory_flags.finish(tier, over=bool(args.save) and tier.last[0] >= int(args.train_iters or 0), say=_log.info)
+        ckpt.finish(over=bool(args.save) and tier.last[0] >= int(args.train_iters or 0), say=_log.info)
     return out
 
 
@@ -282,11 +304,12 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
 
     args = get_args()
     load_dir = getattr(args, load_arg, None)
-    tier = _memory_tier(args) if load_arg == "load" else None
+    ckpt = installed().checkpointer_for(args)
+    memory = load_arg == "load"  # host memory holds the job's own state only
     tenplex = bool(getattr(args, "tenplex", False) and load_dir)
-    sources = restart_sources.find_sources(tier, load_dir, tenplex=tenplex)
+    sources = ckpt.sources(load_dir, tenplex=tenplex, memory=memory)
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
-        return _restart(ddp_model, optimizer, opt_param_scheduler, tier, sources, load_dir)
+        return _restart(ddp_model, optimizer, opt_param_scheduler, ckpt, sources, load_dir, memory=memory)
     mck = sources.megatron if tenplex else None
     if getattr(args, "tenplex_init_from_hf", None) and sources.megatron is None:
         job = _job(ddp_model, optimizer, opt_param_scheduler)
@@ -296,7 +319,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
                   args.tenplex_init_from_hf, job.layout, hf.tensors, hf.stats.bytes_read / 1e6)
         return 0, 0.0
     if mck is None:
-        return _ORIGINALS["load_checkpoint"](ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
+        return _original("load_checkpoint")(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
     # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
     res = adopt_megatron_checkpoint(job, mck, trust_pickles=args.tenplex_trust_pickles)
@@ -305,17 +328,17 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     return res.iteration, flops
 
 
-def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, tier: MemoryTier | None,
-             sources: restart_sources.Sources, load_dir: str) -> tuple[int, float]:
+def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, ckpt: Checkpointer,
+             sources: restart_sources.Sources, load_dir: str, *, memory: bool) -> tuple[int, float]:
     """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
     re-sharded; a damaged copy falls back to the next (``memory/fallback.py``)."""
     from megatron.training import get_args
 
     args = get_args()
     job = _job(ddp_model, optimizer, opt_param_scheduler)
-    verify = not args.tenplex_no_verify
-    got = restart_sources.restart(lambda: MegatronCoreAdapter(job), lambda path: load_job(job, path, verify=verify),
-                                  tier, sources, load_dir, verify=verify)
+    got = ckpt.restart(lambda: MegatronCoreAdapter(job),
+                       lambda path: load_job(job, path, verify=not args.tenplex_no_verify), sources, load_dir,
+                       memory=memory)
     res = got.result
     flops = _resumed(args, job, res)
     if got.memory is not None:
@@ -358,7 +381,7 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
 
     args = get_args()
     if dataset is None or not getattr(args, "tenplex", False) or consumed_samples is None:
-        return _ORIGINALS["build_pretraining_data_loader"](dataset, consumed_samples)
+        return _original("build_pretraining_data_loader")(dataset, consumed_samples)
     sampler = TenplexBatchSampler(len(dataset), consumed_samples, args.global_batch_size, args.micro_batch_size,
                                   mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
@@ -372,7 +395,7 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
     Megatron's softmax covers the padding rows, so a different padded size is a
     slightly different model: keeping it makes the resumed losses continue exactly.
     """
-    padded = _ORIGINALS["_vocab_size_with_padding"](orig_vocab_size, args, *a, **kw)
+    padded = _original("_vocab_size_with_padding")(orig_vocab_size, args, *a, **kw)
     if not getattr(args, "tenplex", False) or getattr(args, "tenplex_vocab_padding", "keep") != "keep" \
             or not getattr(args, "load", None):
         return padded
@@ -402,15 +425,16 @@ def install() -> None:
     import megatron.training.checkpointing as ckpt_mod
     import megatron.training.initialize as init_mod
 
-    if _ORIGINALS:
+    if getattr(train_mod, HOOK_ATTRIBUTE, None) is not None:
         return
     orphan.die_with_agent()  # in the worker: it exits when its torchrun agent dies (no save, no commit)
+    originals: dict[str, Callable[..., Any]] = {}
     # core_v0.18+: pretrain_gpt.py checks its flags in arguments.parse_and_validate_args; before, initialize_megatron
     # calls the validate_args it imported by name
     checks = args_mod if hasattr(args_mod, "parse_and_validate_args") else init_mod
-    _ORIGINALS["validate_args"] = checks.validate_args
-    checks.validate_args = _validate_args
+    originals["validate_args"] = checks.validate_args
     # the vocabulary padding: megatron.training's tokenizer up to core_v0.16, megatron.core's tokenizers from 0.17
+    tok_mod, tok_name = None, ""
     for module, name in (("megatron.training.tokenizer.tokenizer", "_vocab_size_with_padding"),
                          ("megatron.core.tokenizers.utils.build_tokenizer", "vocab_size_with_padding")):
         try:
@@ -418,15 +442,18 @@ def install() -> None:
         except ImportError:
             continue
         if hasattr(tok_mod, name):
-            _ORIGINALS["_vocab_size_with_padding"] = getattr(tok_mod, name)
-            setattr(tok_mod, name, _vocab_size_with_padding)
+            originals["_vocab_size_with_padding"], tok_name = getattr(tok_mod, name), name
             break
-    _ORIGINALS["save_checkpoint"] = ckpt_mod.save_checkpoint
-    _ORIGINALS["load_checkpoint"] = ckpt_mod.load_checkpoint
-    _ORIGINALS["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader
+    originals["save_checkpoint"] = ckpt_mod.save_checkpoint
+    originals["load_checkpoint"] = ckpt_mod.load_checkpoint
+    originals["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader
+    originals["maybe_finalize_async_save"] = train_mod.maybe_finalize_async_save
+    setattr(train_mod, HOOK_ATTRIBUTE, Hook(originals))  # before any wrapper can run
+    checks.validate_args = _validate_args
+    if tok_name:
+        setattr(tok_mod, tok_name, _vocab_size_with_padding)
     for mod in (ckpt_mod, train_mod):
         mod.save_checkpoint = save_checkpoint
         mod.load_checkpoint = load_checkpoint
     train_mod.build_pretraining_data_loader = build_pretraining_data_loader
-    _ORIGINALS["maybe_finalize_async_save"] = train_mod.maybe_finalize_async_save
     train_mod.maybe_finalize_async_save = maybe_finalize_async_save

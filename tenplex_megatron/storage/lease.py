@@ -168,7 +168,8 @@ _LOCK = threading.Lock()
 #: one rewrite of a held lease's file at a time in this process, taken before _LOCK: the heartbeat's renewal and a
 #: release must not interleave (a renewal after the release would mark the lease live again)
 _WRITE = threading.Lock()
-_BEAT: dict[int, threading.Thread] = {}  # pid -> its heartbeat thread (a forked child starts its own)
+#: pid -> its heartbeat thread and the event that ends it (a forked child starts its own)
+_BEAT: dict[int, tuple[threading.Thread, threading.Event]] = {}
 
 
 def _key(directory: str) -> str:
@@ -279,13 +280,14 @@ def release(directory: str) -> None:
         _rewrite(replace(mine, heartbeat=time.time(), released=True))
 
 
-def _beat() -> None:
-    """The heartbeat thread: renew every held lease ``HEARTBEATS_PER_TTL`` times per ttl."""
+def _beat(stop: threading.Event) -> None:
+    """The heartbeat thread: renew every held lease ``HEARTBEATS_PER_TTL`` times per ttl, until ``stop`` is set."""
     while True:
         with _LOCK:
             leases = list(_HELD.items())
         period = min((lease.ttl for _, lease in leases), default=DEFAULT_TTL) / HEARTBEATS_PER_TTL
-        time.sleep(period)
+        if stop.wait(period):
+            return
         _beat_once(leases)
 
 
@@ -311,5 +313,22 @@ def _start_heartbeat() -> None:
     with _LOCK:
         if os.getpid() in _BEAT:
             return
-        t = _BEAT[os.getpid()] = threading.Thread(target=_beat, name="tenplex-lease-heartbeat", daemon=True)
+        stop = threading.Event()
+        t = threading.Thread(target=_beat, args=(stop,), name="tenplex-lease-heartbeat", daemon=True)
+        _BEAT[os.getpid()] = (t, stop)
     t.start()
+
+
+def stop_heartbeat_when_idle(timeout: float = 10.0) -> bool:
+    """End this process's heartbeat thread when it holds no lease (a job's clean end, before the next job of the
+    same process takes its own); the next :func:`acquire` starts a new one. Returns whether no heartbeat runs."""
+    with _LOCK:
+        if _HELD:
+            return False
+        entry = _BEAT.pop(os.getpid(), None)
+    if entry is not None:
+        thread, stop = entry
+        stop.set()
+        thread.join(timeout)
+        return not thread.is_alive()
+    return True

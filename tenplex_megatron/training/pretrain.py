@@ -30,6 +30,7 @@ from megatron.core import parallel_state
 from tenplex_megatron import flags
 from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
 from tenplex_megatron.integrations.megatron_core.adapter import (
@@ -41,9 +42,6 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
-from tenplex_megatron.memory import state
-from tenplex_megatron.memory.snapshot import snapshot
-from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
@@ -79,13 +77,8 @@ from tenplex_megatron.training.tokenizer import (
 MEGATRON_FLAGS_NOT_SUPPORTED = {flag: why for _, _, flag, why in UNSUPPORTED}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pretrain_gpt.py",
-        description="GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex.",
-        allow_abbrev=False,
-    )
-    g = p.add_argument_group("model")
+def _model_flags(g: argparse._ArgumentGroup) -> None:
+    """The model's shape, precision and fp16 loss scaling (Megatron-LM's names and defaults)."""
     g.add_argument("--num-layers", type=int, required=True)
     g.add_argument("--hidden-size", type=int, required=True)
     g.add_argument("--num-attention-heads", type=int, required=True)
@@ -117,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--loss-scale-window", type=int, default=1000,
                    help="fp16: steps without overflow before the dynamic scale doubles")
     g.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows in a row before the scale halves")
-    g = p.add_argument_group("parallelism")
+
+
+def _parallelism_flags(g: argparse._ArgumentGroup) -> None:
+    """TP, PP, VPP, sequence parallelism and the data-parallel gradient and optimizer options."""
     g.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default 1 (or chosen: --tenplex-layout)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default 1 (or chosen)")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
@@ -134,7 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="all-gather the distributed optimizer's updated weights overlapped with the next forward")
     g.add_argument("--ddp-bucket-size", type=int, default=None,
                    help="elements per bucket with --overlap-grad-reduce (default: max(40M, 1M x DP))")
-    g = p.add_argument_group("mixture of experts")
+
+
+def _moe_flags(g: argparse._ArgumentGroup) -> None:
+    """A mixture of experts: routing, experts' width, EP and expert TP."""
     g.add_argument("--num-experts", type=int, default=None, help="routed experts per MoE layer (default: dense MLPs)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN width (default: "
                    "--ffn-hidden-size)")
@@ -158,7 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the experts are divided among; must divide --num-experts (default 1, or chosen by --tenplex-layout)")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="tensor parallelism inside each expert (default: --tensor-model-parallel-size)")
-    g = p.add_argument_group("training")
+
+
+def _training_flags(g: argparse._ArgumentGroup) -> None:
+    """Batch sizes, iterations, the learning-rate schedule and the optimizer."""
     g.add_argument("--micro-batch-size", type=int, default=None, help="required unless --tenplex-layout chooses it")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--train-iters", type=int, required=True)
@@ -172,11 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--seed", type=int, default=1234)
-    g = p.add_argument_group("data")
+
+
+def _data_flags(g: argparse._ArgumentGroup) -> None:
+    """Mock data or megatron-core's GPTDataset."""
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-path", nargs="*", default=None)
     g.add_argument("--split", default="969,30,1")
-    g = p.add_argument_group("checkpointing and logging")
+
+
+def _checkpoint_flags(g: argparse._ArgumentGroup) -> None:
+    """Where and how often to save and load without tenplex, and the log interval."""
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -187,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
                    "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
     g.add_argument("--log-interval", type=int, default=1)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pre-training on megatron-core with Megatron-LM's flags and --tenplex.",
+        allow_abbrev=False,
+    )
+    _model_flags(p.add_argument_group("model"))
+    _parallelism_flags(p.add_argument_group("parallelism"))
+    _moe_flags(p.add_argument_group("mixture of experts"))
+    _training_flags(p.add_argument_group("training"))
+    _data_flags(p.add_argument_group("data"))
+    _checkpoint_flags(p.add_argument_group("checkpointing and logging"))
     flags.add_flags(p.add_argument_group("tenplex"), flags.TRAINER)  # every --tenplex* flag: tenplex_megatron/flags.py
     return p
 
@@ -351,20 +372,18 @@ def run(args: argparse.Namespace) -> None:
 
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
-    lease_flags.claim(args, "pretrain_gpt.py")  # when main() did not (several jobs in one launch)
+    ckpt = Checkpointer(args, "pretrain_gpt.py")  # the leases: claimed by main() already, or here (several jobs)
     layout = layout_from_args(args)
     spec = spec_from_args(args)
-    tier = memory_flags.open_memory(args)
-    sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    sources = ckpt.sources(args.load)  # the --tenplex-memory tier opened first
     padded = _padded_vocab(args, spec, layout, sources)
     from_hf = _hf_init_dir(args, spec, sources)
     job = _build_job(args, spec, layout, padded)
-    _restore(args, job, tier, sources, from_hf)
-    _train(args, job, tier, _train_dataset(args, spec))
-    if tier is not None:  # over: training is, and its last state goes to --save
-        memory_flags.finish(tier, over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
-        state.close(tier)
-    lease_flags.release(args)
+    _restore(args, job, ckpt, sources, from_hf)
+    _train(args, job, ckpt, _train_dataset(args, spec))
+    # over: training is, and its last state goes to --save
+    ckpt.finish(over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
+    ckpt.close()
     _print0("> tenplex-megatron: done")
 
 
@@ -446,7 +465,7 @@ def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, 
     return job
 
 
-def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
+def _restore(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer,
              sources: restart_sources.Sources, from_hf: str | None) -> None:
     """Collective: the job's state from the first source that has one, in the shared load-source order
     (``frontdoor/restart_sources.py``: host memory, a tenplex checkpoint, Megatron's own: adopted by tenplex with
@@ -454,10 +473,8 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None,
     layout, mck = job.layout, sources.megatron
     restarted = None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
-        verify = not args.tenplex_no_verify
-        restarted = restart_sources.restart(lambda: MegatronCoreAdapter(job),
-                                            lambda path: load_job(job, path, verify=verify), tier, sources,
-                                            args.load, verify=verify)
+        restarted = ckpt.restart(lambda: MegatronCoreAdapter(job),
+                                 lambda path: load_job(job, path, verify=not args.tenplex_no_verify), sources, args.load)
     if restarted is not None and restarted.memory is not None:
         _note_loaded(args, restarted.result.seconds)
         print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))
@@ -515,7 +532,7 @@ def _train_dataset(args: argparse.Namespace, spec: GPTSpec) -> Any:
     return dataset
 
 
-def _train(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None, dataset: Any) -> None:
+def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, dataset: Any) -> None:
     """Collective: train to ``--train-iters`` (or ``--exit-interval``), saving every ``--save-interval`` and at the
     end; with ``--tenplex``, SIGTERM (a scheduler's notice, torchrun's agent restarting for a node that joined or
     left) makes every rank stop after the same iteration, save and return."""
@@ -532,13 +549,13 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, tier: MemoryTier | None, d
             if metrics is not None:  # skipped: the fp16 loss scaler skipped this step
                 _write_metrics(metrics, job, start, loss, skipped=job.skipped_iterations > skipped)
             if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-                _save(job, args, tier)
+                _save(job, args, ckpt)
             if stopper is not None and stopper.agreed():
                 _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                         + ("" if args.save else " (no --save: nothing is saved)"))
                 break
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        _save(job, args, tier)
+        _save(job, args, ckpt)
 
 
 def _metrics_file(args: argparse.Namespace) -> contextlib.AbstractContextManager[TextIO | None]:
@@ -598,11 +615,10 @@ def _loss_scale(job: Any) -> float | None:
     return float(scaler.scale.item()) if scaler is not None else None
 
 
-def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
-          persist: bool | None = None) -> None:
+def _save(job: Any, args: argparse.Namespace, ckpt: Checkpointer) -> None:
     gpt.sync_params(job)
-    if tier is not None:
-        snap = snapshot(MegatronCoreAdapter(job), tier, persist=persist)
+    if ckpt.tier is not None:
+        snap = ckpt.save(lambda: MegatronCoreAdapter(job), lambda: save_job(job, args.save, keep=args.tenplex_keep))
         for line in memory_flags.describe_snapshot(snap, job.iteration):
             print_tenplex(line)
         return
@@ -619,7 +635,7 @@ def _save(job: Any, args: argparse.Namespace, tier: MemoryTier | None = None,
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return
-    res = save_job(job, args.save, keep=args.tenplex_keep)
+    res = ckpt.save(lambda: MegatronCoreAdapter(job), lambda: save_job(job, args.save, keep=args.tenplex_keep))
     _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
     for path in res.removed:
         _print0(f"> tenplex: removed {path}")

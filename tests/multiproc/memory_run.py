@@ -5,7 +5,8 @@ node lost its memory (each rank's rank-local entry, opaque bytes as Transformer
 Engine's ``_extra_state`` is, back exactly at the same layout: rank 1's received
 from node 0's replica), a snapshot that does not fit (error, or the durable fallback), another
 job's snapshot, another model's, more replicas than nodes, retention, a killed
-persist helper. ``crash POINT OUT``: a durable and a memory snapshot of
+persist helper, and a job's :class:`~tenplex_megatron.frontdoor.checkpointer.Checkpointer` built from its flags,
+used, closed and built again in the same process. ``crash POINT OUT``: a durable and a memory snapshot of
 iteration 1, then a snapshot of iteration 2 whose rank 1 is SIGKILLed at
 ``POINT``. ``check OUT...``: after crashes, what each directory loads, and
 that the next snapshot cleans up. Each rank writes what it saw to
@@ -14,6 +15,7 @@ that the next snapshot cleans up. Each rank writes what it saw to
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import json
 import logging
@@ -21,6 +23,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,14 +31,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tenplex_megatron import flags
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.execute.collective import RankFailure
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.memory import background, node_dir, restart, state
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import snapshot
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, lease
 from tests.logs import logged
 
 ROWS, COLS = 8, 6
@@ -225,6 +230,7 @@ def scenarios(out: str) -> dict[str, Any]:
     res["durable_after"] = [back.it, back.matches(12.0)]
 
     res["mixed"] = mixed(os.path.join(out, "mixed"))
+    res["checkpointer"] = checkpointer_rebuilt(os.path.join(out, "rebuilt"))
     for x in (t, small, fb, other):
         state.close(x)
     return res
@@ -250,6 +256,54 @@ def mixed(out: str) -> dict[str, Any]:
     return {"persisted": persisted, "chosen": c.iteration, "durable": list(c.durable), "equal": back.matches(13.0),
             "from_durable": got.bytes_from_durable, "received": got.bytes_received,
             "same_layout": [same.matches(13.0), same.state_is(13.0)]}
+
+
+def checkpointer_rebuilt(out: str) -> list[dict[str, Any]]:
+    """One job's Checkpointer from its flags (the hook's ``--tenplex*`` rows, ``--save``, ``--load``), twice in this
+    process: restart from what is there, snapshot, finish, close; after each close, what is left of it (the
+    lease, the helper process, threads, open file descriptors). The second one restarts from the first one's
+    snapshot in host memory."""
+    parser = argparse.ArgumentParser()
+    flags.add_flags(parser.add_argument_group("tenplex"), flags.HOOK)
+    parser.add_argument("--save")
+    parser.add_argument("--load")
+    ckpt_dir = os.path.join(out, "ckpt")
+    args = parser.parse_args(["--tenplex", "--tenplex-memory", os.path.join(out, f"mem_{dist.get_rank()}"),
+                              "--save", ckpt_dir, "--load", ckpt_dir, "--tenplex-job-id", "rebuilt",
+                              "--tenplex-persist-interval", "1"])
+    threads = {t.ident for t in threading.enumerate()}
+    rounds = []
+    for value in (20.0, 21.0):
+        ckpt = Checkpointer(args, "memory_run.py")
+        held = [d for d in (ckpt_dir, args.tenplex_memory) if lease.held(d) is not None]
+        sources = ckpt.sources(ckpt_dir)
+        back = Tiny(0.0, axis=1)
+        loaded = None
+        if sources.ours:
+            r = ckpt.restart(lambda b=back: b, lambda path, b=back: load(b, path), sources, ckpt_dir)
+            loaded = [r.result.iteration, r.memory is not None, back.matches(r.result.iteration)]
+        a = Tiny(value)
+        a.it = int(value)
+        ckpt.save(lambda t=a: t, lambda: None)
+        ckpt.finish(over=True, say=lambda line: None)
+        helper = ckpt.tier.helper if ckpt.tier is not None else None
+        ckpt.close()
+        rounds.append({
+            "held": held, "loaded": loaded, "helper_started": helper is not None,
+            "helper_gone": helper is None or helper.proc.poll() is not None,
+            "held_after": [d for d in held if lease.held(d) is not None],
+            "released": [lease.current(d).released for d in held],
+            "threads_left": sorted(t.name for t in threading.enumerate() if t.ident not in threads),
+            "fds": len(os.listdir("/proc/self/fd")), "closed_refuses": error_of_closed(ckpt)})
+    return rounds
+
+
+def error_of_closed(ckpt: Checkpointer) -> str | None:
+    try:
+        ckpt.memory()
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def crash(point: str, out: str) -> None:

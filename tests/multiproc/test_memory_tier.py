@@ -66,6 +66,23 @@ def test_memory_tier_scenarios(tmp_path) -> None:
     assert got[0]["replicate_killed_warning"]
     # node 1's helper was killed writing node 0's file: node 1 never lists it (only its temporary name)
     assert "rank_00000.safetensors" not in got[1]["after_killed_replication"]
+    _check_checkpointer_rebuilt(got)
+
+
+def _check_checkpointer_rebuilt(got: list[dict]) -> None:
+    """A Checkpointer closed and built again in the same process: the second restarts from the first's snapshot;
+    each close leaves no lease held, no helper process, no thread and no file descriptor behind."""
+    for me, g in enumerate(got):
+        first, second = g["checkpointer"]
+        # rank 0 holds --save's lease and its node's memory directory's; rank 1 (local rank 1) only checks them
+        assert first["held"] == second["held"] and len(first["held"]) == (2 if me == 0 else 0), first
+        assert first["loaded"] is None  # nothing there yet
+        assert second["loaded"] == [20, True, True], second  # the first one's snapshot, from host memory
+        for r in (first, second):
+            assert r["helper_started"] and r["helper_gone"], r
+            assert r["held_after"] == [] and all(r["released"]) and r["threads_left"] == [], r
+            assert "closed" in r["closed_refuses"], r
+        assert second["fds"] == first["fds"], (first, second)
 
 
 def test_sigkill_during_snapshot_keeps_previous_snapshot_and_durable(tmp_path) -> None:

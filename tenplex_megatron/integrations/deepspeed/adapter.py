@@ -126,22 +126,27 @@ class DeepSpeedAdapter:
             native.refresh_model_weights(self.engine)
 
 
-_CLAIMED: set[str] = set()  # the save directories whose lease this job has claimed (rank 0 holds it)
+#: the engine's attribute naming the save directories whose lease its job has claimed (rank 0 holds each): the
+#: record lives with the engine, so that a new engine in the same process (a job built again) claims afresh
+CLAIMED_ATTRIBUTE = "_tenplex_claimed_save_dirs"
 
 
 def claim_save_dir(save_dir: str, job_id: str | None = None, take_over: bool = False,
-                   ttl: float = lease.DEFAULT_TTL) -> None:
-    """Collective, once per directory: rank 0 takes ``save_dir``'s lease for ``job_id`` (default: the launch's id,
-    as the trainers derive it), the other ranks check it; another live job's lease is refused on every rank,
-    naming the directory and its holder, before anything is written."""
+                   ttl: float = lease.DEFAULT_TTL, *, engine: Any = None) -> None:
+    """Collective, once per directory and ``engine``: rank 0 takes ``save_dir``'s lease for ``job_id`` (default:
+    the launch's id, as the trainers derive it), the other ranks check it; another live job's lease is refused on
+    every rank, naming the directory and its holder, before anything is written. Without ``engine``: every call
+    claims."""
     key = os.path.abspath(save_dir)
-    if key in _CLAIMED:
+    claimed: set[str] = getattr(engine, CLAIMED_ATTRIBUTE, set())
+    if key in claimed:
         return
     job = job_id or launch_job_id(SimpleNamespace())
     run_phase(f"lease of {save_dir}", lambda: lease.acquire(save_dir, job, ttl, take_over,
                                                           remedy=lease.API_REMEDY) if rank() == 0
               else lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY))
-    _CLAIMED.add(key)
+    if engine is not None:
+        setattr(engine, CLAIMED_ATTRIBUTE, claimed | {key})
 
 
 def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | None = None,
@@ -151,7 +156,7 @@ def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | N
     The first save into ``save_dir`` claims its lease (:func:`claim_save_dir`): ``job_id`` names this job
     (``--tenplex-job-id``), ``take_over`` takes a lease whose holder may still live (``--tenplex-take-over``)."""
     orphan.die_with_agent()
-    claim_save_dir(save_dir, job_id, take_over)
+    claim_save_dir(save_dir, job_id, take_over, engine=engine)
     return save(DeepSpeedAdapter(engine, client_state=client_state), save_dir, keep)
 
 
