@@ -277,18 +277,24 @@ def flip(where: str) -> Callable[[Run], Row]:
 #: a torchrun agent with the trainer's modules imported, held until a line on stdin, then torchrun's own main: its
 #: worker is forked from it (``--run-path --start-method fork``) with its imports done
 _HELD_TORCHRUN = ("import runpy, sys, torch.distributed.run as r; a = r.parse_args(sys.argv[1:]); "
-                  "runpy.run_path(a.training_script, run_name='__preload__'); sys.stdin.readline(); r.main(sys.argv[1:])")
+                  "runpy.run_path(a.training_script, run_name='__preload__'); print('ready', flush=True); "
+                  "sys.stdin.readline(); r.main(sys.argv[1:])")
 
 
 def second_job(run: Run) -> Row:
     """A second job on the running job's ``--save``, both plain torchrun launches without --rdzv-id (run id
     ``none``, each its static rendezvous on its own --master-port): the second is refused at start, the first runs
-    on untouched. The second is started beforehand with its imports done, held until the first job is past its
-    first checkpoint (a tiny job would otherwise be over before the second's imports are)."""
+    on untouched. The second is started first and held, its imports done, until the first job is past its first
+    checkpoint (a tiny job would otherwise be over before the second's imports are)."""
     second = subprocess.Popen([sys.executable, "-c", _HELD_TORCHRUN, "--run-path", "--start-method", "fork",
                                "--nproc-per-node", "1", "--master-port", str(free_port()), PRETRAIN, *run.flags()],
                               env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True)
+    head = []  # what the second printed before its imports were done (warnings)
+    while (line := second.stdout.readline()) and line.strip() != "ready":
+        head.append(line)
+    if not line:
+        raise SystemExit(f"bench_faults: the second job exited before its imports were done:\n{''.join(head)[-3000:]}")
     job = run.agent("job", "1", 2, ["--master-port", str(free_port())])
     try:
         run.wait_iters(run.every + 2)
