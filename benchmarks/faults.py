@@ -16,7 +16,8 @@ present) under real torchrun agents on this machine, and the job must carry on b
 * ``flip@snapshot`` / ``flip@replica``: two nodes with host-memory snapshots (K=2, persisted every snapshot) stop at
   iteration 3 x S; a byte of rank 0's file of the newest snapshot is flipped in every node's copy (snapshot) or in
   the other node's copy only (replica); the restart falls back (``memory/fallback.py``);
-* ``second-job``: a second job (another id) started on the running job's ``--save``: refused at start (the lease).
+* ``second-job``: a second job started on the running job's ``--save``, both plain torchrun launches without
+  ``--rdzv-id`` (run id ``none``): refused at start (the lease).
 
 Per fault: checkpoints lost (durable checkpoints the job reported committed that are missing or fail their
 checksums at the end), iterations lost beyond the save interval (the newest iteration done before the fault minus
@@ -273,30 +274,42 @@ def flip(where: str) -> Callable[[Run], Row]:
     return go
 
 
+#: a torchrun agent with the trainer's modules imported, held until a line on stdin, then torchrun's own main: its
+#: worker is forked from it (``--run-path --start-method fork``) with its imports done
+_HELD_TORCHRUN = ("import runpy, sys, torch.distributed.run as r; a = r.parse_args(sys.argv[1:]); "
+                  "runpy.run_path(a.training_script, run_name='__preload__'); print('ready', flush=True); "
+                  "sys.stdin.readline(); r.main(sys.argv[1:])")
+
+
 def second_job(run: Run) -> Row:
-    """A second job (another id) on the running job's ``--save``: refused at start, the first runs on untouched.
-    The second is started beforehand with its imports done, held until the first job is past its first checkpoint
-    (a tiny job would otherwise be over before the second's imports are)."""
-    e = dict(env(), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    held = ("import runpy, sys; import tenplex_megatron.training.pretrain; sys.stdin.readline(); "
-            f"sys.argv = {[PRETRAIN, *run.flags()]!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
-    second = subprocess.Popen([sys.executable, "-c", held], env=e, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    job = _standalone(run)
+    """A second job on the running job's ``--save``, both plain torchrun launches without --rdzv-id (run id
+    ``none``, each its static rendezvous on its own --master-port): the second is refused at start, the first runs
+    on untouched. The second is started first and held, its imports done, until the first job is past its first
+    checkpoint (a tiny job would otherwise be over before the second's imports are)."""
+    second = subprocess.Popen([sys.executable, "-c", _HELD_TORCHRUN, "--run-path", "--start-method", "fork",
+                               "--nproc-per-node", "1", "--master-port", str(free_port()), PRETRAIN, *run.flags()],
+                              env=env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    head = []  # what the second printed before its imports were done (warnings)
+    while (line := second.stdout.readline()) and line.strip() != "ready":
+        head.append(line)
+    if not line:
+        raise SystemExit(f"bench_faults: the second job exited before its imports were done:\n{''.join(head)[-3000:]}")
+    job = run.agent("job", "1", 2, ["--master-port", str(free_port())])
     try:
         run.wait_iters(run.every + 2)
         t0 = time.time()
-        out, err = second.communicate("go\n", timeout=TIMEOUT)
+        out, _ = second.communicate("go\n", timeout=TIMEOUT)
         refused = time.time() - t0
-        ok = second.returncode != 0 and "is held by job" in err
+        ok = second.returncode != 0 and f"{run.ckpt} is held by job 'torchrun-" in out
         _wait_all([job], "the first job", run)
     finally:
         for p in (job, second):
             if p.poll() is None:
                 kill_tree(p)
     return run.finish("second job on the same --save", None, None,
-                      f"refused at start in {refused:.2f} s, naming the holder" if ok else
-                      f"NOT refused: exit {second.returncode}: {err[-300:]}")
+                      f"refused at start in {refused:.2f} s (imports done beforehand), naming the holder" if ok else
+                      f"NOT refused: exit {second.returncode}: {out[-300:]}")
 
 
 FAULTS: dict[str, Callable[[Run], Row]] = {

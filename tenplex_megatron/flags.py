@@ -161,8 +161,9 @@ FLAGS: tuple[Flag, ...] = (
          "instead of failing", "memory", action="store_true"),
     # --- one writer per directory (storage/lease.py; the default TTL is lease.DEFAULT_TTL, checked by a test)
     Flag("--tenplex-job-id", "this job's identity for the checkpoint directories' leases (default: torchrun's run "
-         "id, --rdzv-id; else SLURM_JOB_ID; else MASTER_ADDR:MASTER_PORT; else host:pid). A job with another id is "
-         "refused a directory while its holder lives", "lease", metavar="ID", doc_default="torchrun's run id"),
+         "id unless it is 'none'; else SLURM_JOB_ID; else, under torchrun, a token its agents' store keeps for the "
+         "launch; else MASTER_ADDR:MASTER_PORT; else host:pid). A job with another id is refused a directory while "
+         "its holder lives", "lease", metavar="ID", doc_default="the launch's id"),
     Flag("--tenplex-take-over", "take the leases of --save and --tenplex-memory over at once, even from a job whose "
          "heartbeat is fresh (that job is known to be gone); it can no longer commit there", "lease",
          action="store_true"),

@@ -11,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,19 +49,21 @@ _FORK_AGENT = ("import runpy, sys, torch.distributed.run as r; a = r.parse_args(
                "runpy.run_path(a.training_script, run_name='__preload__'); r.main(sys.argv[1:])")
 
 
-def torchrun_cmd(nproc: int, script: str, args: list[str], python: str | None = None) -> list[str]:
-    """The command line of a standalone torchrun launch of ``script`` with workers forked from a preloaded agent
-    (``python``: another venv's interpreter, e.g. another megatron-core's; default this one)."""
+def torchrun_cmd(nproc: int, script: str, args: list[str], python: str | None = None,
+                 rdzv: Sequence[str] = ("--standalone",)) -> list[str]:
+    """The command line of a torchrun launch of ``script`` with workers forked from a preloaded agent (``python``:
+    another venv's interpreter, e.g. another megatron-core's; default this one; ``rdzv``: the rendezvous flags,
+    standalone by default)."""
     script = os.path.abspath(script)
     return [python or sys.executable, "-c", _FORK_AGENT, "--run-path", "--start-method", "fork", "--nproc_per_node",
-            str(nproc), "--standalone", script, *args]
+            str(nproc), *rdzv, script, *args]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 240, script: str = PRETRAIN,
-             python: str | None = None) -> Run:
+             python: str | None = None, rdzv: Sequence[str] = ("--standalone",)) -> Run:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
     try:
-        p = subprocess.run(torchrun_cmd(nproc, script, args, python), env=env, capture_output=True, text=True,
+        p = subprocess.run(torchrun_cmd(nproc, script, args, python, rdzv), env=env, capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")

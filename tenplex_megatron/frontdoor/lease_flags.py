@@ -5,30 +5,20 @@ lease and each node's first local rank its ``--tenplex-memory`` directory's (``s
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from tenplex_megatron import log
 from tenplex_megatron.frontdoor import elastic
-from tenplex_megatron.storage import lease
+from tenplex_megatron.storage import job_identity, lease
 
 _log = log.get("lease")
 
 
 def job_id(args: Any) -> str:
-    """The job's identity, the same on every rank of one launch."""
-    if getattr(args, "tenplex_job_id", None):
-        return str(args.tenplex_job_id)
-    env = os.environ
-    if env.get("TORCHELASTIC_RUN_ID"):
-        return env["TORCHELASTIC_RUN_ID"]
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}"
-    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
-        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
-    return f"{socket.gethostname()}:{os.getpid()}"
+    """The job's identity, the same on every rank and elastic round of one launch (``storage/job_identity.py``)."""
+    return job_identity.job_id(getattr(args, "tenplex_job_id", None))
 
 
 def claim(args: Any, prog: str) -> list[str]:
@@ -41,12 +31,13 @@ def claim(args: Any, prog: str) -> list[str]:
         dirs.append((args.save, int(os.environ.get("RANK", "0")) == 0))
     if getattr(args, "tenplex", False) and getattr(args, "tenplex_memory", None):
         dirs.append((args.tenplex_memory, int(os.environ.get("LOCAL_RANK", "0")) == 0))
-    job, take_over = job_id(args), bool(getattr(args, "tenplex_take_over", False))
+    take_over = bool(getattr(args, "tenplex_take_over", False))
     ttl = float(getattr(args, "tenplex_lease_ttl", lease.DEFAULT_TTL))
     if ttl <= 0:
         raise SystemExit(f"{prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
     mine = []
     try:
+        job = job_id(args) if dirs else ""
         for d, take in dirs:
             if take:
                 lease.acquire(d, job, ttl, take_over)

@@ -10,7 +10,8 @@ clients), and a reader never sees a half-written lease. Only the holder rewrites
 
 Rules (:func:`check`, :func:`acquire`): another job's lease is refused while its holder lives (heartbeat younger
 than its ttl, and, on this host, its process alive); a gone holder's lease is taken over, at once with
-``take_over``; the same job always takes the next generation (an elastic restart never waits). :func:`fence`, called
+``take_over``; the same job (its identity: ``job_identity.py``) always takes the next generation (an elastic restart
+never waits). :func:`fence`, called
 before a commit, retention or the removal of a partial save, stops a writer whose generation is no longer the
 newest: a split rendezvous or a second launch on the same directory leaves one writer, the newest.
 A writer checks, then acts: between the two a newer holder can start; its own first destructive step comes after

@@ -28,10 +28,14 @@ import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
+import time
+from collections.abc import Callable
 
+import psutil
 import pytest
 
 from tenplex_megatron.plan.experts import expert_summary
@@ -125,7 +129,8 @@ def patched_script(tmp_path: pathlib.Path) -> str:
     return str(work / "pretrain_gpt.py")
 
 
-def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True, nproc: int = 2) -> str:
+def _env() -> tuple[dict[str, str], bool]:
+    """The environment of a Megatron-LM launch, and whether it runs on the CPU."""
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -141,6 +146,11 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: boo
                CUDA_DEVICE_MAX_CONNECTIONS="1")  # TP > 1 requires it before Blackwell
     if cpu:
         env["TORCH_COMPILE_DISABLE"] = "1"  # jit_fuser is torch.compile: its C++ warm-up builds cost ~40 s a launch here
+    return env, cpu
+
+
+def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True, nproc: int = 2) -> str:
+    env, cpu = _env()
     backend = ["--distributed-backend", "gloo"] if cpu else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RUNNER, script,
            *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),
@@ -515,3 +525,70 @@ def test_megatron_lm_falls_back_past_a_damaged_checkpoint(tmp_path, script: str)
     assert sorted(resumed) == [3, 4, 5, 6, 7, 8], log[-3000:]
     for it, loss in resumed.items():
         assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it])
+
+
+def _plain_torchrun(script: str, nproc: int, out: pathlib.Path, extra: list[str], restarts: int = 0) -> subprocess.Popen:
+    """Megatron-LM's pretrain_gpt.py with the hook under ``torchrun --nproc_per_node N --master-port P`` without
+    --rdzv-id (run id ``none``: the launch line of Megatron-LM's examples), its output into ``out``."""
+    env, cpu = _env()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port",
+           str(_free_port()), "--max-restarts", str(restarts), "--monitor-interval", "0.5", RUNNER, script, *FLAGS,
+           "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", _vocab_flag(95), *extra]
+    return subprocess.Popen(cmd, env=dict(env, PYTHONUNBUFFERED="1"), stdout=open(out, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _until(what: str, ok: Callable[[], bool], log: pathlib.Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while not ok():
+        if time.time() > deadline:
+            raise AssertionError(f"{what} not after {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+def test_megatron_lm_second_plain_torchrun_refused_restart_takes_the_next_generation(tmp_path, script: str) -> None:
+    """Megatron-LM's own loop, job A and job B both plain torchrun launches without --rdzv-id on one --save: B is
+    refused before any process group, naming the directory, A's holder and --tenplex-take-over; A trains on and
+    its newest checkpoint verifies; a worker of A killed, its agent restarts the group, whose new round takes the
+    next generation at once as the same job and trains on."""
+    from tenplex_megatron.storage import lease
+    from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
+
+    ckpt, a_log, b_log = tmp_path / "ckpt", tmp_path / "a.log", tmp_path / "b.log"
+    a = _plain_torchrun(script, 2, a_log, ["--train-iters", "100000", "--save", str(ckpt), "--load", str(ckpt),
+                                           "--save-interval", "2"], restarts=1)
+    try:
+        _until("A's first checkpoint", lambda: bool(directory.committed_iterations(str(ckpt))), a_log)
+        held = lease.current(str(ckpt))
+        assert held.job.startswith("torchrun-"), held
+        b = _plain_torchrun(script, 1, b_log, ["--train-iters", "100000", "--save", str(ckpt), "--load", str(ckpt),
+                                               "--save-interval", "2"])
+        assert b.wait(timeout=600) != 0
+        out = b_log.read_text()
+        assert f"{ckpt} is held by job {held.job!r} (generation {held.generation}, holder {held.holder})" in out, \
+            out[-4000:]
+        assert "--tenplex-take-over" in out and not _log_lines(out), out[-4000:]  # refused at start: no iteration
+        assert lease.current(str(ckpt)).generation == held.generation  # nothing written by the refused job
+        after_b = max(directory.committed_iterations(str(ckpt)))
+        _until("A's next checkpoint", lambda: max(directory.committed_iterations(str(ckpt))) > after_b, a_log)
+        newest = max(directory.committed_iterations(str(ckpt)))
+        assert verify_checkpoint(str(ckpt / directory.iter_dir_name(newest)), workers=1).ok  # A unharmed
+        # an elastic restart of A: a worker SIGKILLed, the agent restarts the group, the new round the same job
+        workers = psutil.Process(a.pid).children()
+        assert len(workers) == 2
+        os.kill(min(w.pid for w in workers), signal.SIGKILL)
+        _until("the restarted round's lease", lambda: lease.current(str(ckpt)).generation > held.generation, a_log)
+        restarted = lease.current(str(ckpt))
+        assert restarted.generation == held.generation + 1 and restarted.job == held.job, restarted
+        resumed_from = max(directory.committed_iterations(str(ckpt)))
+        _until("a checkpoint of the restarted round",
+               lambda: max(directory.committed_iterations(str(ckpt))) > resumed_from, a_log)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
+    log = a_log.read_text()
+    assert "took the lease over" not in log and "is held by" not in log, log[-4000:]
+    newest = max(directory.committed_iterations(str(ckpt)))
+    assert verify_checkpoint(str(ckpt / directory.iter_dir_name(newest)), workers=1).ok

@@ -37,7 +37,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # CPU: skip comp
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
 from tenplex_megatron.integrations import deepspeed as tds  # noqa: E402
-from tenplex_megatron.storage import directory  # noqa: E402
+from tenplex_megatron.storage import directory, job_identity, lease  # noqa: E402
 from tests.harness import flip  # noqa: E402
 
 GLOBAL_BATCH = 8
@@ -221,7 +221,8 @@ def bad_inputs(job: Job, args: argparse.Namespace) -> dict[str, str]:
 
 def cluster_safety(job: Job, work: str) -> dict[str, str]:
     """The DeepSpeed front door's safety: a save into a directory another live job holds is refused naming the
-    holder before anything is written; a damaged newest checkpoint falls back to the previous complete one."""
+    holder before anything is written; one a round of this same launch holds is taken at once (next generation);
+    a damaged newest checkpoint falls back to the previous complete one."""
     out: dict[str, str] = {}
     leased, fb = os.path.join(work, "leased"), os.path.join(work, "fallback")
     holder = None
@@ -243,6 +244,22 @@ def cluster_safety(job: Job, work: str) -> dict[str, str]:
         holder.wait()
     tds.load_checkpoint(engine, fb)
     train_step(engine, int(engine.global_steps) + 1)
+    # a round of this same launch holds a directory (its holder alive): the save (of a trained engine) takes the
+    # next generation at once
+    same, launch_job = os.path.join(work, "same"), job_identity.job_id()
+    if dist.get_rank() == 0:
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_LEASE, same, launch_job], stdout=subprocess.PIPE,
+                                  text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    dist.barrier()
+    before = lease.current(same)
+    tds.save_checkpoint(engine, same)
+    after = lease.current(same)
+    out["launch_job"] = launch_job
+    out["same_job"] = json.dumps({"before": [before.job, before.generation], "after": [after.job, after.generation]})
+    if holder is not None:
+        holder.kill()
+        holder.wait()
     newest = tds.save_checkpoint(engine, fb).path
     if dist.get_rank() == 0:
         flip(os.path.join(newest, directory.rank_file_name(0)))
@@ -257,7 +274,7 @@ def cluster_safety(job: Job, work: str) -> dict[str, str]:
 HOLD_LEASE = """
 import sys, time
 from tenplex_megatron.storage import lease
-lease.acquire(sys.argv[1], "another-job")
+lease.acquire(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "another-job")
 print("held", flush=True)
 time.sleep(120)
 """

@@ -1,6 +1,7 @@
 """Cluster faults with real torchrun agents: a worker dies with its agent (``engine/orphan.py``); one writer per
-checkpoint directory (``storage/lease.py``): a second job is refused at start, a split rendezvous leaves the newest
-generation alone writing, a dead holder's lease is taken over at once; a damaged checkpoint is skipped
+checkpoint directory (``storage/lease.py``): a second job is refused at start even when both are plain torchrun
+launches without --rdzv-id (``storage/job_identity.py``) while an elastic restart of one takes the next generation at
+once, a split rendezvous leaves the newest generation alone writing, a dead holder's lease is taken over at once; a damaged checkpoint is skipped
 (``memory/fallback.py``); with torchrun's etcd rendezvous (a real etcd server) losing the first agent's node does
 not end the job."""
 
@@ -20,6 +21,7 @@ import pytest
 from benchmarks.kit.agents import rdzv_conf
 from benchmarks.kit.etcd import start_etcd
 from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, metrics
 
 pytestmark = pytest.mark.dist
@@ -58,26 +60,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_worker_exits_when_its_agent_is_killed(tmp_path) -> None:
-    """A second job on the running job's --save is refused at start, naming the directory and the holder. Then
-    SIGKILL of the agent alone: its worker exits within seconds and commits nothing after; a new job takes the
-    dead holder's lease over at once and resumes from its newest checkpoint."""
+def _plain_torchrun(args: list[str], out: str, restarts: int = 0) -> subprocess.Popen:
+    """``torchrun --nproc-per-node 1 --master-port P`` without --rdzv-id (run id ``none``, torchrun's static
+    rendezvous: the launch line of Megatron-LM's examples), its output into ``out``."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
+                             str(_free_port()), "--max-restarts", str(restarts), "--monitor-interval", "0.5",
+                             PRETRAIN, *args], env=_env(), stdout=open(out, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def _new_generation(ckpt: str, after: int, timeout: float = 120) -> lease.Lease:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        cur = lease.current(ckpt)
+        if cur is not None and cur.generation > after:
+            return cur
+        time.sleep(0.05)
+    raise AssertionError(f"{ckpt}: no lease generation after {after} in {timeout} s")
+
+
+def test_second_plain_torchrun_refused_restart_takes_the_next_generation_worker_exits_with_its_agent(
+        tmp_path) -> None:
+    """Job A and job B, both plain torchrun launches without --rdzv-id (run id ``none``), on one --save: B is refused
+    before any process group, naming the directory, A's holder and --tenplex-take-over; A trains on and its newest
+    checkpoint verifies. A's worker SIGKILLed: its agent restarts it, and the new round takes the next generation at
+    once as the same job. Then SIGKILL of A's agent alone: its worker exits within seconds and commits nothing after;
+    a new job takes the dead holder's lease over at once and resumes from its newest checkpoint."""
     ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
-    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                              PRETRAIN, *FLAGS, "--save", ckpt, "--tenplex-metrics", log], env=env,
-                             stdout=open(tmp_path / "agent.log", "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+    agent = _plain_torchrun([*FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log],
+                            str(tmp_path / "agent.log"), restarts=1)
     try:
         _wait_for(log, 7)  # past two commits
         (worker,) = psutil.Process(agent.pid).children()
-        t0 = time.time()
-        second = _plain([*FLAGS, "--save", ckpt, "--load", ckpt])
-        refused_in = time.time() - t0
         held = lease.current(ckpt)
-        assert second.returncode != 0 and f"{ckpt} is held by job {held.job!r}" in second.stderr, second.stderr
-        assert f"holder {socket.gethostname()}:{worker.pid}" in second.stderr
-        assert "init_process_group" not in second.stderr and "iteration" not in second.stdout  # refused at start
+        assert held.job.startswith("torchrun-") and held.holder == f"{socket.gethostname()}:{worker.pid}"
+        t0 = time.time()
+        b_log = str(tmp_path / "b.log")
+        b = _plain_torchrun([*FLAGS, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", str(tmp_path / "b.jsonl")],
+                            b_log)
+        assert b.wait(timeout=120) != 0
+        refused_in = time.time() - t0
+        out = open(b_log).read()
+        assert f"{ckpt} is held by job {held.job!r} (generation {held.generation}, holder " \
+               f"{socket.gethostname()}:{worker.pid})" in out and "--tenplex-take-over" in out, out[-3000:]
+        assert "> tenplex-megatron: layout" not in out and not os.path.exists(tmp_path / "b.jsonl")  # at start
+        assert lease.current(ckpt).generation == held.generation  # nothing written by the refused job
+        ran = len(metrics(log))
+        _wait_for(log, ran + 4)  # A unharmed: trains on and commits; its newest checkpoint verifies
+        newest = directory.committed_iterations(ckpt)[-1]
+        assert verify_checkpoint(os.path.join(ckpt, directory.iter_dir_name(newest)), workers=1).ok
+        # an elastic restart of A: its agent starts a new worker, which takes the next generation as the same job
+        t0 = time.time()
+        worker.send_signal(signal.SIGKILL)
+        restarted = _new_generation(ckpt, held.generation)
+        took = time.time() - t0
+        assert restarted.generation == held.generation + 1 and restarted.job == held.job
+        _wait_for(log, len(metrics(log)) + 2)  # training resumed
+        (worker,) = psutil.Process(agent.pid).children()
+        assert restarted.holder == f"{socket.gethostname()}:{worker.pid}"
         t0 = time.time()
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=30)
@@ -93,7 +133,10 @@ def test_worker_exits_when_its_agent_is_killed(tmp_path) -> None:
             p.kill()
         if agent.poll() is None:
             agent.kill()
-    print(f"second job refused in {refused_in:.1f} s; worker exited {seconds:.2f} s after its agent was SIGKILLed")
+    print(f"second job refused in {refused_in:.1f} s; the restarted round took generation {restarted.generation} "
+          f"{took:.1f} s after its worker was killed; worker exited {seconds:.2f} s after its agent was SIGKILLed")
+    agent_log = (tmp_path / "agent.log").read_text()
+    assert "took the lease over" not in agent_log, agent_log[-3000:]  # the restart was the same job
     assert seconds < 5, seconds
     assert directory.committed_iterations(ckpt) == committed and len(metrics(log)) == ran  # nothing after
     # its holder is dead (this host): a job of another id takes the lease over without waiting out its ttl; the
@@ -108,7 +151,7 @@ def test_worker_exits_when_its_agent_is_killed(tmp_path) -> None:
     assert third.returncode == 0, third.stderr[-3000:]
     assert f"loaded iteration {committed[-2]}" in third.stdout, third.stdout[-3000:]
     assert third.stderr.count("skipping a damaged copy") == 1 and f"{bad}" in third.stderr, third.stderr[-3000:]
-    assert lease.current(ckpt).released and lease.current(ckpt).generation == held.generation + 1
+    assert lease.current(ckpt).released and lease.current(ckpt).generation == restarted.generation + 1
 
 
 def _split_agent(port: int, ckpt: str, name: str, tmp_path) -> subprocess.Popen:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -89,6 +90,12 @@ TRAINED = sorted({(s, a, h) for s, a, _, h in CASES})  # (stage, source DP, bf16
 BAD_INPUT_SOURCE = (2, 2, False)  # the checkpoint the bad-input loads start from, tried in the DP-1 resume launch
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _zdir(root: str, stage: int, dp: int, bf16: bool) -> str:
     return os.path.join(root, f"z{stage}_dp{dp}{'_bf16' if bf16 else ''}")
 
@@ -129,8 +136,11 @@ def _zero_resumed(lx: Launches, dst: int) -> None:
         _zero_universal(lx)
         jobs = [a for s, src, _, h in cases for a in ("--job", _zjob(lx.root, s, src, h))]
         bad = ["--bad", _zjob(lx.root, *BAD_INPUT_SOURCE)] if dst == 1 else []
+        # DP 1: a plain torchrun launch without --rdzv-id (run id none, static rendezvous on its own port), as the
+        # lease cases of --bad need: the launch's identity is then the token in its agent's store
+        rdzv = ["--master-port", str(_free_port())] if bad else ["--standalone"]
         return torchrun(dst, ["resume", "--universal", *jobs, *bad], script=RUNNER,
-                        timeout=PER_JOB_TIMEOUT * (len(cases) + len(bad) // 2))
+                        timeout=PER_JOB_TIMEOUT * (len(cases) + len(bad) // 2), rdzv=rdzv)
 
     lx.need(f"ZeRO resume at DP {dst}", launch)
 
@@ -158,7 +168,9 @@ def test_zero_reshard_equals_deepspeed_universal_route(launches, stage, src, dst
 def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(launches) -> None:
     """A missing rank file, a pickle naming a foreign class, another model's checkpoint (DeepSpeed's own files
     and tenplex's): each fails with an error naming the file or parameter, and the engine is left untouched.
-    Then the DeepSpeed front door's cluster safety: another job's lease, a damaged newest checkpoint."""
+    Then the DeepSpeed front door's cluster safety, in a plain torchrun launch without --rdzv-id: another job's
+    lease refuses a save, a new round of the same launch takes the next generation at once, a damaged newest
+    checkpoint falls back."""
     _zero_resumed(launches, 1)
     r = _load(os.path.join(_zdir(launches.root, *BAD_INPUT_SOURCE), "bad1.json"))
     assert f"{r['step_file']}: missing (the checkpoint was written by 2 DP ranks)" in r["missing_rank_file"]
@@ -173,6 +185,10 @@ def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(launches) -
     assert "LeaseError" in r["other_job"] and f"{leased} is held by job 'another-job'" in r["other_job"], r["other_job"]
     assert "take_over=True" in r["other_job"], r["other_job"]  # the API's argument, not the trainers' flag
     assert json.loads(r["leased_entries"]) == ["tenplex-lease"]  # nothing written but the other job's lease
+    # a new round of this same launch (its token in the agent's store) takes the next generation at once, while the
+    # holder of the previous one still lives
+    assert r["launch_job"].startswith("torchrun-"), r["launch_job"]
+    assert json.loads(r["same_job"]) == {"before": [r["launch_job"], 1], "after": [r["launch_job"], 2]}, r["same_job"]
     # a damaged newest checkpoint: the previous complete one is loaded instead
     assert r["newest"].endswith("iter_0000004") and r["loaded"].endswith("iter_0000003"), r
     assert r["loaded_iteration"] == "3"

@@ -1,19 +1,23 @@
-"""The checkpoint directory's lease (storage/lease.py) with real files and real competing processes, no torch."""
+"""The checkpoint directory's lease (storage/lease.py) with real files and real competing processes, and the job's
+identity (storage/job_identity.py) read from a real TCPStore as torchrun's agents host one."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from argparse import Namespace
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tenplex_megatron.frontdoor import lease_flags
-from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage import directory, job_identity, lease
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # another process: takes the lease of argv[1] for job argv[2] (ttl argv[3]), says its generation, then waits
@@ -218,20 +222,78 @@ def test_a_filesystem_without_hard_links_is_refused_at_start(tmp_path, monkeypat
     assert lease.held(save) is None
 
 
-def test_job_id_is_the_same_on_every_rank_of_a_launch(monkeypatch) -> None:
+def _agent_store():
+    """A TCPStore server as a torchrun agent hosts one (its workers see it at MASTER_ADDR:MASTER_PORT)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
 
 
-    for k in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
-    args = Namespace(tenplex_job_id=None)
-    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    assert lease_flags.job_id(args) == "10.0.0.1:29500"
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    assert lease_flags.job_id(args) == "slurm-77"
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv")
-    assert lease_flags.job_id(args) == "rdzv"
-    assert lease_flags.job_id(Namespace(tenplex_job_id="mine")) == "mine"
+def _worker_env(store, rank: int, restart: int = 0, **more: str) -> dict[str, str]:
+    """What torchrun's agent gives a worker of a launch without --rdzv-id (run id ``none``), with its store shared."""
+    return {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port), "RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": str(restart), **more}
+
+
+def test_job_id_is_one_per_launch_the_same_on_every_rank_and_restart_round() -> None:
+    """torchrun's default run id ``none`` is no identity: every rank of a launch, racing, and every later restart
+    round of its agents read one token from the agents' store; another launch (another store) reads another."""
+    a, b = _agent_store(), _agent_store()
+    with ThreadPoolExecutor(4) as pool:  # four ranks of launch A at once, each its own client of the store
+        first = set(pool.map(lambda r: job_identity.job_id(env=_worker_env(a, r)), range(4)))
+    (ida,) = first
+    assert ida.startswith("torchrun-") and ida != "torchrun-none"
+    assert job_identity.job_id(env=_worker_env(a, 1, restart=1)) == ida  # the agents restarted the group
+    assert job_identity.job_id(env=_worker_env(b, 0)) not in (ida, "none")  # another launch
+    # what names a job first: the flag, a real run id (--rdzv-id, --standalone's uuid), the scheduler's job id
+    assert job_identity.job_id("mine", env=_worker_env(a, 0)) == "mine"
+    assert job_identity.job_id(env=_worker_env(a, 0, TORCHELASTIC_RUN_ID="rdzv")) == "rdzv"
+    assert job_identity.job_id(env=_worker_env(a, 0, SLURM_JOB_ID="77")) == "slurm-77"
+    # without torchrun: the master address of the launch, else this process
+    assert job_identity.job_id(env={"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}) == "10.0.0.1:29500"
+    assert job_identity.job_id(env={}) == f"{socket.gethostname()}:{os.getpid()}"
+
+
+def test_run_id_none_without_a_shared_store_warns_and_an_unreachable_store_is_named(caplog) -> None:
+    """Agents that share no store with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) leave nothing that names
+    the launch: ``none``, with a warning saying what to pass; a store that cannot be reached is an error naming it."""
+    with caplog.at_level(logging.WARNING, logger="tenplex_megatron"):
+        env = {"TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": "29500", "RANK": "0"}
+        assert job_identity.job_id(env=env) == "none"
+    assert "--rdzv-id or --tenplex-job-id" in caplog.text
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(lease.LeaseError, match=f"torchrun's agent store at 127.0.0.1:{port}.*--tenplex-job-id"):
+        job_identity.launch_token("127.0.0.1", port, timeout=0.5)
+
+
+def test_claim_refuses_another_plain_torchrun_launch_and_lets_a_restart_round_take_the_next_generation(
+        tmp_path, monkeypatch) -> None:
+    """The trainers' claim under two launches without --rdzv-id: while launch A's holder lives, launch B is refused
+    naming the directory, the holder and --tenplex-take-over; a new round of A takes the next generation at once."""
+    save = str(tmp_path / "ckpt")
+    a, b = _agent_store(), _agent_store()
+    ida = job_identity.job_id(env=_worker_env(a, 0))
+    p, gen = _holder(save, ida)  # A's rank 0, alive
+    try:
+        args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id=None, tenplex_take_over=False,
+                         tenplex_lease_ttl=15.0)
+        for k, v in _worker_env(b, 0).items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+        with pytest.raises(SystemExit) as e:
+            lease_flags.claim(args, "pretrain_gpt.py")
+        assert f"{save} is held by job {ida!r}" in str(e.value) and f":{p.pid})" in str(e.value)
+        assert "--tenplex-take-over" in str(e.value) and lease.current(save).generation == gen
+        for k, v in _worker_env(a, 0, restart=1).items():
+            monkeypatch.setenv(k, v)
+        assert lease_flags.claim(Namespace(**vars(args)), "pretrain_gpt.py") == [save]
+        assert lease.current(save).generation == gen + 1 and lease.current(save).job == ida
+    finally:
+        p.kill()
+        p.wait()
 
 
 def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, monkeypatch) -> None:

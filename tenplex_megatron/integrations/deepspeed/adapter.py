@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-from types import SimpleNamespace
 from typing import Any
 
 from tenplex_megatron.engine import orphan
@@ -28,7 +27,6 @@ from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
 from tenplex_megatron.engine.save import SaveResult, save
 from tenplex_megatron.execute.collective import rank, run_phase
-from tenplex_megatron.frontdoor.lease_flags import job_id as launch_job_id
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.zero import (
     DeepSpeedStateError,
@@ -41,7 +39,7 @@ from tenplex_megatron.integrations.deepspeed.zero import (
 )
 from tenplex_megatron.memory import fallback
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.storage import lease
+from tenplex_megatron.storage import job_identity, lease
 from tenplex_megatron.storage.directory import find_checkpoint
 
 FRAMEWORK = "deepspeed"
@@ -141,10 +139,14 @@ def claim_save_dir(save_dir: str, job_id: str | None = None, take_over: bool = F
     claimed: set[str] = getattr(engine, CLAIMED_ATTRIBUTE, set())
     if key in claimed:
         return
-    job = job_id or launch_job_id(SimpleNamespace())
-    run_phase(f"lease of {save_dir}", lambda: lease.acquire(save_dir, job, ttl, take_over,
-                                                          remedy=lease.API_REMEDY) if rank() == 0
-              else lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY))
+    def claim() -> None:  # the launch's id read on every rank inside the phase: a failure there is raised on all
+        job = job_identity.job_id(job_id)
+        if rank() == 0:
+            lease.acquire(save_dir, job, ttl, take_over, remedy=lease.API_REMEDY)
+        else:
+            lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY)
+
+    run_phase(f"lease of {save_dir}", claim)
     if engine is not None:
         setattr(engine, CLAIMED_ATTRIBUTE, claimed | {key})
 
