@@ -1,8 +1,9 @@
 """Where a restart loads from, in one order for both front doors, and how it loads (``memory/fallback.py``).
 
 The order: the newest host-memory snapshot (``--tenplex-memory``); else, with ``--tenplex``, tenplex's newest
-complete checkpoint under the load directory; else Megatron's own checkpoint there (adopted with ``--tenplex``);
-else nothing (a fresh start, or ``--tenplex-init-from-hf``).
+complete checkpoint under the load directory (``storage/copies.py``: a directory whose copies are all damaged
+stops the job here, naming each); else Megatron's own checkpoint there (adopted with ``--tenplex``); else nothing
+(a fresh start, or ``--tenplex-init-from-hf``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from tenplex_megatron.memory import restart as memory_restart
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.restart_policy import Choice
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint
+from tenplex_megatron.storage import copies
+from tenplex_megatron.storage.directory import find_megatron_checkpoint
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class Sources:
     memory: Choice | None
     tenplex: str | None
     megatron: str | None
+    damaged: tuple[copies.Copy, ...] = ()  # tenplex copies newer than ``tenplex`` that cannot be loaded, and why
 
     @property
     def ours(self) -> bool:
@@ -37,9 +40,9 @@ class Sources:
 def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool) -> Sources:
     """The load-source order (module docstring) over ``load_dir`` and the host-memory ``tier``."""
     memory = memory_restart.choose(tier, load_dir) if tier is not None else None
-    ckpt = find_checkpoint(load_dir) if (load_dir and tenplex and memory is None) else None
+    ckpt, damaged = copies.choose(load_dir) if (load_dir and tenplex and memory is None) else (None, ())
     mck = find_megatron_checkpoint(load_dir) if (load_dir and memory is None and ckpt is None) else None
-    return Sources(memory, ckpt, mck)
+    return Sources(memory, ckpt, mck, damaged)
 
 
 def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: str | None, *,
@@ -48,7 +51,8 @@ def restart(job: LiveJob, tier: MemoryTier | None, sources: Sources, load_dir: s
     back to the next (``memory/fallback.py``)."""
     return fallback.restart(
         lambda c: memory_restart.load_snapshot(MegatronCoreAdapter(job), tier, c, verify=verify),
-        lambda path: load_job(job, path, verify=verify), tier, sources.memory, load_dir, sources.tenplex)
+        lambda path: load_job(job, path, verify=verify), tier, sources.memory, load_dir, sources.tenplex,
+        sources.damaged)
 
 
 def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:
