@@ -361,6 +361,7 @@ def run(args: argparse.Namespace) -> None:
     padded = _padded_vocab(args, spec, layout, sources)
     from_hf = _hf_init_dir(args, spec, sources)
     job = _build_job(args, spec, layout, padded)
+    job.trust_pickles = bool(args.tenplex_trust_pickles)
     _restore(args, job, tier, sources, from_hf)
     _train(args, job, tier, _train_dataset(args, spec))
     if tier is not None:  # over: training is, and its last state goes to --save
