@@ -50,6 +50,7 @@ from tenplex_megatron.plan.ptc import PTC, PTCError, dtype_size
 from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
+from tenplex_megatron.storage import copies
 from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -77,7 +78,10 @@ def _fmt_bytes(n: float) -> str:
 
 
 def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
-    ckpt = find_checkpoint(path)
+    try:
+        ckpt, _ = copies.choose(path)  # every copy damaged: an error naming each
+    except CheckpointFileError as e:
+        raise CLIError(str(e)) from None
     if ckpt is None:
         raise CLIError(f"{path}: no complete tenplex checkpoint here")
     try:

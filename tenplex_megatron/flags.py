@@ -121,7 +121,10 @@ FLAGS: tuple[Flag, ...] = (
          "restart) takes precedence; under Megatron-LM give --load too (empty on the first start)",
          "checkpoints", metavar="DIR"),
     Flag("--tenplex-trust-pickles",
-         "adopting Megatron's own checkpoint: unpickle its files fully (default: only plain classes)",
+         "trust the checkpoint's pickles: adopting Megatron's own checkpoint, unpickle its files fully (default: "
+         "only plain classes); a tenplex checkpoint's Transformer Engine extra state, hand it to the modules (which "
+         "unpickle it) without the restricted check (default: left out, with a warning, when it names anything but "
+         "tensors, numbers, strings, containers and TE's recipe classes)",
          "checkpoints", action="store_true"),
     # --- layout choice and elastic restarts
     Flag("--tenplex-layout",
@@ -211,6 +214,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_STAGING_MB", "MB (fractions allowed)", "256",
            "the staging budget of one load or save, the ring's buffers together; on a GPU the same again in device "
            "memory", "user"),
+    EnvVar("TENPLEX_METADATA_MAX_MB", "MB (fractions allowed)", "256",
+           "the largest `metadata.json` a load, `verify`, `inspect` or `plan` reads (a bigger one is refused, naming "
+           "the file and the cap): raise it only for a checkpoint of more chunks than that holds (about 30 MB per "
+           "100,000 chunks)", "user"),
     EnvVar("TENPLEX_VERIFY_THREADS", "an integer >= 1", "the CPUs available / local ranks, 1-8",
            "threads that check block checksums at load", "user"),
     EnvVar("TENPLEX_PREFETCH", "`0`, `1`", "`1`",

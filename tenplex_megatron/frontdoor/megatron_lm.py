@@ -251,7 +251,8 @@ def _job(model: list[Any], optimizer: Any, scheduler: Any) -> LiveJob:
         vocab = args.vocab_size
     spec = LiveSpec(int(vocab), int(args.seed), {k: getattr(args, k, None) for k in _RECORDED_ARGS})
     return LiveJob(model, optimizer, scheduler, layout, spec, int(args.padded_vocab_size),
-                         bool(args.use_distributed_optimizer))
+                         bool(args.use_distributed_optimizer),
+                   trust_pickles=bool(getattr(args, "tenplex_trust_pickles", False)))
 
 
 def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_scheduler: Any,

@@ -1,8 +1,9 @@
 """Where a restart loads from, in one order for both front doors, and how it loads (``memory/fallback.py``).
 
 The order: the newest host-memory snapshot (``--tenplex-memory``); else, with ``--tenplex``, tenplex's newest
-complete checkpoint under the load directory; else Megatron's own checkpoint there (adopted with ``--tenplex``);
-else nothing (a fresh start, or ``--tenplex-init-from-hf``).
+complete checkpoint under the load directory (``storage/copies.py``: a directory whose copies are all damaged
+stops the job here, naming each); else Megatron's own checkpoint there (adopted with ``--tenplex``); else nothing
+(a fresh start, or ``--tenplex-init-from-hf``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from tenplex_megatron.memory import restart as memory_restart
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.restart_policy import Choice
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint
+from tenplex_megatron.storage import copies
+from tenplex_megatron.storage.directory import find_megatron_checkpoint
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class Sources:
     memory: Choice | None
     tenplex: str | None
     megatron: str | None
+    damaged: tuple[copies.Copy, ...] = ()  # tenplex copies newer than ``tenplex`` that cannot be loaded, and why
 
     @property
     def ours(self) -> bool:
@@ -38,9 +41,9 @@ class Sources:
 def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool) -> Sources:
     """The load-source order (module docstring) over ``load_dir`` and the host-memory ``tier``."""
     memory = memory_restart.choose(tier, load_dir) if tier is not None else None
-    ckpt = find_checkpoint(load_dir) if (load_dir and tenplex and memory is None) else None
+    ckpt, damaged = copies.choose(load_dir) if (load_dir and tenplex and memory is None) else (None, ())
     mck = find_megatron_checkpoint(load_dir) if (load_dir and memory is None and ckpt is None) else None
-    return Sources(memory, ckpt, mck)
+    return Sources(memory, ckpt, mck, damaged)
 
 
 def restart(adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult], tier: MemoryTier | None,
@@ -50,7 +53,7 @@ def restart(adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadRe
     engine comes in as an adapter and a loader, so that every front door shares this order."""
     return fallback.restart(
         lambda c: memory_restart.load_snapshot(adapter(), tier, c, verify=verify),
-        load_durable, tier, sources.memory, load_dir, sources.tenplex)
+        load_durable, tier, sources.memory, load_dir, sources.tenplex, sources.damaged)
 
 
 def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:

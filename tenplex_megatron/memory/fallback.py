@@ -25,14 +25,11 @@ from tenplex_megatron.memory.restart import MemoryLoadResult
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.restart_policy import Choice
 from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.copies import Copy, NoGoodCopyError
 from tenplex_megatron.storage.files import CheckpointFileError
 
 log = tlog.get("fallback")
 _DAMAGE = ("CheckpointFileError", "FileNotFoundError", "LeaseError")
-
-
-class NoGoodCopyError(CheckpointFileError):
-    """Every copy of the state a restart could load failed its checks."""
 
 
 @dataclass(frozen=True)
@@ -72,9 +69,13 @@ def _skip(what: str, why: str, skipped: list[str]) -> None:
 
 def restart(load_memory: Callable[[Choice], MemoryLoadResult], load_durable: Callable[[str], LoadResult],
             tier: MemoryTier | None, choice: Choice | None, load_dir: str | None,
-            durable: str | None) -> Restart:
-    """Collective: load ``choice`` (host memory) or else ``durable``, falling back in the module's order."""
+            durable: str | None, damaged: tuple[Copy, ...] = ()) -> Restart:
+    """Collective: load ``choice`` (host memory) or else ``durable``, falling back in the module's order.
+    ``damaged``: the durable copies newer than ``durable`` whose metadata did not read (``storage/copies.py``),
+    each named in the one warning before anything is loaded."""
     skipped: list[str] = []
+    for c in damaged:
+        _skip(f"durable checkpoint {c.path}", c.why or "damaged", skipped)
     excluded: set[tuple[int, str, str]] = set()
     while choice is not None:
         assert tier is not None

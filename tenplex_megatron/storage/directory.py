@@ -28,6 +28,7 @@ from typing import Any
 
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import lease
+from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, open_regular, read_checkpoint_file
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 
@@ -72,12 +73,22 @@ def write_json_atomic(path: str, obj: Any) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def load_metadata_json(ckpt_dir: str) -> Any:
+    """The parsed JSON of ``ckpt_dir``'s ``metadata.json``, read bounded (``bounded.py``: confined, a regular file,
+    at most ``TENPLEX_METADATA_MAX_MB``); ``FileNotFoundError`` when missing, :class:`CheckpointFileError` naming
+    the file otherwise."""
+    raw = read_checkpoint_file(ckpt_dir, METADATA_FILE, metadata_cap(), METADATA_MAX_ENV)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an integer of too many digits
+        raise CheckpointFileError(f"{os.path.join(ckpt_dir, METADATA_FILE)}: malformed JSON: {e}") from None
+
+
 def is_tenplex_checkpoint(path: str) -> bool:
     """A committed tenplex checkpoint (megatron-core's torch_dist format also writes a metadata.json)."""
     try:
-        with open(os.path.join(path, METADATA_FILE)) as f:
-            meta = json.load(f)
-    except (OSError, ValueError, RecursionError):
+        meta = load_metadata_json(path)
+    except (OSError, CheckpointFileError):
         return False
     return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
 
@@ -96,14 +107,13 @@ def find_megatron_checkpoint(load: str) -> str | None:
     dist_checkpointing (``metadata.json`` naming a sharded backend) or Megatron-LM's legacy format."""
     def is_mcore(path: str) -> bool:
         try:
-            with open(os.path.join(path, METADATA_FILE)) as f:
-                return "sharded_backend" in json.load(f)
-        except (OSError, ValueError, TypeError, RecursionError):
+            return "sharded_backend" in load_metadata_json(path)
+        except (OSError, TypeError, CheckpointFileError):
             return is_legacy_megatron_checkpoint(path)
 
     if is_mcore(load):
         return load
-    it = tracker_iteration(load)
+    it = _readable_tracker(load)
     if it is not None:
         path = confine(load, iter_dir_name(it), TRACKER_FILE)
         if is_mcore(path):
@@ -116,13 +126,26 @@ def find_megatron_checkpoint(load: str) -> str | None:
 
 
 def tracker_iteration(save: str) -> int | None:
-    """The iteration ``latest_checkpointed_iteration.txt`` names: ASCII digits only, else None (Megatron's "release")."""
+    """The iteration ``latest_checkpointed_iteration.txt`` names: ASCII digits only, else None (Megatron's "release").
+
+    The tracker is opened bounded (``bounded.py``): confined to ``save``, a regular file (a FIFO or a device raises
+    :class:`CheckpointFileError`), its first 64 bytes read."""
     try:
-        with open(os.path.join(save, TRACKER_FILE), "rb") as f:
+        path = confine(save, TRACKER_FILE, "the checkpoint format")
+        with open_regular(path) as f:
             text = f.read(64).strip()
     except OSError:
         return None
     return int(text) if _TRACKER_RE.fullmatch(text.decode("ascii", "replace")) else None
+
+
+def _readable_tracker(save: str) -> int | None:
+    """:func:`tracker_iteration`, None when the tracker is not a regular file in ``save`` (``storage/copies.py``
+    reports that as damage)."""
+    try:
+        return tracker_iteration(save)
+    except CheckpointFileError:
+        return None
 
 
 def _real_dir(path: str) -> bool:
@@ -134,12 +157,9 @@ def read_metadata(ckpt_dir: str) -> dict[str, Any]:
     """Read and check ``metadata.json`` of a committed checkpoint directory."""
     path = os.path.join(ckpt_dir, METADATA_FILE)
     try:
-        with open(path) as f:
-            meta = json.load(f)
+        meta = load_metadata_json(ckpt_dir)
     except FileNotFoundError:
         raise CheckpointFileError(f"{path}: missing (not a complete tenplex checkpoint)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise CheckpointFileError(f"{path}: malformed JSON: {e}") from None
     METADATA_FORMAT.check(meta, path)
     files = meta.get("files", {})
     if not isinstance(files, dict) or not all(type(v) is int and v >= 0 for v in files.values()):
@@ -169,7 +189,7 @@ def find_checkpoint(load: str, iteration: int | None = None) -> str | None:
     if iteration is not None:
         path = confine(load, iter_dir_name(iteration), "the requested iteration")
         return path if is_tenplex_checkpoint(path) else None
-    it = tracker_iteration(load)
+    it = _readable_tracker(load)
     if it is not None:
         path = confine(load, iter_dir_name(it), TRACKER_FILE)
         if is_tenplex_checkpoint(path):

@@ -14,6 +14,7 @@ import struct
 from dataclasses import dataclass
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES
+from tenplex_megatron.storage.bounded import open_regular
 from tenplex_megatron.storage.files import CheckpointFileError
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
@@ -48,8 +49,8 @@ def read_header(path: str, allow_truncated: bool = False) -> tuple[dict[str, Ten
     (the caller checks each against the size) instead of failing on the first.
     """
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO or a device is refused, never waited on
+            size = os.fstat(f.fileno()).st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointFileError(f"{path}: truncated ({size} bytes, no safetensors header)")
@@ -61,7 +62,7 @@ def read_header(path: str, allow_truncated: bool = False) -> tuple[dict[str, Ten
         raise CheckpointFileError(f"{path}: file is missing") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: deeply nested JSON
+    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer of too many digits; deep nesting
         raise CheckpointFileError(f"{path}: malformed safetensors header: {e}") from None
     if not isinstance(header, dict):
         raise CheckpointFileError(f"{path}: safetensors header is not a JSON object")

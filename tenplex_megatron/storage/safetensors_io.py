@@ -17,6 +17,7 @@ import struct
 import torch
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES
+from tenplex_megatron.storage.bounded import open_regular
 from tenplex_megatron.storage.checksum import crc32 as buffer_crc32
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file  # noqa: F401 (re-exported)
 from tenplex_megatron.storage.safetensors_header import (  # noqa: F401 (re-exported)
@@ -93,7 +94,7 @@ class SafetensorsReader:
     def __init__(self, path: str):
         self.path = path
         self.entries, self.size = read_header(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
         self._buf = torch.frombuffer(self._mm, dtype=torch.uint8) if self._mm is not None else torch.empty(0, dtype=torch.uint8)
 

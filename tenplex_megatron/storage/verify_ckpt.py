@@ -16,7 +16,6 @@ with SIGBUS, as any memory-mapped read does.
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -33,7 +32,13 @@ from tenplex_megatron.plan.planner import partition_errors
 from tenplex_megatron.plan.ptc import PTC, PTCError, StoredChunk, dtype_size
 from tenplex_megatron.storage.checksum import crc32
 from tenplex_megatron.storage.confine import confine
-from tenplex_megatron.storage.directory import METADATA_FILE, is_tenplex_checkpoint, read_metadata, tracker_iteration
+from tenplex_megatron.storage.directory import (
+    FORMAT_NAME,
+    METADATA_FILE,
+    load_metadata_json,
+    read_metadata,
+    tracker_iteration,
+)
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_header import TensorEntry, read_header
 
@@ -389,7 +394,7 @@ def checkpoints_in(path: str, every: bool) -> list[str]:
     (a damaged copy: a load would skip it silently, ``verify`` reports it), all of
     them with ``every``, otherwise the tracker's, or the newest.
     """
-    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+    if os.path.lexists(os.path.join(path, METADATA_FILE)):  # a FIFO or a link out too: a damaged copy
         return [path]
     found: list[tuple[int, str]] = []
     if os.path.isdir(path):
@@ -401,24 +406,25 @@ def checkpoints_in(path: str, every: bool) -> list[str]:
     found.sort()
     if every or not found:
         return [p for _, p in found]
-    it = tracker_iteration(path)
+    try:
+        it = tracker_iteration(path)
+    except CheckpointFileError:  # not a regular file: the newest copy instead
+        it = None
     named = [p for i, p in found if i == it]
     return named or [found[-1][1]]
 
 
 def _ours_or_damaged(ckpt: str) -> bool:
     """A tenplex checkpoint, or one whose ``metadata.json`` is unreadable (a damaged copy); not another format's."""
-    meta_path = os.path.join(ckpt, METADATA_FILE)
-    if not os.path.isfile(meta_path):
+    if not os.path.lexists(os.path.join(ckpt, METADATA_FILE)):
         return False  # a save that never committed, or nothing of ours
-    if is_tenplex_checkpoint(ckpt):
-        return True
     try:
-        with open(meta_path, "rb") as f:
-            json.loads(f.read())
-    except (OSError, ValueError, RecursionError):
+        meta = load_metadata_json(ckpt)  # bounded: confined, a regular file, capped
+    except (OSError, CheckpointFileError):
         return True
-    return False  # well-formed JSON of another format (megatron-core's torch_dist writes a metadata.json too)
+    # megatron-core's torch_dist writes a metadata.json too (naming its sharded backend): not ours; any other is a
+    # tenplex copy, damaged unless it reads (``storage/copies.py`` counts the same ones)
+    return not isinstance(meta, dict) or meta.get("format") == FORMAT_NAME or "sharded_backend" not in meta
 
 
 __all__ = ["CheckReport", "Damage", "checkpoints_in", "default_workers", "verify_checkpoint"]

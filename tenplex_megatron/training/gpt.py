@@ -140,6 +140,7 @@ class GPTJob:
     consumed_samples: int = 0
     ddp: DDPOptions = DDPOptions()
     skipped_iterations: int = 0  # fp16: steps the loss scaler skipped (inf/NaN gradients), as Megatron-LM counts
+    trust_pickles: bool = False  # --tenplex-trust-pickles: Transformer Engine's extra state handed over unchecked
 
     @property
     def num_microbatches(self) -> int:

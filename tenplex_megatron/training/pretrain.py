@@ -375,10 +375,14 @@ def run(args: argparse.Namespace) -> None:
     ckpt = Checkpointer(args, "pretrain_gpt.py")  # the leases: claimed by main() already, or here (several jobs)
     layout = layout_from_args(args)
     spec = spec_from_args(args)
-    sources = ckpt.sources(args.load)  # the --tenplex-memory tier opened first
+    try:
+        sources = ckpt.sources(args.load)  # the --tenplex-memory tier opened first
+    except CheckpointFileError as e:  # every copy under --load damaged: never a fresh start over them
+        raise SystemExit(f"pretrain_gpt.py: error: --load {e}") from None
     padded = _padded_vocab(args, spec, layout, sources)
     from_hf = _hf_init_dir(args, spec, sources)
     job = _build_job(args, spec, layout, padded)
+    job.trust_pickles = bool(args.tenplex_trust_pickles)
     _restore(args, job, ckpt, sources, from_hf)
     _train(args, job, ckpt, _train_dataset(args, spec))
     # over: training is, and its last state goes to --save

@@ -39,8 +39,7 @@ from tenplex_megatron.integrations.deepspeed.zero import (
 )
 from tenplex_megatron.memory import fallback
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.storage import job_identity, lease
-from tenplex_megatron.storage.directory import find_checkpoint
+from tenplex_megatron.storage import copies, job_identity, lease
 
 FRAMEWORK = "deepspeed"
 
@@ -174,11 +173,11 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *,
     orphan.die_with_agent()
     adapter = DeepSpeedAdapter(engine, seed, where=load_dir)
     if not native.is_deepspeed_checkpoint_dir(load_dir):
-        newest = find_checkpoint(load_dir) if iteration is None else None
+        newest, damaged = copies.choose(load_dir) if iteration is None else (None, ())
         if newest is None:  # a given iteration (or nothing to load: the engine's error)
             return load(adapter, load_dir, iteration, strict=True, verify=verify)
         return fallback.restart(lambda _: None, lambda path: load(adapter, path, None, strict=True, verify=verify),
-                                None, None, load_dir, newest).result
+                                None, None, load_dir, newest, damaged).result
 
     def opener() -> Any:  # runs before the adapter describes the engine for the load
         opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration),

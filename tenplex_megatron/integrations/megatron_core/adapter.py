@@ -72,6 +72,7 @@ class LiveJob:
     use_distributed_optimizer: bool
     iteration: int = 0
     consumed_samples: int = 0
+    trust_pickles: bool = False  # hand Transformer Engine's extra state over unchecked (``extra_state.py``)
 
 
 class MegatronCoreAdapter:
@@ -255,11 +256,13 @@ def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *
 
 def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *, vocab_size: int | None = None,
                     seed: int = 1234, iteration: int | None = None, strict: bool = True,
-                    verify: bool = True) -> LoadResult:
+                    verify: bool = True, trust_pickles: bool = False) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` into a model built at any layout.
 
     Returns a :class:`LoadResult`: ``.iteration`` and ``.consumed_samples`` say where to resume,
-    ``.metadata["extra"]`` holds what was passed as ``extra`` at save.
+    ``.metadata["extra"]`` holds what was passed as ``extra`` at save. ``trust_pickles``: hand Transformer Engine's
+    extra state to its modules without checking its pickles (only for a checkpoint you trust).
     """
-    return load_job(live_job(model, optimizer, scheduler, vocab_size, seed), load_dir, iteration, strict=strict,
-                    verify=verify)
+    job = live_job(model, optimizer, scheduler, vocab_size, seed)
+    job.trust_pickles = bool(trust_pickles)
+    return load_job(job, load_dir, iteration, strict=strict, verify=verify)

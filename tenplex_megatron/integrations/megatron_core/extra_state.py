@@ -4,11 +4,14 @@ A module's ``_extra_state`` is torch's generic protocol (``get_extra_state`` / `
 it returning its FP8 metadata serialized into a uint8 tensor (older TE: an ``io.BytesIO``), and megatron-core turns
 every ``*._extra_state`` key into a ``ShardedObject``. Such state is not a tensor that can be re-sharded: it is the
 rank's own. So each rank saves the raw bytes of its modules' extra state as rank-local entries of its own file
-(``engine/rank_local.py``; never unpickled here: TE's own ``set_extra_state`` reads them, as it does from Megatron's
-checkpoints), and a load at the same layout, with the same modules, hands every module its bytes back exactly. At
-another layout (or from a checkpoint without them) they are left out with one warning: with FP8, the scaling
-factors and amax history re-warm over the next iterations. megatron-core's own linear layers return None: nothing
-to keep there.
+(``engine/rank_local.py``), and a load at the same layout, with the same modules, hands every module its bytes back
+exactly. TE's own ``set_extra_state`` unpickles them (``pickle.loads``; the older io.BytesIO kind with
+``torch.load``), so a checkpoint's bytes could run code there: before any is handed over, each is unpickled here
+with a restricted unpickler (``storage/pickles.py``: tensors, numbers, strings, containers, TE's recipe classes),
+and when one names anything else none is handed over, with the warning below, unless the job trusts the
+checkpoint (``--tenplex-trust-pickles``). At another layout (or from a checkpoint without them) they are left out
+with one warning: with FP8, the scaling factors and amax history re-warm over the next iterations. megatron-core's
+own linear layers return None: nothing to keep there.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tenplex_megatron import log as tlog
 from tenplex_megatron.engine.rank_local import PREFIX, saved_entries
 from tenplex_megatron.integrations.megatron_core.sharded import unwrap
 from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.storage.pickles import why_unsafe_extra_state
 
 log = tlog.get("megatron_core")
 _WARNED: set[str] = set()
@@ -101,18 +105,32 @@ def _layout(saved: Any) -> str:
         return str(saved)
 
 
-def _warn_dropped(names: list[str], why: str) -> None:
-    """One line per load (rank 0 logs it as a warning; other ranks below the level they show)."""
-    level = logging.WARNING if tlog.rank() == 0 else logging.DEBUG
+def _warn_dropped(names: list[str], why: str, every_rank: bool = False) -> None:
+    """One line per load (rank 0 logs it as a warning; other ranks below the level they show, unless
+    ``every_rank``: a reason this rank alone may have)."""
+    level = logging.WARNING if every_rank or tlog.rank() == 0 else logging.DEBUG
     first = names[0].removeprefix(PREFIX)
     log.log(level, "Transformer Engine's _extra_state of %d module(s) on this rank (%s, ...) is not restored: %s; "
             "%s", len(names), first, why, REWARMS)
 
 
+def _refused(raw: dict[str, torch.Tensor], saved: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The entries whose bytes the restricted unpickler refuses (``storage/pickles.py``), each with why: a module's
+    ``set_extra_state`` would unpickle them (TE's does: ``pickle.loads``, or ``torch.load`` of the BytesIO kind)."""
+    out = {}
+    for k, data in raw.items():
+        why = why_unsafe_extra_state(data.numpy().tobytes(), saved[k].get("kind") == "bytesio") if data.numel() \
+            else None
+        if why is not None:
+            out[k] = why
+    return out
+
+
 def prepare(job: Any, metadata: dict[str, Any], read: Callable[[str], torch.Tensor],
             rank: int) -> Callable[[], None] | None:
     """At load, before any tensor is copied: read back this rank's saved extra state when it applies (the saved
-    layout is the job's and the saved rank held the same modules), checked; returns what hands it to the modules."""
+    layout is the job's and the saved rank held the same modules), checked, and its pickles checked unless
+    ``job.trust_pickles``; returns what hands it to the modules."""
     live = {entry_name(c, n): m for c, n, m in _modules(job)}
     saved = {k: v for k, v in (saved_entries(metadata, rank) or {}).items() if k.endswith("._extra_state")}
     have = sorted(k for k, m in live.items() if m.get_extra_state() is not None)
@@ -127,7 +145,15 @@ def prepare(job: Any, metadata: dict[str, Any], read: Callable[[str], torch.Tens
     if missing:
         _warn_dropped(missing, "this model has no such module (the model's module paths changed)")
         return None
-    values = {k: decode(read(k), rec, k.removeprefix(PREFIX)) for k, rec in saved.items()}
+    raw = {k: read(k) for k in saved}
+    refused = {} if getattr(job, "trust_pickles", False) else _refused(raw, saved)
+    if refused:
+        first = min(refused)
+        _warn_dropped(sorted(saved), f"the bytes of {first.removeprefix(PREFIX)} are a pickle that could run code when "
+                      f"the module unpickles them ({refused[first]}); pass --tenplex-trust-pickles only for a "
+                      "checkpoint you trust", every_rank=True)
+        return None
+    values = {k: decode(raw[k], rec, k.removeprefix(PREFIX)) for k, rec in saved.items()}
 
     def apply() -> None:
         for k, value in values.items():
