@@ -14,10 +14,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.plan.box_overlap import first_overlap
 from tenplex_megatron.plan.geometry import Rect, chunk_rects, intersect
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta, dtype_size
 
@@ -198,11 +199,12 @@ def _extents_disjoint(boxes: Iterable[tuple[tuple[int, ...], tuple[int, ...]]]) 
     return True
 
 
-def _check_partition(meta: TensorMeta, sources: list[_Source], index: Callable[[], _Index], boxes: dict) -> None:
+def _check_partition(meta: TensorMeta, sources: list[_Source], boxes: dict) -> None:
     """Source chunks of one tensor must be pairwise disjoint and cover it (so copies are exact).
 
     Fast path: when the distinct boxes are pairwise disjoint, disjointness reduces to
-    non-overlapping flat intervals inside each box. Otherwise every rectangle pair is checked.
+    non-overlapping flat intervals inside each box. Otherwise the chunks' rectangles are swept
+    (:func:`first_overlap`): O(N log N), never every pair.
     """
     total = sum(s.chunk.numel for s in sources)
 
@@ -212,27 +214,17 @@ def _check_partition(meta: TensorMeta, sources: list[_Source], index: Callable[[
             f"tensor {meta.key!r}: source chunks overlap ({a.offsets}/{a.shape}/{a.flat} and {b.offsets}/{b.shape}/{b.flat})"
         )
 
-    boxes_disjoint = _extents_disjoint(boxes)
-    if not boxes_disjoint:
-        box_rects = [Rect(off, shp, 0) for off, shp in boxes]
-        box_index = _Index([_Boxed(r) for r in box_rects])
-        boxes_disjoint = all(
-            j == i or intersect(b.offsets, b.shape, r.offsets, r.shape) is None
-            for i, b in enumerate(box_rects)
-            for j, r in box_index.query(b.offsets, b.end)
-        )
+    boxes_disjoint = _extents_disjoint(boxes) or first_overlap(list(boxes)) is None
     if boxes_disjoint:
         for intervals in boxes.values():
             for (_, b0, i0), (a1, _, i1) in zip(intervals, intervals[1:]):
                 if a1 < b0:
                     raise overlap(i0, i1)
     else:
-        rect_index = index()
-        for i, s in enumerate(sources):
-            for r in s.rects:
-                for j, other in rect_index.query(r.offsets, r.end):
-                    if j != i and intersect(r.offsets, r.shape, other.offsets, other.shape) is not None:
-                        raise overlap(i, j)
+        owners = [i for i, s in enumerate(sources) for _ in s.rects]
+        hit = first_overlap([(r.offsets, r.shape) for s in sources for r in s.rects])
+        if hit is not None:
+            raise overlap(owners[hit[0]], owners[hit[1]])
     if total != meta.numel:
         raise PlanError(
             f"tensor {meta.key!r}: the checkpoint's chunks cover {total} of {meta.numel} elements "
@@ -334,7 +326,7 @@ class Planner:
             meta = self.source.tensors[key]
             srcs = _unique_sources(self._by_key.get(key, []))
             got = _Prepared(srcs, _content_limit(meta, self.dst_tensors[key]), dtype_size(meta.dtype))
-            _check_partition(meta, srcs, got.index, got.boxes)
+            _check_partition(meta, srcs, got.boxes)
             self._prepared[key] = got
         return got
 
