@@ -22,6 +22,7 @@ from tenplex_megatron import log
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.engine.save import SaveResult
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.memory import fallback, state
 from tenplex_megatron.memory.restart import discard_after
@@ -32,7 +33,7 @@ from tenplex_megatron.storage import lease
 _log = log.get("checkpointer")
 
 
-class CheckpointerClosedError(RuntimeError):
+class CheckpointerClosedError(TenplexError, RuntimeError):
     """A closed :class:`Checkpointer` was used: build a new one (the job's flags are still there)."""
 
 

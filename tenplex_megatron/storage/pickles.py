@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron.errors import TenplexError
+
 
 @dataclass(frozen=True)
 class PicklePolicy:
@@ -59,7 +61,7 @@ _EXTRA_STATE_GLOBALS = frozenset({
 })
 
 
-class RefusedPickle(pickle.UnpicklingError):
+class RefusedPickle(TenplexError, pickle.UnpicklingError):
     """A pickle names something outside the allow list: unpickling it fully could run code."""
 
 
