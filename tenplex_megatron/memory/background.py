@@ -64,33 +64,52 @@ def settle(answers: list[dict[str, dict[str, Any]] | None], op: str) -> tuple[bo
     return all(p.state == "done" for p in said), None
 
 
+def _replication_failed(tier: MemoryTier, what: str, error: str) -> None:
+    if rank() == 0:
+        log.warning("%s: replication of iteration %s failed: %s; the helpers restart", what, tier.replicating, error)
+    tier.replicating = None
+
+
+def _persist_failed(tier: MemoryTier, what: str, error: str) -> None:
+    if rank() == 0:
+        log.warning("%s: background persist of iteration %s failed: %s; its staging directory is removed by "
+                    "the next persist", what, tier.pending, error)
+    tier.pending = tier.pending_meta = None
+
+
 def resolve(tier: MemoryTier, answers: list[dict[str, dict[str, Any]] | None], what: str) -> bool:
     """Apply every node's answers: replication done or failed (a failed helper: all helpers restart);
-    returns whether the pending durable checkpoint can be committed now. Collective when helpers restart."""
+    returns whether the pending durable checkpoint can be committed now. Collective when helpers restart.
+
+    A helper's death is reported one way whatever the timing: the work it leaves unanswered failed with
+    :meth:`~tenplex_megatron.memory.helper.Helper.exited`'s words, whether its node's poll read the death
+    (``answers``) or the process is found gone after its node said it was still working."""
     done, error = settle(answers, "replicate")
     restart = False
     if done:
         tier.replicated, tier.replicating = tier.replicating, None
     elif error is not None:
-        if rank() == 0:
-            log.warning("%s: replication of iteration %s failed: %s; the helpers restart", what, tier.replicating,
-                        error)
-        tier.replicating = None
+        _replication_failed(tier, what, error)
         restart = True
     commit, error = settle(answers, "persist")
     if error is not None:
-        if rank() == 0:
-            log.warning("%s: background persist of iteration %s failed: %s; its staging directory is removed by "
-                        "the next persist", what, tier.pending, error)
-        tier.pending = tier.pending_meta = None
+        _persist_failed(tier, what, error)
         restart = restart or tier.replicates
 
-    def local() -> bool:
+    def local() -> dict[str, Any]:
         if done and tier.leader:  # the older snapshot the replicated one protected can go now
             node_dir.retain(tier.mem, tier.settings.keep, tier.protected(), tier.dispose)
-        return restart or (tier.leader and tier.helper is not None and not tier.helper.alive)
+        exited = tier.helper.exited() if tier.leader and tier.helper is not None else None
+        return {"restart": restart or exited is not None, "exited": exited}
 
-    if any(gather_phase(f"{what}: checking the helper processes", local)):
+    checks = gather_phase(f"{what}: checking the helper processes", local)
+    died = next((c["exited"] for c in checks if c["exited"] is not None), None)
+    if died is not None:  # a helper died after its node's answer: what it had under way failed with it
+        if tier.replicating is not None:
+            _replication_failed(tier, what, died)
+        if tier.pending is not None and not commit:
+            _persist_failed(tier, what, died)
+    if any(c["restart"] for c in checks):
         if rank() == 0 and (tier.replicating is not None or (tier.pending is not None and not commit)):
             log.warning("%s: the helper processes restart: the replication of iteration %s and the persist of "
                         "iteration %s under way are abandoned", what, tier.replicating, tier.pending)

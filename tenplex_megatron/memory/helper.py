@@ -389,6 +389,12 @@ class Helper:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exited(self) -> str | None:
+        """How the helper process ended (None while it runs): the one wording of a helper's death, whether a poll
+        reads it or the job finds the process gone."""
+        code = self.proc.poll()
+        return None if code is None else f"the helper process exited with status {code}"
+
     def request(self, req: Request) -> None:
         """Send ``req``; an earlier reply to the same op and iteration (a snapshot saved again) is forgotten."""
         assert self.proc.stdin is not None
@@ -416,8 +422,8 @@ class Helper:
                 return None
             data = os.read(fd, 1 << 16)
             if not data:
-                code = self.proc.wait()
-                return Reply(op, iteration, error=f"the helper process exited with status {code}")
+                self.proc.wait()
+                return Reply(op, iteration, error=self.exited())
             self._buf += data
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)

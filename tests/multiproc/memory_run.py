@@ -34,7 +34,7 @@ import torch.distributed as dist
 from tenplex_megatron import flags
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load
-from tenplex_megatron.execute.collective import RankFailure
+from tenplex_megatron.execute.collective import RankFailure, gather_phase
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.memory import background, node_dir, restart, state
 from tenplex_megatron.memory.settings import MemorySettings
@@ -218,6 +218,8 @@ def scenarios(out: str) -> dict[str, Any]:
     os.environ["TENPLEX_FAULT"] = "persist.copy"  # the helper starts now and inherits it: killed half way
     snap(p, 11.0, 11)
     del os.environ["TENPLEX_FAULT"]
+    p.helper.proc.wait(timeout=300)  # the event (every rank is a node's first): the helper's death, then the job looks
+    dist.barrier()
     with warnings_logged() as caught:
         res["persisted_killed"] = list(background.drain(p))  # the helper's death is reported, nothing committed
     res["persist_killed_warning"] = [w for w in caught if "persist" in w]
@@ -228,11 +230,32 @@ def scenarios(out: str) -> dict[str, Any]:
     back = Tiny(0.0)
     load(back, os.path.join(out, "ckpt"))
     res["durable_after"] = [back.it, back.matches(12.0)]
+    res["died_after_answer"] = died_after_answer(out)
 
     res["mixed"] = mixed(os.path.join(out, "mixed"))
     res["checkpointer"] = checkpointer_rebuilt(os.path.join(out, "rebuilt"))
     for x in (t, small, fb, other):
         state.close(x)
+    return res
+
+
+def died_after_answer(out: str) -> dict[str, Any]:
+    """The other timing of a helper's death: each node's helper (stopped, so that it cannot answer) says it is
+    still working, then dies before the job checks on it: the same report as a death its poll reads."""
+    d = tier(os.path.join(out, "late"), persist_interval=1)
+    state.start_helpers(d)
+    os.kill(d.helper.proc.pid, signal.SIGSTOP)  # the requests wait in its pipe, unanswered
+    snap(d, 14.0, 14)
+    answers = gather_phase("asking", lambda: background.node_progress(d, 0.0))
+    said = sorted({p["state"] for a in answers if a for p in a.values()})
+    d.helper.proc.kill()
+    d.helper.proc.wait(timeout=60)  # the event: the helper is gone
+    dist.barrier()
+    with warnings_logged() as caught:
+        background.resolve(d, answers, "checking")
+    res = {"said": said, "warnings": caught, "pending": [d.pending, d.replicating],
+           "restarted": d.helper is not None and d.helper.alive}
+    state.close(d)
     return res
 
 

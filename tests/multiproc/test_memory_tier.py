@@ -63,6 +63,12 @@ def test_memory_tier_scenarios(tmp_path) -> None:
     assert got[0]["mixed"]["received"] == 0 and got[1]["mixed"]["received"] > 0
     assert got[0]["replica_warning"] and "one copy per node" in got[0]["replica_warning"][0]
     assert "exited" in got[0]["persist_killed_warning"][0] and got[0]["persist_cleaned"]
+    # a helper that dies after its node said it was working is reported as one whose poll read the death
+    late = got[0]["died_after_answer"]
+    assert late["said"] == ["running"] and late["pending"] == [None, None] and late["restarted"], late
+    assert [w for w in late["warnings"] if "persist" in w and "exited with status -9" in w], late
+    assert [w for w in late["warnings"] if "replication" in w and "exited with status -9" in w], late
+    assert not [w for w in late["warnings"] if "abandoned" in w], late
     assert got[0]["replicate_killed_warning"]
     # node 1's helper was killed writing node 0's file: node 1 never lists it (only its temporary name)
     assert "rank_00000.safetensors" not in got[1]["after_killed_replication"]

@@ -137,6 +137,30 @@ def test_released_lease_is_taken_at_once(tmp_path) -> None:
     assert lease.acquire(d, "job-b").generation == 2
 
 
+def test_the_heartbeat_thread_ends_once_no_lease_is_held_and_starts_again_with_the_next(tmp_path) -> None:
+    """A job closed in a process leaves no heartbeat thread; the next job's lease starts one (and is renewed)."""
+    import threading
+
+    def beating() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "tenplex-lease-heartbeat"]
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    lease._HELD.clear()
+    lease.acquire(a, "job-a", ttl=0.5)
+    assert beating()
+    assert not lease.stop_heartbeat_when_idle()  # a lease is held: the heartbeat goes on
+    lease.release(a)
+    assert lease.stop_heartbeat_when_idle() and beating() == []
+    first = lease.acquire(b, "job-b", ttl=0.5)
+    assert len(beating()) == 1
+    deadline = time.monotonic() + 30
+    while lease.held(b).heartbeat == first.heartbeat and time.monotonic() < deadline:
+        beating()[0].join(0.05)  # the new thread renews the lease (no fixed sleep: until it did, or 30 s)
+    assert lease.held(b).heartbeat > first.heartbeat
+    lease.release(b)
+    assert lease.stop_heartbeat_when_idle() and beating() == []
+
+
 def test_a_heartbeat_racing_a_release_does_not_mark_the_lease_live_again(tmp_path) -> None:
     """The heartbeat lists the held leases, sleeps, then renews: a release in between must win (seen in CI: the two
     wrote one temporary file and the release's rename failed; a renewal after it would have undone it)."""
