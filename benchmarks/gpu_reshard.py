@@ -36,6 +36,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -48,11 +49,12 @@ from tenplex_megatron.plan.planner import RankPlan, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors, load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab, source_from_layout
+from tenplex_megatron.storage.parallel_read import RUN_BYTES, default_threads
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, write_safetensors
 from tenplex_megatron.storage.source_files import SourceFiles
 
 MODELS = ["gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b"]
-SYSTEMS = ["staged", "direct", "mcore"]
+SYSTEMS = ["parallel", "staged", "direct", "mcore"]
 GB = 1e9
 
 
@@ -245,6 +247,56 @@ def h2d(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return reps * nbytes / (time.perf_counter() - t0) / GB
 
 
+def parallel_read_gbps(root: str, threads: int, cold: bool, chunk: int = RUN_BYTES) -> float:
+    """GB/s of every file under ``root`` read by ``threads`` threads with ``os.preadv`` of ``chunk`` bytes into
+    reused host buffers (pinned where a GPU is present), from storage (``cold``: page cache evicted) or the page
+    cache (after one untimed read): the machine's limit for the parallel reader."""
+    paths = sorted(os.path.join(root, n) for n in os.listdir(root) if os.path.isfile(os.path.join(root, n)))
+    tasks = [(p, off, min(chunk, os.path.getsize(p) - off)) for p in paths for off in range(0, os.path.getsize(p), chunk)]
+    pin = torch.cuda.is_available()
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+
+    def worker(k: int) -> None:
+        view = memoryview(bufs[k].numpy())
+        for path, off, n in tasks[k::threads]:
+            got = 0
+            while got < n:
+                r = os.preadv(fds[path], [view[got:n]], off + got)
+                if r == 0:
+                    break
+                got += r
+
+    try:
+        def once() -> float:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(worker, range(threads)))
+            return time.perf_counter() - t0
+        if cold:
+            evict_page_cache(root)
+        else:
+            once()
+        secs = once()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sum(n for _, _, n in tasks) / secs / GB
+
+
+def d2h(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """GB/s of a device buffer copied to pinned host memory (on the CPU: into another host buffer)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host.copy_(dev, non_blocking=True)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        host.copy_(dev, non_blocking=True)
+    _sync(device)
+    return reps * nbytes / (time.perf_counter() - t0) / GB
+
+
 def time_round_robin(runs: dict[str, Callable[[], Any]], reps: int, cold_dirs: dict[str, str | None],
                      row: dict[str, Any]) -> dict[str, float]:
     """Median seconds of each system, repetitions round-robin over the systems (the order rotating each time), so
@@ -305,11 +357,17 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
                                "write_s": time.perf_counter() - t0}
         secs, nbytes = seq_read(root)
         row["storage_read_gbps"] = nbytes / secs / GB
-        row["h2d_gbps"] = h2d(device, min(256 << 20, max(share.dst_bytes, 1 << 20)))
+        threads = default_threads()
+        row["read_threads"] = threads
+        row["parallel_cold_read_gbps"] = parallel_read_gbps(root, threads, cold=True)
+        row["parallel_warm_read_gbps"] = parallel_read_gbps(root, threads, cold=False)
+        size = min(256 << 20, max(share.dst_bytes, 1 << 20))
+        row["h2d_gbps"] = h2d(device, size)
+        row["d2h_gbps"] = d2h(device, size)
         runs: dict[str, Callable[[], list[torch.Tensor]]] = {}
         for system in args.systems:
-            if system in ("staged", "direct"):
-                runs[system] = tenplex_load(share, device, "copy" if system == "staged" else "direct")
+            if system in ("parallel", "staged", "direct"):
+                runs[system] = tenplex_load(share, device, {"staged": "copy"}.get(system, system))
         mdir = os.path.join(args.dir or tempfile.gettempdir(), f"mcore-{os.getpid()}")
         try:
             if "mcore" in args.systems:
@@ -332,16 +390,21 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
     return row
 
 
+LIMITS = (("storage_read_gbps", "seq read"), ("parallel_cold_read_gbps", "par cold"),
+          ("parallel_warm_read_gbps", "par warm"), ("h2d_gbps", "h2d"), ("d2h_gbps", "d2h"))
+
+
 def report(rows: list[dict[str, Any]], device: str) -> None:
-    cols = ["model", "transition", "dst GB", "storage", "h2d"]
+    cols = ["model", "transition", "dst GB", *(name for _, name in LIMITS)]
     systems = [s for s in SYSTEMS if any(f"{s}_warm_gbps" in r for r in rows)]
     cols += [f"{s} {t}" for s in systems for t in ("warm", "cold")]
-    print(f"device: {device}; GB/s of destination bytes (storage: sequential read from storage; h2d: pinned "
-          "host-to-device copy, on the CPU a memory copy)")
+    print(f"device: {device}; GB/s of destination bytes (seq read: one thread reading the files from storage; par "
+          "cold / par warm: the reader threads' preadv of the files from storage / the page cache; h2d, d2h: "
+          "pinned host-device copies, on the CPU a memory copy)")
     print(" | ".join(cols))
     for r in rows:
-        vals = [r["model"], r["transition"], f"{r['dst_bytes'] / GB:.3f}", f"{r['storage_read_gbps']:.2f}",
-                f"{r['h2d_gbps']:.2f}"]
+        vals = [r["model"], r["transition"], f"{r['dst_bytes'] / GB:.3f}"]
+        vals += [f"{r[k]:.2f}" if k in r else "-" for k, _ in LIMITS]
         vals += [f"{r[f'{s}_{t}_gbps']:.2f}" if f"{s}_{t}_gbps" in r else "-" for s in systems for t in ("warm", "cold")]
         print(" | ".join(vals))
         for k in sorted(r):
@@ -351,14 +414,18 @@ def report(rows: list[dict[str, Any]], device: str) -> None:
             print(f"  check {r['model']}: {k}: {'identical bytes' if same else 'DIFFERENT BYTES'}")
     for r in rows:
         target = f"{r['model']}:{r['transition']}"
-        for temp, limit in (("warm", r["h2d_gbps"]), ("cold", min(r["storage_read_gbps"], r["h2d_gbps"]))):
-            got = r.get(f"staged_{temp}_gbps")
-            if got is not None:
-                print(ratio_line(f"load_bandwidth_{temp} {target} staged/limit", got / limit))
-            for peer in ("direct", "mcore"):
-                if got is not None and f"{peer}_{temp}_s" in r:
-                    print(ratio_line(f"load_time_{temp} {target} staged/{peer}",
-                                     r[f"staged_{temp}_s"] / r[f"{peer}_{temp}_s"]))
+        limits = {"warm": min(r.get("parallel_warm_read_gbps", r["h2d_gbps"]), r["h2d_gbps"]),
+                  "cold": min(r.get("parallel_cold_read_gbps", r["storage_read_gbps"]), r["h2d_gbps"])}
+        for temp, limit in limits.items():
+            for system in ("parallel", "staged"):
+                got = r.get(f"{system}_{temp}_gbps")
+                if got is not None:
+                    print(ratio_line(f"load_bandwidth_{temp} {target} {system}/limit", got / limit))
+            for system, peers in (("parallel", ("staged", "direct", "mcore")), ("staged", ("direct", "mcore"))):
+                for peer in peers:
+                    if f"{system}_{temp}_s" in r and f"{peer}_{temp}_s" in r:
+                        print(ratio_line(f"load_time_{temp} {target} {system}/{peer}",
+                                         r[f"{system}_{temp}_s"] / r[f"{peer}_{temp}_s"]))
 
 
 def _init_process_group(device: torch.device) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from tenplex_megatron.storage import staged_write
 from tenplex_megatron.storage.safetensors_io import block_crc32, header_bytes
-from tenplex_megatron.storage.staging import staging_mode
+from tenplex_megatron.storage.staging import write_mode
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
@@ -41,7 +41,7 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
     with open(path, "r+b" if reuse else "wb") as f:
         f.truncate(len(head) + data)
         f.write(head)
-        if staging_mode(device) == "copy":  # a GPU's tensors: through the durable save's ring of pinned buffers
+        if write_mode(device) == "copy":  # a GPU's tensors: through the durable save's ring of pinned buffers
             crcs = staged_write.write_tensors(f, tensors, block_bytes)
         else:
             crcs = _write_direct(f, tensors, block_bytes)
