@@ -9,7 +9,8 @@ given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
 it to every rank); any other kind, or a point not registered, is a ValueError naming ``TENPLEX_FAULT``.
 Points (:data:`ALL_POINTS`, the one registry: :func:`maybe_fail` refuses a name not in it), in the order a save or
 load passes them:
-``save.gather`` (chunk lists), ``save.tensors`` (shard file half written),
+``save.gather`` (chunk lists), ``save.pwrite`` (in a writer thread of the parallel writer, before its write:
+``enospc`` there is a full disk half-way through a shard or snapshot), ``save.tensors`` (shard file half written),
 ``save.metadata_callback`` (building metadata.json; rank 0 only), ``save.metadata``
 (metadata written, not renamed; rank 0 only), ``save.commit`` (just before the
 rename; rank 0 only), ``load.read`` (planned, files opened), ``load.verify``
@@ -35,7 +36,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
+POINTS = ("save.gather", "save.pwrite", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
           "load.read", "load.verify", "load.copy", "load.preadv", "load.restore")
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)

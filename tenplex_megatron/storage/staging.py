@@ -39,11 +39,9 @@ def staging_mode(device: torch.device) -> str:
 
 
 def write_mode(device: torch.device) -> str:
-    """How a save leaves ``device``: ``copy`` (through the staging ring: a GPU's default) or ``direct`` (the CPU's)."""
-    mode = staging_mode(device)
-    if mode == "parallel":
-        return "direct" if device.type == "cpu" else "copy"
-    return mode
+    """How a save or snapshot leaves ``device``: ``parallel`` (``storage/parallel_write.py``: writer threads, the
+    default), ``copy`` (one thread through the staging ring) or ``direct`` (one write per tensor)."""
+    return staging_mode(device)
 
 
 def staging_bytes() -> int:

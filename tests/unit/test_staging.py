@@ -207,7 +207,7 @@ def test_settings_are_checked(monkeypatch) -> None:
         staging_mode(torch.device("cpu"))
     monkeypatch.setenv("TENPLEX_STAGING", "auto")
     assert staging_mode(torch.device("cpu")) == "parallel" and staging_mode(torch.device("cuda")) == "parallel"
-    assert write_mode(torch.device("cpu")) == "direct" and write_mode(torch.device("cuda")) == "copy"
+    assert write_mode(torch.device("cpu")) == "parallel" and write_mode(torch.device("cuda")) == "parallel"
     monkeypatch.setenv("TENPLEX_STAGING_MB", "lots")
     with pytest.raises(ValueError, match="TENPLEX_STAGING_MB='lots'"):
         staging_bytes()
