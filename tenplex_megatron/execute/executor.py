@@ -192,6 +192,5 @@ def _read_parallel(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sour
     rp = plan_runs(mine, extents, slot_size(),
                    verifier.verified if verifier is not None else None)
     read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device)
-    if verifier is not None:
-        verifier.bytes_verified += rp.bytes_verified
+    files.read_done(rp)
     return rest, rp.bytes_read, rp.bytes_unverified, len({e.path for e in extents})

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # types only: torch and the planner's Piece are not needed to
     import torch
 
     from tenplex_megatron.plan.planner import Piece
-    from tenplex_megatron.storage.parallel_read import Extent
+    from tenplex_megatron.storage.parallel_read import Extent, ReadPlan
 
 
 class Source(Protocol):
@@ -53,6 +53,10 @@ class Source(Protocol):
         """Where ``sc``'s bytes lie in a file, for the parallel reader (None: hand them out through :meth:`flat`)."""
         ...
 
+    def read_done(self, plan: ReadPlan) -> None:
+        """The parallel reader carried out ``plan``: its checked blocks count as verified."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -73,6 +77,9 @@ class UncheckedSource:
         return None
 
     def extent(self, sc: StoredChunk) -> Any:
+        return None
+
+    def read_done(self, plan: Any) -> None:
         return None
 
 

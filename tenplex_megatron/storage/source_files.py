@@ -13,7 +13,7 @@ from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.plan.ptc import DTYPE_SIZES, StoredChunk
 from tenplex_megatron.storage.block_verify import BlockVerifier
 from tenplex_megatron.storage.confine import confine, confine_all
-from tenplex_megatron.storage.parallel_read import Extent
+from tenplex_megatron.storage.parallel_read import Extent, ReadPlan
 from tenplex_megatron.storage.safetensors_header import TensorEntry, read_header
 from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES, CheckpointFileError, SafetensorsReader
 
@@ -96,6 +96,13 @@ class SourceFiles:
             raise CheckpointFileError(f"{where}: no checksum recorded in the metadata (damaged metadata)")
         return Extent(path, entry.begin, nbytes, DTYPE_SIZES[dtype], TORCH_DTYPES[dtype], block, crcs, where,
                       (loc.file, loc.name), whole)
+
+    def read_done(self, plan: ReadPlan) -> None:
+        """The parallel reader checked ``plan``'s blocks: they count as verified (and are not checked again)."""
+        for run in plan.runs:
+            for blk in run.blocks:
+                self.verifier.verified.add((*plan.extents[blk.extent].key, blk.index))
+        self.verifier.bytes_verified += plan.bytes_verified
 
     def _reader(self, file: str) -> SafetensorsReader:
         """``file`` opened and size-checked once."""
