@@ -1,25 +1,31 @@
-"""One rank's share of a GPT state re-sharded into device memory at a TP change: staged vs per-piece vs megatron-core.
+"""One rank's share of a GPT state re-sharded into device memory at a TP change, and saved and snapshotted back,
+against the machine's limits measured in the same run.
 
-Issue #15 point 5. For each model (``plan/sim/models.json``) it writes, with
-the real writer, the source chunks that destination rank ``--rank`` of
-``--dst`` reads from a checkpoint at ``--src`` (bf16 weights, fp32 main
-weights, Adam moments; megatron-core's N-D optimizer layout), then loads that
-share into tensors on ``--device``, each system ``--reps`` times (round-robin), from the page
-cache (warm) and after evicting the files from it (cold: from storage):
-  staged    tenplex through staging buffers (TENPLEX_STAGING=copy: pinned buffers, a side stream on a GPU);
-  direct    tenplex's per-piece copies from the file's map (TENPLEX_STAGING=direct, the path before staging);
-  mcore     megatron-core dist_checkpointing (torch_dist) saving the same source chunks, loading the same share;
-beside the limits, measured in the same run: a sequential read of the files
-from storage (readinto, page cache evicted) and pinned host-to-device
-bandwidth (on the CPU: a host memory copy). GB/s are destination bytes over
-the median time. Checksums are verified (as a load does by default).
-Prints a table and ``RATIO`` lines: ``load_bandwidth <model>:<transition>
-staged/limit`` (the issue's target: at least 0.8 of the lower of storage read
-and host-to-device) and ``load_time ... staged/<peer>`` (below 1: staged is faster).
+For each model (``plan/sim/models.json``) it writes, with the real writer, the
+source chunks that destination rank ``--rank`` of ``--dst`` reads from a
+checkpoint at ``--src`` (bf16 weights, fp32 main weights, Adam moments;
+megatron-core's N-D optimizer layout), then loads that share into tensors on
+``--device``, each system ``--reps`` times (round-robin), from the page cache
+(warm) and after evicting the files from it (cold: from storage):
+  parallel  tenplex's parallel reader (TENPLEX_STAGING=parallel, the default: reader threads, preadv into one ring);
+  staged    tenplex through staging buffers on one host thread (TENPLEX_STAGING=copy);
+  direct    tenplex's per-piece copies from the file's map (TENPLEX_STAGING=direct);
+  mcore     megatron-core dist_checkpointing (torch_dist) saving the same source chunks, loading the same share.
+The limits, measured in the same run: a sequential read of the files from
+storage; the reader threads' ``preadv`` of the files from storage (cold) and
+from the page cache (warm); pinned host-to-device and device-to-host copies
+(on the CPU: host memory copies); write + fsync and a copy into /dev/shm by
+the same threads. Then the loaded share is saved (safetensors, fsync) and
+snapshotted into /dev/shm by each tenplex writer (``--no-writes``: not).
+GB/s are destination bytes over the median time. Checksums are verified (as a
+load does by default). Prints a table and ``RATIO`` lines: ``load_bandwidth_{warm,cold} <model>:<transition>
+<system>/limit`` (warm: against the lower of the parallel page-cache read and host-to-device; cold: of the
+parallel cold read and host-to-device), ``load_time_... parallel/<peer>`` (below 1: parallel is faster) and
+``{save,snapshot}_bandwidth ... <system>/limit`` (against write + fsync, and the copy into /dev/shm).
 
     python -m benchmarks.gpu_reshard                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
     python -m benchmarks.gpu_reshard --device cuda:0 --models gpt3-1.3b gpt3-2.7b --reps 1   # scripts/gpu_check.sh
-    python -m benchmarks.gpu_reshard --device cpu --models tiny --reps 1 --systems staged direct
+    python -m benchmarks.gpu_reshard --device cpu --models gpt3-350m --reps 3 --systems parallel staged direct mcore
     python -m benchmarks.gpu_reshard --models gpt3-6.7b --src 2,2,1 --dst 4,2,1   # less disk: one PP stage
 """
 
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -36,6 +43,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -43,16 +51,18 @@ import torch
 from benchmarks.kit.disk import evict_page_cache
 from benchmarks.kit.report import machine, ratio_line
 from tenplex_megatron.execute.executor import execute_plan, prepare_sources
+from tenplex_megatron.memory import shm_write
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.planner import RankPlan, plan_reshard
 from tenplex_megatron.plan.ptc import PTC, Chunk, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.gpt_catalogue import gpt_tensors, load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab, source_from_layout
+from tenplex_megatron.storage.parallel_read import RUN_BYTES, default_threads
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, TORCH_DTYPES, write_safetensors
 from tenplex_megatron.storage.source_files import SourceFiles
 
 MODELS = ["gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b"]
-SYSTEMS = ["staged", "direct", "mcore"]
+SYSTEMS = ["parallel", "staged", "direct", "mcore"]
 GB = 1e9
 
 
@@ -245,6 +255,128 @@ def h2d(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return reps * nbytes / (time.perf_counter() - t0) / GB
 
 
+def parallel_read_gbps(root: str, threads: int, cold: bool, chunk: int = RUN_BYTES) -> float:
+    """GB/s of every file under ``root`` read by ``threads`` threads with ``os.preadv`` of ``chunk`` bytes into
+    reused host buffers (pinned where a GPU is present), from storage (``cold``: page cache evicted) or the page
+    cache (after one untimed read): the machine's limit for the parallel reader."""
+    paths = sorted(os.path.join(root, n) for n in os.listdir(root) if os.path.isfile(os.path.join(root, n)))
+    tasks = [(p, off, min(chunk, os.path.getsize(p) - off)) for p in paths for off in range(0, os.path.getsize(p), chunk)]
+    pin = torch.cuda.is_available()
+    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+
+    def worker(k: int) -> None:
+        view = memoryview(bufs[k].numpy())
+        for path, off, n in tasks[k::threads]:
+            got = 0
+            while got < n:
+                r = os.preadv(fds[path], [view[got:n]], off + got)
+                if r == 0:
+                    break
+                got += r
+
+    try:
+        def once() -> float:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(worker, range(threads)))
+            return time.perf_counter() - t0
+        if cold:
+            evict_page_cache(root)
+        else:
+            once()
+        secs = once()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sum(n for _, _, n in tasks) / secs / GB
+
+
+def write_limit(root: str, nbytes: int, threads: int, fsync: bool) -> float:
+    """GB/s of ``nbytes`` from a host buffer written into a new file under ``root`` by ``threads`` threads with
+    ``os.pwrite`` of :data:`RUN_BYTES` and, with ``fsync``, one fsync: the machine's limit for a save (storage)
+    or a snapshot (``root`` in node memory)."""
+    buf = torch.ones(min(nbytes, 256 << 20), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    view = memoryview(buf.numpy())
+    path = os.path.join(root, f"limit-{os.getpid()}.bin")
+    tasks = [(off, min(RUN_BYTES, nbytes - off)) for off in range(0, nbytes, RUN_BYTES)]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+    def worker(k: int) -> None:
+        for off, n in tasks[k::threads]:
+            src = off % len(view)
+            n = min(n, len(view) - src)
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[src + done : src + n], off + done)
+
+    try:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(worker, range(threads)))
+        if fsync:
+            os.fsync(fd)
+        secs = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return nbytes / secs / GB
+
+
+def bench_writes(out: list[torch.Tensor], root: str, device: torch.device, systems: list[str], reps: int,
+                 row: dict[str, Any]) -> None:
+    """The share's loaded tensors saved (safetensors, fsync) under ``root`` and snapshotted into /dev/shm by each
+    writer (``parallel``: writer threads; ``staged``: the staging ring; ``direct``: a write per tensor), beside the
+    limits; the files each writes are compared byte for byte."""
+    tensors = {f"t{i}": t for i, t in enumerate(out)}
+    nbytes = sum(t.numel() * t.element_size() for t in out)
+    threads = default_threads()
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else root
+    row["write_fsync_gbps"] = write_limit(root, nbytes, threads, fsync=True)
+    row["shm_copy_gbps"] = write_limit(shm, nbytes, threads, fsync=False)
+    row["save_bytes"] = nbytes
+    digests: dict[str, dict[str, Any]] = {"save": {}, "snapshot": {}}
+    for system in [s for s in systems if s in ("parallel", "staged", "direct")]:
+        os.environ["TENPLEX_STAGING"] = {"staged": "copy"}.get(system, system)
+        for kind, where in (("save", root), ("snapshot", shm)):
+            path = os.path.join(where, f"bench-{kind}-{system}-{os.getpid()}.safetensors")
+            times = []
+            try:
+                for _ in range(max(1, reps)):
+                    t0 = time.perf_counter()
+                    if kind == "save":
+                        write_safetensors(path, tensors)
+                    else:
+                        shm_write.write_tensors(path, tensors, BLOCK_BYTES)
+                    times.append(time.perf_counter() - t0)
+                with open(path, "rb") as f:
+                    digests[kind][system] = hashlib.sha256(f.read()).hexdigest()
+            except Exception as e:
+                row[f"{kind}_{system}_error"] = f"{type(e).__name__}: {e}"
+                continue
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            row[f"{kind}_{system}_gbps"] = nbytes / statistics.median(times) / GB
+    for kind, got in digests.items():
+        names = list(got)
+        row.setdefault("identical", {}).update(
+            {f"{kind} {n}=={names[0]}": got[n] == got[names[0]] for n in names[1:]})
+
+
+def d2h(device: torch.device, nbytes: int, reps: int = 5) -> float:
+    """GB/s of a device buffer copied to pinned host memory (on the CPU: into another host buffer)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    host.copy_(dev, non_blocking=True)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        host.copy_(dev, non_blocking=True)
+    _sync(device)
+    return reps * nbytes / (time.perf_counter() - t0) / GB
+
+
 def time_round_robin(runs: dict[str, Callable[[], Any]], reps: int, cold_dirs: dict[str, str | None],
                      row: dict[str, Any]) -> dict[str, float]:
     """Median seconds of each system, repetitions round-robin over the systems (the order rotating each time), so
@@ -305,11 +437,17 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
                                "write_s": time.perf_counter() - t0}
         secs, nbytes = seq_read(root)
         row["storage_read_gbps"] = nbytes / secs / GB
-        row["h2d_gbps"] = h2d(device, min(256 << 20, max(share.dst_bytes, 1 << 20)))
+        threads = default_threads()
+        row["read_threads"] = threads
+        row["parallel_cold_read_gbps"] = parallel_read_gbps(root, threads, cold=True)
+        row["parallel_warm_read_gbps"] = parallel_read_gbps(root, threads, cold=False)
+        size = min(256 << 20, max(share.dst_bytes, 1 << 20))
+        row["h2d_gbps"] = h2d(device, size)
+        row["d2h_gbps"] = d2h(device, size)
         runs: dict[str, Callable[[], list[torch.Tensor]]] = {}
         for system in args.systems:
-            if system in ("staged", "direct"):
-                runs[system] = tenplex_load(share, device, "copy" if system == "staged" else "direct")
+            if system in ("parallel", "staged", "direct"):
+                runs[system] = tenplex_load(share, device, {"staged": "copy"}.get(system, system))
         mdir = os.path.join(args.dir or tempfile.gettempdir(), f"mcore-{os.getpid()}")
         try:
             if "mcore" in args.systems:
@@ -325,6 +463,8 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
                     row[f"{system}_{temp}_gbps"] = share.dst_bytes / secs / GB
             runs = {name: fn for name, fn in runs.items() if f"{name}_error" not in row}
             row["identical"] = identical(runs)
+            if args.writes and runs:
+                bench_writes(next(iter(runs.values()))(), root, device, args.systems, args.reps, row)
         finally:
             import shutil
 
@@ -332,18 +472,28 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
     return row
 
 
+LIMITS = (("storage_read_gbps", "seq read"), ("parallel_cold_read_gbps", "par cold"),
+          ("parallel_warm_read_gbps", "par warm"), ("h2d_gbps", "h2d"), ("d2h_gbps", "d2h"))
+
+
 def report(rows: list[dict[str, Any]], device: str) -> None:
-    cols = ["model", "transition", "dst GB", "storage", "h2d"]
+    cols = ["model", "transition", "dst GB", *(name for _, name in LIMITS)]
     systems = [s for s in SYSTEMS if any(f"{s}_warm_gbps" in r for r in rows)]
     cols += [f"{s} {t}" for s in systems for t in ("warm", "cold")]
-    print(f"device: {device}; GB/s of destination bytes (storage: sequential read from storage; h2d: pinned "
-          "host-to-device copy, on the CPU a memory copy)")
+    print(f"device: {device}; GB/s of destination bytes (seq read: one thread reading the files from storage; par "
+          "cold / par warm: the reader threads' preadv of the files from storage / the page cache; h2d, d2h: "
+          "pinned host-device copies, on the CPU a memory copy)")
     print(" | ".join(cols))
     for r in rows:
-        vals = [r["model"], r["transition"], f"{r['dst_bytes'] / GB:.3f}", f"{r['storage_read_gbps']:.2f}",
-                f"{r['h2d_gbps']:.2f}"]
+        vals = [r["model"], r["transition"], f"{r['dst_bytes'] / GB:.3f}"]
+        vals += [f"{r[k]:.2f}" if k in r else "-" for k, _ in LIMITS]
         vals += [f"{r[f'{s}_{t}_gbps']:.2f}" if f"{s}_{t}_gbps" in r else "-" for s in systems for t in ("warm", "cold")]
         print(" | ".join(vals))
+        writes = [f"{k} {s_}: {r[f'{k}_{s_}_gbps']:.2f}" for k in ("save", "snapshot") for s_ in SYSTEMS
+                  if f"{k}_{s_}_gbps" in r]
+        if writes:
+            print(f"  writes of {r['save_bytes'] / GB:.3f} GB: write+fsync limit {r['write_fsync_gbps']:.2f}, "
+                  f"/dev/shm copy limit {r['shm_copy_gbps']:.2f}; " + ", ".join(writes))
         for k in sorted(r):
             if k.endswith("_error"):
                 print(f"  {k}: {r[k]}")
@@ -351,14 +501,22 @@ def report(rows: list[dict[str, Any]], device: str) -> None:
             print(f"  check {r['model']}: {k}: {'identical bytes' if same else 'DIFFERENT BYTES'}")
     for r in rows:
         target = f"{r['model']}:{r['transition']}"
-        for temp, limit in (("warm", r["h2d_gbps"]), ("cold", min(r["storage_read_gbps"], r["h2d_gbps"]))):
-            got = r.get(f"staged_{temp}_gbps")
-            if got is not None:
-                print(ratio_line(f"load_bandwidth_{temp} {target} staged/limit", got / limit))
-            for peer in ("direct", "mcore"):
-                if got is not None and f"{peer}_{temp}_s" in r:
-                    print(ratio_line(f"load_time_{temp} {target} staged/{peer}",
-                                     r[f"staged_{temp}_s"] / r[f"{peer}_{temp}_s"]))
+        limits = {"warm": min(r.get("parallel_warm_read_gbps", r["h2d_gbps"]), r["h2d_gbps"]),
+                  "cold": min(r.get("parallel_cold_read_gbps", r["storage_read_gbps"]), r["h2d_gbps"])}
+        for temp, limit in limits.items():
+            for system in ("parallel", "staged"):
+                got = r.get(f"{system}_{temp}_gbps")
+                if got is not None:
+                    print(ratio_line(f"load_bandwidth_{temp} {target} {system}/limit", got / limit))
+            for system, peers in (("parallel", ("staged", "direct", "mcore")), ("staged", ("direct", "mcore"))):
+                for peer in peers:
+                    if f"{system}_{temp}_s" in r and f"{peer}_{temp}_s" in r:
+                        print(ratio_line(f"load_time_{temp} {target} {system}/{peer}",
+                                         r[f"{system}_{temp}_s"] / r[f"{peer}_{temp}_s"]))
+        for kind, limit in (("save", "write_fsync_gbps"), ("snapshot", "shm_copy_gbps")):
+            for system in ("parallel", "staged", "direct"):
+                if f"{kind}_{system}_gbps" in r:
+                    print(ratio_line(f"{kind}_bandwidth {target} {system}/limit", r[f"{kind}_{system}_gbps"] / r[limit]))
 
 
 def _init_process_group(device: torch.device) -> None:
@@ -381,6 +539,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0, help="the destination rank whose share is loaded")
     ap.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-writes", dest="writes", action="store_false",
+                    help="measure loads only (not the save from the device and the snapshot into /dev/shm)")
     ap.add_argument("--dir", default=None, help="where to write the files (default: the temp directory)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()

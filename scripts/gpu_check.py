@@ -625,16 +625,18 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         d = steps["identity"]
         for r in d.get("loads", []):
             same = [k.split("_")[1] for k, v in r.items() if k.startswith("staged_") and k.endswith("identical") and v]
-            rows.append((f"staged load == direct == CPU, {r['transition']}", "pass" if all(
+            rows.append((f"parallel and staged load == direct == CPU, {r['transition']}", "pass" if all(
                 v for k, v in r.items() if k.endswith("identical")) else "fail", "-",
                 f"{r['dst_bytes'] / 1e9:.3f} GB, {r['pieces']} pieces; identical at {', '.join(same)}; "
-                f"staged {gbps(r.get('staged_gbps'))} GB/s, direct {gbps(r.get('direct_gbps'))} GB/s"))
+                f"parallel {gbps(r.get('parallel_gbps'))} GB/s, staged {gbps(r.get('staged_gbps'))} GB/s, "
+                f"direct {gbps(r.get('direct_gbps'))} GB/s"))
         saves = d.get("saves", [])
         if saves:
             best = {r["mode"]: r.get("gbps") for r in saves if r.get("gbps") is not None}
             rows.append(("staged save == CPU file", "pass" if all(r["identical"] for r in saves) else "fail",
                          "-", f"{saves[0]['bytes'] / 1e9:.3f} GB from the device, {len(saves)} ways identical; "
-                              f"ring {gbps(best.get('copy'))} GB/s, direct {gbps(best.get('direct'))} GB/s"))
+                              f"parallel {gbps(best.get('parallel'))} GB/s, ring {gbps(best.get('copy'))} GB/s, "
+                              f"direct {gbps(best.get('direct'))} GB/s"))
         rows.append(("identity step", d["status"], secs(d), f"model {d.get('model', '-')}" + why(d)))
     if "snapshot" in steps:
         s = steps["snapshot"]
@@ -659,13 +661,14 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             if "dst_bytes" not in m:
                 rows.append((f"bench {model}", m["status"], secs(m), why(m).strip(" ()") or "-"))
                 continue
-            limit = min(m.get("storage_read_gbps", math.inf), m.get("h2d_gbps", math.inf))
-            cold = m.get("staged_cold_gbps")
+            limit = min(m.get("parallel_cold_read_gbps", m.get("storage_read_gbps", math.inf)),
+                        m.get("h2d_gbps", math.inf))
+            cold = m.get("parallel_cold_gbps", m.get("staged_cold_gbps"))
             figs = (f"{m['transition']}, {m['dst_bytes'] / 1e9:.2f} GB; storage {gbps(m.get('storage_read_gbps'))}, "
                     f"h2d {gbps(m.get('h2d_gbps'))} GB/s; warm/cold GB/s: " + ", ".join(
                         f"{s} {gbps(m.get(f'{s}_warm_gbps'))}/{gbps(m.get(f'{s}_cold_gbps'))}"
                         for s in m.get("systems", [])) +
-                    (f"; staged cold / limit {cold / limit:.2f}" if cold and limit != math.inf else "") +
+                    (f"; parallel cold / limit {cold / limit:.2f}" if cold and limit != math.inf else "") +
                     f"; identical: {m.get('identical')}")
             rows.append((f"bench {model}", m["status"], secs(m), figs + why(m)))
         for note in b.get("notes", []):
@@ -718,8 +721,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--models", nargs="+", default=None, help=f"bench models (default {' '.join(MODELS)}; dry run: tiny)")
-    ap.add_argument("--systems", nargs="+", default=None, help="bench systems (default staged direct mcore; dry run: "
-                    "staged direct)")
+    ap.add_argument("--systems", nargs="+", default=None, help="bench systems (default parallel staged direct mcore; "
+                    "dry run: parallel staged direct)")
     ap.add_argument("--reps", type=int, default=1, help="bench repetitions per system")
     ap.add_argument("--budget", type=float, default=530.0, help="seconds for the whole check (default 530)")
     ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="the carried wheels (default .whl/)")
@@ -731,7 +734,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if opts.device == "cuda":
         opts.device = "cuda:0"  # an explicit index for every CUDA call
     opts.models = opts.models or (["tiny"] if opts.cpu_dry_run else list(MODELS))
-    opts.systems = opts.systems or (["staged", "direct"] if opts.cpu_dry_run else ["staged", "direct", "mcore"])
+    opts.systems = opts.systems or (["parallel", "staged", "direct"] if opts.cpu_dry_run
+                                    else ["parallel", "staged", "direct", "mcore"])
     return opts
 
 

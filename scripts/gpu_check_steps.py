@@ -1,4 +1,4 @@
-"""The torch-side steps of ``scripts/gpu_check.py``: staged load and save against the direct path, and a host-memory
+"""The torch-side steps of ``scripts/gpu_check.py``: parallel and staged load and save against the direct path, and a host-memory
 snapshot file written from device tensors through the pinned ring, each checked byte for byte, with timings.
 
 Run by the driver in its own process (a step that crashes, or hangs past its time, costs only itself):
@@ -129,10 +129,11 @@ def check_identity(device: torch.device, model: str, work: str, reps: int = 2) -
             row["direct_gbps"] = share.dst_bytes / best_seconds(direct, device, reps) / GB
             for mb in budgets:
                 with staging_env(None, mb):
-                    staged = tenplex_load(share, device, "copy")
-                    row[f"staged_{mb}mb_identical"] = same_bytes(ref, staged())
-                    if mb == budgets[-1]:
-                        row["staged_gbps"] = share.dst_bytes / best_seconds(staged, device, reps) / GB
+                    for name, mode in (("staged", "copy"), ("parallel", "parallel")):
+                        load = tenplex_load(share, device, mode)
+                        row[f"{name}_{mb}mb_identical"] = same_bytes(ref, load())
+                        if mb == budgets[-1]:
+                            row[f"{name}_gbps"] = share.dst_bytes / best_seconds(load, device, reps) / GB
             ok &= all(v for k, v in row.items() if k.endswith("_identical"))
             out["loads"].append(row)
             if src == TRANSITIONS[0][0] and dst == TRANSITIONS[0][1]:  # the saves: from the first share
@@ -160,7 +161,7 @@ def check_saves(device: torch.device, on_device: dict[str, torch.Tensor], on_cpu
     rows = []
     try:
         budgets = budgets_for(nbytes)
-        for mode, mb in [("copy", mb) for mb in budgets] + [("direct", None)]:
+        for mode, mb in [(m, mb) for mb in budgets for m in ("copy", "parallel")] + [("direct", None)]:
             path = os.path.join(work, f"save-{mode}.safetensors")
             with staging_env(mode, mb):
                 _, sums = write_safetensors(path, on_device)
@@ -203,7 +204,7 @@ def check_snapshot(device: torch.device, model: str, work: str, reps: int = 2) -
         with staging_env("auto"):
             ref = shm_write.write_tensors(ref_path, on_cpu, BLOCK_BYTES)
         ref_digest = file_digest(ref_path)
-        for mode in ("auto", "direct"):  # auto: the pinned ring on a side stream for a GPU's tensors
+        for mode in ("auto", "copy", "direct"):  # auto: writer threads; copy: the pinned ring on one thread
             path = os.path.join(where, f"{mode}.safetensors")
             with staging_env(mode):
                 got = shm_write.write_tensors(path, on_device, BLOCK_BYTES)

@@ -207,10 +207,11 @@ class EnvVar:
 
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("TENPLEX_STAGING", "`copy`, `direct`, `auto`", "`auto`",
-           "how a load or save moves bytes: through a ring of staging buffers (`copy`, pinned on a GPU) or one "
-           "strided copy per piece (`direct`); `auto` is `copy` when the tensors are on a GPU, `direct` on the CPU",
-           "user"),
+    EnvVar("TENPLEX_STAGING", "`parallel`, `copy`, `direct`, `auto`", "`auto`",
+           "how a load reads: reader threads with `preadv` into one ring of slots, checking each block as it is "
+           "read (`parallel`, pinned on a GPU; `auto` is this), one host thread through a ring of staging buffers "
+           "(`copy`) or one strided copy per piece from the file's map (`direct`); a save from a GPU goes through "
+           "the ring unless `direct`, one from the CPU through the ring only with `copy`", "user"),
     EnvVar("TENPLEX_STAGING_MB", "MB (fractions allowed)", "256",
            "the staging budget of one load or save, the ring's buffers together; on a GPU the same again in device "
            "memory", "user"),
@@ -218,8 +219,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "the largest `metadata.json` a load, `verify`, `inspect` or `plan` reads (a bigger one is refused, naming "
            "the file and the cap): raise it only for a checkpoint of more chunks than that holds (about 30 MB per "
            "100,000 chunks)", "user"),
+    EnvVar("TENPLEX_READ_THREADS", "an integer >= 1", "the CPUs available / local ranks, 1-16",
+           "reader threads of the parallel reader (each reads, checks and places merged byte runs of a few MiB)",
+           "user"),
     EnvVar("TENPLEX_VERIFY_THREADS", "an integer >= 1", "the CPUs available / local ranks, 1-8",
-           "threads that check block checksums at load", "user"),
+           "threads that check block checksums at load (`copy` and `direct` modes)", "user"),
     EnvVar("TENPLEX_PREFETCH", "`0`, `1`", "`1`",
            "`0` turns off the read-ahead hints (`MADV_WILLNEED`) for the byte ranges a load reads", "user"),
     EnvVar("TENPLEX_PERSIST_DIRECT", "`0`, `1`", "`1`",
@@ -230,7 +234,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_ORPHAN_EXIT", "`0`, `1`", "`1`",
            "`0` lets a torchrun worker outlive its agent (by default it dies with it: parent-death signal)", "user"),
     EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`", "unset",
-           "make a rank fail at a named point of a save or load (kinds `kill`, `enospc`, `eperm`, `error`, `typeerror`; "
+           "make a rank fail at a named point of a save or load (kinds `kill`, `enospc`, `eperm`, `eio`, `short`, "
+           "`error`, `typeerror`; "
            "points in `storage/faults.py`): the crash-safety tests' tool", "tests"),
     EnvVar("TENPLEX_FAULT_ONCE", "a file path", "unset",
            "with `TENPLEX_FAULT`: the fault fires once, in whichever process reaches it first (it creates the file)",

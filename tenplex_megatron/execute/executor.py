@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.plan.verify_share import Interval, to_intervals
 from tenplex_megatron.storage.block_verify import Block, piece_runs
+from tenplex_megatron.storage.parallel_read import Extent, plan_runs, read_runs, slot_size
 from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.source import Source
 from tenplex_megatron.storage.staging import staging_mode
@@ -56,17 +57,30 @@ def plain_ops() -> Any:
     return torch._C.DisableTorchFunction()
 
 
+def _parallel() -> bool:
+    """Whether this load reads through the parallel reader (``TENPLEX_STAGING``; any device's choice is the same)."""
+    return staging_mode(torch.device("cpu")) == "parallel"
+
+
 def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, check: bool = True) -> list[Block]:
     """Open every source chunk the plan reads and verify the blocks its pieces will copy, before anything is copied.
 
     ``check=False``: only queue the blocks and return them, for :func:`verify_blocks` to check a share of them.
-    A source without checksums queues nothing: its chunks are just opened.
+    A source without checksums queues nothing: its chunks are just opened. Under the parallel reader, a chunk it
+    reads from a file has its header and size checked here and its blocks checked by the thread that reads them.
     """
     flats: dict[int, torch.Tensor] = {}
     todo: list = []
+    parallel = _parallel()
+    direct: set[int] = set()
     for p in plan.pieces:
+        if p.source in direct:
+            continue
         src = flats.get(p.source)
         if src is None:
+            if parallel and files.extent(sources[p.source]) is not None:
+                direct.add(p.source)
+                continue
             src = flats[p.source] = files.flat(sources[p.source])
         files.queue(sources[p.source], src, p, todo, p.source)
     if check:
@@ -113,25 +127,29 @@ def execute_plan(
     """
     t0 = time.perf_counter()
     read = filled = unverified = 0
+    device = dst[plan.pieces[0].dst].device if plan.pieces else torch.device("cpu")
+    pieces = list(plan.pieces)
+    opened = 0
+    if _parallel():
+        pieces, read, unverified, opened = _read_parallel(plan, sources, files, dst, device)
     flats: dict[int, torch.Tensor] = {}
     if not files.verifying:  # verified blocks were announced before their checksums were computed
         ranges: list[tuple[int, int]] = []
-        for p in plan.pieces:
+        for p in pieces:
             src = flats.get(p.source)
             if src is None:
                 src = flats[p.source] = files.flat(sources[p.source])
             if src.device.type == "cpu":
                 ranges += _piece_ranges(p, src)
         willneed(ranges)
-    for p in plan.pieces:
+    for p in pieces:
         if p.source not in flats:
             flats[p.source] = files.flat(sources[p.source])
-    device = dst[plan.pieces[0].dst].device if plan.pieces else torch.device("cpu")
     staged = staging_mode(device) == "copy" and all(f.device.type == "cpu" for f in flats.values())
     with torch.no_grad():
         if staged:
             read, unverified = execute_staged(plan, sources, files, dst, flats)
-        for p in () if staged else plan.pieces:
+        for p in () if staged else pieces:
             src = flats[p.source]
             covered = files.check(sources[p.source], src, p)
             s = box_view(src, p.src_start, p.src_rect, p.src_sel, p.shape)
@@ -145,4 +163,34 @@ def execute_plan(
             d = box_view(dst[f.dst], f.dst_start, f.dst_rect, f.dst_sel, f.shape)
             d.zero_()
             filled += d.numel() * d.element_size()
-    return ExecStats(read, filled, len(files.readers), time.perf_counter() - t0, files.bytes_verified, unverified)
+    return ExecStats(read, filled, len(files.readers) + opened, time.perf_counter() - t0, files.bytes_verified,
+                     unverified)
+
+
+def _read_parallel(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, dst: list[torch.Tensor],
+                   device: torch.device) -> tuple[list[Piece], int, int, int]:
+    """The pieces whose chunks lie in files, through the parallel reader; returns the other pieces (received
+    bytes, formats without byte offsets), the bytes read and unverified, and the files read."""
+    extents: list[Extent] = []
+    local: dict[int, int] = {}
+    mine: list[Piece] = []
+    rest: list[Piece] = []
+    for p in plan.pieces:
+        j = local.get(p.source)
+        if j is None and p.source not in local:
+            e = files.extent(sources[p.source])
+            j = local[p.source] = len(extents) if e is not None else None  # type: ignore[assignment]
+            if e is not None:
+                extents.append(e)
+        if j is None:
+            rest.append(p)
+        else:
+            mine.append(replace(p, source=j))
+    if not mine:
+        return rest, 0, 0, 0
+    verifier = getattr(files, "verifier", None)
+    rp = plan_runs(mine, extents, slot_size(),
+                   verifier.verified if verifier is not None else None)
+    read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device)
+    files.read_done(rp)
+    return rest, rp.bytes_read, rp.bytes_unverified, len({e.path for e in extents})

@@ -35,6 +35,7 @@ from tenplex_megatron.storage.block_verify import piece_runs, touched_blocks
 from tenplex_megatron.storage.confine import confine_all
 from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.parallel_read import Extent, ReadPlan
 from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES
 from tenplex_megatron.storage.source import Opened
 from tenplex_megatron.storage.source_files import SourceFiles
@@ -191,6 +192,18 @@ class MemorySource(SourceFiles):
         if sc.location.file in self.local and sc.location.file not in self.readers:
             log_open(os.path.join(self.ckpt_dir, sc.location.file))
         return super().flat(sc)
+
+    def extent(self, sc: StoredChunk) -> Extent | None:
+        if not self.stored(sc.location.file):  # received from a peer: in this process's memory already
+            return None
+        if sc.location.file in self.local and sc.location.file not in self.headers:
+            log_open(os.path.join(self.ckpt_dir, sc.location.file))
+        return super().extent(sc)
+
+    def read_done(self, plan: ReadPlan) -> None:
+        super().read_done(plan)
+        self.bytes_from_durable += sum(blk.nbytes for run in plan.runs for blk in run.blocks
+                                       if plan.extents[blk.extent].key[0] in self.durable)
 
     def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Any, todo: list, source: int = -1) -> None:
         # received bytes are this rank's own: their blocks are not shared with other ranks of the node

@@ -6,7 +6,9 @@ kernel's single copy; no serialised buffer, no fsync), with the checksums
 the format requires computed by a second thread meanwhile (a GPU's tensors go
 through pinned staging buffers instead: device-to-host on a side stream while
 the previous segment is checksummed and written; ``TENPLEX_STAGING=copy``
-takes that path on the CPU too). Where a retired
+takes that path on the CPU too). By default (``TENPLEX_STAGING=parallel``) the
+parallel writer's threads copy segments into the file and checksum them at once
+(``storage/parallel_write.py``); ``direct`` keeps one write per tensor. Where a retired
 snapshot left its rank file as a spare, the copy goes into those pages: a copy
 into fresh tmpfs pages also pays their allocation and zeroing.
 """
@@ -20,8 +22,9 @@ from typing import BinaryIO
 import torch
 
 from tenplex_megatron.storage import staged_write
+from tenplex_megatron.storage.parallel_write import write_parallel
 from tenplex_megatron.storage.safetensors_io import block_crc32, header_bytes
-from tenplex_megatron.storage.staging import staging_mode
+from tenplex_megatron.storage.staging import write_mode
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
@@ -40,8 +43,14 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor], block_bytes: int,
     device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
     with open(path, "r+b" if reuse else "wb") as f:
         f.truncate(len(head) + data)
+        mode = write_mode(device)
+        if mode == "parallel":  # writer threads: copies into node memory in parallel, CRCs beside them
+            crcs = write_parallel(f.fileno(), path, head, tensors, block_bytes)
+            if after_write is not None:
+                after_write()
+            return len(head) + data, crcs
         f.write(head)
-        if staging_mode(device) == "copy":  # a GPU's tensors: through the durable save's ring of pinned buffers
+        if mode == "copy":  # a GPU's tensors: through the durable save's ring of pinned buffers
             crcs = staged_write.write_tensors(f, tensors, block_bytes)
         else:
             crcs = _write_direct(f, tensors, block_bytes)

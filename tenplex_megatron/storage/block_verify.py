@@ -20,8 +20,8 @@ import torch
 from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.storage.checksum import crc32
+from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.prefetch import willneed
-from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 
 
 def piece_runs(p: Piece) -> tuple[np.ndarray, int]:

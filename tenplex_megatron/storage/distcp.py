@@ -92,6 +92,7 @@ class DistcpFiles:
         self.ckpt_dir = ckpt_dir
         self.readers: dict[str, Any] = {}  # file name -> (file, mmap)
         self._items: dict[tuple[str, int], ItemData] = {}
+        self.plain: dict[str, Any] = {}  # file name -> (file, size): opened for the parallel reader, not mapped
 
     def _open(self, name: str) -> tuple[Any, mmap.mmap]:
         got = self.readers.get(name)
@@ -116,6 +117,25 @@ class DistcpFiles:
             item = self._items[(name, offset)] = locate_item(f, path, offset, length, nbytes)
         return torch.frombuffer(mm, dtype=dtype, count=numel, offset=item.offset)
 
+    def locate(self, name: str, offset: int, length: int, nbytes: int) -> tuple[str, ItemData]:
+        """The path of file ``name`` and where the item at ``offset`` keeps its ``nbytes`` raw bytes (no map: the
+        parallel reader reads them)."""
+        path = confine(self.ckpt_dir, name, "the torch_dist index")
+        got = self.plain.get(name)
+        if got is None:
+            if not os.path.isfile(path):
+                raise CheckpointFileError(f"{path}: missing (a torch_dist checkpoint needs every rank's file)")
+            f = open(path, "rb")
+            got = self.plain[name] = (f, os.fstat(f.fileno()).st_size)
+        f, size = got
+        item = self._items.get((name, offset))
+        if item is None:
+            if offset + length > size:
+                raise CheckpointFileError(f"{path}: the index names bytes {offset}-{offset + length}, the file has "
+                                          f"{size} (truncated?)")
+            item = self._items[(name, offset)] = locate_item(f, path, offset, length, nbytes)
+        return path, item
+
     def read_bytes(self, name: str, offset: int, length: int) -> bytes:
         f, mm = self._open(name)
         return bytes(mm[offset:offset + length])
@@ -128,3 +148,6 @@ class DistcpFiles:
                 pass
             f.close()
         self.readers.clear()
+        for f, _ in self.plain.values():
+            f.close()
+        self.plain.clear()

@@ -3,17 +3,20 @@
 ``TENPLEX_FAULT=<point>[@<rank>][#<iteration>][:<kind>]`` makes rank ``<rank>``
 (every rank if omitted) fail at ``<point>`` (of the save of ``<iteration>``, if
 given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
-``OSError(ENOSPC)``, ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
+``OSError(ENOSPC)``, ``eio`` raises ``OSError(EIO)`` (a failing device), ``short`` (a read that stops short;
+``load.preadv`` only, elsewhere it raises like ``error``), ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
 ``TypeError`` (a type no code path expects: the phase runner must still carry
 it to every rank); any other kind, or a point not registered, is a ValueError naming ``TENPLEX_FAULT``.
 Points (:data:`ALL_POINTS`, the one registry: :func:`maybe_fail` refuses a name not in it), in the order a save or
 load passes them:
-``save.gather`` (chunk lists), ``save.tensors`` (shard file half written),
+``save.gather`` (chunk lists), ``save.pwrite`` (in a writer thread of the parallel writer, before its write:
+``enospc`` there is a full disk half-way through a shard or snapshot), ``save.tensors`` (shard file half written),
 ``save.metadata_callback`` (building metadata.json; rank 0 only), ``save.metadata``
 (metadata written, not renamed; rank 0 only), ``save.commit`` (just before the
 rename; rank 0 only), ``load.read`` (planned, files opened), ``load.verify``
 (before checksums), ``load.copy`` (before copying), ``load.restore`` (tensors
-copied, before the framework's non-tensor state). Host-memory snapshots (``--tenplex-memory``):
+copied, before the framework's non-tensor state), ``load.preadv`` (in a reader thread of the parallel reader,
+before its read: ``eio`` raises ``OSError(EIO)``, ``short`` makes that read stop half way). Host-memory snapshots (``--tenplex-memory``):
 ``memory.write`` (a rank's snapshot file half written in node memory), ``memory.replicate`` (replicas being
 received), ``memory.commit`` (before a node's snapshot is renamed into place), ``persist.copy`` (the background
 helper half way through copying a file to durable storage). ``lease.link`` (taking a lease generation by
@@ -33,13 +36,13 @@ import os
 import signal
 from dataclasses import dataclass
 
-POINTS = ("save.gather", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
-          "load.read", "load.verify", "load.copy", "load.restore")
+POINTS = ("save.gather", "save.pwrite", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
+          "load.read", "load.verify", "load.copy", "load.preadv", "load.restore")
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
 ALL_POINTS = POINTS + MEMORY_POINTS + LEASE_POINTS  # the one registry: maybe_fail refuses any other name
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
-KINDS = ("kill", "enospc", "eperm", "error", "typeerror")
+KINDS = ("kill", "enospc", "eperm", "eio", "short", "error", "typeerror")
 FAULT_ENV = "TENPLEX_FAULT"
 OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
 
@@ -84,29 +87,43 @@ def log_open(path: str) -> None:
             f.write(f"{os.getpid()}\t{os.path.abspath(path)}\n")
 
 
-def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
-    """Fail here as ``TENPLEX_FAULT`` says (inert without it). ``point`` must be registered (:data:`ALL_POINTS`): a
-    fault point the tests cannot name is refused, as is a ``TENPLEX_FAULT`` naming no registered point."""
+def fault_kind(point: str, rank: int, iteration: int | None = None) -> str | None:
+    """The kind of the fault ``TENPLEX_FAULT`` sets at ``point`` for ``rank`` (None: none here, or a
+    ``TENPLEX_FAULT_ONCE`` fault that already fired). Claims a once-only fault: the caller must act on it."""
     if point not in ALL_POINTS:
-        raise ValueError(f"maybe_fail({point!r}): not a registered fault point (storage/faults.py ALL_POINTS)")
+        raise ValueError(f"fault at {point!r}: not a registered fault point (storage/faults.py ALL_POINTS)")
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return None
     fault = Fault.parse(spec)
     if not fault.fires(point, rank, iteration):
-        return
+        return None
     once = os.environ.get("TENPLEX_FAULT_ONCE")
     if once:
         try:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
-            return
-    if fault.kind == "kill":
+            return None
+    return fault.kind
+
+
+def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
+    """Fail here as ``TENPLEX_FAULT`` says (inert without it). ``point`` must be registered (:data:`ALL_POINTS`): a
+    fault point the tests cannot name is refused, as is a ``TENPLEX_FAULT`` naming no registered point."""
+    if point not in ALL_POINTS:
+        raise ValueError(f"maybe_fail({point!r}): not a registered fault point (storage/faults.py ALL_POINTS)")
+    fail(point, rank, fault_kind(point, rank, iteration))
+
+
+def fail(point: str, rank: int, kind: str | None) -> None:
+    """Act out a fault of ``kind`` at ``point`` (None: nothing)."""
+    if kind is None:
+        return
+    if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if fault.kind == "eperm":
-        raise OSError(errno.EPERM, os.strerror(errno.EPERM), f"injected at {point}")
-    if fault.kind == "enospc":
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), f"injected at {point}")
-    if fault.kind == "typeerror":
+    for name, code in (("eperm", errno.EPERM), ("enospc", errno.ENOSPC), ("eio", errno.EIO)):
+        if kind == name:
+            raise OSError(code, os.strerror(code), f"injected at {point}")
+    if kind == "typeerror":
         raise TypeError(f"injected unexpected TypeError at {point} on rank {rank}")
     raise RuntimeError(f"injected fault at {point} on rank {rank}")

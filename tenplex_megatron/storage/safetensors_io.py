@@ -20,6 +20,7 @@ from tenplex_megatron.plan.ptc import DTYPE_SIZES
 from tenplex_megatron.storage.bounded import open_regular
 from tenplex_megatron.storage.checksum import crc32 as buffer_crc32
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file  # noqa: F401 (re-exported)
+from tenplex_megatron.storage.parallel_write import write_parallel
 from tenplex_megatron.storage.safetensors_header import (  # noqa: F401 (re-exported)
     MAX_HEADER_BYTES,
     ST_CODES,
@@ -28,6 +29,7 @@ from tenplex_megatron.storage.safetensors_header import (  # noqa: F401 (re-expo
     read_header,
 )
 from tenplex_megatron.storage.staged_write import write_tensors
+from tenplex_megatron.storage.staging import write_mode
 
 BLOCK_BYTES = 1 << 20  # checksum granularity: a load verifies only the blocks it reads
 
@@ -78,6 +80,17 @@ def write_safetensors(
     if block_bytes <= 0:
         raise ValueError(f"block_bytes must be positive, got {block_bytes}")
     head, _ = header_bytes(tensors)
+    device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
+    if write_mode(device) == "parallel":
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            sums = write_parallel(fd, path, head, tensors, block_bytes)
+            if after_write is not None:
+                after_write()
+            os.fsync(fd)  # one fsync for the whole file
+        finally:
+            os.close(fd)
+        return os.path.getsize(path), sums
     with open(path, "wb") as f:
         f.write(head)
         sums = write_tensors(f, tensors, block_bytes)

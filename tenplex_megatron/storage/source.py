@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # types only: torch and the planner's Piece are not needed to
     import torch
 
     from tenplex_megatron.plan.planner import Piece
+    from tenplex_megatron.storage.parallel_read import Extent, ReadPlan
 
 
 class Source(Protocol):
@@ -48,6 +49,14 @@ class Source(Protocol):
         """Check the queued blocks."""
         ...
 
+    def extent(self, sc: StoredChunk) -> Extent | None:
+        """Where ``sc``'s bytes lie in a file, for the parallel reader (None: hand them out through :meth:`flat`)."""
+        ...
+
+    def read_done(self, plan: ReadPlan) -> None:
+        """The parallel reader carried out ``plan``: its checked blocks count as verified."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -65,6 +74,12 @@ class UncheckedSource:
         return False
 
     def run(self, todo: list) -> None:
+        return None
+
+    def extent(self, sc: StoredChunk) -> Any:
+        return None
+
+    def read_done(self, plan: Any) -> None:
         return None
 
 

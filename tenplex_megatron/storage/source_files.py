@@ -3,16 +3,19 @@ flat views of the stored chunks, and the CRC-32 blocks a load reads verified (``
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 
 import torch
 
 from tenplex_megatron.plan.planner import Piece
-from tenplex_megatron.plan.ptc import StoredChunk
+from tenplex_megatron.plan.ptc import DTYPE_SIZES, StoredChunk
 from tenplex_megatron.storage.block_verify import BlockVerifier
 from tenplex_megatron.storage.confine import confine, confine_all
-from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader
+from tenplex_megatron.storage.parallel_read import Extent, ReadPlan
+from tenplex_megatron.storage.safetensors_header import TensorEntry, read_header
+from tenplex_megatron.storage.safetensors_io import TORCH_DTYPES, CheckpointFileError, SafetensorsReader
 
 
 class SourceFiles:
@@ -37,6 +40,8 @@ class SourceFiles:
         self.verifier = BlockVerifier(ckpt_dir, require_checksums, threads,
                                       path_of=lambda name: self.elsewhere.get(name) or os.path.join(ckpt_dir, name))
         self._covered: dict[tuple[str, str, Piece], bool] = {}  # pieces already checked: not recomputed when copying
+        self.headers: dict[str, tuple[dict[str, TensorEntry], int]] = {}  # files the parallel reader reads
+        self.require = require_checksums
 
     @property
     def verifying(self) -> bool:
@@ -46,13 +51,64 @@ class SourceFiles:
     def bytes_verified(self) -> int:
         return self.verifier.bytes_verified
 
+    def _path(self, file: str) -> str:
+        path = self.paths.get(file)
+        if path is None:
+            path = self.paths[file] = confine(self.ckpt_dir, file)
+        return path
+
+    def _header(self, file: str) -> tuple[dict[str, TensorEntry], int]:
+        """``file``'s validated header and size, read once and size-checked (no map: the parallel reader's)."""
+        got = self.headers.get(file)
+        if got is None:
+            path = self._path(file)
+            got = read_header(path)
+            expected = self.sizes.get(file)
+            if expected is not None and got[1] != expected:
+                raise CheckpointFileError(f"{path}: size {got[1]} bytes, the metadata recorded {expected} (damaged or truncated)")
+            self.headers[file] = got
+        return got
+
+    def extent(self, sc: StoredChunk) -> Extent | None:
+        """Where ``sc``'s bytes lie in its file and the checksums that cover them (read by ``storage/parallel_read.py``)."""
+        loc = sc.location
+        path = self._path(loc.file)
+        entries, _ = self._header(loc.file)
+        entry = entries.get(loc.name)
+        dtype = self.dtypes[sc.chunk.key]
+        if entry is None:
+            raise CheckpointFileError(f"{path}: tensor {loc.name!r} is not in the file")
+        if entry.dtype != dtype:
+            raise CheckpointFileError(f"{path}: tensor {loc.name!r} has dtype {entry.dtype}, metadata says {dtype}")
+        if math.prod(entry.shape) != sc.chunk.numel:
+            raise CheckpointFileError(f"{path}: tensor {loc.name!r} has {math.prod(entry.shape)} elements, "
+                                      f"metadata says {sc.chunk.numel}")
+        where = f"{self.verifier.path_of(loc.file)}: tensor {loc.name!r} (of {sc.chunk.key!r})"
+        nbytes = entry.end - entry.begin
+        block: int | None = None
+        crcs: tuple[int, ...] | None = None
+        whole = False
+        if self.verify and loc.block_crc32 is not None and loc.block_bytes is not None:
+            block, crcs = loc.block_bytes, tuple(loc.block_crc32)
+        elif self.verify and loc.crc32 is not None:
+            block, crcs, whole = max(1, nbytes), (loc.crc32,), True
+        elif self.verify and self.require:
+            raise CheckpointFileError(f"{where}: no checksum recorded in the metadata (damaged metadata)")
+        return Extent(path, entry.begin, nbytes, DTYPE_SIZES[dtype], TORCH_DTYPES[dtype], block, crcs, where,
+                      (loc.file, loc.name), whole)
+
+    def read_done(self, plan: ReadPlan) -> None:
+        """The parallel reader checked ``plan``'s blocks: they count as verified (and are not checked again)."""
+        for run in plan.runs:
+            for blk in run.blocks:
+                self.verifier.verified.add((*plan.extents[blk.extent].key, blk.index))
+        self.verifier.bytes_verified += plan.bytes_verified
+
     def _reader(self, file: str) -> SafetensorsReader:
         """``file`` opened and size-checked once."""
         reader = self.readers.get(file)
         if reader is None:
-            path = self.paths.get(file)
-            if path is None:
-                path = self.paths[file] = confine(self.ckpt_dir, file)
+            path = self._path(file)
             reader = SafetensorsReader(path)
             expected = self.sizes.get(file)
             if expected is not None and reader.size != expected:
@@ -96,3 +152,4 @@ class SourceFiles:
         for r in self.readers.values():
             r.close()
         self.readers.clear()
+        self.headers.clear()

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from tenplex_megatron.storage.checksum import crc32
-from tenplex_megatron.storage.staging import RING, StagingRing, buffer_bytes, staging_mode
+from tenplex_megatron.storage.staging import RING, StagingRing, buffer_bytes, write_mode
 
 
 class BlockSums:
@@ -55,7 +55,7 @@ def write_tensors(f: BinaryIO, tensors: dict[str, torch.Tensor], block_bytes: in
     """
     device = next((t.device for t in tensors.values() if t.device.type != "cpu"), torch.device("cpu"))
     sums = {name: BlockSums(block_bytes) for name in tensors}
-    if staging_mode(device) == "direct":
+    if write_mode(device) == "direct":
         for name, t in tensors.items():
             host = _raw(t.to("cpu")).numpy()
             sums[name].update(host)

@@ -22,24 +22,26 @@ from tenplex_megatron import log as tlog
 
 LOG = tlog.get("staging")
 
-MODES = ("copy", "direct", "auto")
+MODES = ("parallel", "copy", "direct", "auto")
 DEFAULT_MB = 256.0
 RING = 3  # buffers: one being filled, one in transfer, one being scattered or written
 MIN_BYTES = 64
 
 
 def staging_mode(device: torch.device) -> str:
-    """``copy`` (through staging buffers) or ``direct`` (per-piece copies from the file's map), from ``TENPLEX_STAGING``.
-
-    ``auto`` (the default): ``copy`` for a GPU, ``direct`` for the CPU, where a
-    copy through a buffer only adds a memory pass (``benchmarks/gpu_reshard.py``).
-    """
+    """How a load reads, from ``TENPLEX_STAGING``: ``parallel`` (``storage/parallel_read.py``: reader threads, one
+    ring, the default), ``copy`` (one host thread through staging buffers) or ``direct`` (per-piece copies from
+    the file's map). ``auto``: ``parallel``."""
     mode = os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"TENPLEX_STAGING={mode!r}: expected one of {', '.join(MODES)}")
-    if mode == "auto":
-        return "direct" if device.type == "cpu" else "copy"
-    return mode
+    return "parallel" if mode == "auto" else mode
+
+
+def write_mode(device: torch.device) -> str:
+    """How a save or snapshot leaves ``device``: ``parallel`` (``storage/parallel_write.py``: writer threads, the
+    default), ``copy`` (one thread through the staging ring) or ``direct`` (one write per tensor)."""
+    return staging_mode(device)
 
 
 def staging_bytes() -> int:

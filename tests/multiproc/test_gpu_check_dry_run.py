@@ -48,12 +48,12 @@ def test_every_step_runs_and_passes_or_says_why_not(dry_run) -> None:
 def test_staged_load_save_and_snapshot_are_byte_identical(dry_run) -> None:
     steps = json.load(open(os.path.join(dry_run[1], "gpu_check.json")))["steps"]
     ident = steps["identity"]
-    assert ident["status"] == "pass" and ident["ok"] and len(ident["loads"]) == 2 and len(ident["saves"]) == 4
+    assert ident["status"] == "pass" and ident["ok"] and len(ident["loads"]) == 2 and len(ident["saves"]) == 7
     for row in ident["loads"]:
         flags = {k: v for k, v in row.items() if k.endswith("_identical")}
-        assert len(flags) == 4 and all(flags.values()), row  # direct and three staging budgets
+        assert len(flags) == 7 and all(flags.values()), row  # direct, and staged and parallel at three budgets
     snap = steps["snapshot"]
-    assert snap["status"] == "pass" and [r["mode"] for r in snap["rows"]] == ["auto", "direct"]
+    assert snap["status"] == "pass" and [r["mode"] for r in snap["rows"]] == ["auto", "copy", "direct"]
     assert all(r["identical"] and r["gbps"] > 0 for r in snap["rows"])
 
 
@@ -72,8 +72,10 @@ def test_the_resume_case_continues_on_the_device_as_on_the_cpu(dry_run) -> None:
 def test_the_bench_runs_and_the_table_says_it_is_no_gpu_figure(dry_run) -> None:
     p, out = dry_run
     bench = json.load(open(os.path.join(out, "gpu_check.json")))["steps"]["bench"]["models"]["tiny"]
-    assert bench["status"] == "pass" and bench["identical"] == {"direct==staged": True}
-    assert bench["staged_cold_gbps"] > 0 and bench["direct_warm_gbps"] > 0
+    assert bench["status"] == "pass" and bench["identical"] == {
+        "staged==parallel": True, "direct==parallel": True,
+        **{f"{k} {s}==parallel": True for k in ("save", "snapshot") for s in ("staged", "direct")}}
+    assert bench["parallel_cold_gbps"] > 0 and bench["staged_cold_gbps"] > 0 and bench["direct_warm_gbps"] > 0
     md = open(os.path.join(out, "gpu_check.md")).read()
     assert "plumbing only, these are not GPU figures" in md and "result: **PASS**" in md
     assert "| resume tp2: tp2pp1dp1 (CPU) -> tp1pp1dp1 on the device | pass |" in md

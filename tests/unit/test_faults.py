@@ -30,7 +30,7 @@ def _fault_calls() -> tuple[dict[str, list[str]], list[str]]:
                 if not isinstance(node, ast.Call) or not node.args:
                     continue
                 fn = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
-                if fn not in ("maybe_fail", "fault"):
+                if fn not in ("maybe_fail", "fault", "fault_kind"):
                     continue
                 arg, where = node.args[0], f"{os.path.relpath(path, PACKAGE)}:{node.lineno}"
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):

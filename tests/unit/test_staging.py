@@ -31,7 +31,7 @@ from tenplex_megatron.plan.staging import ALIGN, split_piece, stage_batches
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, block_crc32, read_header, write_safetensors
 from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.staged_write import write_tensors
-from tenplex_megatron.storage.staging import buffer_bytes, staging_bytes, staging_mode
+from tenplex_megatron.storage.staging import buffer_bytes, staging_bytes, staging_mode, write_mode
 from tests.staging_support import staging_tensors, write_source
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -206,7 +206,8 @@ def test_settings_are_checked(monkeypatch) -> None:
     with pytest.raises(ValueError, match="TENPLEX_STAGING='zero'"):
         staging_mode(torch.device("cpu"))
     monkeypatch.setenv("TENPLEX_STAGING", "auto")
-    assert staging_mode(torch.device("cpu")) == "direct" and staging_mode(torch.device("cuda")) == "copy"
+    assert staging_mode(torch.device("cpu")) == "parallel" and staging_mode(torch.device("cuda")) == "parallel"
+    assert write_mode(torch.device("cpu")) == "parallel" and write_mode(torch.device("cuda")) == "parallel"
     monkeypatch.setenv("TENPLEX_STAGING_MB", "lots")
     with pytest.raises(ValueError, match="TENPLEX_STAGING_MB='lots'"):
         staging_bytes()

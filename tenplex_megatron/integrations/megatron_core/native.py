@@ -35,7 +35,7 @@ import torch
 
 from tenplex_megatron.engine.optimizer_json import jsonable
 from tenplex_megatron.integrations.megatron_core.sharded import describe_model
-from tenplex_megatron.plan.ptc import StoredChunk
+from tenplex_megatron.plan.ptc import DTYPE_SIZES, StoredChunk
 from tenplex_megatron.plan.unsupported import check_saved_args
 from tenplex_megatron.storage.distcp import DistcpFiles
 from tenplex_megatron.storage.distcp_index import read_dcp_metadata
@@ -46,6 +46,7 @@ from tenplex_megatron.storage.megatron_ptc import (
     describe_torch_dist,
     read_torch_dist,
 )
+from tenplex_megatron.storage.parallel_read import Extent
 from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
 from tenplex_megatron.storage.source import Opened, UncheckedSource
 
@@ -90,6 +91,18 @@ class DistcpSource(UncheckedSource):
         off, length, numel, skip = (int(x) for x in sc.location.name.split(":"))
         dtype = getattr(torch, self.dtypes[sc.chunk.key])
         return self.files.tensor(sc.location.file, off, length, dtype, numel).narrow(0, skip, sc.chunk.numel)
+
+    def extent(self, sc: StoredChunk) -> Extent:
+        """The chunk's bytes in its ``.distcp`` file, for the parallel reader (no checksums: DCP records none)."""
+        off, length, numel, skip = (int(x) for x in sc.location.name.split(":"))
+        name = self.dtypes[sc.chunk.key]
+        size = DTYPE_SIZES[name]
+        path, item = self.files.locate(sc.location.file, off, length, numel * size)
+        if (skip + sc.chunk.numel) * size > item.nbytes:
+            raise MegatronCheckpointError(f"{path}: item at byte {off} holds {item.nbytes // size} elements, the "
+                                          f"chunk of {sc.chunk.key!r} needs {skip + sc.chunk.numel}")
+        return Extent(path, item.offset + skip * size, sc.chunk.numel * size, size, getattr(torch, name), None, None,
+                      f"{path}: item at byte {off} (of {sc.chunk.key!r})", (sc.location.file, sc.location.name))
 
     def close(self) -> None:
         self.files.close()
