@@ -18,6 +18,10 @@ byte in it is refused at load. The same through host memory (``--tenplex-memory`
 into node memory (persisted to --save in the background) and stops; restarts from the snapshot get the bytes back
 exactly at TP2 and drop them with one warning at TP1 x DP2; a snapshot whose rank-local entry has a flipped byte is
 skipped as damaged, that rank file read from the persisted durable copy instead, the bytes again exact.
+Megatron-LM's checkpoint flags ride the shared launches too: retention by --save-retain-interval and
+--most-recent-k beside --tenplex-keep; weights-only checkpoints (--no-save-optim --no-save-rng) refused by a load
+that wants the optimizer and loaded with --no-load-optim; a --ckpt-step that is not there; --pretrained-checkpoint
+with an empty --load; --exit-on-missing-checkpoint.
 """
 
 from __future__ import annotations
@@ -211,6 +215,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         job("weights_only_fresh", ["--load", f"{root}/weights_only", *layout_flags(2, 1), "--no-load-optim",
                                    "--train-iters", "5", "--tenplex-resave", f"{root}/weights_only_resaved"]),
         job("ckpt_step_missing", ["--load", f"{root}/weights_only", "--ckpt-step", "3"]),
+        job("pretrained", ["--load", f"{root}/nothing", "--pretrained-checkpoint", f"{root}/weights_only",
+                           *layout_flags(2, 1), "--train-iters", "3"]),
+        job("exit_on_missing", ["--load", f"{root}/nothing", "--exit-on-missing-checkpoint"]),
         job("flipped_no_verify", ["--load", bad, "--tenplex-no-verify", "--exit-interval", "2"]),
         *[te_job(f"te_{tag}", [*layout_flags(tp, 1), "--load", te_src, "--tenplex-resave", f"{root}/te/resaved_{tag}",
                                "--tenplex-metrics", f"{root}/te/{tag}.jsonl"]) for tag, tp in TE_RESTARTS.items()],
@@ -316,6 +323,19 @@ def test_ckpt_step_not_saved_lists_the_steps_there(results: Results) -> None:
     assert r.returncode != 0
     assert "--ckpt-step 3: no complete tenplex checkpoint of iteration 3" in r.log
     assert "the iterations there: 2, 4" in r.log
+
+
+def test_pretrained_checkpoint_when_load_holds_none(results: Results) -> None:
+    """--pretrained-checkpoint with an empty --load: a fine-tune from its newest checkpoint (a weights-only one
+    here: the fine-tune takes nothing else), at TP2, from iteration 0; --exit-on-missing-checkpoint stops instead."""
+    r = results.second["pretrained"]
+    assert r.returncode == 0, r.log[-3000:]
+    assert f"loaded iteration 0 from {results.root}/weights_only/iter_0000004" in r.log
+    assert "fine-tune: iteration 0, fresh data position" in r.log
+    assert re.search(r" iteration +1/ +3 \| consumed samples: +8 \|", r.log), r.log[-3000:]
+    missing = results.second["exit_on_missing"]
+    assert missing.returncode != 0
+    assert f"--exit-on-missing-checkpoint: no checkpoint under {results.root}/nothing" in missing.log
 
 
 def _te_losses_continue(root: str, tag: str) -> None:

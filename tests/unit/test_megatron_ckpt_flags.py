@@ -138,3 +138,41 @@ def test_ckpt_step_not_there_lists_the_steps_there(tmp_path) -> None:
     assert checkpoint_at(str(tmp_path), 3).endswith("iter_0000003")
     with pytest.raises(CheckpointFileError, match=r"--ckpt-step 5: .*the iterations there: 3, 6"):
         checkpoint_at(str(tmp_path), 5)
+
+
+@pytest.mark.parametrize("flags,named", [({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
+                                         ({"non_persistent_ckpt_type": "global"}, "--non-persistent-ckpt-type global"),
+                                         ({"use_checkpoint_args": True}, "--use-checkpoint-args"),
+                                         ({"most_recent_k": 0}, "--most-recent-k 0")])
+def test_the_hook_refuses_at_start_naming_the_flag(flags: dict, named: str, caplog) -> None:
+    """The Megatron-LM hook's validate_args (before any process group): a refused setting stops the job, exit 2."""
+    from tenplex_megatron.integrations import megatron_lm
+
+    args = argparse.Namespace(tenplex=True, load=None, **flags)
+    with caplog.at_level("ERROR", logger="tenplex_megatron"), pytest.raises(SystemExit) as e:
+        megatron_lm._validate_args(args)
+    assert e.value.code == 2
+    assert any(named in r.getMessage() and "with --tenplex" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_the_hook_refuses_a_ckpt_step_not_under_load(tmp_path, caplog) -> None:
+    from tenplex_megatron.integrations import megatron_lm
+
+    _committed(tmp_path, [2, 4])
+    args = argparse.Namespace(tenplex=True, load=str(tmp_path), ckpt_step=3)
+    with caplog.at_level("ERROR", logger="tenplex_megatron"), pytest.raises(SystemExit):
+        megatron_lm._validate_args(args)
+    assert "the iterations there: 2, 4" in caplog.text
+
+
+def test_a_load_asking_for_what_the_checkpoint_lacks_is_refused() -> None:
+    """Before anything is copied: the optimizer of a weights-only checkpoint; a fine-tune of one without weights."""
+    from tenplex_megatron.engine.load import check_scope
+
+    weights_only = {"iteration": 4, "weights_only": True, "ptc": {"tensors": [{"key": "embedding.weight"}]}}
+    with pytest.raises(ValueError, match="holds the weights only .*--no-load-optim"):
+        check_scope(weights_only, table.LoadScope(), "ckpt")
+    check_scope(weights_only, table.LoadScope(optimizer=False), "ckpt")
+    no_weights = {"iteration": 4, "ptc": {"tensors": [{"key": "optimizer.state.exp_avg.embedding.weight"}]}}
+    with pytest.raises(ValueError, match="--finetune: .* holds no model weights"):
+        check_scope(no_weights, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
