@@ -83,9 +83,9 @@ def check_scope(meta: dict[str, Any], scope: LoadScope, where: str) -> None:
     if scope.optimizer and meta.get("weights_only"):
         raise ValueError(f"{where}: the checkpoint of iteration {meta.get('iteration')} holds the weights only (saved "
                          "with --no-save-optim): load it with --no-load-optim (fresh optimizer) or --finetune")
-    tensors = (meta.get("ptc") or {}).get("tensors") or []
-    if scope.finetune and not any(not str(t.get("key", "")).startswith("optimizer.")
-                                              for t in tensors if isinstance(t, dict)):
+    keys = [str(t.get("key", "")) for t in (meta.get("ptc") or {}).get("tensors") or [] if isinstance(t, dict)]
+    if scope.finetune and "ptc" in meta and all(k.startswith("optimizer.") for k in keys):  # a foreign format's
+        # tensors (no "ptc" in its metadata) are checked against the model's by the planner's coverage proof
         raise ValueError(f"{where}: --finetune: the checkpoint of iteration {meta.get('iteration')} holds no model "
                          "weights")
 

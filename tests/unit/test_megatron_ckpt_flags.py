@@ -176,3 +176,4 @@ def test_a_load_asking_for_what_the_checkpoint_lacks_is_refused() -> None:
     no_weights = {"iteration": 4, "ptc": {"tensors": [{"key": "optimizer.state.exp_avg.embedding.weight"}]}}
     with pytest.raises(ValueError, match="--finetune: .* holds no model weights"):
         check_scope(no_weights, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
+    check_scope({"iteration": 4}, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")  # Megatron's own
