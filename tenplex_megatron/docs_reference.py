@@ -15,6 +15,7 @@ import os
 import sys
 
 from tenplex_megatron import flags
+from tenplex_megatron.plan import megatron_ckpt_flags as ckpt_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "docs", "reference.md")
@@ -70,6 +71,7 @@ def render() -> str:
             doors = "both" if set(f.doors) == set(flags.BOTH) else " and ".join(f"{d} only" for d in f.doors)
             out.append(f"| {_code(f.usage())} | {doors} | {_cell(f.default_text())} | {_cell(f.help)} |")
         out.append("")
+    out += _megatron_settings()
     out += ["## Environment variables", ""]
     for key, title, intro in _AUDIENCES:
         rows = [v for v in flags.ENV_VARS if v.audience == key]
@@ -79,6 +81,21 @@ def render() -> str:
         out += [f"| {_code(v.name)} | {_cell(v.values)} | {_cell(v.default)} | {_cell(v.help)} |" for v in rows]
         out.append("")
     return "\n".join(out)
+
+
+def _megatron_settings() -> list[str]:
+    """The section on Megatron-LM's own checkpoint settings under ``--tenplex`` (``plan/megatron_ckpt_flags.py``)."""
+    out = ["## Megatron-LM's checkpoint settings under `--tenplex`", "",
+           "<!-- From `tenplex_megatron/plan/megatron_ckpt_flags.py`. -->", "",
+           "Every field of Megatron-LM's checkpoint settings (`CheckpointConfig` and the checkpointing argument group, "
+           "core_v0.15 to core_v0.19), and `--dataloader-type`, under `--tenplex`: *honoured* with Megatron's "
+           "meaning, *refused* at start (before any process group) naming the flag and why, or of *no effect*, "
+           "with why. Explained in [Megatron-LM](megatron-lm.md#megatron-lms-checkpoint-settings).", "",
+           "| flag | field | under `--tenplex` | what happens |", "|---|---|---|---|"]
+    for verdict in ckpt_table.VERDICTS:
+        for s in (s for s in ckpt_table.SETTINGS if s.verdict == verdict):
+            out.append(f"| {_code(s.flag)} | {', '.join(_code(n) for n in s.names)} | {verdict} | {_cell(s.why)} |")
+    return [*out, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

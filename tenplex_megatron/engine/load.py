@@ -32,6 +32,7 @@ from tenplex_megatron.execute.executor import (
     verify_blocks,
 )
 from tenplex_megatron.plan.gc_pause import gc_paused
+from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.plan.verify_share import share_blocks
@@ -39,6 +40,7 @@ from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.source import Opened
 from tenplex_megatron.storage.source_files import SourceFiles
+from tenplex_megatron.storage.steps import checkpoint_at
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,9 @@ class LoadResult:
 
 
 def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opened:
-    """The newest complete tenplex checkpoint under ``load_dir`` (or ``iteration``'s), checked and opened."""
-    path = directory.find_checkpoint(load_dir, iteration)
+    """The newest complete tenplex checkpoint under ``load_dir`` (or ``iteration``'s: else an error listing the
+    iterations there), checked and opened."""
+    path = directory.find_checkpoint(load_dir) if iteration is None else checkpoint_at(load_dir, iteration)
     if path is None:
         raise FileNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
     meta = directory.read_metadata(path)
@@ -72,6 +75,19 @@ def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opene
                         require_checksums=meta["format_version"] >= 2,  # format 2 records block CRCs for every chunk
                         names=(sc.location.file for sc in source.chunks))
     return Opened(path, meta, source, files)
+
+
+def check_scope(meta: dict[str, Any], scope: LoadScope, where: str) -> None:
+    """Refuse, before anything is copied, a load that asks for what the checkpoint does not hold: the optimizer of
+    a weights-only checkpoint (``--no-save-optim``), or weights from a checkpoint without any."""
+    if scope.optimizer and meta.get("weights_only"):
+        raise ValueError(f"{where}: the checkpoint of iteration {meta.get('iteration')} holds the weights only (saved "
+                         "with --no-save-optim): load it with --no-load-optim (fresh optimizer) or --finetune")
+    keys = [str(t.get("key", "")) for t in (meta.get("ptc") or {}).get("tensors") or [] if isinstance(t, dict)]
+    if scope.finetune and "ptc" in meta and all(k.startswith("optimizer.") for k in keys):  # a foreign format's
+        # tensors (no "ptc" in its metadata) are checked against the model's by the planner's coverage proof
+        raise ValueError(f"{where}: --finetune: the checkpoint of iteration {meta.get('iteration')} holds no model "
+                         "weights")
 
 
 @dataclass(frozen=True)
@@ -110,6 +126,7 @@ def load_chunks(
     host: str | None = None,
     fetch: Callable[[Any, tuple, Any], None] | None = None,
     local: Callable[[dict[str, Any], Callable[[str], torch.Tensor]], Callable[[], None] | None] | None = None,
+    left_out: tuple[str, ...] = (),
 ) -> ChunksLoaded:
     """Collective: fill this rank's live chunks from the newest complete checkpoint under ``load_dir``.
 
@@ -123,7 +140,8 @@ def load_chunks(
     files)``: a collective step between planning and opening the sources
     (host-memory snapshots: receive what other nodes hold). ``local(metadata, read)``: decides whether this
     rank's rank-local state applies and reads it (``engine/rank_local.py``) before any byte is copied; returns
-    what to call after ``restore`` (or None).
+    what to call after ``restore`` (or None). ``left_out``: key prefixes of stored tensors the job does not take
+    back on purpose (``optimizer.`` for a weights-only load), exempt from ``strict``.
     """
     me = rank()
     host = host or socket.gethostname()
@@ -163,7 +181,7 @@ def load_chunks(
 
     def check_and_verify() -> None:
         needed = {k for r in ranks for k in r["tensors"]}
-        unused = sorted(set(p.opened.ptc.tensors) - needed)
+        unused = sorted(k for k in set(p.opened.ptc.tensors) - needed if not (left_out and k.startswith(left_out)))
         if strict and unused:
             raise PlanError(f"{path}: the checkpoint has tensors no rank of this job holds: {', '.join(unused[:8])}")
         maybe_fail("load.verify", me)
@@ -199,29 +217,34 @@ def load_chunks(
 
 def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, strict: bool = True, verify: bool = True,
          opener: Callable[[], Opened] | None = None, source_format: str = "tenplex", host: str | None = None,
-         fetch: Callable[[Any, tuple, Any], None] | None = None) -> LoadResult:
+         fetch: Callable[[Any, tuple, Any], None] | None = None, scope: LoadScope | None = None) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` into the adapter, re-sharded.
 
     ``verify``: check the CRC-32 of every stored block this rank reads from
     (only those blocks, not whole chunks). ``opener``: read a foreign format in
     place. ``host``, ``fetch``: see :func:`load_chunks`. Then the RNG policy: exact on the same layout,
-    re-seeded otherwise.
+    re-seeded otherwise. ``scope``: which iteration and which state (the adapter was made with the same scope:
+    it leaves out the optimizer where asked); without the RNG, the job's own streams are left alone.
     """
     t0 = time.perf_counter()
+    scope = scope or LoadScope()
+    iteration = scope.iteration if iteration is None else iteration
 
     def describe(meta: dict[str, Any]) -> list[LocalChunk]:
         found = meta.get("framework")
         if opener is None and found is not None and found != adapter.framework:
             raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
+        check_scope(meta, scope, load_dir)
         return adapter.describe_for_load(meta)
 
     with gc_paused():  # no full collections over the job's heap while the load allocates views and plan objects
         loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict=strict, verify=verify, opener=opener,
-                             host=host, fetch=fetch, local=getattr(adapter, "prepare_rank_local", None))
+                             host=host, fetch=fetch, local=getattr(adapter, "prepare_rank_local", None),
+                             left_out=() if scope.optimizer else ("optimizer.",))
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(
-        meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker))
+        meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker)) if scope.rng else False
     return LoadResult(
         path=loaded.path,
         iteration=adapter.iteration(),

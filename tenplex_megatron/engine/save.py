@@ -23,6 +23,7 @@ from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, chunk_name, holdings_json
 from tenplex_megatron.engine.rank_local import rank_local_json
 from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
+from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import directory
@@ -121,14 +122,14 @@ def save_chunks(
     layout: dict[str, Any],
     rank_info: dict[str, Any],
     metadata: Any,
-    keep: int | None = None,
+    keep: int | Retention | None = None,
     local: dict[str, torch.Tensor] | None = None,
 ) -> SaveResult:
     """Collective: write every chunk once under ``save_dir/iter_NNNNNNN`` and commit it atomically.
 
     ``rank_info``: JSON this rank contributes (its RNG state, say); ``metadata``
     is called on rank 0 with every rank's and returns the framework's own part
-    of metadata.json. ``keep``: after the commit, keep only the newest ``keep``.
+    of metadata.json. ``keep``: after the commit, keep only the newest ``keep`` (or what a :class:`Retention` keeps).
     ``local``: this rank's rank-local entries (flat uint8, ``engine/rank_local.py``: :func:`local_tensors`),
     written in its own file; ``rank_info["rank_local"]`` holds their records (:func:`local_records`).
     """
@@ -193,18 +194,19 @@ def save_chunks(
     return SaveResult(path, iteration, size, total, time.perf_counter() - t0, tuple(removed))
 
 
-def save(adapter: Adapter, save_dir: str, keep: int | None = None) -> SaveResult:
+def save(adapter: Adapter, save_dir: str, keep: int | Retention | None = None, *, rng_state: bool = True) -> SaveResult:
     """Collective: write the adapter's full state under ``save_dir/iter_NNNNNNN`` and commit it.
 
     The engine adds what every framework shares: the layout and every rank's RNG
-    streams; the adapter adds its own non-tensor state (:meth:`Adapter.metadata`).
+    streams (none without ``rng_state``: ``--no-save-rng``, a load then re-seeds); the adapter adds its own
+    non-tensor state (:meth:`Adapter.metadata`).
     """
     chunks, local = run_phase(f"save to {save_dir}: describing the job", lambda: describe_for_save(adapter))
 
     def metadata(infos: list[dict[str, Any]]) -> dict[str, Any]:
         return {"framework": adapter.framework, **adapter.metadata(),
-                "rng": {str(r): i["rng"] for r, i in enumerate(infos)}}
+                "rng": {str(r): i["rng"] for r, i in enumerate(infos) if "rng" in i}}
 
-    info = {"rng": rng.capture(tracker=adapter.rng_tracker), **local_records(local)}
+    info = {**({"rng": rng.capture(tracker=adapter.rng_tracker)} if rng_state else {}), **local_records(local)}
     return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(), info, metadata, keep,
                        local_tensors(local))

@@ -42,7 +42,7 @@ from typing import Any
 from tenplex_megatron import flags, log
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import elastic, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import ckpt_flags, elastic, memory_flags, restart_sources
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.integrations.hf.load import init_from_hf
@@ -61,6 +61,7 @@ from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
+from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, LoadScope, refusals, retention, save_scope
 from tenplex_megatron.plan.unsupported import unsupported_flags, unsupported_job_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -190,7 +191,8 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
     """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
     host-memory flags' checks (refused before any process group starts)."""
-    problems = [*unsupported_flags(args), *unsupported_job_flags(args)] if getattr(args, "tenplex", False) else []
+    problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args)] \
+        if getattr(args, "tenplex", False) else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
     if problems:
@@ -206,6 +208,15 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
             raise SystemExit(2) from None
     choose_layout_for_args(args)
     return hook.originals["validate_args"](args, *a, **kw)
+
+
+def _load_args_from_checkpoint(args: Any, *a: Any, **kw: Any) -> Any:
+    """Megatron-LM's ``--use-checkpoint-args`` reader; with ``--tenplex`` refused before it reads anything."""
+    if getattr(args, "tenplex", False):
+        for problem in refusals(args) or ["--use-checkpoint-args: " + BY_NAME["use_checkpoint_args"].why]:
+            _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
+        raise SystemExit(2)
+    return _original("load_args_from_checkpoint")(args, *a, **kw)
 
 
 def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -275,7 +286,7 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     # a snapshot into node memory (replication and persist go on in the background), else a durable save; a newer
     # generation of this job owning the directory stops this one
     res = ckpt.save(lambda: MegatronCoreAdapter(job, extra),
-                    lambda: save_job(job, args.save, extra=extra, keep=args.tenplex_keep))
+                    lambda: save_job(job, args.save, extra=extra, keep=retention(args), scope=save_scope(args)))
     if ckpt.tier is not None:
         for line in memory_flags.describe_snapshot(res, iteration):
             _log.info(line)
@@ -305,6 +316,15 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
 
     args = get_args()
     load_dir = getattr(args, load_arg, None)
+    if getattr(args, "tenplex", False) and load_arg == "load":  # Megatron-LM's checkpoint settings (ckpt_flags.py)
+        load_dir, scope = ckpt_flags.pretrained(args, load_dir)
+        if load_dir and scope != LoadScope():
+            job = _job(ddp_model, optimizer, opt_param_scheduler)
+            res = ckpt_flags.load_scoped(job, load_dir, scope, verify=not args.tenplex_no_verify,
+                                         trust_pickles=args.tenplex_trust_pickles)
+            if res is not None:
+                _log.info(restart_sources.loaded_line(res, job.layout) + ckpt_flags.describe_scope(scope))
+                return res.iteration, _resumed(args, job, res)
     ckpt = installed().checkpointer_for(args)
     memory = load_arg == "load"  # host memory holds the job's own state only
     tenplex = bool(getattr(args, "tenplex", False) and load_dir)
@@ -381,7 +401,8 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
     from megatron.training import get_args
 
     args = get_args()
-    if dataset is None or not getattr(args, "tenplex", False) or consumed_samples is None:
+    if dataset is None or not getattr(args, "tenplex", False) or consumed_samples is None \
+            or getattr(args, "dataloader_type", None) == "external":  # external: the dataset is its own loader
         return _original("build_pretraining_data_loader")(dataset, consumed_samples)
     sampler = TenplexBatchSampler(len(dataset), consumed_samples, args.global_batch_size, args.micro_batch_size,
                                   mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
@@ -434,6 +455,10 @@ def install() -> None:
     # calls the validate_args it imported by name
     checks = args_mod if hasattr(args_mod, "parse_and_validate_args") else init_mod
     originals["validate_args"] = checks.validate_args
+    # --use-checkpoint-args reads them before validate_args (refused: ckpt_flags)
+    args_readers = [mod for mod in (init_mod, ckpt_mod) if hasattr(mod, "load_args_from_checkpoint")]
+    if args_readers:
+        originals["load_args_from_checkpoint"] = args_readers[0].load_args_from_checkpoint
     # the vocabulary padding: megatron.training's tokenizer up to core_v0.16, megatron.core's tokenizers from 0.17
     tok_mod, tok_name = None, ""
     for module, name in (("megatron.training.tokenizer.tokenizer", "_vocab_size_with_padding"),
@@ -458,3 +483,5 @@ def install() -> None:
         mod.load_checkpoint = load_checkpoint
     train_mod.build_pretraining_data_loader = build_pretraining_data_loader
     train_mod.maybe_finalize_async_save = maybe_finalize_async_save
+    for mod in args_readers:
+        mod.load_args_from_checkpoint = _load_args_from_checkpoint

@@ -26,6 +26,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, open_regular, read_checkpoint_file
@@ -322,18 +323,22 @@ def commit(
     return final
 
 
-def apply_retention(save: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete checkpoints (call only after a commit); returns what went.
+def apply_retention(save: str, keep: int | Retention) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints, or all but what a :class:`Retention` keeps (call
+    only after a commit); returns what went.
 
     Only :func:`committed_iterations` count and go: real ``iter_NNNNNNN``
     directories with a tenplex ``metadata.json``. Links named like them and
     other formats' directories are neither counted nor touched.
     """
-    if keep < 1:
-        raise ValueError(f"--tenplex-keep must be >= 1, got {keep}")
+    rule = keep if isinstance(keep, Retention) else Retention(keep=keep)
+    if rule.keep is not None and rule.keep < 1:
+        raise ValueError(f"--tenplex-keep must be >= 1, got {rule.keep}")
     lease.fence(save)
     removed = []
-    for it in committed_iterations(save)[:-keep]:
+    its = committed_iterations(save)
+    kept = set(rule.kept(its))
+    for it in (i for i in its if i not in kept):
         path = os.path.join(save, iter_dir_name(it))
         if remove_own(path, _is_committed_dir):
             removed.append(path)

@@ -29,7 +29,7 @@ from megatron.core import parallel_state
 
 from tenplex_megatron import flags
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import ckpt_flags, lease_flags, memory_flags, restart_sources
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.hf.load import init_from_hf
 from tenplex_megatron.integrations.hf.source import check_hf_dir
@@ -46,6 +46,7 @@ from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import describe_layout
+from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, retention, save_scope
 from tenplex_megatron.plan.unsupported import UNSUPPORTED
 from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
@@ -194,7 +195,27 @@ def _checkpoint_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="without --tenplex: save the distributed optimizer as fully_reshardable (megatron-core can "
                    "re-shard it along TP/PP) instead of Megatron-LM's default dp_reshardable")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="with --tenplex: load this iteration's checkpoint (at this job's layout) instead of the newest")
+    g.add_argument("--finetune", action="store_true",
+                   help="with --tenplex: load the weights alone and start at iteration 0 with a fresh optimizer, LR "
+                   "schedule and data position")
+    g.add_argument("--pretrained-checkpoint", default=None, metavar="DIR",
+                   help="with --tenplex: when --load holds no checkpoint, fine-tune from the one in DIR")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="with --tenplex: load the weights alone (fresh optimizer and LR schedule)")
+    g.add_argument("--no-load-rng", action="store_true", help="with --tenplex: leave the saved RNG state alone")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="with --tenplex: weights-only checkpoints (a load from one needs --no-load-optim or --finetune)")
+    g.add_argument("--no-save-rng", action="store_true", help="with --tenplex: checkpoints without RNG state")
+    g.add_argument("--save-retain-interval", type=int, default=None, metavar="N",
+                   help="with --tenplex: besides the newest, keep every checkpoint whose iteration is a multiple of N")
+    g.add_argument("--most-recent-k", type=int, default=None, metavar="K",
+                   help="with --tenplex: keep the newest K checkpoints (-1: all; with --tenplex-keep the smaller)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="--load holds no checkpoint: exit instead of starting from scratch")
     g.add_argument("--log-interval", type=int, default=1)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -265,6 +286,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     problem = memory_flags.check_memory_args(args)
     if problem:
         parser.error(problem)
+    check_ckpt_flags(parser, args, argv)
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
@@ -280,6 +302,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                      f"--num-query-groups {args.num_query_groups} (TP splits the key/value head groups)")
     return args
+
+
+#: Megatron-LM's checkpoint flags the trainer takes with --tenplex only (plan/megatron_ckpt_flags.py)
+CKPT_FLAGS_NEED_TENPLEX = ("--ckpt-step", "--finetune", "--pretrained-checkpoint", "--no-load-optim", "--no-load-rng",
+                      "--no-save-optim", "--no-save-rng", "--save-retain-interval", "--most-recent-k")
+
+
+def check_ckpt_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
+    """Megatron-LM's checkpoint flags, before any process group: with --tenplex only, and checked against the
+    table and ``--load`` (a ``--ckpt-step`` not there lists the steps there)."""
+    given = sorted({a.split("=", 1)[0] for a in argv} & set(CKPT_FLAGS_NEED_TENPLEX))
+    if given and not args.tenplex:
+        parser.error(f"{', '.join(given)} needs --tenplex")
+    if args.tenplex:
+        problems = ckpt_flags.start_problems(args)
+        if problems:
+            parser.error("; ".join(problems))
 
 
 def virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -475,6 +514,8 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer,
     (``frontdoor/restart_sources.py``: host memory, a tenplex checkpoint, Megatron's own: adopted by tenplex with
     ``--tenplex``, else through megatron-core's dist_checkpointing), else Hugging Face weights; else from scratch."""
     layout, mck = job.layout, sources.megatron
+    if args.tenplex and _scoped_restore(args, job):
+        return
     restarted = None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
         restarted = ckpt.restart(lambda: MegatronCoreAdapter(job),
@@ -504,8 +545,28 @@ def _restore(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer,
         job.consumed_samples = job.iteration * job.global_batch_size
         _print0(f"> megatron-core dist_checkpointing: loaded iteration {job.iteration} from {mck} at layout {layout} "
                 f"in {time.perf_counter() - t0:.2f} s")
+    elif args.load and args.exit_on_missing_checkpoint:
+        raise SystemExit(f"pretrain_gpt.py: error: --exit-on-missing-checkpoint: no checkpoint under {args.load}")
     elif args.load:
         _print0(f"> no checkpoint under {args.load}; starting from scratch")
+
+
+def _scoped_restore(args: argparse.Namespace, job: gpt.GPTJob) -> bool:
+    """Collective: a load Megatron-LM's checkpoint flags narrow (``--ckpt-step``, ``--finetune``, ``--no-load-optim``,
+    ``--no-load-rng``, ``--pretrained-checkpoint``: ``frontdoor/ckpt_flags.py``); whether there was one to do."""
+    load_dir, scope = ckpt_flags.pretrained(args, args.load)
+    if not load_dir or scope == LoadScope():
+        return False
+    res = ckpt_flags.load_scoped(job, load_dir, scope, verify=not args.tenplex_no_verify,
+                                 trust_pickles=args.tenplex_trust_pickles)
+    if res is None:
+        return False
+    _note_loaded(args, res.seconds)
+    print_tenplex(restart_sources.loaded_line(res, job.layout) + ckpt_flags.describe_scope(scope)
+                  + (_rng_note(res) if scope.rng else ""))
+    if args.tenplex_resave:
+        save_job(job, args.tenplex_resave)
+    return True
 
 
 def _rng_note(res: Any) -> str:
@@ -639,7 +700,8 @@ def _save(job: Any, args: argparse.Namespace, ckpt: Checkpointer) -> None:
         _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
                 f"in {time.perf_counter() - t0:.2f} s")
         return
-    res = ckpt.save(lambda: MegatronCoreAdapter(job), lambda: save_job(job, args.save, keep=args.tenplex_keep))
+    res = ckpt.save(lambda: MegatronCoreAdapter(job),
+                    lambda: save_job(job, args.save, keep=retention(args), scope=save_scope(args)))
     _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
     for path in res.removed:
         _print0(f"> tenplex: removed {path}")

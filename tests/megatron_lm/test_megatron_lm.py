@@ -593,3 +593,34 @@ def test_megatron_lm_second_plain_torchrun_refused_restart_takes_the_next_genera
     assert "took the lease over" not in log and "is held by" not in log, log[-4000:]
     newest = max(directory.committed_iterations(str(ckpt)))
     assert verify_checkpoint(str(ckpt / directory.iter_dir_name(newest)), workers=1).ok
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+def test_megatron_lm_ckpt_step_and_finetune_at_another_layout(tmp_path, script: str) -> None:
+    """Megatron-LM's --ckpt-step and --finetune under --tenplex (plan/megatron_ckpt_flags.py), at TP1 x DP2 from a
+    TP2 run that saved iterations 4 and 8: --ckpt-step 4 continues iteration 4's losses (5-8 equal the run's own);
+    --finetune takes iteration 8's weights alone and starts at iteration 0 with a fresh data position, and trains
+    alike at TP2 and TP1 x DP2."""
+    ckpt = tmp_path / "ckpt"
+    log = _run(script, 2, 95, ["--save", str(ckpt), "--save-interval", "4"])
+    ref = _losses(log)
+    assert sorted(ref) == list(range(1, 9)) and (ckpt / "iter_0000008").is_dir(), log[-3000:]
+
+    log = _run(script, 1, 95, ["--load", str(ckpt), "--ckpt-step", "4"])
+    assert re.search(r"> tenplex: loaded iteration 4 from \S+iter_0000004: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2",
+                     log), log[-3000:]
+    resumed = _losses(log)
+    assert sorted(resumed) == [5, 6, 7, 8], log[-3000:]
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it])
+
+    tuned = {}
+    for tp in (2, 1):
+        log = _run(script, tp, 95, ["--load", str(ckpt), "--finetune", "--train-iters", "3"])
+        assert re.search(r"> tenplex: loaded iteration 0 from \S+iter_0000008: .*fine-tune", log), log[-3000:]
+        lines = _log_lines(log)
+        assert [(it, consumed) for it, consumed, _ in lines] == [(1, 8), (2, 16), (3, 24)], lines
+        tuned[tp] = _losses(log)
+    for it in (1, 2, 3):
+        assert tuned[1][it] == pytest.approx(tuned[2][it], rel=1e-5, abs=5e-6), (it, tuned)
+    assert tuned[2][1] < ref[1]  # iteration 8's weights: lower than the first step from scratch

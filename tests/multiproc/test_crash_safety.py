@@ -18,6 +18,10 @@ byte in it is refused at load. The same through host memory (``--tenplex-memory`
 into node memory (persisted to --save in the background) and stops; restarts from the snapshot get the bytes back
 exactly at TP2 and drop them with one warning at TP1 x DP2; a snapshot whose rank-local entry has a flipped byte is
 skipped as damaged, that rank file read from the persisted durable copy instead, the bytes again exact.
+Megatron-LM's checkpoint flags ride the shared launches too: retention by --save-retain-interval and
+--most-recent-k beside --tenplex-keep; weights-only checkpoints (--no-save-optim --no-save-rng) refused by a load
+that wants the optimizer and loaded with --no-load-optim; a --ckpt-step that is not there; --pretrained-checkpoint
+with an empty --load; --exit-on-missing-checkpoint.
 """
 
 from __future__ import annotations
@@ -25,19 +29,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 
 import pytest
+import torch
 
-from tenplex_megatron.storage.directory import find_checkpoint, partial_dirs
-from tests.harness import TINY_GPT, Run, layout_flags, metrics, run_scenarios, torchrun
+from tenplex_megatron.storage.directory import committed_iterations, find_checkpoint, partial_dirs
+from tests.harness import TINY_GPT, Run, layout_flags, metrics, read_full_tensors, run_scenarios, torchrun
 
 pytestmark = pytest.mark.dist
 
 TE_MODEL = [*TINY_GPT, "--vocab-size", "96", "--use-distributed-optimizer", "--train-iters", "6"]
 TE_SAVE_AT = 3
 MODEL = [*TINY_GPT, "--vocab-size", "96", "--use-distributed-optimizer", "--train-iters", "4", *layout_flags(1, 1)]
+RETAIN_ITERS = 6
+RETAIN_FLAGS = ["--save-retain-interval", "3", "--most-recent-k", "2", "--tenplex-keep", "4"]
 KILL_POINTS = ["save.tensors@1#4", "save.metadata@0#4", "save.commit@0#4"]
 LOAD_FAULTS = [("load.read@1:error", [1]), ("load.read:error", [0, 1])]
 
@@ -161,6 +169,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     first = run_scenarios(2, [
         job("clean", ["--save", saved, "--exit-interval", "2"]),
         job("retention", ["--save", f"{root}/retention", "--save-interval", "1", "--tenplex-keep", "2"]),
+        job("retain_interval", ["--save", f"{root}/retain_interval", "--save-interval", "1", "--train-iters",
+                                str(RETAIN_ITERS), *RETAIN_FLAGS]),
+        job("weights_only", ["--save", f"{root}/weights_only", "--save-interval", "2", "--no-save-optim",
+                             "--no-save-rng"]),
         job("disk_full", ["--save", f"{root}/disk_full", "--save-interval", "2"], "save.tensors@1#4:enospc"),
         te_job("te_ref", [*layout_flags(2, 1), "--save", f"{root}/te/ckpt", "--save-interval", str(TE_SAVE_AT),
                           "--tenplex-metrics", f"{root}/te/ref.jsonl"]),
@@ -199,6 +211,13 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
         *[job(f"resume{i}", ["--save", kills[p].save, "--load", kills[p].save]) for i, p in enumerate(KILL_POINTS)],
         *[job(f"load_fault{i}", ["--load", saved], fault) for i, (fault, _) in enumerate(LOAD_FAULTS)],
         job("flipped", ["--load", bad]),
+        job("weights_only_full", ["--load", f"{root}/weights_only", *layout_flags(2, 1)]),
+        job("weights_only_fresh", ["--load", f"{root}/weights_only", *layout_flags(2, 1), "--no-load-optim",
+                                   "--train-iters", "5", "--tenplex-resave", f"{root}/weights_only_resaved"]),
+        job("ckpt_step_missing", ["--load", f"{root}/weights_only", "--ckpt-step", "3"]),
+        job("pretrained", ["--load", f"{root}/nothing", "--pretrained-checkpoint", f"{root}/weights_only",
+                           *layout_flags(2, 1), "--train-iters", "3"]),
+        job("exit_on_missing", ["--load", f"{root}/nothing", "--exit-on-missing-checkpoint"]),
         job("flipped_no_verify", ["--load", bad, "--tenplex-no-verify", "--exit-interval", "2"]),
         *[te_job(f"te_{tag}", [*layout_flags(tp, 1), "--load", te_src, "--tenplex-resave", f"{root}/te/resaved_{tag}",
                                "--tenplex-metrics", f"{root}/te/{tag}.jsonl"]) for tag, tp in TE_RESTARTS.items()],
@@ -263,6 +282,60 @@ def test_retention_keeps_newest_n(results: Results) -> None:
     assert r.returncode == 0, r.log[-3000:]
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000003", "iter_0000004"]
     assert f"removed {save}/iter_0000002" in r.log
+
+
+def test_retention_by_interval_and_most_recent_k(results: Results) -> None:
+    """--save-retain-interval 3 --most-recent-k 2 --tenplex-keep 4, a save every iteration: the newest two (the
+    smaller of K and --tenplex-keep) and every multiple of 3 stay, the rest go."""
+    save = f"{results.root}/retain_interval"
+    r = results.first["retain_interval"]
+    assert r.returncode == 0, r.log[-3000:]
+    newest = sorted(range(1, RETAIN_ITERS + 1))[-2:]
+    want = sorted({*newest, *(i for i in range(1, RETAIN_ITERS + 1) if i % 3 == 0)})
+    assert committed_iterations(save) == want
+    for gone in sorted(set(range(1, RETAIN_ITERS + 1)) - set(want)):
+        assert f"removed {save}/iter_{gone:07d}" in r.log
+
+
+def test_weights_only_checkpoint_needs_no_load_optim(results: Results) -> None:
+    """--no-save-optim --no-save-rng: checkpoints without optimizer state or RNG, marked weights-only; a load of one
+    that wants the optimizer is refused naming the flags, --no-load-optim loads it at TP2 and trains on."""
+    save = f"{results.root}/weights_only"
+    assert results.first["weights_only"].returncode == 0, results.first["weights_only"].log[-3000:]
+    ckpt = find_checkpoint(save)
+    with open(os.path.join(ckpt, "metadata.json")) as f:
+        meta = json.load(f)
+    assert meta["weights_only"] is True and meta["optimizer"] is None and not meta["rng"]
+    stored = read_full_tensors(ckpt)
+    assert stored and not any(k.startswith("optimizer.") for k in stored)
+    full = results.second["weights_only_full"]
+    assert full.returncode != 0 and "holds the weights only" in full.log and "--no-load-optim" in full.log
+    fresh = results.second["weights_only_fresh"]
+    assert fresh.returncode == 0, fresh.log[-3000:]
+    assert "loaded iteration 4" in fresh.log and "optimizer and LR schedule left fresh" in fresh.log
+    resaved = read_full_tensors(f"{results.root}/weights_only_resaved/iter_0000004")
+    assert all(torch.equal(resaved[k], t) for k, t in stored.items())
+    assert re.search(r" iteration +5/", fresh.log)
+
+
+def test_ckpt_step_not_saved_lists_the_steps_there(results: Results) -> None:
+    r = results.second["ckpt_step_missing"]
+    assert r.returncode != 0
+    assert "--ckpt-step 3: no complete tenplex checkpoint of iteration 3" in r.log
+    assert "the iterations there: 2, 4" in r.log
+
+
+def test_pretrained_checkpoint_when_load_holds_none(results: Results) -> None:
+    """--pretrained-checkpoint with an empty --load: a fine-tune from its newest checkpoint (a weights-only one
+    here: the fine-tune takes nothing else), at TP2, from iteration 0; --exit-on-missing-checkpoint stops instead."""
+    r = results.second["pretrained"]
+    assert r.returncode == 0, r.log[-3000:]
+    assert f"loaded iteration 0 from {results.root}/weights_only/iter_0000004" in r.log
+    assert "fine-tune: iteration 0, fresh data position" in r.log
+    assert re.search(r" iteration +1/ +3 \| consumed samples: +8 \|", r.log), r.log[-3000:]
+    missing = results.second["exit_on_missing"]
+    assert missing.returncode != 0
+    assert f"--exit-on-missing-checkpoint: no checkpoint under {results.root}/nothing" in missing.log
 
 
 def _te_losses_continue(root: str, tag: str) -> None:

@@ -34,6 +34,7 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.sim.sharding import layout_chunks
+from tenplex_megatron.storage.directory import committed_iterations
 from tests.harness import ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, stored_chunks, torchrun
 
 pytestmark = pytest.mark.dist
@@ -115,6 +116,7 @@ class Scenario:
     iters: int = TRAIN_ITERS
     extra: tuple[str, ...] = ()
     solo: bool = False
+    every: bool = False  # --load the source's directory with every checkpoint of it (3, 6, 8), not iteration 3's
 
 
 def _world(layout: tuple[int, ...]) -> int:
@@ -213,7 +215,8 @@ class Runs:
                 s = self.scenarios[n]
                 d = os.path.join(self.root, n)
                 os.makedirs(d, exist_ok=True)  # a failed launch made it: the retry reports that launch's error
-                tasks.append([*TINY_GPT, *s.variant.flags(), *_layout_flags(s.dst), "--load", self.source(s),
+                load = os.path.dirname(self.source(s)) if s.every else self.source(s)
+                tasks.append([*TINY_GPT, *s.variant.flags(), *_layout_flags(s.dst), "--load", load,
                               "--tenplex-resave", f"{d}/resave", "--tenplex-metrics", f"{d}/metrics.jsonl",
                               "--exit-interval", str(s.iters), *s.extra])
             self._launch(key, _world(self.scenarios[name].dst), tasks)
@@ -346,6 +349,15 @@ MOE_TRANSITIONS: dict[str, tuple] = {
                                   "the same into the plain optimizer (its state described and re-saved whole)"),
 }
 MEGATRON_PADDING = ("--tenplex-vocab-padding", "megatron")
+#: Megatron-LM's checkpoint flags (plan/megatron_ckpt_flags.py), each loading the TP2 reference's directory (its
+#: checkpoints of iterations 3, 6 and 8): name -> (destination layout, flags, iterations trained to). Fine-tunes and
+#: fresh optimizers have no uninterrupted run to follow: each is run at TP2 and at TP1 x DP2, whose losses must agree.
+CKPT_FLAG_CASES = {
+    "ckpt-step-TP2-DP2": ((1, 1, 2), ("--ckpt-step", str(SAVE_AT)), TRAIN_ITERS),
+    **{f"finetune-{tag}": (dst, ("--finetune",), SAVE_AT) for tag, dst in (("TP2", (2, 1, 1)), ("DP2", (1, 1, 2)))},
+    **{f"no-load-optim-{tag}": (dst, ("--ckpt-step", str(SAVE_AT), "--no-load-optim"), TRAIN_ITERS)
+       for tag, dst in (("TP2", (2, 1, 1)), ("DP2", (1, 1, 2)))},
+}
 SCENARIOS: dict[str, Scenario] = {
     **{f"{n}-{v.tag()}": Scenario((a, v), b, v) for n, (a, b) in TRANSITIONS.items() for v in (V_DIST, V_PLAIN)},
     **{f"untied-{a}-{b}": Scenario((a, V_UNTIE), b, V_UNTIE) for a, b in (((2, 1, 1), (1, 2, 1)),
@@ -368,6 +380,8 @@ SCENARIOS: dict[str, Scenario] = {
     # TP 2 given, EP and expert TP left to --tenplex-layout auto (MOE_AUTO_ETP)
     "moe-auto-ETP": Scenario(((2, 1, 1, 1, 1, 0), V_MOE_SP), (2, 1, 1), V_MOE_SP, extra=("--tenplex-layout", "auto")),
     "rng-same": Scenario(((2, 1, 1), V_DIST), (2, 1, 1), V_DIST, iters=SAVE_AT),
+    **{n: Scenario(((2, 1, 1), V_DIST), dst, V_DIST, every=True, extra=extra, iters=iters)
+       for n, (dst, extra, iters) in CKPT_FLAG_CASES.items()},
     "rng-changed-a": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT),
     "rng-changed-b": Scenario(((2, 1, 1), V_DIST), (1, 1, 2), V_DIST, iters=SAVE_AT, solo=True),
 }
@@ -673,3 +687,68 @@ def test_auto_chooses_and_applies_expert_tp(runs: Runs, monkeypatch: pytest.Monk
     assert all(ParallelLayout.from_json(m["layout"]) == want for m in got)
     assert_tensors_equal(_ckpt(ref), _resaved(d), sc.variant.vocab)
     assert_losses_continue(ref, d, LOSS_RTOL)
+
+
+def _model_tensors(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    return {k: t for k, t in read_full_tensors(ckpt_dir).items() if not k.startswith("optimizer.")}
+
+
+def _metadata(ckpt_dir: str) -> dict:
+    with open(os.path.join(ckpt_dir, "metadata.json")) as f:
+        return json.load(f)
+
+
+def test_ckpt_step_loads_an_earlier_checkpoint_at_another_layout(runs: Runs) -> None:
+    """--ckpt-step 3 over a directory whose newest is 8, at TP1 x DP2: iteration 3's state, its losses continued."""
+    ref = runs.reference((2, 1, 1), V_DIST)
+    d = runs.resume("ckpt-step-TP2-DP2")
+    assert committed_iterations(os.path.join(ref, "ckpt"))[-1] == TRAIN_ITERS  # a newer one was there
+    assert_tensors_equal(_ckpt(ref), _resaved(d), V_DIST.vocab)
+    assert_losses_continue(ref, d, LOSS_RTOL)
+
+
+def test_finetune_at_another_layout(runs: Runs) -> None:
+    """--finetune from the newest checkpoint (8): its weights exactly, iteration 0, no optimizer state taken, the
+    data and LR schedule from the start; TP2 and TP1 x DP2 train alike."""
+    ref = runs.reference((2, 1, 1), V_DIST)
+    ref_metrics = {m["iteration"]: m for m in metrics(os.path.join(ref, "metrics.jsonl"))}
+    newest = _model_tensors(_ckpt(ref, TRAIN_ITERS))
+    losses = {}
+    for tag in ("TP2", "DP2"):
+        d = runs.resume(f"finetune-{tag}")
+        resaved = os.path.join(d, "resave", "iter_0000000")
+        meta = _metadata(resaved)
+        assert meta["iteration"] == 0 and meta["consumed_samples"] == 0
+        got = _model_tensors(resaved)
+        assert set(got) == set(newest)
+        assert all(torch.equal(got[k], newest[k]) for k in newest), tag
+        assert not any(k.startswith("optimizer.state.exp_avg") for k in read_full_tensors(resaved))
+        run = metrics(os.path.join(d, "metrics.jsonl"))
+        assert [m["iteration"] for m in run] == list(range(1, SAVE_AT + 1))
+        for m in run:
+            assert m["samples"] == ref_metrics[m["iteration"]]["samples"]
+            assert m["lr"] == pytest.approx(ref_metrics[m["iteration"]]["lr"], rel=1e-12)
+        losses[tag] = [m["loss"] for m in run]
+    assert losses["DP2"] == pytest.approx(losses["TP2"], rel=LOSS_RTOL)
+    assert losses["TP2"][0] < ref_metrics[1]["loss"]  # trained weights: lower than the first step from scratch
+
+
+def test_no_load_optim_takes_the_weights_alone(runs: Runs) -> None:
+    """--ckpt-step 3 --no-load-optim: iteration 3's weights and data position, a fresh optimizer. The first step
+    (the same weights on the same batch) has the uninterrupted run's loss; later ones differ from it (fresh Adam
+    moments, schedule from the start) and agree between TP2 and TP1 x DP2."""
+    ref = runs.reference((2, 1, 1), V_DIST)
+    ref_metrics = {m["iteration"]: m for m in metrics(os.path.join(ref, "metrics.jsonl"))}
+    weights = _model_tensors(_ckpt(ref))
+    losses = {}
+    for tag in ("TP2", "DP2"):
+        d = runs.resume(f"no-load-optim-{tag}")
+        got = _model_tensors(_resaved(d))
+        assert all(torch.equal(got[k], weights[k]) for k in weights), tag
+        run = metrics(os.path.join(d, "metrics.jsonl"))
+        assert [m["iteration"] for m in run] == list(range(SAVE_AT + 1, TRAIN_ITERS + 1))
+        assert [m["samples"] for m in run] == [ref_metrics[m["iteration"]]["samples"] for m in run]
+        assert run[0]["loss"] == pytest.approx(ref_metrics[SAVE_AT + 1]["loss"], rel=LOSS_RTOL)
+        assert run[1]["loss"] != pytest.approx(ref_metrics[SAVE_AT + 2]["loss"], rel=1e-4)
+        losses[tag] = [m["loss"] for m in run]
+    assert losses["DP2"] == pytest.approx(losses["TP2"], rel=LOSS_RTOL)

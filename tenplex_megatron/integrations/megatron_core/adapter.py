@@ -37,9 +37,10 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
     restore_optimizer_state,
     sub_optimizers,
 )
-from tenplex_megatron.integrations.megatron_core.sharded import describe_job, unwrap
+from tenplex_megatron.integrations.megatron_core.sharded import describe_job, model_chunks, unwrap
 from tenplex_megatron.plan.experts import check_expert_kind
 from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 
 __all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
@@ -81,9 +82,12 @@ class MegatronCoreAdapter:
     framework = "megatron-core"
     rng_tracker = True
 
-    def __init__(self, job: Any, extra: dict[str, Any] | None = None):
+    def __init__(self, job: Any, extra: dict[str, Any] | None = None, *, load_scope: LoadScope | None = None,
+                 save_scope: SaveScope | None = None):
         self.job = job
         self.extra = extra or {}
+        self.load_scope = load_scope or LoadScope()  # what a load takes back (the optimizer, a fine-tune's reset)
+        self.save_scope = save_scope or SaveScope()  # what a save writes (the optimizer)
 
     @property
     def seed(self) -> int:
@@ -96,7 +100,7 @@ class MegatronCoreAdapter:
         return int(self.job.iteration)
 
     def describe(self) -> list[LocalChunk]:
-        return describe_job(self.job)[1]
+        return describe_job(self.job)[1] if self.save_scope.optimizer else model_chunks(self.job)
 
     def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
         # before anything is allocated or loaded: a state layout this megatron-core does not reproduce is refused,
@@ -105,6 +109,8 @@ class MegatronCoreAdapter:
         check_moe_record(metadata, self.job.spec.to_json())
         check_expert_kind("metadata.json", saved_tensor_keys(metadata),
                           expert_module_kind([unwrap(m) for m in self.job.model]))
+        if not self.load_scope.optimizer:  # the weights alone: the optimizer stays as built (no state yet)
+            return model_chunks(self.job)
         if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
@@ -121,53 +127,68 @@ class MegatronCoreAdapter:
 
     def metadata(self) -> dict[str, Any]:
         job = self.job
+        full = self.save_scope.optimizer
         return {
             "consumed_samples": int(job.consumed_samples),
             "model": job.spec.to_json(),
             "padded_vocab_size": int(job.padded_vocab_size),
             "use_distributed_optimizer": bool(job.use_distributed_optimizer),
-            "optimizer": optimizer_state_json(job.optimizer),
-            "scheduler": job.scheduler.state_dict() if job.scheduler is not None else None,
+            **({} if full else {"weights_only": True}),  # --no-save-optim: a load knows it holds no optimizer
+            "optimizer": optimizer_state_json(job.optimizer) if full else None,
+            "scheduler": job.scheduler.state_dict() if job.scheduler is not None and full else None,
             "extra": self.extra,
             "megatron_core": mcore_versions.record(),  # its version and state layout (a load checks them)
         }
 
     def restore(self, metadata: dict[str, Any]) -> None:
-        job = self.job
-        restore_optimizer_state(job.optimizer, metadata["optimizer"])
-        if job.scheduler is not None and metadata.get("scheduler") is not None:
-            job.scheduler.load_state_dict(metadata["scheduler"])
-        job.iteration = int(metadata["iteration"])
-        job.consumed_samples = int(metadata["consumed_samples"])
+        job, scope = self.job, self.load_scope
+        if scope.optimizer:
+            restore_optimizer_state(job.optimizer, metadata["optimizer"])
+            if job.scheduler is not None and metadata.get("scheduler") is not None:
+                job.scheduler.load_state_dict(metadata["scheduler"])
+        job.iteration = 0 if scope.finetune else int(metadata["iteration"])
+        job.consumed_samples = 0 if scope.finetune else int(metadata["consumed_samples"])
 
     def after_load(self, metadata: dict[str, Any]) -> None:
-        return None
+        if not self.load_scope.optimizer:  # Megatron-LM's rule: main (fp32) weights from the loaded model weights
+            for opt in sub_optimizers(self.job.optimizer):
+                reload = getattr(opt, "reload_model_params", None)
+                if reload is not None:
+                    reload()
 
 
-def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
+def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | Retention | None = None, *,
+             scope: SaveScope | None = None) -> SaveResult:
     """Collective: write the job's full state under ``save_dir/iter_NNNNNNN`` and commit it.
 
-    ``keep``: after the commit, delete all but the newest ``keep`` complete checkpoints.
+    ``keep``: after the commit, delete all but the newest ``keep`` complete checkpoints (or what a
+    :class:`Retention` keeps). ``scope``: without the optimizer (a weights-only checkpoint) or the RNG state.
     """
-    return save(MegatronCoreAdapter(job, extra), save_dir, keep)
+    scope = scope or SaveScope()
+    return save(MegatronCoreAdapter(job, extra, save_scope=scope), save_dir, keep, rng_state=scope.rng)
 
 
 def load_job(job: Any, load_dir: str, iteration: int | None = None, *, strict: bool = True,
-             verify: bool = True) -> LoadResult:
+             verify: bool = True, scope: LoadScope | None = None) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout.
 
     ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
+    ``scope``: a given iteration, the weights alone, no RNG, a fine-tune (iteration 0, fresh data position).
     """
-    return load(MegatronCoreAdapter(job), load_dir, iteration, strict=strict, verify=verify)
+    return load(MegatronCoreAdapter(job, load_scope=scope), load_dir, iteration, strict=strict, verify=verify,
+                scope=scope)
 
 
-def adopt_megatron_checkpoint(job: Any, path: str, *, trust_pickles: bool = False) -> LoadResult:
+def adopt_megatron_checkpoint(job: Any, path: str, *, trust_pickles: bool = False,
+                              scope: LoadScope | None = None) -> LoadResult:
     """Collective: load Megatron's own checkpoint directory ``path`` (``torch_dist`` with any optimizer format, or
     the legacy ``torch`` format; any saving layout) into ``job`` through tenplex's planner and executor, each rank
-    reading only its part. ``trust_pickles``: unpickle Megatron's files fully (default: plain classes only)."""
+    reading only its part. ``trust_pickles``: unpickle Megatron's files fully (default: plain classes only).
+    ``scope``: the weights alone, no RNG, a fine-tune (as :func:`load_job`)."""
     opener = (partial(open_legacy, path, job, trust_pickles=trust_pickles) if is_legacy_megatron_checkpoint(path)
               else opener_for(path, job, trust_pickles=trust_pickles))
-    return load(MegatronCoreAdapter(job), path, strict=True, verify=False, opener=opener, source_format="megatron")
+    return load(MegatronCoreAdapter(job, load_scope=scope), path, strict=True, verify=False, opener=opener,
+                source_format="megatron", scope=scope)
 
 
 #: (model record field, what it is, its default): a checkpoint whose experts or router differ from the model's
