@@ -146,7 +146,7 @@ def test_ckpt_step_not_there_lists_the_steps_there(tmp_path) -> None:
                                          ({"most_recent_k": 0}, "--most-recent-k 0")])
 def test_the_hook_refuses_at_start_naming_the_flag(flags: dict, named: str, caplog) -> None:
     """The Megatron-LM hook's validate_args (before any process group): a refused setting stops the job, exit 2."""
-    from tenplex_megatron.integrations import megatron_lm
+    from tenplex_megatron.frontdoor import megatron_lm
 
     args = argparse.Namespace(tenplex=True, load=None, **flags)
     with caplog.at_level("ERROR", logger="tenplex_megatron"), pytest.raises(SystemExit) as e:
@@ -156,7 +156,7 @@ def test_the_hook_refuses_at_start_naming_the_flag(flags: dict, named: str, capl
 
 
 def test_the_hook_refuses_a_ckpt_step_not_under_load(tmp_path, caplog) -> None:
-    from tenplex_megatron.integrations import megatron_lm
+    from tenplex_megatron.frontdoor import megatron_lm
 
     _committed(tmp_path, [2, 4])
     args = argparse.Namespace(tenplex=True, load=str(tmp_path), ckpt_step=3)
