@@ -283,7 +283,10 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     load_dir = getattr(args, load_arg, None)
     tier = _memory_tier(args) if load_arg == "load" else None
     tenplex = bool(getattr(args, "tenplex", False) and load_dir)
-    sources = restart_sources.find_sources(tier, load_dir, tenplex=tenplex)
+    try:
+        sources = restart_sources.find_sources(tier, load_dir, tenplex=tenplex)
+    except restart_sources.TenplexCheckpointWithoutFlag as e:  # before Megatron's loader: no traceback, no fresh start
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
         return _restart(ddp_model, optimizer, opt_param_scheduler, tier, sources, load_dir)
     mck = sources.megatron if tenplex else None

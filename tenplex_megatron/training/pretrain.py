@@ -354,7 +354,10 @@ def run(args: argparse.Namespace) -> None:
     layout = layout_from_args(args)
     spec = spec_from_args(args)
     tier = memory_flags.open_memory(args)
-    sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    try:
+        sources = restart_sources.find_sources(tier, args.load, tenplex=args.tenplex)
+    except restart_sources.TenplexCheckpointWithoutFlag as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     padded = _padded_vocab(args, spec, layout, sources)
     from_hf = _hf_init_dir(args, spec, sources)
     job = _build_job(args, spec, layout, padded)
