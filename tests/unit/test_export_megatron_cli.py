@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from tenplex_megatron.engine.save import save_chunks
 from tenplex_megatron.frontdoor import restart_sources
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage.directory import TRACKER_FILE
-from tests.harness import rewrite_metadata
+from tests.harness import ROOT, rewrite_metadata
 
 W = torch.arange(64, dtype=torch.float32).reshape(8, 8)
 #: the model record a GPT of 2 layers, hidden 64, 4 heads would carry (the CLI checks a layout against it)
@@ -55,6 +57,16 @@ def test_a_layout_that_does_not_divide_the_model_is_refused_with_plans_reasons(t
     assert "PP=4 does not divide the number of layers (2)" in err, err
     rc, err = _export(capsys, ckpt, out, "--to", "tp=2,pp=1,dp=x")
     assert rc == 2 and "--to tp=2,pp=1,dp=x" in err, err
+    assert not os.path.exists(out)
+
+
+def test_the_checks_run_without_torch(tmp_path) -> None:
+    """Everything export-megatron checks, it checks before torch is imported (the processes import it)."""
+    ckpt, out = _save(str(tmp_path / "save"), 3), str(tmp_path / "out")
+    code = "import sys; sys.modules['torch'] = None\nfrom tenplex_megatron.cli import main\nsys.exit(main(sys.argv[1:]))"
+    p = subprocess.run([sys.executable, "-c", code, "export-megatron", ckpt, out, "--to", "tp=3"], capture_output=True,
+                       text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert p.returncode == 2 and "TP=3 does not divide the number of attention heads (4)" in p.stderr, p.stderr
     assert not os.path.exists(out)
 
 
