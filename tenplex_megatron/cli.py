@@ -575,10 +575,7 @@ def cmd_export_megatron(args: argparse.Namespace) -> int:
     distopt = bool(meta.get("use_distributed_optimizer", False))
     # Megatron's padding at the new TP: what a Megatron-LM run without the plugin builds
     _plan_to(source, dst, distopt, padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp))
-    fmt = args.optimizer_format
-    if fmt == "auto":
-        fp32 = not meta["model"].get("bf16") and not meta["model"].get("fp16")
-        fmt = "fully_reshardable" if fp32 else "dp_reshardable"
+    fmt = "fully_reshardable" if args.optimizer_format == "auto" else args.optimizer_format
     existed = os.path.isdir(args.out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dst.world_size),
            "-m", "tenplex_megatron.training.export_megatron", ckpt, args.out, args.to, fmt]
@@ -680,9 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
     em.add_argument("--format", choices=["torch_dist"], default="torch_dist", help="Megatron's checkpoint format "
                                                                                   "(--ckpt-format; torch_dist only)")
     em.add_argument("--optimizer-format", choices=["auto", "dp_reshardable", "fully_reshardable"], default="auto",
-                    help="the distributed optimizer's format (--dist-ckpt-optim-fully-reshardable); auto: "
-                         "dp_reshardable for bf16 and fp16 models (Megatron-LM's default), fully_reshardable for fp32 "
-                         "(megatron-core cannot load an fp32 model's dp_reshardable state)")
+                    help="the distributed optimizer's format; auto: fully_reshardable (model space: loads whatever "
+                         "DDP buckets the loading job cuts; dp_reshardable is stored as the export's own buckets)")
     em.set_defaults(fn=cmd_export_megatron)
     cm = sub.add_parser("clean-memory", help="remove the host-memory snapshots (--tenplex-memory) a finished job "
                                              "left in a node's memory directory")

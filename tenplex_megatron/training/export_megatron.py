@@ -12,8 +12,8 @@ one rank's model and optimizer state, as a training rank does: nothing is gather
 
 The RNG streams are not written: the saved args say ``no_save_rng``, so Megatron-LM keeps the streams its
 ``--seed`` gives (as it does itself at a TP or PP change). The distributed optimizer's state is written
-``dp_reshardable`` (Megatron-LM's default: loads at the exported TP and PP, any DP, with the default DDP buckets)
-or ``fully_reshardable``.
+``fully_reshardable`` (model space: independent of the DDP buckets the loading job cuts) or ``dp_reshardable``
+(Megatron-LM's default format, stored as the exporting job's own buckets).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
 from tenplex_megatron.storage.directory import find_checkpoint, iter_dir_name, read_metadata
 from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
-#: the distributed optimizer's formats an export writes (megatron-core's names; the first is Megatron-LM's default)
-OPTIMIZER_FORMATS = ("dp_reshardable", "fully_reshardable")
+#: the distributed optimizer's formats an export writes (megatron-core's names; the first is the default)
+OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 #: Megatron-LM's ``checkpoint_version`` of the torch_dist checkpoints it writes (``generate_state_dict``)
 CHECKPOINT_VERSION = 3.0
 
@@ -140,7 +140,8 @@ def export(ckpt: str, out: str, layout: ParallelLayout, *, optimizer_format: str
         try:
             mcore_dist_ckpt.check_main_params(state)
         except RuntimeError as e:
-            error = ExportError(f"{e} (export with --optimizer-format dp_reshardable, or at PP 1)")
+            error = ExportError(f"{e} (export at PP 1, or a model with untied embeddings, or with "
+                                "--optimizer-format dp_reshardable)")
         check_all(error, f"export to {out}")
     target = os.path.join(out, iter_dir_name(job.iteration))
     mcore_dist_ckpt.save_state(state, target, md)

@@ -76,7 +76,7 @@ ADOPTIONS = {**{name: (name, s[3]) for name, s in SCENARIOS.items()}, **EXTRA_AD
 #: the way back: name -> (scenario whose tenplex reference checkpoint of iteration 3 is exported, its layout there,
 #: the resuming job's layout flags, the distributed optimizer's format the export writes (None: the plain optimizer))
 EXPORTS = {
-    # by the CLI: TP2 -> TP1 x DP2, fp32 (auto: fully_reshardable, the format megatron-core loads for fp32)
+    # by the CLI: TP2 -> TP1 x DP2 (auto: fully_reshardable)
     "export_tp1dp2": ("tp2_dp_reshardable", "tp=1,pp=1,dp=2", layout_flags(1, 1), "fully_reshardable"),
     # in the adopter launch: the plain optimizer, TP2 -> PP2 (the tied embedding's copy on the last stage)
     "export_pp2_plain": ("tp2_plain_optimizer", "tp=1,pp=2,dp=1", layout_flags(1, 2), None),
