@@ -8,6 +8,8 @@ torch (tested).
     python -m tenplex_megatron plan --model gpt3-175b --from tp=8,pp=16,dp=8 --to tp=8,pp=8,dp=16 --gpus-per-node 8
     python -m tenplex_megatron layouts --model gpt3-1.3b --gpus 12 --gpus-per-node 4 [--memory-gb 80] [--json]
     python -m tenplex_megatron export-hf CKPT OUT [--dtype bf16|fp32] [--max-shard-size 5GB] [--force]
+    python -m tenplex_megatron export-megatron CKPT OUT --to tp=1,pp=2,dp=2 [--format torch_dist]
+        [--optimizer-format auto|dp_reshardable|fully_reshardable]
     python -m tenplex_megatron simulate --trace TRACE --model NAME --global-batch-size N --target-iteration N
         [--times FILE] [--policies auto,dp_only,table,measure] [--out r.json] [--plot r.png]
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -218,12 +222,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         padded = padded_vocab_size(vocab, divisible_by, dst.tp)
     t0 = time.perf_counter()
-    try:
-        tensors = resize_vocab(source.tensors, padded)
-        chunks = layout_chunks(tensors, dst, distopt)
-        plan = plan_reshard(source, tensors, chunks, strict=True)
-    except (LayoutError, PlanError) as e:
-        raise CLIError(str(e)) from None
+    plan = _plan_to(source, dst, distopt, padded)
     report = plan_report(plan, source, dst, args.gpus_per_node, 0.0)
     seconds = time.perf_counter() - t0  # the destination's chunks, the plan and its totals
     report.update({"plan_seconds": seconds, "read_seconds": read_seconds})
@@ -253,6 +252,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         for r, b in report["bytes_per_rank"].items():
             print(f"  rank {r:>5}: {_fmt_bytes(b)}")
     return 0
+
+
+def _plan_to(source: PTC, dst: ParallelLayout, distopt: bool, padded: int) -> Any:
+    """The plan from ``source`` to ``dst`` (every element covered exactly once), or the reasons it cannot be."""
+    try:
+        tensors = resize_vocab(source.tensors, padded)
+        chunks = layout_chunks(tensors, dst, distopt)
+        return plan_reshard(source, tensors, chunks, strict=True)
+    except (LayoutError, PlanError) as e:
+        raise CLIError(str(e)) from None
 
 
 def _vocab(shape: ModelShape | None, source: PTC) -> tuple[int, int]:
@@ -538,6 +547,59 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_empty_out(out: str) -> None:
+    """Refuse an output path that is a file, or a directory that is not empty (nothing is ever overwritten)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise CLIError(f"{out}: exists and is not a directory")
+    if os.path.isdir(out) and os.listdir(out):
+        raise CLIError(f"{out}: not empty (export-megatron writes into a new or empty directory)")
+
+
+def _remove_export(out: str, existed: bool) -> None:
+    """After a failed export: remove what it wrote (``out`` was new, or empty)."""
+    if not existed:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
+def cmd_export_megatron(args: argparse.Namespace) -> int:
+    """Write a tenplex checkpoint as Megatron-LM's own torch_dist checkpoint at ``--to``: everything is checked here
+    (without torch), then one process per target rank does the export (``training/export_megatron.py``)."""
+    ckpt, meta, source = _load(args.checkpoint)
+    if meta.get("framework") not in (None, "megatron-core") or not isinstance(meta.get("model"), dict):
+        raise CLIError(f"{ckpt}: written by {meta.get('framework')!r} without a megatron-core model record: "
+                       "export-megatron reads megatron-core checkpoints")
+    _check_empty_out(args.out)
+    try:
+        dst = ParallelLayout.parse(args.to)
+        shape = ModelShape.from_record(meta["model"])
+        dst.check_fits(shape)
+    except (LayoutError, KeyError, TypeError, ValueError) as e:
+        raise CLIError(f"--to {args.to}: {e}") from None
+    distopt = bool(meta.get("use_distributed_optimizer", False))
+    # Megatron's padding at the new TP: what a Megatron-LM run without the plugin builds
+    _plan_to(source, dst, distopt, padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp))
+    fmt = "fully_reshardable" if args.optimizer_format == "auto" else args.optimizer_format
+    existed = os.path.isdir(args.out)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dst.world_size),
+           "-m", "tenplex_megatron.training.export_megatron", ckpt, args.out, args.to, fmt]
+    # gloo on CPUs: one process per target rank, no GPU needed; megatron-core's warnings about the missing GPU
+    # libraries (Apex, Transformer Engine) once per process are left out
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    print(f"export-megatron: {ckpt} (iteration {meta.get('iteration')}) -> {args.out} at {dst} "
+          f"({dst.world_size} processes)", flush=True)
+    code = subprocess.run(cmd, env=env, check=False).returncode
+    if code != 0:
+        _remove_export(args.out, existed)
+        raise CLIError(f"the export processes failed (exit status {code}; their output is above): nothing was left "
+                       f"in {args.out}")
+    return 0
+
+
 def cmd_clean_memory(args: argparse.Namespace) -> int:
     """Remove the snapshots a finished job left in a memory directory (its node id stays)."""
     if not os.path.isdir(args.directory):
@@ -602,6 +664,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
     e.add_argument("--force", action="store_true", help="write into a non-empty directory")
     e.set_defaults(fn=cmd_export_hf)
+    em = sub.add_parser("export-megatron", help="write a checkpoint as Megatron-LM's own torch_dist checkpoint at a "
+                                              "chosen layout, for Megatron-LM without the plugin (one process per "
+                                              "target rank, on CPUs)")
+    em.add_argument("checkpoint", help="a checkpoint directory, or a save directory (its newest checkpoint)")
+    em.add_argument("out", help="the Megatron save directory to write (new or empty): iter_NNNNNNN/ and "
+                                "latest_checkpointed_iteration.txt")
+    em.add_argument("--to", required=True, help="the layout Megatron-LM will run at, e.g. tp=2,pp=2,dp=1 "
+                                                "(ep=N for a mixture of experts)")
+    em.add_argument("--format", choices=["torch_dist"], default="torch_dist", help="Megatron's checkpoint format "
+                                                                                  "(--ckpt-format; torch_dist only)")
+    em.add_argument("--optimizer-format", choices=["auto", "dp_reshardable", "fully_reshardable"], default="auto",
+                    help="the distributed optimizer's format; auto: fully_reshardable (model space: loads whatever "
+                         "DDP buckets the loading job cuts; dp_reshardable is stored as the export's own buckets)")
+    em.set_defaults(fn=cmd_export_megatron)
     cm = sub.add_parser("clean-memory", help="remove the host-memory snapshots (--tenplex-memory) a finished job "
                                              "left in a node's memory directory")
     cm.add_argument("directory")

@@ -328,7 +328,10 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     ckpt = installed().checkpointer_for(args)
     memory = load_arg == "load"  # host memory holds the job's own state only
     tenplex = bool(getattr(args, "tenplex", False) and load_dir)
-    sources = ckpt.sources(load_dir, tenplex=tenplex, memory=memory)
+    try:
+        sources = ckpt.sources(load_dir, tenplex=tenplex, memory=memory)
+    except restart_sources.TenplexCheckpointWithoutFlag as e:  # before Megatron's loader: no traceback, no fresh start
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
         return _restart(ddp_model, optimizer, opt_param_scheduler, ckpt, sources, load_dir, memory=memory)
     mck = sources.megatron if tenplex else None

@@ -42,7 +42,7 @@ SHARDING_TYPE = "fully_reshardable"
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 
 
-def _dp_group() -> Any:
+def dp_group() -> Any:
     """The data-parallel (with context-parallel) group: the fully parallel wrappers' and megatron's ``dp_cp_group``."""
     from megatron.core import parallel_state
 
@@ -54,7 +54,7 @@ def sharded_sd_metadata(saved: dict[str, Any] | None = None, sharding_type: str 
     md: dict[str, Any] = {"distrib_optim_sharding_type": sharding_type, "singleton_local_shards": False,
                           "chained_optim_avoid_prefix": True}
     md.update(saved or {})
-    md["dp_cp_group"] = _dp_group()
+    md["dp_cp_group"] = dp_group()
     return md
 
 
@@ -171,11 +171,6 @@ def save(job: GPTJob, ckpt_dir: str, *, check: bool = True, sharding_type: str =
     ``check``: refuse to write when megatron-core's optimizer state is wrong (:func:`check_main_params`;
     only ``fully_reshardable`` has that defect). ``sharding_type``: the distributed optimizer's format.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-
-
     md = sharded_sd_metadata(sharding_type=sharding_type)
     state = _state_dict(job, md, is_loading=False)
     if check and sharding_type == "fully_reshardable":
@@ -185,7 +180,17 @@ def save(job: GPTJob, ckpt_dir: str, *, check: bool = True, sharding_type: str =
         except RuntimeError as e:
             error = e
         check_all(error, f"megatron-core save to {ckpt_dir}")
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
+    save_state(state, ckpt_dir, md)
+
+
+def save_state(state: dict[str, Any], ckpt_dir: str, md: dict[str, Any]) -> None:
+    """Collective: megatron-core's ``dist_checkpointing.save`` of a sharded state dict into ``ckpt_dir``, as
+    Megatron-LM calls it: the ``torch_dist`` strategy, fully parallel across DP, ``md`` as content metadata."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), dp_group())
     os.makedirs(ckpt_dir, exist_ok=True)
     dist_checkpointing.save(state, ckpt_dir, strategy, content_metadata=content_metadata(md))
 
@@ -201,14 +206,14 @@ def save_async(job: GPTJob, ckpt_dir: str, queue: Any) -> None:
 
     md = sharded_sd_metadata()
     state = _state_dict(job, md, is_loading=False)
-    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), _dp_group())
+    strategy = FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy("torch_dist"), dp_group())
     os.makedirs(ckpt_dir, exist_ok=True)
     request = dist_checkpointing.save(state, ckpt_dir, strategy, async_sharded_save=True,
                                       content_metadata=content_metadata(md))
     queue.schedule_async_request(request)
 
 
-def _tolerate_missing_step() -> None:
+def tolerate_missing_step() -> None:
     """Work around megatron-core 0.16.1 on the CPU: its fully_reshardable load copies every state key,
     'step' included, which torch's AdamW state has and the checkpoint does not (KeyError: 'step').
     The step itself is restored from the param groups. Not needed with apex/TE optimizers (GPU)."""
@@ -230,7 +235,7 @@ def _tolerate_missing_step() -> None:
     do.DistributedOptimizer._tenplex_step_patch = True
 
 
-def _unshare_steps(optimizer: Any) -> None:
+def unshare_steps(optimizer: Any) -> None:
     """Work around megatron-core 0.16.1 on the CPU: DistributedOptimizer.load_state_dict gives every torch
     AdamW state the same ``step`` tensor, which torch then increments once per parameter each step (wrong
     bias correction from the first step after a load). Give each state its own copy."""
@@ -255,15 +260,16 @@ def load(job: GPTJob, ckpt_dir: str) -> None:
     # DistributedOptimizer.state_dict() asserts one: allocate the state first, as a GPU run's
     # FusedAdam would not need. This only allocates; the load overwrites every value.
     allocate_state(job.optimizer)
-    _tolerate_missing_step()
+    tolerate_missing_step()
     state = _state_dict(job, md, is_loading=True)
-    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), _dp_group())
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(ckpt_dir), dp_group())
     loaded = dist_checkpointing.load(state, ckpt_dir, strategy)
     for key, m in zip(model_keys(len(job.model)), job.model):
         unwrap(m).load_state_dict(loaded[key])
     job.optimizer.load_state_dict(loaded["optimizer"])
-    _unshare_steps(job.optimizer)
-    job.scheduler.load_state_dict(loaded["scheduler"])
+    unshare_steps(job.optimizer)
+    # Megatron-LM's own checkpoints (and export-megatron's) name the scheduler's state ``opt_param_scheduler``
+    job.scheduler.load_state_dict(loaded["scheduler"] if "scheduler" in loaded else loaded["opt_param_scheduler"])
     job.iteration = int(loaded["iteration"])
     if "consumed_samples" in loaded:  # absent from checkpoints written before it was saved
         job.consumed_samples = int(loaded["consumed_samples"])
@@ -275,16 +281,22 @@ def save_checkpoint(job: GPTJob, save_dir: str, *, check: bool = True, sharding_
 
     path = os.path.join(save_dir, iter_dir_name(job.iteration))
     save(job, path, check=check, sharding_type=sharding_type)
+    write_tracker(save_dir, job.iteration)
+    return path
+
+
+def write_tracker(save_dir: str, iteration: int) -> None:
+    """Collective: once every rank's shards are written, rank 0 names ``iteration`` in ``save_dir``'s tracker file
+    (written aside, synced, renamed into place), as Megatron-LM does after a save."""
     torch.distributed.barrier()  # every rank's shards are written before the tracker names the iteration
     if torch.distributed.get_rank() == 0:
         tracker = os.path.join(save_dir, TRACKER_FILE)
         with open(tracker + ".tmp", "w") as f:
-            f.write(str(job.iteration))
+            f.write(str(iteration))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tracker + ".tmp", tracker)
     torch.distributed.barrier()
-    return path
 
 
 def load_checkpoint(job: GPTJob, load_dir: str) -> str:

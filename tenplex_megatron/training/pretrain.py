@@ -418,6 +418,8 @@ def run(args: argparse.Namespace) -> None:
         sources = ckpt.sources(args.load)  # the --tenplex-memory tier opened first
     except CheckpointFileError as e:  # every copy under --load damaged: never a fresh start over them
         raise SystemExit(f"pretrain_gpt.py: error: --load {e}") from None
+    except restart_sources.TenplexCheckpointWithoutFlag as e:
+        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     padded = _padded_vocab(args, spec, layout, sources)
     from_hf = _hf_init_dir(args, spec, sources)
     job = _build_job(args, spec, layout, padded)

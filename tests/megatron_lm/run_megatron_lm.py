@@ -48,6 +48,7 @@ def _install() -> None:
     import megatron.training.utils as utils
 
     arguments.get_device_arch_version = utils.get_device_arch_version = lambda: 9
+    _load_with_torch_adam_state()
     # Up to core_v0.16, _compile_dependencies calls the legacy fused_kernels.load(), which only runs
     # `$CUDA_HOME/bin/nvcc -V` (there is no CUDA toolkit) and compiles nothing; core_v0.17 removed both.
     try:
@@ -55,6 +56,36 @@ def _install() -> None:
     except ImportError:
         return
     fused_kernels.load = lambda *a, **k: None
+
+
+def _load_with_torch_adam_state() -> None:
+    """Megatron-LM's own load of a torch_dist checkpoint with the distributed optimizer, on the CPU: torch's AdamW
+    (no apex or Transformer Engine here) has no state before its first step, and the distributed optimizer's
+    state_dict asserts one step, so the state is allocated first, as the reference trainer's megatron-core path does
+    (``training/mcore_dist_ckpt.py``, with its two other torch-AdamW fixes); a GPU's fused Adam needs none of this.
+    Only when the load directory has a tracker: a fresh start is left as it is."""
+    import megatron.training.checkpointing as checkpointing
+    import megatron.training.training as training
+
+    from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state
+    from tenplex_megatron.training import mcore_dist_ckpt
+
+    load = checkpointing.load_checkpoint
+
+    def load_checkpoint(model, optimizer, *a, **k):  # noqa: ANN001, ANN002, ANN003, ANN202 - Megatron-LM's signature
+        from megatron.training import get_args
+
+        tracker = os.path.join(get_args().load or "", "latest_checkpointed_iteration.txt")
+        fix = optimizer is not None and os.path.isfile(tracker)
+        if fix:
+            allocate_state(optimizer)
+            mcore_dist_ckpt.tolerate_missing_step()
+        out = load(model, optimizer, *a, **k)
+        if fix:
+            mcore_dist_ckpt.unshare_steps(optimizer)
+        return out
+
+    checkpointing.load_checkpoint = training.load_checkpoint = load_checkpoint
 
 
 def _record_samples(path: str) -> None:

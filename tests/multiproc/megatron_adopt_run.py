@@ -5,6 +5,9 @@ as ``pretrain_gpt.py FLAGS``, as ``matrix_run.py`` does) or ``{"flags": [...],
 "load": DIR, "legacy": bool, "error": TEXT}``: build the job the flags describe, adopt
 ``DIR`` with tenplex, and record, per rank, the error raised (or none) and whether the job's weights, optimizer
 state and iteration are exactly as before the call, into ``TASKS.json.rank<R>.json``; the test asserts them.
+``{"export": CKPT, "out": DIR, "to": LAYOUT, "optimizer_format": FORMAT}``: ``export-megatron``'s collective export
+in this launch's process group; ``{"flags": [...], "refused": true}``: a ``pretrain_gpt.py`` job expected to stop
+before it builds anything, its message recorded per rank.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
 from tenplex_megatron.training import gpt, pretrain
+from tenplex_megatron.training.export_megatron import export
 
 
 def _snapshot(job: gpt.GPTJob) -> tuple[list[torch.Tensor], int, int]:
@@ -53,6 +57,15 @@ if __name__ == "__main__":
     for i, task in enumerate(tasks):
         if "error" in task:
             results[i] = _bad(task)
+        elif "export" in task:
+            export(task["export"], task["out"], ParallelLayout.parse(task["to"]),
+                   optimizer_format=task["optimizer_format"])
+        elif task.get("refused"):
+            try:
+                pretrain.run(pretrain.parse_args(task["flags"]))
+                results[i] = {"refused": None}
+            except SystemExit as e:
+                results[i] = {"refused": str(e)}
         else:
             pretrain.run(pretrain.parse_args(task["flags"]))
         torch.distributed.barrier()

@@ -7,6 +7,11 @@ One writer launch writes every checkpoint (and, at the same layout with --tenple
 run with a tenplex checkpoint of the same state, one per job and layout: the MoE formats share theirs); one adopter
 launch adopts them all (some at a second layout) and tries the bad inputs.
 ``inspect`` and ``plan --to`` then run on the written checkpoints with torch blocked (no further launch).
+
+The way back rides the same launches: ``export-megatron`` (the CLI: one launch of its own) writes a reference run's
+tenplex checkpoint as Megatron's torch_dist at another layout, the adopter launch exports another one in its own
+process group, then resumes both through the reference trainer's megatron-core path (no ``--tenplex``) with the loss
+oracle, and a job without ``--tenplex`` over a tenplex save directory stops naming ``export-megatron``.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage.directory import find_checkpoint
-from tests.harness import ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, torchrun
+from tests.harness import CHILD_PYTHONPATH, ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -67,6 +73,14 @@ EXTRA_ADOPTIONS = {
     "ep2_moe_dp_reshardable_at_pp2": ("ep2_moe_dp_reshardable", layout_flags(1, 2)),
 }
 ADOPTIONS = {**{name: (name, s[3]) for name, s in SCENARIOS.items()}, **EXTRA_ADOPTIONS}
+#: the way back: name -> (scenario whose tenplex reference checkpoint of iteration 3 is exported, its layout there,
+#: the resuming job's layout flags, the distributed optimizer's format the export writes (None: the plain optimizer))
+EXPORTS = {
+    # by the CLI: TP2 -> TP1 x DP2 (auto: fully_reshardable)
+    "export_tp1dp2": ("tp2_dp_reshardable", "tp=1,pp=1,dp=2", layout_flags(1, 1), "fully_reshardable"),
+    # in the adopter launch: the plain optimizer, TP2 -> PP2 (the tied embedding's copy on the last stage)
+    "export_pp2_plain": ("tp2_plain_optimizer", "tp=1,pp=2,dp=1", layout_flags(1, 2), None),
+}
 #: each scenario's uninterrupted reference run: the first scenario's that trains the same job at the same layout
 REF = {name: next(n for n, o in SCENARIOS.items() if o[:2] == s[:2]) for name, s in SCENARIOS.items()}
 
@@ -144,7 +158,23 @@ def adopted(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     bad["moe_ep"] = shutil.copytree(f"{tmp}/ep2_moe_dp_reshardable/mc/iter_0000003", f"{tmp}/bad_moe_ep")
     _edit_common(bad["moe_ep"], lambda c: setattr(c["args"], "expert_model_parallel_size", 4))
     _edit_common(bad["pickle"], lambda c: c.update(extra=NotPlain()))
-    adopters = []
+    p = subprocess.run([sys.executable, "-m", "tenplex_megatron", "export-megatron",
+                        f"{tmp}/{EXPORTS['export_tp1dp2'][0]}/ref/iter_0000003", f"{tmp}/export_tp1dp2", "--to",
+                        EXPORTS["export_tp1dp2"][1]], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH))
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    with open(f"{tmp}/export_tp1dp2.out", "w") as f:
+        f.write(p.stdout)
+    adopters: list[dict] = [
+        {"export": f"{tmp}/{EXPORTS['export_pp2_plain'][0]}/ref/iter_0000003", "out": f"{tmp}/export_pp2_plain",
+         "to": EXPORTS["export_pp2_plain"][1], "optimizer_format": "dp_reshardable"},
+        # a job without --tenplex whose --load holds tenplex checkpoints (the tracker names iteration 6)
+        {"flags": [*MODEL, *DIST, *layout_flags(1, 1), "--load", f"{tmp}/tp2_dp_reshardable/ref"], "refused": True},
+    ]
+    for name, (scenario, _, resuming, _) in EXPORTS.items():
+        train = SCENARIOS[scenario][0]
+        adopters.append({"flags": [*MODEL, *train, *resuming, "--load", f"{tmp}/{name}",
+                                   "--tenplex-metrics", f"{tmp}/{name}.jsonl"]})
     for name, (scenario, adopting) in ADOPTIONS.items():
         adopters.append({"flags": [*MODEL, *SCENARIOS[scenario][0], *adopting, "--tenplex", "--load",
                                    f"{tmp}/{scenario}/mc/iter_0000003", "--tenplex-resave", f"{tmp}/{name}/resaved",
@@ -207,13 +237,68 @@ def test_bad_input_named_before_state_is_touched(adopted: tuple[str, str]) -> No
     assert len(bad) == 8
     for r in range(2):
         with open(os.path.join(tmp, f"adopters.json.rank{r}.json")) as f:
-            results = json.load(f)
+            results = {i: got for i, got in json.load(f).items() if "refused" not in got}
         assert sorted(results) == sorted(bad), results
         for i, task in bad.items():
             got = results[i]
             assert got["error"] is not None, f"rank {r}: adopting {task['load']} did not fail"
             assert task["error"] in got["error"], (r, task["error"], got["error"])
             assert got["unchanged"], f"rank {r}: the job's state changed before the error for {task['load']}"
+
+
+@pytest.mark.parametrize("name", list(EXPORTS))
+def test_exported_megatron_checkpoint_resumes_without_tenplex_and_losses_continue(adopted: tuple[str, str],
+                                                                                 name: str) -> None:
+    """A tenplex checkpoint exported as Megatron's torch_dist at another layout loads through megatron-core's own
+    dist_checkpointing (the reference trainer without --tenplex) and iterations 4-6 equal the uninterrupted run's."""
+    tmp, log = adopted
+    scenario, to, _, optimizer_format = EXPORTS[name]
+    out = os.path.join(tmp, name)
+    with open(os.path.join(out, "latest_checkpointed_iteration.txt")) as f:
+        assert f.read().strip() == "3"
+    with open(os.path.join(out, "iter_0000003", "metadata.json")) as f:
+        assert json.load(f)["sharded_backend"] == "torch_dist"
+    common = torch.load(os.path.join(out, "iter_0000003", "common.pt"), weights_only=False)  # the test's own file
+    args, lay = common["args"], ParallelLayout.parse(to)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == \
+        (lay.tp, lay.pp, lay.dp)
+    assert args.consumed_train_samples == 24 and args.no_save_rng and common["iteration"] == 3, vars(args)
+    assert common["checkpoint_version"] == 3.0 and "opt_param_scheduler" in common
+    assert args.use_distributed_optimizer == (optimizer_format is not None)
+    if optimizer_format is not None:
+        with open(os.path.join(tmp, f"{name}.out")) as f:
+            said = f.read()
+        assert f"iteration 3 written to {out}/iter_0000003 as Megatron torch_dist at {lay} (distributed optimizer " \
+               f"{optimizer_format})" in said, said
+        assert dist_checkpointing_sharding(out) == optimizer_format
+    assert f"> megatron-core dist_checkpointing: loaded iteration 3 from {out}/iter_0000003 at layout {lay}" in log
+    after = metrics(os.path.join(tmp, f"{name}.jsonl"))
+    assert [m["iteration"] for m in after] == [4, 5, 6]
+    before = {m["iteration"]: m for m in metrics(os.path.join(tmp, REF[scenario], "ref.jsonl"))}
+    for m in after:
+        assert m["samples"] == before[m["iteration"]]["samples"]
+        assert m["loss"] == pytest.approx(before[m["iteration"]]["loss"], rel=1e-5)
+
+
+def dist_checkpointing_sharding(save_dir: str) -> str | None:
+    """The distributed optimizer's format an iteration-3 torch_dist checkpoint records (its content metadata)."""
+    from megatron.core import dist_checkpointing
+
+    md = dist_checkpointing.load_content_metadata(os.path.join(save_dir, "iter_0000003"))
+    return (md or {}).get("distrib_optim_sharding_type")
+
+
+def test_a_job_without_tenplex_over_tenplex_checkpoints_stops_naming_export_megatron(adopted: tuple[str, str]) -> None:
+    tmp, _ = adopted
+    with open(os.path.join(tmp, "adopters.json")) as f:
+        tasks = json.load(f)
+    (i,) = [str(i) for i, t in enumerate(tasks) if t.get("refused")]
+    for r in range(2):
+        with open(os.path.join(tmp, f"adopters.json.rank{r}.json")) as f:
+            msg = json.load(f)[i]["refused"]
+        assert msg is not None, f"rank {r}: the job did not stop"
+        assert f"{tmp}/tp2_dp_reshardable/ref/iter_0000006 is a tenplex checkpoint" in msg, msg
+        assert "tenplex-megatron export-megatron" in msg and "run with --tenplex" in msg, msg
 
 
 def test_inspect_reads_megatron_checkpoints_without_torch(adopted: tuple[str, str]) -> None:
