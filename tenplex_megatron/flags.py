@@ -137,6 +137,15 @@ FLAGS: tuple[Flag, ...] = (
          "with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; this turns that "
          "off (under Megatron-LM, its own --exit-signal-handler does the same)",
          "layout", doors=(TRAINER,), action="store_true"),
+    Flag("--tenplex-inprocess",
+         "train inside NVIDIA Resiliency Extension's in-process restart: after a rank is lost the survivors continue "
+         "in the same processes at the largest world size with a legal layout (the rest wait as spares), restoring "
+         "from --tenplex-memory; start it with python -m tenplex_megatron.frontdoor.launch (needs the [inprocess] "
+         "extra)", "layout", doors=(TRAINER,), action="store_true"),
+    Flag("--tenplex-inprocess-timeout",
+         "with --tenplex-inprocess: seconds a collective waits on a peer (gloo/NCCL timeout) before the fault is "
+         "declared; NVRx's soft and hard progress timeouts are 1.5x and 2x it", "layout", doors=(TRAINER,),
+         type=float, default=60.0, metavar="SECONDS"),
     # --- host-memory checkpoints
     Flag("--tenplex-memory",
          "host-memory checkpoints: each save is a snapshot into this node-local directory (default "
@@ -241,6 +250,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_WHEEL_TEST_DEPS", "`linked`, `pip`", "`linked`",
            "the installed-wheel test links the pinned dependencies into its fresh venv, or has pip install them",
            "tests"),
+    EnvVar("TENPLEX_INPROCESS_STORE", "`HOST:PORT`", "set by the in-process launcher",
+           "the job's store served outside the ranks (`python -m tenplex_megatron.frontdoor.launch`); NVRx's own "
+           "store listens on the next port. `--tenplex-inprocess` is refused without it", "internal"),
+    EnvVar("TENPLEX_INPROCESS_LOGDIR", "a directory", "unset",
+           "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",
            "the training process a host-memory helper belongs to (the helper exits when it is gone)", "internal"),
 )
