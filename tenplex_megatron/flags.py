@@ -230,9 +230,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`0` leaves the host-memory helper at nice 19 instead of the idle CPU class (`SCHED_IDLE`)", "user"),
     EnvVar("TENPLEX_ORPHAN_EXIT", "`0`, `1`", "`1`",
            "`0` lets a torchrun worker outlive its agent (by default it dies with it: parent-death signal)", "user"),
-    EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`", "unset",
-           "make a rank fail at a named point of a save or load (kinds `kill`, `enospc`, `eperm`, `error`, `typeerror`; "
-           "points in `storage/faults.py`): the crash-safety tests' tool", "tests"),
+    EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`, several separated by commas", "unset",
+           "make a rank fail at a named point of a save or load (kinds `kill`, `stop`, `enospc`, `eperm`, `error`, "
+           "`typeerror`; points in `storage/faults.py`): the crash-safety tests' tool", "tests"),
     EnvVar("TENPLEX_FAULT_ONCE", "a file path", "unset",
            "with `TENPLEX_FAULT`: the fault fires once, in whichever process reaches it first (it creates the file)",
            "tests"),

@@ -85,6 +85,16 @@ def refusal(prog: str, argv: list[str]) -> str | None:
             f"{prog} {' '.join(argv)}")
 
 
+def durable_only(save: str | None, save_interval: int | None) -> str:
+    """The warning for ``--tenplex-inprocess`` without ``--tenplex-memory``: which iterations a fault loses."""
+    if not save:
+        return ("--tenplex-inprocess without --tenplex-memory and without --save: after a fault the survivors start "
+                "again from the beginning (every iteration trained so far is lost)")
+    every = f"every {save_interval} iterations" if save_interval else "only at the end"
+    return (f"--tenplex-inprocess without --tenplex-memory: after a fault the survivors load the newest durable "
+            f"checkpoint of {save} (saved {every}): the iterations trained since it are lost and trained again")
+
+
 def admitted(ranks: int, legal: Callable[[int], bool]) -> int:
     """The largest world size <= ``ranks`` with a legal layout (0: none); the ranks above it wait as spares."""
     for n in range(ranks, 0, -1):
@@ -119,9 +129,12 @@ def job_store(timeout: float) -> Any:
 
 
 def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
-            finalize: Callable[[], None] | None = None, logfile: str | None = None) -> Any:
+            finalize: Callable[[], None] | None = None, logfile: str | None = None,
+            why_not: Callable[[int], str] = lambda n: "") -> Any:
     """NVRx's ``Wrapper`` for a job whose world may shrink to any size ``legal`` admits (:func:`admitted`); the
-    stores are the launcher's; ``finalize`` runs in each survivor after a fault, before the next call."""
+    stores are the launcher's; ``finalize`` runs in each survivor after a fault, before the next call. With no legal
+    world left, every rank's wrapper ends (NVRx's ``RestartAbort``, see :func:`no_layout_left`), the error naming
+    the ranks left and ``why_not`` their world size."""
     inprocess = nvrx()
     ra = inprocess.rank_assignment
     _, port = store_address() or ("127.0.0.1", 0)
@@ -129,10 +142,14 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
 
     def world_size_filter(n: int) -> int:
         m = admitted(n, legal)
+        if m == 0:
+            log.error("in place: %d rank(s) left and no legal layout at any world size up to it (world size %d: "
+                      "%s): the job ends here so that a scheduler-level restart can take over", n, n, why_not(n))
+            return 0  # NVRx's RetryController ends every rank's wrapper (RestartAbort)
         if m != n:
             log.warning("in place: %d rank(s) left; %d admitted (the largest world size with a legal layout), "
                         "%d waiting as spare(s)", n, m, n - m)
-        return max(m, 1)
+        return m
 
     class Finalize(inprocess.finalize.Finalize):  # type: ignore[misc, name-defined]
         def __call__(self, state: Any) -> Any:
@@ -159,3 +176,8 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
         termination_grace_time=timedelta(seconds=1),
         monitor_process_logfile=logfile,
     )
+
+
+def no_layout_left(error: BaseException) -> bool:
+    """Whether NVRx's wrapper ended because no legal world was left (its ``RestartAbort``)."""
+    return type(error).__name__ == "RestartAbort" or type(error.__cause__).__name__ == "RestartAbort"

@@ -2,7 +2,8 @@
 
 ``TENPLEX_FAULT=<point>[@<rank>][#<iteration>][:<kind>]`` makes rank ``<rank>``
 (every rank if omitted) fail at ``<point>`` (of the save of ``<iteration>``, if
-given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
+given); several faults are separated by commas (each fires where it matches). Kinds: ``kill`` (default) SIGKILLs
+the process, ``stop`` SIGSTOPs it (a hung rank), ``enospc`` raises
 ``OSError(ENOSPC)``, ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
 ``TypeError`` (a type no code path expects: the phase runner must still carry
 it to every rank); any other kind, or a point not registered, is a ValueError naming ``TENPLEX_FAULT``.
@@ -20,7 +21,7 @@ helper half way through copying a file to durable storage). ``lease.link`` (taki
 ``link(2)``; with ``eperm``: a filesystem without hard links).
 ``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
 exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
-benchmark, ``benchmarks/faults.py``).
+benchmark, ``benchmarks/faults.py``); with several faults, each fires once (its own file, ``<file>.<index>``).
 
 The other test hook is :func:`log_open`: with ``TENPLEX_OPEN_LOG`` naming a file, every host-memory path a
 process opens is appended there (the tests check that a restart reads only its own node's memory).
@@ -39,7 +40,7 @@ MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.c
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
 ALL_POINTS = POINTS + MEMORY_POINTS + LEASE_POINTS  # the one registry: maybe_fail refuses any other name
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
-KINDS = ("kill", "enospc", "eperm", "error", "typeerror")
+KINDS = ("kill", "stop", "enospc", "eperm", "error", "typeerror")
 FAULT_ENV = "TENPLEX_FAULT"
 OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
 
@@ -92,10 +93,13 @@ def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    fault = Fault.parse(spec)
-    if not fault.fires(point, rank, iteration):
+    every = [Fault.parse(one) for one in spec.split(",")]  # each checked, before any fires
+    fault = next((f for f in every if f.fires(point, rank, iteration)), None)
+    if fault is None:
         return
     once = os.environ.get("TENPLEX_FAULT_ONCE")
+    if once and len(every) > 1:  # each of several faults once: its own file
+        once = f"{once}.{every.index(fault)}"
     if once:
         try:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -103,6 +107,9 @@ def maybe_fail(point: str, rank: int, iteration: int | None = None) -> None:
             return
     if fault.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "stop":  # alive but stuck; a SIGCONT lets it go on from here
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if fault.kind == "eperm":
         raise OSError(errno.EPERM, os.strerror(errno.EPERM), f"injected at {point}")
     if fault.kind == "enospc":

@@ -33,26 +33,34 @@ from tenplex_megatron.training import cpu_shim, layout_choice
 PROG = "pretrain_gpt.py"
 
 
-def legal_world(parser: argparse.ArgumentParser, argv: list[str]) -> Callable[[int], bool]:
-    """Whether the job's flags give a legal layout at a world size: ``--tenplex-layout``'s choice, else the layout
-    flags as given (TP x PP divides it, the global batch splits into micro-batches over DP)."""
+def why_not(parser: argparse.ArgumentParser, argv: list[str]) -> Callable[[int], str]:
+    """Why the job's flags give no legal layout at a world size ("" when they do): ``--tenplex-layout``'s choice
+    (every candidate refused), else the layout flags as given (TP x PP divides it, the global batch splits into
+    micro-batches over DP)."""
     raw, _ = parser.parse_known_args(argv)
     _, local = launch_world()
 
-    def legal(n: int) -> bool:
+    def reason(n: int) -> str:
         if raw.tenplex_layout:
             try:
                 layout_choice.choose_for(raw, n, local)
-            except (LayoutError, OSError, ValueError):
-                return False
-            return True
+            except (LayoutError, OSError, ValueError) as e:
+                return f"--tenplex-layout {raw.tenplex_layout}: {e}"
+            return ""
         tp, pp = raw.tensor_model_parallel_size or 1, raw.pipeline_model_parallel_size or 1
         ep, etp = raw.expert_model_parallel_size or 1, raw.expert_tensor_parallel_size or tp
-        if n % (tp * pp) or n % (etp * ep * pp):
-            return False
-        return raw.micro_batch_size is not None and raw.global_batch_size % (raw.micro_batch_size * (n // (tp * pp))) == 0
+        if n % (tp * pp):
+            return f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp} x {pp} does not divide it"
+        if n % (etp * ep * pp):
+            return (f"--expert-tensor-parallel-size x --expert-model-parallel-size x --pipeline-model-parallel-size = "
+                    f"{etp} x {ep} x {pp} does not divide it")
+        dp, mbs = n // (tp * pp), raw.micro_batch_size
+        if mbs is not None and raw.global_batch_size % (mbs * dp):
+            return (f"--global-batch-size {raw.global_batch_size} is not a multiple of --micro-batch-size x DP = "
+                    f"{mbs} x {dp}")
+        return ""
 
-    return legal
+    return reason
 
 
 def _say(msg: str) -> None:
@@ -89,17 +97,17 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     except ValueError as e:
         raise SystemExit(f"{PROG}: error: {e}") from None
     if not args.tenplex_memory and int(os.environ.get("RANK", "0")) == 0:
-        every = f"every {args.save_interval} iterations" if args.save_interval else "at the end only"
-        print(f"> tenplex: warning: --tenplex-inprocess without --tenplex-memory: after a fault the survivors load "
-              f"the newest durable checkpoint of {args.save or args.load or '(no --save: none)'} (saved {every}); "
-              "the iterations trained since it are lost and trained again", file=sys.stderr, flush=True)
+        print(f"> tenplex: warning: {inprocess.durable_only(args.save or args.load, args.save_interval)}",
+              file=sys.stderr, flush=True)
     if not torch.cuda.is_available():
         cpu_shim.install()
     store = inprocess.job_store(settings.barrier)
     initial, pid = int(os.environ["RANK"]), os.getpid()
     logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
     logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
-    wrap = inprocess.wrapper(settings, legal_world(parser, argv), finalize=_after_fault, logfile=logfile)
+    reason = why_not(parser, argv)
+    wrap = inprocess.wrapper(settings, lambda n: not reason(n), finalize=_after_fault, logfile=logfile,
+                             why_not=reason)
 
     def train(call_wrapper: Any = None) -> None:
         it = call_wrapper.iteration
@@ -121,5 +129,12 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     # NVRx passes its CallWrapper to the parameter annotated with that class (a real class, not this module's
     # postponed string annotation)
     train.__annotations__["call_wrapper"] = inprocess.nvrx().CallWrapper
-    wrap(train)()
+    try:
+        wrap(train)()
+    except BaseException as e:  # the wrapper's own end: no legal world left (logged with every reason by the filter)
+        if not inprocess.no_layout_left(e):
+            raise
+        print(f"{PROG}: error: --tenplex-inprocess: no legal layout for the ranks left; exiting", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2) from None
     return 0

@@ -47,62 +47,117 @@ def pairs(pattern: re.Pattern[str], log: str) -> dict[int, int]:
     return {int(r): int(v) for r, v in (x.split(":") for x in m.group(1).split())}
 
 
-@pytest.fixture(scope="module")
-def lose_rank3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """The uninterrupted reference at TP2 x DP2 (torchrun) and the in-place job that loses rank 3 while it writes
-    its snapshot of iteration 4 (``TENPLEX_FAULT``: SIGKILL), run once for the module's checks."""
-    d = tmp_path_factory.mktemp("inprocess")
-    ref = torchrun(4, [*BASE, "--save", str(d / "ref-ckpt"), "--tenplex-metrics", str(d / "ref.jsonl")])
-    assert ref.returncode == 0, ref.log[-4000:]
-    run = launch_inprocess(4, [*BASE, "--save", str(d / "ckpt"), "--tenplex-memory", str(d / "mem"),
-                               "--tenplex-metrics", str(d / "out.jsonl"), "--tenplex-inprocess",
-                               "--tenplex-inprocess-timeout", "15"],
-                           port=29731, env={"TENPLEX_FAULT": "memory.write@3#4"})
-    return {"ref": metrics(str(d / "ref.jsonl")), "out": metrics(str(d / "out.jsonl")), "run": run}
+def by_iteration(entries: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = defaultdict(list)
+    for m in entries:
+        out[m["iteration"]].append(m)
+    return out
 
 
-def test_survivors_continue_with_the_uninterrupted_losses(lose_rank3: dict) -> None:
-    run, ref, out = lose_rank3["run"], lose_rank3["ref"], lose_rank3["out"]
-    assert run.returncode == 0, run.log[-6000:]
-    assert pairs(STATUSES, run.log)[3] == -9, run.log[-3000:]  # the fault: rank 3 SIGKILLed
+def assert_uninterrupted(out: list[dict], ref: list[dict]) -> dict[int, list[dict]]:
+    """Every logged iteration, repeated ones included, trained on the reference's samples to its loss and LR."""
     ref_by_it = {m["iteration"]: m for m in ref}
     assert sorted(ref_by_it) == list(range(1, ITERS + 1))
-    by_it = defaultdict(list)
-    for m in out:
-        by_it[m["iteration"]].append(m)
-    assert sorted(by_it) == list(range(1, ITERS + 1)), [m["iteration"] for m in out]
-    assert any(len(v) > 1 for v in by_it.values()) or by_it[ITERS][-1]["layout"] != by_it[1][0]["layout"]
-    for it, entries in by_it.items():
-        for m in entries:  # before the fault and again after it: the same step
+    got = by_iteration(out)
+    assert sorted(got) == list(range(1, ITERS + 1)), [m["iteration"] for m in out]
+    for it, entries in got.items():
+        for m in entries:  # before a fault and again after it: the same step
             assert m["loss"] == pytest.approx(ref_by_it[it]["loss"], rel=1e-5), (it, m["layout"])
             assert m["samples"] == ref_by_it[it]["samples"], it  # the data position, exact
             assert m["lr"] == pytest.approx(ref_by_it[it]["lr"], rel=1e-6), it
-    first, last = by_it[1][0]["layout"], by_it[ITERS][-1]["layout"]
+    return got
+
+
+def calls(log: str) -> dict[int, set[tuple[int, int, int]]]:
+    """Each initial rank's calls of the wrapped training: (call, rank, world); every pid the launcher's."""
+    started = pairs(STARTED, log)
+    out: dict[int, set[tuple[int, int, int]]] = defaultdict(set)
+    for call, rank, world, initial, pid in (tuple(map(int, m)) for m in CALL.findall(log)):
+        assert pid == started[initial], (initial, pid, started)  # the launcher's process, never a new one
+        out[initial].add((call, rank, world))
+    return out
+
+
+def memory_loads(log: str) -> list[tuple[int, str, str, int]]:
+    """Each restart from host memory: (iteration, layout before, layout after, bytes read from durable storage)."""
+    found = re.findall(r"loaded iteration (\d+) from host memory .*: layout (\S+) -> (\S+), .* (\d+) bytes read "
+                       r"from durable storage", log)
+    return [(int(i), a.rstrip(","), b.rstrip(","), int(d)) for i, a, b, d in found]
+
+
+def inplace_args(d: object, tag: str, *extra: str) -> list[str]:
+    return [*BASE, "--save", f"{d}/{tag}-ckpt", "--tenplex-memory", f"{d}/{tag}-mem", "--tenplex-metrics",
+            f"{d}/{tag}.jsonl", "--tenplex-inprocess", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The module's launches, once: the uninterrupted reference at TP2 x DP2 (torchrun); 4 ranks in place losing
+    rank 3 while it writes its snapshot of iteration 3, then rank 0 while it writes iteration 5's (``TENPLEX_FAULT``:
+    SIGKILL, each once); 2 ranks at DP2, one SIGSTOPped in its snapshot of iteration 3; 2 ranks at TP2, one killed
+    (no legal layout for one), without --tenplex-memory (durable checkpoints only)."""
+    d = tmp_path_factory.mktemp("inprocess")
+    ref = torchrun(4, [*BASE, "--save", str(d / "ref-ckpt"), "--tenplex-metrics", str(d / "ref.jsonl")])
+    assert ref.returncode == 0, ref.log[-4000:]
+    lose = launch_inprocess(4, inplace_args(d, "lose", "--tenplex-inprocess-timeout", "30"), port=29731,
+                            env={"TENPLEX_FAULT": "memory.write@3#3,memory.write@0#5",
+                                 "TENPLEX_FAULT_ONCE": str(d / "once")}, timeout=420)
+    stop = launch_inprocess(2, inplace_args(d, "stop", *layout_flags(1, 1), "--tenplex-inprocess-timeout", "8"),
+                            port=29741, env={"TENPLEX_FAULT": "memory.write@1#3:stop"})
+    none = launch_inprocess(2, [*BASE, "--save", str(d / "none-ckpt"), "--tenplex-inprocess",
+                                "--tenplex-inprocess-timeout", "15"], port=29751, env={"TENPLEX_FAULT": "save.tensors@1#3"})
+    return {"ref": metrics(str(d / "ref.jsonl")), "lose": lose, "lose_out": metrics(str(d / "lose.jsonl")),
+            "stop": stop, "stop_out": metrics(str(d / "stop.jsonl")), "none": none}
+
+
+def test_survivors_continue_with_the_uninterrupted_losses(runs: dict) -> None:
+    run = runs["lose"]
+    assert run.returncode == 0, run.log[-6000:]
+    assert pairs(STATUSES, run.log) == {0: -9, 1: 0, 2: 0, 3: -9}, run.log[-3000:]  # the two faults: SIGKILLs
+    got = assert_uninterrupted(runs["lose_out"], runs["ref"])
+    assert len(got[3]) == 2 and len(got[5]) == 2, got  # each trained again after its snapshot was lost
+    first, last = got[1][0]["layout"], got[ITERS][-1]["layout"]
     assert (first["tp"], first["dp"]) == (2, 2) and (last["tp"], last["dp"]) == (2, 1), (first, last)
 
 
-def test_survivors_keep_their_processes(lose_rank3: dict) -> None:
-    run = lose_rank3["run"]
+def test_survivors_keep_their_processes_and_the_spare_joins(runs: dict) -> None:
+    run = runs["lose"]
     assert run.returncode == 0, run.log[-6000:]
-    started = pairs(STARTED, run.log)
-    calls = [tuple(map(int, m)) for m in CALL.findall(run.log)]
-    by_initial = defaultdict(set)
-    for call, rank, world, initial, pid in calls:
-        assert pid == started[initial], (initial, pid, started)  # the launcher's process, never a new one
-        by_initial[initial].add((call, rank, world))
-    assert by_initial[3] == {(0, 3, 4)}, by_initial  # rank 3 died in the first call
-    for initial in (0, 1):  # the admitted survivors: re-entered at world 2 in the same processes
-        assert {(0, initial, 4), (1, initial, 2)} <= by_initial[initial], by_initial
-    assert (1, 2, 2) not in by_initial[2], by_initial  # the third survivor waits as a spare
-    assert pairs(STATUSES, run.log)[2] == 0, run.log[-3000:]
+    seen = calls(run.log)
+    assert seen[3] == {(0, 3, 4)}, seen  # died in the first call
+    assert seen[0] == {(0, 0, 4), (1, 0, 2)}, seen  # rank 0 survived the first fault, died in the second call
+    assert seen[1] == {(0, 1, 4), (1, 1, 2), (2, 1, 2)}, seen  # re-entered twice in the same process
+    # the third survivor waited as a spare (3 ranks left: no legal layout at 3 with TP2), then replaced rank 0
+    assert {c for c, _, _ in seen[2]} == {0, 2} and (2, 0, 2) in seen[2], seen
 
 
-def test_state_came_from_host_memory(lose_rank3: dict) -> None:
-    run = lose_rank3["run"]
+def test_state_came_from_host_memory(runs: dict) -> None:
+    run = runs["lose"]
     assert run.returncode == 0, run.log[-6000:]
-    loads = re.findall(r"loaded iteration (\d+) from host memory .*: layout (\S+) -> (\S+), .* (\d+) bytes read from "
-                       r"durable storage", run.log)
-    assert len(loads) == 1, run.log[-6000:]
-    it, before, after, durable = loads[0]
-    # the fault struck while iteration 4's snapshot was written: the newest complete one is iteration 3's
-    assert (int(it), before.rstrip(","), after.rstrip(","), int(durable)) == (3, "tp=2,pp=1,dp=2", "tp=2,pp=1,dp=1", 0)
+    # each fault struck while a snapshot was written: the newest complete one is the iteration before
+    assert memory_loads(run.log) == [(2, "tp=2,pp=1,dp=2", "tp=2,pp=1,dp=1", 0),
+                                     (4, "tp=2,pp=1,dp=1", "tp=2,pp=1,dp=1", 0)], run.log[-6000:]
+
+
+def test_a_stopped_rank_is_ended_and_the_other_continues(runs: dict) -> None:
+    run = runs["stop"]
+    assert run.returncode == 0, run.log[-6000:]
+    statuses = pairs(STATUSES, run.log)
+    assert statuses[0] == 0 and statuses[1] < 0, statuses  # ended by a signal (NVRx's hard timeout)
+    assert calls(run.log)[0] == {(0, 0, 2), (1, 0, 1)}
+    got = assert_uninterrupted(runs["stop_out"], runs["ref"])
+    assert got[ITERS][-1]["layout"]["dp"] == 1
+    assert memory_loads(run.log) == [(2, "tp=1,pp=1,dp=2", "tp=1,pp=1,dp=1", 0)], run.log[-6000:]
+
+
+def test_no_legal_layout_left_ends_the_job_naming_why(runs: dict) -> None:
+    run = runs["none"]
+    assert pairs(STATUSES, run.log)[0] == 2 and run.returncode == 2, run.log[-6000:]
+    assert "1 rank(s) left and no legal layout at any world size up to it (world size 1: " \
+        "--tensor-model-parallel-size x --pipeline-model-parallel-size = 2 x 1 does not divide it)" in run.log, \
+        run.log[-6000:]
+    assert "--tenplex-inprocess: no legal layout for the ranks left; exiting" in run.log
+    # warned at start: without host memory a fault costs the iterations since the last durable checkpoint
+    assert run.log.count("> tenplex: warning: --tenplex-inprocess without --tenplex-memory: after a fault the "
+                         "survivors load the newest durable checkpoint of ") == 1, run.log[-6000:]
+    assert "(saved every 1 iterations): the iterations trained since it are lost and trained again" in run.log
