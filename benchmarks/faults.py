@@ -17,7 +17,11 @@ present) under real torchrun agents on this machine, and the job must carry on b
   iteration 3 x S; a byte of rank 0's file of the newest snapshot is flipped in every node's copy (snapshot) or in
   the other node's copy only (replica); the restart falls back (``memory/fallback.py``);
 * ``second-job``: a second job started on the running job's ``--save``, both plain torchrun launches without
-  ``--rdzv-id`` (run id ``none``): refused at start (the lease).
+  ``--rdzv-id`` (run id ``none``): refused at start (the lease);
+* ``inprocess@rank1`` / ``inprocess@rank0``: ``--tenplex-inprocess`` with ``--tenplex-memory`` under the in-process
+  launcher (``python -m tenplex_megatron.frontdoor.launch``, NVRx), 2 ranks at DP2; the rank SIGKILLed while it
+  writes its snapshot of iteration 2 x S; the survivor continues in its own process at DP1 from host memory (the
+  note says whether its process id stayed the same, and the collective timeout used).
 
 Per fault: checkpoints lost (durable checkpoints the job reported committed that are missing or fail their
 checksums at the end), iterations lost beyond the save interval (the newest iteration done before the fault minus
@@ -312,6 +316,43 @@ def second_job(run: Run) -> Row:
                       f"NOT refused: exit {second.returncode}: {out[-300:]}")
 
 
+INPROCESS_TIMEOUT = 30  # --tenplex-inprocess-timeout of the in-process rows (s)
+PIDS_RE = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")
+CALL_RE = re.compile(r"in place: call (\d+): rank \d+ of \d+ \(initial rank (\d+), pid (\d+)\)")
+
+
+def inprocess_kill(victim: int) -> Callable[[Run], Row]:
+    """2 ranks in place (NVRx); ``victim`` SIGKILLed while it writes its snapshot of iteration 2 x S (once)."""
+    def go(run: Run) -> Row:
+        at = 2 * run.every
+        once = os.path.join(run.root, "fault-fired")
+        extra = ["--tenplex-memory", os.path.join(run.root, "mem"), "--tenplex-inprocess",
+                 "--tenplex-inprocess-timeout", str(INPROCESS_TIMEOUT)]
+        cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "--timeout", str(TIMEOUT), PRETRAIN, *run.flags(extra)]
+        e = dict(env(), TENPLEX_FAULT=f"memory.write@{victim}#{at}", TENPLEX_FAULT_ONCE=once)
+        job = subprocess.Popen(cmd, env=e, stdout=open(os.path.join(run.root, "job.log"), "a"),
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            job.wait(timeout=TIMEOUT + 30)
+        finally:
+            if job.poll() is None:
+                kill_tree(job)
+        if job.returncode != 0:
+            raise SystemExit(f"bench_faults: in place, rank {victim} lost: the launcher ended with {job.returncode}\n"
+                             f"{run.logs()[-4000:]}")
+        fired = os.path.getmtime(once) if os.path.exists(once) else None
+        logs = run.logs()
+        m = PIDS_RE.search(logs)
+        started = {int(r): int(p) for r, p in (x.split(":") for x in m.group(1).split())} if m else {}
+        again = {(int(i), int(p)) for c, i, p in CALL_RE.findall(logs) if c != "0"}
+        kept = bool(again) and all(started.get(i) == p for i, p in again)
+        note = (f"survivor's process {'kept' if kept else 'NOT kept'}; collective timeout {INPROCESS_TIMEOUT} s"
+                if fired else "the fault never fired")
+        return run.finish(f"SIGKILL rank {victim}, in place (NVRx)", fired, at, note)
+    return go
+
+
 FAULTS: dict[str, Callable[[Run], Row]] = {
     "kill@save.gather": worker_fault("save.gather", 1, "kill"),
     "kill@save.tensors": worker_fault("save.tensors", 1, "kill"),
@@ -323,6 +364,8 @@ FAULTS: dict[str, Callable[[Run], Row]] = {
     "flip@snapshot": flip("snapshot"),
     "flip@replica": flip("replica"),
     "second-job": second_job,
+    "inprocess@rank1": inprocess_kill(1),
+    "inprocess@rank0": inprocess_kill(0),
 }
 
 

@@ -140,6 +140,15 @@ FLAGS: tuple[Flag, ...] = (
          "with --tenplex, SIGTERM makes every rank save at the next iteration boundary and exit 0; this turns that "
          "off (under Megatron-LM, its own --exit-signal-handler does the same)",
          "layout", doors=(TRAINER,), action="store_true"),
+    Flag("--tenplex-inprocess",
+         "train inside NVIDIA Resiliency Extension's in-process restart: after a rank is lost the survivors continue "
+         "in the same processes at the largest world size with a legal layout (the rest wait as spares), restoring "
+         "from --tenplex-memory; start it with python -m tenplex_megatron.frontdoor.launch (needs the [inprocess] "
+         "extra)", "layout", doors=(TRAINER,), action="store_true"),
+    Flag("--tenplex-inprocess-timeout",
+         "with --tenplex-inprocess: seconds a collective waits on a peer (gloo/NCCL timeout) before the fault is "
+         "declared; NVRx's soft and hard progress timeouts are 1.5x and 2x it", "layout", doors=(TRAINER,),
+         type=float, default=60.0, metavar="SECONDS"),
     # --- host-memory checkpoints
     Flag("--tenplex-memory",
          "host-memory checkpoints: each save is a snapshot into this node-local directory (default "
@@ -233,10 +242,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "`0` leaves the host-memory helper at nice 19 instead of the idle CPU class (`SCHED_IDLE`)", "user"),
     EnvVar("TENPLEX_ORPHAN_EXIT", "`0`, `1`", "`1`",
            "`0` lets a torchrun worker outlive its agent (by default it dies with it: parent-death signal)", "user"),
-    EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`", "unset",
-           "make a rank fail at a named point of a save or load (kinds `kill`, `enospc`, `eperm`, `eio`, `short`, "
-           "`error`, `typeerror`; "
-           "points in `storage/faults.py`): the crash-safety tests' tool", "tests"),
+    EnvVar("TENPLEX_FAULT", "`POINT[@RANK][#ITERATION][:KIND]`, several separated by commas", "unset",
+           "make a rank fail at a named point of a save or load (kinds `kill`, `stop`, `enospc`, `eperm`, `eio`, "
+           "`short`, `error`, `typeerror`; points in `storage/faults.py`): the crash-safety tests' tool", "tests"),
     EnvVar("TENPLEX_FAULT_ONCE", "a file path", "unset",
            "with `TENPLEX_FAULT`: the fault fires once, in whichever process reaches it first (it creates the file)",
            "tests"),
@@ -254,6 +262,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_WHEEL_TEST_DEPS", "`linked`, `pip`", "`linked`",
            "the installed-wheel test links the pinned dependencies into its fresh venv, or has pip install them",
            "tests"),
+    EnvVar("TENPLEX_INPROCESS_STORE", "`HOST:PORT`", "set by the in-process launcher",
+           "the job's store served outside the ranks (`python -m tenplex_megatron.frontdoor.launch`); NVRx's own "
+           "store listens on the next port. `--tenplex-inprocess` is refused without it", "internal"),
+    EnvVar("TENPLEX_INPROCESS_LOGDIR", "a directory", "unset",
+           "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",
            "the training process a host-memory helper belongs to (the helper exits when it is gone)", "internal"),
 )

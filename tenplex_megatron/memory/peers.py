@@ -24,6 +24,11 @@ def cpu_group() -> object:
     return _GROUPS["gloo"]
 
 
+def reset() -> None:
+    """Forget the cached group (its process group was destroyed: an in-place restart makes a new one)."""
+    _GROUPS.clear()
+
+
 def exchange(transfers: list[Transfer], me: int, source: Callable[[PeerKey], torch.Tensor],
              target: Callable[[PeerKey], torch.Tensor], group: object) -> tuple[int, int]:
     """Collective over the ranks named in ``transfers``: send what ``me`` sends (``source(key)``: a flat uint8

@@ -2,7 +2,8 @@
 
 ``TENPLEX_FAULT=<point>[@<rank>][#<iteration>][:<kind>]`` makes rank ``<rank>``
 (every rank if omitted) fail at ``<point>`` (of the save of ``<iteration>``, if
-given). Kinds: ``kill`` (default) SIGKILLs the process, ``enospc`` raises
+given); several faults are separated by commas (each fires where it matches). Kinds: ``kill`` (default) SIGKILLs
+the process, ``stop`` SIGSTOPs it (a hung rank), ``enospc`` raises
 ``OSError(ENOSPC)``, ``eio`` raises ``OSError(EIO)`` (a failing device), ``short`` (a read that stops short;
 ``load.preadv`` only, elsewhere it raises like ``error``), ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
 ``TypeError`` (a type no code path expects: the phase runner must still carry
@@ -23,7 +24,7 @@ helper half way through copying a file to durable storage). ``lease.link`` (taki
 ``link(2)``; with ``eperm``: a filesystem without hard links).
 ``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
 exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
-benchmark, ``benchmarks/faults.py``).
+benchmark, ``benchmarks/faults.py``); with several faults, each fires once (its own file, ``<file>.<index>``).
 
 The other test hook is :func:`log_open`: with ``TENPLEX_OPEN_LOG`` naming a file, every host-memory path a
 process opens is appended there (the tests check that a restart reads only its own node's memory).
@@ -42,7 +43,7 @@ MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.c
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
 ALL_POINTS = POINTS + MEMORY_POINTS + LEASE_POINTS  # the one registry: maybe_fail refuses any other name
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
-KINDS = ("kill", "enospc", "eperm", "eio", "short", "error", "typeerror")
+KINDS = ("kill", "stop", "enospc", "eperm", "eio", "short", "error", "typeerror")
 FAULT_ENV = "TENPLEX_FAULT"
 OPEN_LOG_ENV = "TENPLEX_OPEN_LOG"  # tests: every memory-tier path a process opens is appended here
 
@@ -95,10 +96,13 @@ def fault_kind(point: str, rank: int, iteration: int | None = None) -> str | Non
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return None
-    fault = Fault.parse(spec)
-    if not fault.fires(point, rank, iteration):
+    every = [Fault.parse(one) for one in spec.split(",")]  # each checked, before any fires
+    fault = next((f for f in every if f.fires(point, rank, iteration)), None)
+    if fault is None:
         return None
     once = os.environ.get("TENPLEX_FAULT_ONCE")
+    if once and len(every) > 1:  # each of several faults once: its own file
+        once = f"{once}.{every.index(fault)}"
     if once:
         try:
             os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -121,6 +125,9 @@ def fail(point: str, rank: int, kind: str | None) -> None:
         return
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stop":  # alive but stuck; a SIGCONT lets it go on from here
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     for name, code in (("eperm", errno.EPERM), ("enospc", errno.ENOSPC), ("eio", errno.EIO)):
         if kind == name:
             raise OSError(code, os.strerror(code), f"injected at {point}")

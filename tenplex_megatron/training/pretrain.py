@@ -55,6 +55,7 @@ from tenplex_megatron.storage.directory import (
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.training import (
     gpt,
+    inprocess,
     layout_choice,
     legacy_ckpt,
     mcore_dist_ckpt,
@@ -395,7 +396,10 @@ def spec_from_args(args: argparse.Namespace) -> GPTSpec:
 
 def main(argv: list[str] | None = None) -> int:
     orphan.die_with_agent()  # a worker whose torchrun agent dies exits at once (no save, no commit)
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.tenplex_inprocess:  # in place under NVRx: re-entered after a fault (training/inprocess.py)
+        return inprocess.main(argv, args, build_parser(), parse_args, run)
     lease_flags.claim(args, "pretrain_gpt.py")  # before any process group: another live job's directory is refused
     gpt.init_distributed()
     args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}

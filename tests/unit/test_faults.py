@@ -81,3 +81,51 @@ def test_a_registered_fault_fires_only_where_it_is_aimed(monkeypatch) -> None:
     monkeypatch.setenv("TENPLEX_FAULT", "lease.link:eperm")
     with pytest.raises(PermissionError):
         maybe_fail("lease.link", 3)
+
+
+def test_several_faults_each_fire_where_they_are_aimed(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("TENPLEX_FAULT", "memory.write@3#4:error,memory.write@0#6:enospc")
+    maybe_fail("memory.write", 3, 6)  # neither: rank 3's is iteration 4's, iteration 6's is rank 0's
+    maybe_fail("memory.write", 0, 4)
+    with pytest.raises(RuntimeError, match="on rank 3"):
+        maybe_fail("memory.write", 3, 4)
+    with pytest.raises(OSError, match="No space"):
+        maybe_fail("memory.write", 0, 6)
+    monkeypatch.setenv("TENPLEX_FAULT_ONCE", str(tmp_path / "once"))  # each of the two fires once, the other still
+    with pytest.raises(RuntimeError):
+        maybe_fail("memory.write", 3, 4)
+    maybe_fail("memory.write", 3, 4)  # fired: inert
+    with pytest.raises(OSError):
+        maybe_fail("memory.write", 0, 6)
+    maybe_fail("memory.write", 0, 6)
+    monkeypatch.setenv("TENPLEX_FAULT", "memory.write@1:error,memory.bogus")
+    with pytest.raises(ValueError, match="unknown fault point 'memory.bogus'"):  # every one checked, not only the first
+        maybe_fail("memory.write", 1, 2)
+
+
+def test_a_stop_fault_stops_the_process_until_continued() -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("from tenplex_megatron.storage.faults import maybe_fail; maybe_fail('memory.write', 1, 2); "
+            "print('continued', flush=True)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "TENPLEX_FAULT": "memory.write@1#2:stop"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # wait for it to stop itself (state T in /proc)
+            with open(f"/proc/{p.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                    break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the process never stopped")
+        assert p.poll() is None
+        os.kill(p.pid, signal.SIGCONT)
+        assert p.communicate(timeout=60)[0].strip() == "continued" and p.returncode == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -1,0 +1,140 @@
+"""The reference trainer in place (``--tenplex-inprocess``): training inside NVIDIA Resiliency Extension's
+``Wrapper``, re-entered in the same process after a fault.
+
+Each call of the wrapped function is one job at the world NVRx admitted (``RANK``/``WORLD_SIZE`` rewritten by
+it): the flags are parsed again for that world (``--tenplex-layout`` chooses anew; fixed layout flags must fit),
+a process group is made on a prefix of the launcher's store, and the trainer's ``run`` builds megatron-core's
+parallel state, model, optimizer and scheduler afresh and restores the newest state: the host-memory snapshot
+(``--tenplex-memory``: own node's and peers' memory) re-sharded to the new layout, else the durable checkpoint.
+After a fault NVRx aborts the process group; :func:`_after_fault` ends what the aborted call left running (the
+memory tier's helper process) before the next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import psutil
+import torch
+
+from tenplex_megatron import _optional
+from tenplex_megatron.frontdoor import inprocess, lease_flags
+from tenplex_megatron.frontdoor.elastic import world as launch_world
+from tenplex_megatron.memory import peers
+from tenplex_megatron.plan.layout import LayoutError
+from tenplex_megatron.training import cpu_shim, layout_choice
+
+PROG = "pretrain_gpt.py"
+
+
+def why_not(parser: argparse.ArgumentParser, argv: list[str]) -> Callable[[int], str]:
+    """Why the job's flags give no legal layout at a world size ("" when they do): ``--tenplex-layout``'s choice
+    (every candidate refused), else the layout flags as given (TP x PP divides it, the global batch splits into
+    micro-batches over DP)."""
+    raw, _ = parser.parse_known_args(argv)
+    _, local = launch_world()
+
+    def reason(n: int) -> str:
+        if raw.tenplex_layout:
+            try:
+                layout_choice.choose_for(raw, n, local)
+            except (LayoutError, OSError, ValueError) as e:
+                return f"--tenplex-layout {raw.tenplex_layout}: {e}"
+            return ""
+        tp, pp = raw.tensor_model_parallel_size or 1, raw.pipeline_model_parallel_size or 1
+        ep, etp = raw.expert_model_parallel_size or 1, raw.expert_tensor_parallel_size or tp
+        if n % (tp * pp):
+            return f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp} x {pp} does not divide it"
+        if n % (etp * ep * pp):
+            return (f"--expert-tensor-parallel-size x --expert-model-parallel-size x --pipeline-model-parallel-size = "
+                    f"{etp} x {ep} x {pp} does not divide it")
+        dp, mbs = n // (tp * pp), raw.micro_batch_size
+        if mbs is not None and raw.global_batch_size % (mbs * dp):
+            return (f"--global-batch-size {raw.global_batch_size} is not a multiple of --micro-batch-size x DP = "
+                    f"{mbs} x {dp}")
+        return ""
+
+    return reason
+
+
+def _say(msg: str) -> None:
+    """A line of every rank's (the trainer prints; rank 0's ``print0`` needs a process group)."""
+    print(f"> tenplex-megatron: {msg}", flush=True)
+
+
+def _after_fault() -> None:
+    """In a survivor, before the next call: end the memory-tier helper processes the aborted call started (children
+    of this process running ``tenplex_megatron.memory.helper``), and forget the aborted process group's subgroups."""
+    for child in psutil.Process().children():
+        try:
+            if "tenplex_megatron.memory.helper" in " ".join(child.cmdline()):
+                child.kill()
+                child.wait(timeout=10)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+            pass
+    peers.reset()
+
+
+def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
+         parse: Callable[[list[str]], argparse.Namespace], run: Callable[[argparse.Namespace], None]) -> int:
+    """Run the job in place: refused (naming the flag and the command) where it cannot be; else the wrapped
+    training loop until the job is done. ``parse`` and ``run`` are the trainer's."""
+    problem = inprocess.refusal(PROG, argv)
+    if problem:
+        raise SystemExit(problem)
+    try:
+        inprocess.nvrx()
+    except _optional.MissingExtraError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
+    try:
+        settings = inprocess.InprocessSettings(timeout=args.tenplex_inprocess_timeout)
+    except ValueError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
+    if not args.tenplex_memory and int(os.environ.get("RANK", "0")) == 0:
+        print(f"> tenplex: warning: {inprocess.durable_only(args.save or args.load, args.save_interval)}",
+              file=sys.stderr, flush=True)
+    if not torch.cuda.is_available():
+        cpu_shim.install()
+    store = inprocess.job_store(settings.barrier)
+    initial, pid = int(os.environ["RANK"]), os.getpid()
+    logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
+    logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
+    reason = why_not(parser, argv)
+    wrap = inprocess.wrapper(settings, lambda n: not reason(n), finalize=_after_fault, logfile=logfile,
+                             why_not=reason)
+
+    def train(call_wrapper: Any = None) -> None:
+        it = call_wrapper.iteration
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        _say(f"in place: call {it}: rank {rank} of {world} (initial rank {initial}, pid {pid})")
+        a = parse(argv)  # the layout for this world
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"tenplex-inprocess/{it}",
+                                                                                          store),
+                                             rank=rank, world_size=world, timeout=timedelta(seconds=settings.timeout))
+        a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
+                              "inprocess_call": it}
+        with lease_flags.stop_when_fenced(PROG):
+            run(a)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        peers.reset()
+
+    # NVRx passes its CallWrapper to the parameter annotated with that class (a real class, not this module's
+    # postponed string annotation)
+    train.__annotations__["call_wrapper"] = inprocess.nvrx().CallWrapper
+    try:
+        wrap(train)()
+    except BaseException as e:  # the wrapper's own end: no legal world left (logged with every reason by the filter)
+        if not inprocess.no_layout_left(e):
+            raise
+        print(f"{PROG}: error: --tenplex-inprocess: no legal layout for the ranks left; exiting", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2) from None
+    return 0
