@@ -26,6 +26,7 @@ from typing import Any
 from tenplex_megatron.plan.restart_policy import DurableListing, Snapshot
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, read_checkpoint_file
 from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
 
@@ -89,9 +90,8 @@ def list_snapshots(mem: str, node: str) -> list[Snapshot]:
 
 def _digest_and_metadata(path: str) -> tuple[str, dict[str, Any]]:
     """A checkpoint directory's metadata: the SHA-256 of its bytes (which tells snapshots apart) and its content."""
-    with open(os.path.join(path, directory.METADATA_FILE), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    return digest, directory.read_metadata(path)
+    raw = read_checkpoint_file(path, directory.METADATA_FILE, metadata_cap(), METADATA_MAX_ENV)  # bounded
+    return hashlib.sha256(raw).hexdigest(), directory.read_metadata(path)
 
 
 def durable_listing(path: str) -> DurableListing:

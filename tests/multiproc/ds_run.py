@@ -39,6 +39,7 @@ from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 from tenplex_megatron.integrations import deepspeed as tds  # noqa: E402
 from tenplex_megatron.storage import directory, job_identity, lease  # noqa: E402
 from tests.harness import flip  # noqa: E402
+from tests.logs import logged  # noqa: E402
 
 GLOBAL_BATCH = 8
 SEQ = 16
@@ -222,7 +223,7 @@ def bad_inputs(job: Job, args: argparse.Namespace) -> dict[str, str]:
 def cluster_safety(job: Job, work: str) -> dict[str, str]:
     """The DeepSpeed front door's safety: a save into a directory another live job holds is refused naming the
     holder before anything is written; one a round of this same launch holds is taken at once (next generation);
-    a damaged newest checkpoint falls back to the previous complete one."""
+    a damaged newest checkpoint falls back to the previous complete one (a damaged metadata.json too).
     out: dict[str, str] = {}
     leased, fb = os.path.join(work, "leased"), os.path.join(work, "fallback")
     holder = None
@@ -267,7 +268,19 @@ def cluster_safety(job: Job, work: str) -> dict[str, str]:
     fresh = build(job)
     got = tds.load_checkpoint(fresh, fb)
     out.update(newest=newest, loaded=got.path, loaded_iteration=str(got.iteration))
-    free(engine, fresh)
+    # the newest saved again (replacing the damaged one), its metadata.json truncated: the previous one loads again
+    train_step(fresh, int(fresh.global_steps) + 1)
+    newer = tds.save_checkpoint(fresh, fb).path
+    if dist.get_rank() == 0:
+        meta = os.path.join(newer, "metadata.json")
+        os.truncate(meta, os.path.getsize(meta) // 2)
+    dist.barrier()
+    again = build(job)
+    with logged() as records:
+        got = tds.load_checkpoint(again, fb)
+    skipped = [r.getMessage() for r in records if "skipping a damaged copy" in r.getMessage()]
+    out.update(metadata_newest=newer, metadata_loaded=got.path, metadata_skipped=json.dumps(skipped))
+    free(engine, fresh, again)
     return out
 
 

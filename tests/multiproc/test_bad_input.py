@@ -45,6 +45,38 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tenplex_megatron", *args], capture_output=True, text=True, env=env)
 
 
+def _mkfifo(path: str) -> None:
+    os.remove(path)
+    os.mkfifo(path)
+
+
+def _hostile_copies(ckpt: str, root: str) -> dict[str, str]:
+    """Copies of ``ckpt`` (iteration 2 alone) damaged as the hostile-checkpoint probe did (its findings 2 and 4;
+    tests/unit/test_hostile_checkpoints.py has every variant through the engine): name -> directory."""
+    out = {}
+
+    def copy(name: str) -> tuple[str, str]:
+        out[name] = _copy(ckpt, os.path.join(root, name))
+        return out[name], os.path.join(out[name], "iter_0000002")
+
+    d, it = copy("truncated_metadata")  # the only copy: before, "no checkpoint ...; starting from scratch", rc 0
+    with open(os.path.join(it, "metadata.json"), "r+") as f:
+        f.truncate(os.path.getsize(os.path.join(it, "metadata.json")) // 2)
+    d, it = copy("metadata_fifo")  # before: the load hung
+    _mkfifo(os.path.join(it, "metadata.json"))
+    d, it = copy("rank_file_fifo")
+    _mkfifo(os.path.join(it, "rank_00001.safetensors"))
+    d, it = copy("tracker_fifo")  # a copy that loads: the tracker named in the warning
+    _mkfifo(os.path.join(d, "latest_checkpointed_iteration.txt"))
+    d, it = copy("newer_damaged")  # the tracker names 4, whose metadata is damaged: before, 2 loaded with no warning
+    shutil.copytree(it, os.path.join(d, "iter_0000004"))
+    with open(os.path.join(d, "iter_0000004", "metadata.json"), "w") as f:
+        f.write("{\n")
+    with open(os.path.join(d, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("4")
+    return out
+
+
 def _job(name: str, flags: list[str]) -> dict:
     return {"name": name, "flags": flags}
 
@@ -105,8 +137,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
             c["at"]["file"] = "../../outside.safetensors"  # valid safetensors, but outside the checkpoint
     with open(os.path.join(it, "metadata.json"), "w") as f:
         json.dump(meta, f)
+    hostile = _hostile_copies(ckpt, os.path.join(root, "hostile"))
     at_tp2 = [*TINY_GPT, *MODEL, *layout_flags(2, 1)]
     runs.update(run_scenarios(2, [
+        *[_job(f"hostile_{name}", [*at_tp2, "--load", path]) for name, path in hostile.items()],
         _job("other_model", other_model),
         _job("missing", [*at_tp2, "--load", missing]),
         _job("truncated", [*at_tp2, "--load", truncated]),
@@ -155,6 +189,39 @@ def test_metadata_naming_a_file_outside_fails_on_every_rank_before_reading(resul
                "which has a '..' component" in r.log
     r = _cli("verify", bad)
     assert r.returncode == 1 and "'../../outside.safetensors', which has a '..' component" in r.stdout
+
+
+def _refused_at_start(r: Run, *needles: str) -> None:
+    """The job stops before training, naming the copy and why: never a fresh start over a damaged checkpoint."""
+    assert r.returncode == 1, r.log[-3000:]
+    assert "starting from scratch" not in r.log and "iteration        1/" not in r.log, r.log[-3000:]
+    for n in needles:
+        assert n in r.log, (n, r.log[-3000:])
+
+
+def test_trainer_refuses_a_damaged_only_copy_instead_of_starting_from_scratch(results: Results) -> None:
+    it = os.path.join(results.root, "hostile", "truncated_metadata", "iter_0000002")
+    _refused_at_start(results.runs["hostile_truncated_metadata"], "pretrain_gpt.py: error: --load ",
+                      "no loadable copy of the checkpoint is left (refusing to start from scratch over it)",
+                      f"{it}: metadata.json: malformed JSON")
+
+
+def test_trainer_refuses_fifos_without_waiting(results: Results) -> None:
+    """A FIFO in place of metadata.json (refused at start) or of a rank file (refused when the load opens it, on
+    every rank: no copy left)."""
+    _refused_at_start(results.runs["hostile_metadata_fifo"], "metadata.json: is a FIFO, not a regular file")
+    _refused_at_start(results.runs["hostile_rank_file_fifo"], "NoGoodCopyError: no complete copy",
+                      "rank_00001.safetensors: is a FIFO, not a regular file")
+
+
+def test_trainer_loads_past_a_damaged_tracker_or_newest_copy_with_the_warning(results: Results) -> None:
+    for name, damaged in (("tracker_fifo", "latest_checkpointed_iteration.txt: is a FIFO"),
+                          ("newer_damaged", "iter_0000004: metadata.json: malformed JSON")):
+        r = results.runs[f"hostile_{name}"]
+        assert r.returncode == 0, r.log[-3000:]
+        assert "loaded iteration 2 from " in r.log and "iter_0000002" in r.log, r.log[-3000:]
+        warn = [line for line in r.log.splitlines() if "skipping a damaged copy" in line]
+        assert len(warn) == 1 and damaged in warn[0], r.log[-3000:]
 
 
 def test_layout_that_cannot_hold_the_model_fails_before_reading(results: Results) -> None:

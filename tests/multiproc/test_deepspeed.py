@@ -192,6 +192,10 @@ def test_bad_deepspeed_checkpoints_fail_naming_the_file_or_parameter(launches) -
     # a damaged newest checkpoint: the previous complete one is loaded instead
     assert r["newest"].endswith("iter_0000004") and r["loaded"].endswith("iter_0000003"), r
     assert r["loaded_iteration"] == "3"
+    # iteration 4 saved again from there, its metadata.json truncated: skipped with the warning (before: silently)
+    assert r["metadata_newest"].endswith("iter_0000004") and r["metadata_loaded"].endswith("iter_0000003"), r
+    skipped = json.loads(r["metadata_skipped"])  # the warnings of the launch's one rank
+    assert len(skipped) == 1 and "iter_0000004: metadata.json: malformed JSON" in skipped[0], skipped
 
 
 # PipelineModule: (PP, ranks) before and after. The PP2 training (with DeepSpeed's own checkpoint, converted
