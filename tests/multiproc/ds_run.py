@@ -223,7 +223,7 @@ def bad_inputs(job: Job, args: argparse.Namespace) -> dict[str, str]:
 def cluster_safety(job: Job, work: str) -> dict[str, str]:
     """The DeepSpeed front door's safety: a save into a directory another live job holds is refused naming the
     holder before anything is written; one a round of this same launch holds is taken at once (next generation);
-    a damaged newest checkpoint falls back to the previous complete one (a damaged metadata.json too).
+    a damaged newest checkpoint falls back to the previous complete one (a damaged metadata.json too)."""
     out: dict[str, str] = {}
     leased, fb = os.path.join(work, "leased"), os.path.join(work, "fallback")
     holder = None
