@@ -134,7 +134,13 @@ class CheckpointMetadata:
     model: Mapping[str, Any] | None
     rank_local: Mapping[int, RankLocalSection]
     saved_at: float | None
+    memory_job: str | None  # a host-memory snapshot's job id (None in a durable checkpoint)
     raw: Mapping[str, Any]
+
+    def require_iteration(self) -> int:
+        if self.iteration is None:
+            raise CheckpointFileError(f"{self.path}: iteration: missing")
+        return self.iteration
 
     def require_ptc(self) -> PTC:
         if self.ptc is None:
@@ -169,6 +175,7 @@ class CheckpointMetadata:
             model=model,
             rank_local=_rank_local(f, d.get("rank_local") or {}),
             saved_at=None if d.get("saved_at") is None else f.number(d["saved_at"], "saved_at"),
+            memory_job=None if d.get("memory_job") is None else f.text(d["memory_job"], "memory_job"),
             raw=d,
         )
 
