@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron import __version__, cli_simulate
@@ -55,12 +57,13 @@ from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 from tenplex_megatron.storage import copies
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
     is_legacy_megatron_checkpoint,
-    read_metadata,
+    read_checkpoint_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.megatron_legacy import describe_legacy, legacy_model_metas
@@ -81,7 +84,8 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.2f} TB"
 
 
-def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
+def _load(path: str) -> tuple[str, CheckpointMetadata, PTC]:
+    """The tenplex checkpoint under ``path``, its metadata checked field by field (a bad one: one error line)."""
     try:
         ckpt, _ = copies.choose(path)  # every copy damaged: an error naming each
     except CheckpointFileError as e:
@@ -89,12 +93,22 @@ def _load(path: str) -> tuple[str, dict[str, Any], PTC]:
     if ckpt is None:
         raise CLIError(f"{path}: no complete tenplex checkpoint here")
     try:
-        meta = read_metadata(ckpt)
-        ptc = PTC.from_json(meta["ptc"])
+        meta = read_checkpoint_metadata(ckpt)
+        ptc = meta.require_ptc()
         confine_all(ckpt, (sc.location.file for sc in ptc.chunks))
-    except (CheckpointFileError, PTCError, KeyError) as e:
+    except (CheckpointFileError, PTCError) as e:
         raise CLIError(f"{ckpt}: {e}") from None
     return ckpt, meta, ptc
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """What ``plan`` needs of a checkpoint's record, tenplex's or Megatron's own."""
+
+    layout: Mapping[str, int]
+    distributed_optimizer: bool
+    padded_vocab_size: int | None
+    framework: str | None = None
 
 
 def _megatron(path: str) -> str | None:
@@ -151,19 +165,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     model_params = sum(t.numel for t in ptc.tensors.values() if t.param is None)
     summary = {
         "path": ckpt,
-        "iteration": meta.get("iteration"),
-        "consumed_samples": meta.get("consumed_samples"),
-        "layout": meta.get("layout"),
-        "distributed_optimizer": meta.get("use_distributed_optimizer"),
-        "padded_vocab_size": meta.get("padded_vocab_size"),
-        "model": meta.get("model"),
+        "iteration": meta.iteration,
+        "consumed_samples": meta.consumed_samples,
+        "layout": None if meta.layout is None else dict(meta.layout),
+        "distributed_optimizer": meta.use_distributed_optimizer,
+        "padded_vocab_size": meta.padded_vocab_size,
+        "model": None if meta.model is None else dict(meta.model),
         "tensors": len(ptc.tensors),
         "model_parameters": model_params,
         "chunks": len(ptc.chunks),
         "bytes": ptc.total_bytes(),
-        "files": meta.get("files", {}),
+        "files": dict(meta.files or {}),
     }
-    experts = expert_summary(ptc, meta.get("layout"))
+    experts = expert_summary(ptc, summary["layout"])
     summary["experts"] = experts.to_json() if experts is not None else None
     if args.json:
         if args.tensors:
@@ -197,16 +211,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise CLIError("plan needs a checkpoint directory, or --model NAME --from LAYOUT")
     t_read = time.perf_counter()
     if (mck := _megatron(args.checkpoint)) is not None:
-        ckpt, meta, source, shape = _describe_megatron(mck)
+        ckpt, saved, source, shape = _describe_megatron(mck)
     else:
         ckpt, meta, source = _load(args.checkpoint)
-        shape = ModelShape.from_record(meta.get("model", {})) if meta.get("framework") != "deepspeed" else None
+        if meta.framework != "deepspeed" and meta.model is None:
+            raise CLIError(f"{ckpt}: {meta.path}: model: missing (plan needs the model's shape)")
+        shape = ModelShape.from_record(dict(meta.model or {})) if meta.framework != "deepspeed" else None
+        saved = _Saved(meta.layout or {}, bool(meta.use_distributed_optimizer), meta.padded_vocab_size, meta.framework)
     read_seconds = time.perf_counter() - t_read
     try:
         dst = ParallelLayout.parse(args.to)
     except LayoutError as e:
         raise CLIError(str(e)) from None
-    if meta.get("framework") == "deepspeed":
+    if saved.framework == "deepspeed":
         raise CLIError(f"{ckpt}: a DeepSpeed checkpoint: its ZeRO partitions at a new DP size are computed by "
                        "DeepSpeed at load, so `plan --to` is not supported for it (`inspect` is)")
     try:
@@ -215,8 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except LayoutError as e:
         raise CLIError(str(e)) from None
     vocab, divisible_by = _vocab(shape, source)
-    distopt = distributed_optimizer(args, meta.get("use_distributed_optimizer", False))
-    saved_vocab = meta.get("padded_vocab_size")
+    distopt = distributed_optimizer(args, saved.distributed_optimizer)
+    saved_vocab = saved.padded_vocab_size
     if args.vocab_padding == "keep":
         padded = restart_padded_vocab_size(vocab, divisible_by, dst.tp, saved_vocab)
     else:
@@ -226,12 +243,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     report = plan_report(plan, source, dst, args.gpus_per_node, 0.0)
     seconds = time.perf_counter() - t0  # the destination's chunks, the plan and its totals
     report.update({"plan_seconds": seconds, "read_seconds": read_seconds})
-    report.update({"checkpoint": ckpt, "from": meta.get("layout"), "to": dst.to_json(),
+    report.update({"checkpoint": ckpt, "from": dict(saved.layout), "to": dst.to_json(),
                    "distributed_optimizer": distopt, "padded_vocab_size": padded})
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
-    src = meta.get("layout") or {}
+    src = dict(saved.layout)
     try:  # the saving layout as layouts print (EP, expert TP, VPP, SP included), else the raw degrees
         shown = str(ParallelLayout.from_json(src))
     except (KeyError, TypeError, ValueError):
@@ -273,7 +290,7 @@ def _vocab(shape: ModelShape | None, source: PTC) -> tuple[int, int]:
     return (emb.vocab_rows or emb.global_shape[0]) if emb is not None else 0, 128
 
 
-def _describe_megatron(path: str) -> tuple[str, dict[str, Any], PTC, ModelShape | None]:
+def _describe_megatron(path: str) -> tuple[str, _Saved, PTC, ModelShape | None]:
     """Megatron's own checkpoint as ``plan`` sees it, without torch: its meta, its stored chunks as a PTC (the same
     description adoption uses, ``storage/megatron_ptc.py``) and its shape when ``common.pt`` holds the args."""
     try:
@@ -297,13 +314,12 @@ def _describe_megatron(path: str) -> tuple[str, dict[str, Any], PTC, ModelShape 
     except CheckpointFileError as e:
         raise CLIError(str(e)) from None
     emb = ptc.tensors.get("embedding.word_embeddings.weight")
-    meta = {"layout": ptc.layout, "use_distributed_optimizer": distopt,
-            "padded_vocab_size": emb.global_shape[0] if emb is not None else None}
+    saved = _Saved(ptc.layout, bool(distopt), emb.global_shape[0] if emb is not None else None)
     shape = None
     if a is not None and all(hasattr(a, n) for n in ("num_layers", "hidden_size", "num_attention_heads")):
         rows = emb.vocab_rows if emb is not None else 0
         shape = ModelShape.from_record({**vars(a), "vocab_size": getattr(a, "vocab_size", None) or rows})
-    return path, meta, ptc, shape
+    return path, saved, ptc, shape
 
 
 def _plan_model(args: argparse.Namespace) -> int:

@@ -68,13 +68,14 @@ def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opene
     path = directory.find_checkpoint(load_dir) if iteration is None else checkpoint_at(load_dir, iteration)
     if path is None:
         raise FileNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
-    meta = directory.read_metadata(path)
-    source = PTC.from_json(meta["ptc"])
+    meta = directory.read_checkpoint_metadata(path)  # every field checked: a malformed one is a damaged copy
+    source = meta.require_ptc()
     # every file name the metadata uses is confined to the checkpoint here, before anything is read
-    files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()}, meta.get("files"), verify,
-                        require_checksums=meta["format_version"] >= 2,  # format 2 records block CRCs for every chunk
+    files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()},
+                        None if meta.files is None else dict(meta.files), verify,
+                        require_checksums=meta.checksums_required,  # format 2 records block CRCs for every chunk
                         names=(sc.location.file for sc in source.chunks))
-    return Opened(path, meta, source, files)
+    return Opened(path, dict(meta.raw), source, files)
 
 
 def check_scope(meta: dict[str, Any], scope: LoadScope, where: str) -> None:

@@ -58,7 +58,7 @@ def durable_candidates(load_dir: str, first: str | None) -> list[str]:
     if first is not None and os.path.abspath(first) == os.path.abspath(load_dir):
         return [first]
     its = directory.committed_iterations(load_dir)
-    top = int(directory.read_metadata(first)["iteration"]) if first is not None else None
+    top = directory.iteration_of(first) if first is not None else None  # by name: its metadata may be the damage
     older = [os.path.join(load_dir, directory.iter_dir_name(it)) for it in reversed(its) if top is None or it < top]
     return ([first] if first is not None else []) + older
 

@@ -21,12 +21,12 @@ import os
 import re
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from tenplex_megatron.plan.restart_policy import DurableListing, Snapshot
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, read_checkpoint_file
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
 
@@ -78,20 +78,20 @@ def list_snapshots(mem: str, node: str) -> list[Snapshot]:
         path = snapshot_dir(mem, it)
         log_open(os.path.join(path, directory.METADATA_FILE))
         digest, meta = _digest_and_metadata(path)
-        expected = {str(k): int(v) for k, v in meta.get("files", {}).items()}
+        expected = dict(meta.files or {})
         present = {}
         for name in expected:
             p = os.path.join(path, name)
             if os.path.isfile(p):
                 present[name] = os.path.getsize(p)
-        out.append(Snapshot(node, it, str(meta.get("memory_job", "")), digest, expected, present))
+        out.append(Snapshot(node, it, meta.memory_job or "", digest, expected, present))
     return out
 
 
-def _digest_and_metadata(path: str) -> tuple[str, dict[str, Any]]:
+def _digest_and_metadata(path: str) -> tuple[str, CheckpointMetadata]:
     """A checkpoint directory's metadata: the SHA-256 of its bytes (which tells snapshots apart) and its content."""
     raw = read_checkpoint_file(path, directory.METADATA_FILE, metadata_cap(), METADATA_MAX_ENV)  # bounded
-    return hashlib.sha256(raw).hexdigest(), directory.read_metadata(path)
+    return hashlib.sha256(raw).hexdigest(), directory.read_checkpoint_metadata(path)
 
 
 def durable_listing(path: str) -> DurableListing:
@@ -99,11 +99,11 @@ def durable_listing(path: str) -> DurableListing:
     same metadata bytes, so the same digest)."""
     digest, meta = _digest_and_metadata(path)
     present = {}
-    for name in meta.get("files", {}):
-        p = os.path.join(path, str(name))
+    for name in meta.files or {}:
+        p = os.path.join(path, name)
         if os.path.isfile(p) and not os.path.islink(p):
-            present[str(name)] = os.path.getsize(p)
-    return DurableListing(int(meta["iteration"]), digest, present)
+            present[name] = os.path.getsize(p)
+    return DurableListing(meta.require_iteration(), digest, present)
 
 
 def free_bytes(mem: str) -> int:

@@ -28,10 +28,11 @@ from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.peers import cpu_group, exchange
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, merge_ranges, schedule
-from tenplex_megatron.plan.ptc import PTC, StoredChunk, dtype_size
+from tenplex_megatron.plan.ptc import StoredChunk, dtype_size
 from tenplex_megatron.plan.restart_policy import Choice, DurableListing, ForeignSnapshotError, Snapshot, pick_snapshot
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.block_verify import piece_runs, touched_blocks
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.confine import confine_all
 from tenplex_megatron.storage.faults import log_open
 from tenplex_megatron.storage.files import CheckpointFileError
@@ -51,7 +52,7 @@ def durable_iteration(load_dir: str | None) -> int | None:
     if it is not None and os.path.isdir(os.path.join(load_dir, directory.iter_dir_name(it))):
         return it
     path = directory.find_checkpoint(load_dir)
-    return None if path is None else int(directory.read_metadata(path)["iteration"])
+    return None if path is None else directory.read_checkpoint_metadata(path).require_iteration()
 
 
 def choose(tier: MemoryTier, load_dir: str | None,
@@ -139,14 +140,18 @@ class MemorySource(SourceFiles):
     the durable checkpoint of the same iteration; the others, as received from peers."""
 
     def __init__(self, tier: MemoryTier, choice: Choice, verify: bool):
-        meta = choice.metadata
-        ptc = PTC.from_json(meta["ptc"])
+        path = node_dir.snapshot_dir(tier.mem, choice.iteration)
+        # every rank checks the metadata it was sent (a malformed field: a damaged copy, as on disk)
+        meta = CheckpointMetadata.from_json(choice.metadata, os.path.join(path, directory.METADATA_FILE))
+        ptc = meta.require_ptc()
         local = [f for f, nodes in choice.holders.items() if tier.node in nodes]
         durable = list(choice.durable)
-        super().__init__(node_dir.snapshot_dir(tier.mem, choice.iteration),
-                         {k: m.dtype for k, m in ptc.tensors.items()},
-                         {f: meta["files"][f] for f in [*local, *durable]}, verify, require_checksums=True,
-                         names=local)
+        sizes = meta.files or {}
+        missing = sorted(f for f in [*local, *durable] if f not in sizes)
+        if missing:
+            raise CheckpointFileError(f"{meta.path}: files: no size recorded for {', '.join(missing)}")
+        super().__init__(path, {k: m.dtype for k, m in ptc.tensors.items()},
+                         {f: sizes[f] for f in [*local, *durable]}, verify, require_checksums=True, names=local)
         if durable:
             assert choice.durable_dir is not None
             self.elsewhere = confine_all(choice.durable_dir, durable)
@@ -156,7 +161,7 @@ class MemorySource(SourceFiles):
         self.durable = set(durable)
         self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
-        self.local_sizes = rank_local.entry_sizes(meta)  # (file, rank-local entry) -> its byte count
+        self.local_sizes = rank_local.entry_sizes(choice.metadata)  # (file, rank-local entry) -> its byte count
 
     def _receive_into(self, key: tuple[str, str], nbytes: int) -> torch.Tensor:
         """The buffer for ``key``'s bytes received from peers (``nbytes``), made on first use."""

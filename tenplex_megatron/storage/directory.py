@@ -30,6 +30,7 @@ from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, open_regular, read_checkpoint_file
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 
@@ -53,6 +54,12 @@ _TRACKER_RE = re.compile(r"[0-9]+")
 
 def iter_dir_name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
+
+
+def iteration_of(ckpt_dir: str) -> int | None:
+    """The iteration an ``iter_NNNNNNN`` directory's name says (None for another name), without reading it."""
+    m = _ITER_RE.fullmatch(os.path.basename(os.path.normpath(ckpt_dir)))
+    return int(m.group(1)) if m else None
 
 
 def rank_file_name(rank: int) -> str:
@@ -154,20 +161,25 @@ def _real_dir(path: str) -> bool:
     return os.path.isdir(path) and not os.path.islink(path)
 
 
-def read_metadata(ckpt_dir: str) -> dict[str, Any]:
-    """Read and check ``metadata.json`` of a committed checkpoint directory."""
+def read_checkpoint_metadata(ckpt_dir: str) -> CheckpointMetadata:
+    """Read ``metadata.json`` of a committed checkpoint directory, every field checked (:class:`CheckpointMetadata`);
+    anything malformed is one :class:`CheckpointFileError` naming the file and the field."""
     path = os.path.join(ckpt_dir, METADATA_FILE)
     try:
         meta = load_metadata_json(ckpt_dir)
     except FileNotFoundError:
         raise CheckpointFileError(f"{path}: missing (not a complete tenplex checkpoint)") from None
     METADATA_FORMAT.check(meta, path)
-    files = meta.get("files", {})
-    if not isinstance(files, dict) or not all(type(v) is int and v >= 0 for v in files.values()):
-        raise CheckpointFileError(f"{path}: 'files' must map file names to sizes in bytes")
-    for name in files:
+    typed = CheckpointMetadata.from_json(meta, path)
+    for name in typed.files or {}:
         confine(ckpt_dir, name, f"{METADATA_FILE} ('files')")
-    return meta
+    return typed
+
+
+def read_metadata(ckpt_dir: str) -> dict[str, Any]:
+    """``metadata.json`` of a committed checkpoint directory as its JSON document, every field checked
+    (:func:`read_checkpoint_metadata` gives the typed record)."""
+    return dict(read_checkpoint_metadata(ckpt_dir).raw)
 
 
 def committed_iterations(save: str) -> list[int]:
@@ -361,6 +373,7 @@ __all__ = [
     "partial_dirs",
     "prepare_partial",
     "rank_file_name",
+    "read_checkpoint_metadata",
     "read_metadata",
     "remove_own",
     "remove_partial",

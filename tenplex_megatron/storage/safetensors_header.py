@@ -62,8 +62,8 @@ def read_header(path: str, allow_truncated: bool = False) -> tuple[dict[str, Ten
         raise CheckpointFileError(f"{path}: file is missing") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, an integer of too many digits; deep nesting
-        raise CheckpointFileError(f"{path}: malformed safetensors header: {e}") from None
+    except (ValueError, RecursionError) as e:  # ValueError: JSON, UTF-8, a number of over 4300 digits; deep nesting
+        raise CheckpointFileError(f"{path}: malformed safetensors header: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise CheckpointFileError(f"{path}: safetensors header is not a JSON object")
     base = 8 + n
@@ -77,7 +77,7 @@ def read_header(path: str, allow_truncated: bool = False) -> tuple[dict[str, Ten
             begin, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: int(Infinity)
             raise CheckpointFileError(f"{path}: tensor {name!r}: malformed header entry ({e})") from None
-        if any(s < 0 for s in shape) or begin < 0 or end < begin:
+        if len(shape) > 64 or any(not 0 <= s < 2**63 for s in shape) or not 0 <= begin <= end < 2**63:
             raise CheckpointFileError(f"{path}: tensor {name!r}: invalid shape or offsets")
         if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise CheckpointFileError(f"{path}: tensor {name!r}: byte range does not match shape {shape}")

@@ -29,14 +29,15 @@ from typing import Any
 
 from tenplex_megatron.plan.experts import ExpertSummary, expert_summary
 from tenplex_megatron.plan.planner import partition_errors
-from tenplex_megatron.plan.ptc import PTC, PTCError, StoredChunk, dtype_size
+from tenplex_megatron.plan.ptc import PTCError, StoredChunk, dtype_size
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.checksum import crc32
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.directory import (
     FORMAT_NAME,
     METADATA_FILE,
     load_metadata_json,
-    read_metadata,
+    read_checkpoint_metadata,
     tracker_iteration,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
@@ -269,24 +270,13 @@ class _LocalEntry:
     sums: tuple[int, ...]
 
 
-def _local_entries(ck: _Checker, meta: dict[str, Any]) -> dict[str, list[_LocalEntry]]:
-    """The rank-local entries with bytes, by file; a malformed record is noted as damage to the metadata."""
+def _local_entries(meta: CheckpointMetadata) -> dict[str, list[_LocalEntry]]:
+    """The rank-local entries with bytes, by file (each record checked when the metadata was read)."""
     out: dict[str, list[_LocalEntry]] = defaultdict(list)
-    section = meta.get("rank_local") or {}
-    if not isinstance(section, dict):
-        ck.bad(METADATA_FILE, (), "'rank_local' is not an object")
-        return out
-    for rank, rec in sorted(section.items()):
-        try:
-            file, block = rec["file"], int(rec["block_bytes"])
-            entries = [_LocalEntry(int(rank), str(n), int(e["nbytes"]), block, tuple(int(c) for c in e["block_crc32"]))
-                       for n, e in sorted(rec["entries"].items())]
-            if not isinstance(file, str) or block <= 0:
-                raise ValueError(f"file {file!r}, block bytes {block}")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            ck.bad(METADATA_FILE, (), f"rank {rank}'s rank-local record is malformed ({e!r})")
-            continue
-        out[file].extend(x for x in entries if x.nbytes > 0)
+    for rank, sec in sorted(meta.rank_local.items()):
+        if sec.file is not None:
+            out[sec.file].extend(_LocalEntry(rank, e.name, e.nbytes, sec.block_bytes, e.block_crc32)
+                                 for _, e in sorted(sec.entries.items()) if e.nbytes > 0)
     return out
 
 
@@ -313,16 +303,16 @@ def verify_checkpoint(path: str, workers: int | None = None,
                            time.perf_counter() - t0, workers, tuple(ck.damage), experts)
 
     try:
-        meta = read_metadata(path)
-        ptc = PTC.from_json(meta.get("ptc"))
+        meta = read_checkpoint_metadata(path)
+        ptc = meta.require_ptc()
     except (CheckpointFileError, PTCError) as e:
         ck.bad(METADATA_FILE, (), str(e).removeprefix(os.path.join(path, METADATA_FILE) + ": "))
         return report()
-    iteration = meta.get("iteration") if type(meta.get("iteration")) is int else None
-    recorded: dict[str, int] = meta.get("files", {})
+    iteration = meta.iteration
+    recorded = meta.files or {}
     for key, why in partition_errors(ptc).items():
         ck.bad(METADATA_FILE, (key,), why)
-    experts = expert_summary(ptc, meta.get("layout"))
+    experts = expert_summary(ptc, None if meta.layout is None else dict(meta.layout))
     for key, pairs in (experts.missing if experts is not None else {}).items():
         if pairs:
             shown = ", ".join(f"layer {layer} expert {e}" for layer, e in pairs[:8])
@@ -332,7 +322,7 @@ def verify_checkpoint(path: str, workers: int | None = None,
     by_file: dict[str, list[StoredChunk]] = defaultdict(list)
     for sc in ptc.chunks:
         by_file[sc.location.file].append(sc)
-    local = _local_entries(ck, meta)
+    local = _local_entries(meta)
     names = sorted(set(recorded) | set(by_file) | set(local))
     spans: list[_Span] = []
     maps: dict[str, mmap.mmap] = {}
@@ -345,7 +335,7 @@ def verify_checkpoint(path: str, workers: int | None = None,
             except CheckpointFileError as e:
                 ck.bad(name, chunks, str(e).removeprefix(path + ": "))
                 continue
-            if name not in recorded and meta["format_version"] >= 2:
+            if name not in recorded and meta.checksums_required:
                 ck.bad(METADATA_FILE, chunks, f"{name}: not in the metadata's 'files' (its size is not recorded)")
             got = ck.file_entries(name, full, recorded.get(name), chunks, needed=bool(local.get(name)))
             if got is None:
@@ -353,7 +343,7 @@ def verify_checkpoint(path: str, workers: int | None = None,
             entries, size = got
             mine = [s for sc in chunks for s in ck.chunk_spans(name, entries, size, sc,
                                                               ptc.tensors[sc.chunk.key].dtype,
-                                                              meta["format_version"] >= 2)]
+                                                              meta.checksums_required)]
             mine += [s for e in local.get(name, ()) for s in ck.local_spans(name, entries, size, e)]
             if mine:
                 try:
