@@ -69,6 +69,7 @@ from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
     read_metadata,
 )
+from tenplex_megatron.storage.files import CheckpointFileError
 
 _log = log.get("megatron_lm")
 #: where :func:`install` keeps the hook's state: on the module it patches (``megatron.training.training``)
@@ -332,6 +333,8 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
         sources = ckpt.sources(load_dir, tenplex=tenplex, memory=memory)
     except restart_sources.TenplexCheckpointWithoutFlag as e:  # before Megatron's loader: no traceback, no fresh start
         raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
+    except CheckpointFileError as e:  # every copy under --load damaged: never a fresh start over them
+        raise SystemExit(f"pretrain_gpt.py: error: --{load_arg} {e}") from None
     if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
         return _restart(ddp_model, optimizer, opt_param_scheduler, ckpt, sources, load_dir, memory=memory)
     mck = sources.megatron if tenplex else None
