@@ -663,12 +663,13 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                 continue
             limit = min(m.get("parallel_cold_read_gbps", m.get("storage_read_gbps", math.inf)),
                         m.get("h2d_gbps", math.inf))
-            cold = m.get("parallel_cold_gbps", m.get("staged_cold_gbps"))
+            which = "parallel" if "parallel_cold_gbps" in m else "staged"
+            cold = m.get(f"{which}_cold_gbps")
             figs = (f"{m['transition']}, {m['dst_bytes'] / 1e9:.2f} GB; storage {gbps(m.get('storage_read_gbps'))}, "
                     f"h2d {gbps(m.get('h2d_gbps'))} GB/s; warm/cold GB/s: " + ", ".join(
                         f"{s} {gbps(m.get(f'{s}_warm_gbps'))}/{gbps(m.get(f'{s}_cold_gbps'))}"
                         for s in m.get("systems", [])) +
-                    (f"; parallel cold / limit {cold / limit:.2f}" if cold and limit != math.inf else "") +
+                    (f"; {which} cold / limit {cold / limit:.2f}" if cold and limit != math.inf else "") +
                     f"; identical: {m.get('identical')}")
             rows.append((f"bench {model}", m["status"], secs(m), figs + why(m)))
         for note in b.get("notes", []):

@@ -74,7 +74,7 @@ def test_staged_into_cuda_matches_per_piece_on_cpu(tmp_path, monkeypatch, src, d
             assert b.is_cuda and torch.equal(a.view(torch.uint8), b.cpu().view(torch.uint8)), c
 
 
-@pytest.mark.parametrize("mode", ["copy", "direct", "auto"])
+@pytest.mark.parametrize("mode", ["parallel", "copy", "direct", "auto"])
 def test_execute_plan_into_cudastaging_tensors(tmp_path, monkeypatch, mode) -> None:
     monkeypatch.setenv("TENPLEX_STAGING", mode)
     monkeypatch.setenv("TENPLEX_STAGING_MB", "0.01")
@@ -128,15 +128,16 @@ def test_nccl_collectives_carry_json(tmp_path) -> None:
 
 @pytest.mark.parametrize("mb", ["0.01", "256"])
 def test_snapshot_file_from_cuda_through_the_pinned_ring(tmp_path, monkeypatch, mb) -> None:
-    """A host-memory snapshot's rank file (``memory/shm_write.py``) written from CUDA tensors (``auto``: through
-    the pinned ring on a side stream) is the same file, with the same checksums, as one written from the CPU."""
+    """A host-memory snapshot's rank file (``memory/shm_write.py``) written from CUDA tensors (``auto``: the
+    parallel writer, device-to-host through the pinned ring on a side stream) is the same file, with the same
+    checksums, as one written from the CPU."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else str(tmp_path)
     host = {"a": torch.randn(300_001), "b": torch.randn(1000, 77).to(torch.bfloat16), "c": torch.zeros(0),
             "d": torch.randint(0, 9, (70_000,))}
     monkeypatch.setenv("TENPLEX_STAGING_MB", mb)
     paths = [os.path.join(root, f"tenplex-gpu-test-{os.getpid()}-{n}.safetensors") for n in ("cpu", "cuda")]
     try:
-        monkeypatch.setenv("TENPLEX_STAGING", "auto")  # direct for the CPU tensors, the pinned ring for CUDA's
+        monkeypatch.setenv("TENPLEX_STAGING", "auto")  # writer threads; CUDA's tensors through the pinned ring
         got = [shm_write.write_tensors(paths[0], host, 4096),
                shm_write.write_tensors(paths[1], {k: t.to("cuda:0") for k, t in host.items()}, 4096)]
         assert got[0] == got[1]
@@ -187,3 +188,41 @@ def test_save_error_on_cuda_synchronises_and_releases_the_ring(monkeypatch) -> N
     assert torch.cuda.memory_allocated(0) == before, "the ring's device buffers are still allocated"
     torch.cuda.synchronize(0)
     assert err.value.errno == errno.ENOSPC
+
+
+def test_parallel_load_error_on_cuda_synchronises_and_releases_the_ring(tmp_path, monkeypatch) -> None:
+    """The parallel reader into CUDA tensors: a damaged block found after some slots went to the device names the
+    file and the block; the reader threads are joined and the ring's device memory is released."""
+    monkeypatch.setenv("TENPLEX_STAGING", "parallel")
+    monkeypatch.setenv("TENPLEX_STAGING_MB", "0.01")
+    monkeypatch.setenv("TENPLEX_READ_THREADS", "4")
+    tensors = staging_tensors(64, 2)
+    full = {k: torch.randn(t.global_shape).to(getattr(torch, t.dtype)) for k, t in tensors.items()}
+    source = write_source(str(tmp_path), tensors, ParallelLayout(2, 1, 1), False, full)
+    plan = plan_reshard(source, tensors, layout_chunks(tensors, ParallelLayout(1, 2, 1), False), strict=False)
+    rp = plan.ranks[0]
+    sc = plan.sources[rp.pieces[-1].source]
+    damage_last_byte_read(str(tmp_path), sc, tensors[sc.chunk.key].dtype, rp.pieces[-1])
+    out = [torch.zeros(c.numel, dtype=getattr(torch, tensors[c.key].dtype), device="cuda:0") for c in rp.chunks]
+    torch.cuda.synchronize(0)
+    before = torch.cuda.memory_allocated(0)
+    files = SourceFiles(str(tmp_path), {k: m.dtype for k, m in tensors.items()}, require_checksums=True)
+    with pytest.raises(CheckpointFileError, match=rf"{sc.location.file}: tensor .* fails its checksum in block"):
+        execute_plan(rp, plan.sources, files, out)
+    files.close()
+    assert torch.cuda.memory_allocated(0) == before, "the ring's device buffers are still allocated"
+    torch.cuda.synchronize(0)
+
+
+def test_parallel_save_from_cuda_is_the_cpu_file(tmp_path, monkeypatch) -> None:
+    """The parallel writer from CUDA tensors (device-to-host into the pinned ring, CRCs and writes in threads)
+    writes the file and the block CRCs the CPU's sequential writer does."""
+    host = {"a": torch.randn(300_001), "b": torch.randn(1000, 77).to(torch.bfloat16), "c": torch.zeros(0)}
+    monkeypatch.setenv("TENPLEX_STAGING", "direct")
+    ref = write_safetensors(str(tmp_path / "cpu.safetensors"), host, block_bytes=4096)
+    monkeypatch.setenv("TENPLEX_STAGING", "parallel")
+    monkeypatch.setenv("TENPLEX_STAGING_MB", "0.05")
+    got = write_safetensors(str(tmp_path / "cuda.safetensors"), {k: t.to("cuda:0") for k, t in host.items()},
+                            block_bytes=4096)
+    assert got == ref
+    assert (tmp_path / "cpu.safetensors").read_bytes() == (tmp_path / "cuda.safetensors").read_bytes()

@@ -193,13 +193,14 @@ def test_the_report_has_every_figure(tmp_path) -> None:
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| check")]
     checks = [r.split(" | ")[0][2:] for r in rows]
     assert checks == ["carried wheels", "environment", "`pytest -m gpu tests/gpu`",
-                      "staged load == direct == CPU, 2,1,1->4,1,1", "staged save == CPU file", "identity step",
+                      "parallel and staged load == direct == CPU, 2,1,1->4,1,1", "staged save == CPU file",
+                      "identity step",
                       "resume tp2-bf16: tp2pp1dp1 (CPU) -> tp1pp1dp1 on the device", "resume step",
                       "bench gpt3-1.3b", "bench gpt3-2.7b"]
     assert all(r.count(" | ") == 3 for r in rows)  # no figure breaks the table
     text = "\n".join(rows)
     for figure in ("installed: megatron-core 0.16.1; the system's: numpy 2.1.0", "24 passed, 0 failed",
-                   "1.270 GB, 300 pieces; identical at 3mb, 256mb; staged 9.50 GB/s, direct 2.25 GB/s",
+                   "1.270 GB, 300 pieces; identical at 3mb, 256mb; parallel - GB/s, staged 9.50 GB/s, direct 2.25 GB/s",
                    "ring 3.50 GB/s, direct 1.50 GB/s", "max rel diff vs CPU 3.1e-02 (tol 0.02)",
                    "staged 12.00/1.80, direct 3.00/1.50, mcore 1.00/0.80", "staged cold / limit 0.90",
                    "| not run |", "12 s left"):
@@ -226,9 +227,11 @@ def test_the_shell_entry_point_parses(tmp_path) -> None:
 
 def test_options() -> None:
     o = gc.parse_args(["--device", "cuda"])
-    assert o.device == "cuda:0" and o.models == list(gc.MODELS) and o.systems == ["staged", "direct", "mcore"]
+    assert o.device == "cuda:0" and o.models == list(gc.MODELS) and o.systems == ["parallel", "staged", "direct",
+                                                                                  "mcore"]
     o = gc.parse_args(["/x", "--cpu-dry-run", "--cases", "tp2"])
-    assert (o.outdir, o.device, o.models, o.systems, o.cases) == ("/x", "cpu", ["tiny"], ["staged", "direct"], ["tp2"])
+    assert (o.outdir, o.device, o.models, o.systems, o.cases) == ("/x", "cpu", ["tiny"], ["parallel", "staged", "direct"],
+                                                                  ["tp2"])
 
 
 def test_the_resumed_run_sees_the_device_asked_for() -> None:
