@@ -585,17 +585,17 @@ def cmd_export_megatron(args: argparse.Namespace) -> int:
     """Write a tenplex checkpoint as Megatron-LM's own torch_dist checkpoint at ``--to``: everything is checked here
     (without torch), then one process per target rank does the export (``training/export_megatron.py``)."""
     ckpt, meta, source = _load(args.checkpoint)
-    if meta.get("framework") not in (None, "megatron-core") or not isinstance(meta.get("model"), dict):
-        raise CLIError(f"{ckpt}: written by {meta.get('framework')!r} without a megatron-core model record: "
+    if meta.framework not in (None, "megatron-core") or not meta.model:
+        raise CLIError(f"{ckpt}: written by {meta.framework!r} without a megatron-core model record: "
                        "export-megatron reads megatron-core checkpoints")
     _check_empty_out(args.out)
     try:
         dst = ParallelLayout.parse(args.to)
-        shape = ModelShape.from_record(meta["model"])
+        shape = ModelShape.from_record(dict(meta.model))
         dst.check_fits(shape)
     except (LayoutError, KeyError, TypeError, ValueError) as e:
         raise CLIError(f"--to {args.to}: {e}") from None
-    distopt = bool(meta.get("use_distributed_optimizer", False))
+    distopt = bool(meta.use_distributed_optimizer)
     # Megatron's padding at the new TP: what a Megatron-LM run without the plugin builds
     _plan_to(source, dst, distopt, padded_vocab_size(shape.vocab_size, shape.make_vocab_size_divisible_by, dst.tp))
     fmt = "fully_reshardable" if args.optimizer_format == "auto" else args.optimizer_format
@@ -606,7 +606,7 @@ def cmd_export_megatron(args: argparse.Namespace) -> int:
     # libraries (Apex, Transformer Engine) once per process are left out
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    print(f"export-megatron: {ckpt} (iteration {meta.get('iteration')}) -> {args.out} at {dst} "
+    print(f"export-megatron: {ckpt} (iteration {meta.iteration}) -> {args.out} at {dst} "
           f"({dst.world_size} processes)", flush=True)
     code = subprocess.run(cmd, env=env, check=False).returncode
     if code != 0:

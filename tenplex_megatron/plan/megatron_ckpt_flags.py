@@ -8,7 +8,9 @@ flags into what the engine and storage take (:class:`LoadScope`, :class:`SaveSco
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 HONOURED = "honoured"
@@ -163,7 +165,7 @@ SETTINGS: tuple[Setting, ...] = (
             "train on other samples", (None, "single", "external")),
 )
 
-BY_NAME: dict[str, Setting] = {name: s for s in SETTINGS for name in s.names}
+BY_NAME: Mapping[str, Setting] = MappingProxyType({name: s for s in SETTINGS for name in s.names})
 
 
 def _is(value: Any, accepted: tuple[Any, ...]) -> bool:

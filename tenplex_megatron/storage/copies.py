@@ -110,6 +110,11 @@ def choose(load_dir: str) -> tuple[str | None, tuple[Copy, ...]]:
     copies = scan(load_dir)
     good = [c for c in copies if c.why is None]
     if not good:
+        if len(copies) == 1 and copies[0].iteration is None and copies[0].path == load_dir:
+            try:  # the directory is the one copy (a path to an iteration): its own error, as one line
+                directory.read_metadata(load_dir)
+            except CheckpointFileError as e:
+                raise NoGoodCopyError(str(e)) from None
         if copies:
             raise NoGoodCopyError(f"{load_dir}: no loadable copy of the checkpoint is left (refusing to start from "
                                   "scratch over it); copies tried:\n  " + "\n  ".join(c.describe() for c in copies))

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from tenplex_megatron import __version__
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import RankFailure, check_all
 from tenplex_megatron.integrations.megatron_core.adapter import load_job
 from tenplex_megatron.integrations.megatron_core.sharded import model_keys, unwrap
@@ -41,7 +42,7 @@ OPTIMIZER_FORMATS = ("fully_reshardable", "dp_reshardable")
 CHECKPOINT_VERSION = 3.0
 
 
-class ExportError(ValueError):
+class ExportError(TenplexError, ValueError):
     """A checkpoint or layout an export cannot write: the message names the file, flag or constraint."""
 
 
