@@ -57,7 +57,7 @@ from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 from tenplex_megatron.storage import copies
-from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata, missing_shape
 from tenplex_megatron.storage.confine import confine, confine_all
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -214,8 +214,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         ckpt, saved, source, shape = _describe_megatron(mck)
     else:
         ckpt, meta, source = _load(args.checkpoint)
-        if meta.framework != "deepspeed" and meta.model is None:
-            raise CLIError(f"{ckpt}: {meta.path}: model: missing (plan needs the model's shape)")
+        if meta.framework != "deepspeed" and (meta.model is None or missing_shape(meta.model)):
+            field = "model" if meta.model is None else f"model.{missing_shape(meta.model)}"
+            raise CLIError(f"{ckpt}: {meta.path}: {field}: missing (plan needs the model's shape)")
         shape = ModelShape.from_record(dict(meta.model or {})) if meta.framework != "deepspeed" else None
         saved = _Saved(meta.layout or {}, bool(meta.use_distributed_optimizer), meta.padded_vocab_size, meta.framework)
     read_seconds = time.perf_counter() - t_read

@@ -21,7 +21,8 @@ from tenplex_megatron.storage.files import CheckpointFileError
 MAX_DIMS = 64  # a tensor of more dimensions than this is no tensor a framework makes (PyTorch's own limit)
 MAX_SIZE = 2**63 - 1  # every count and byte size fits a signed 64-bit integer
 MAX_LAYOUT = 1 << 24  # a parallel degree above this is no job's
-#: the model record's fields the layout rules need (``plan``, a load's padded vocabulary)
+#: the model record's fields the layout rules need (``plan``, a load's padded vocabulary): checked where given;
+#: ``plan`` needs them all (:func:`missing_shape`)
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 _MODEL_OPTIONAL_SIZES = ("make_vocab_size_divisible_by", "num_query_groups", "num_experts", "moe_ffn_hidden_size",
                          "ffn_hidden_size")
@@ -197,14 +198,20 @@ def _model(f: _Fields, v: object, framework: str | None) -> dict[str, Any]:
     got = f.obj(v, "model")
     if framework == "deepspeed":  # DeepSpeed's engine records no model shape
         return got
-    for name in MODEL_SHAPE_FIELDS:
-        if name not in got:
-            raise f.fail(f"model.{name}", "missing (the model record must give the model's shape)")
-        f.count(got[name], f"model.{name}", 1)
+    if "vocab_size" not in got:  # every writer records it (a model tenplex did not build: vocabulary and seed)
+        raise f.fail("model.vocab_size", "missing (every model record gives the vocabulary)")
+    for name in MODEL_SHAPE_FIELDS:  # the shape: checked where given (a user's own loop may record none of it)
+        if got.get(name) is not None:
+            f.count(got[name], f"model.{name}", 1)
     for name in _MODEL_OPTIONAL_SIZES:
         if got.get(name) is not None:
             f.count(got[name], f"model.{name}", 0)
     return got
+
+
+def missing_shape(model: Mapping[str, Any]) -> str | None:
+    """The first field of :data:`MODEL_SHAPE_FIELDS` a model record lacks (None: it gives the model's shape)."""
+    return next((name for name in MODEL_SHAPE_FIELDS if model.get(name) is None), None)
 
 
 def _tensor(f: _Fields, v: object, at: str) -> None:

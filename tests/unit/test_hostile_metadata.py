@@ -86,7 +86,7 @@ def _colliding_names(meta: dict) -> None:
 #: (case, edit of the metadata document, the field the error names, what it says): the probe's section 5 first
 CASES = [
     ("unknown dtype", _set_tensor(EMB, "dtype", "float128x"), "ptc.tensors[{emb}].dtype", "unknown dtype 'float128x'"),
-    ("empty model record", lambda m: m.update(model={}), "model.num_layers", "missing"),
+    ("empty model record", lambda m: m.update(model={}), "model.vocab_size", "missing"),
     ("tp_parts 0", _set_tensor(EMB, "tp_parts", 0), "ptc.tensors[{emb}].tp_parts", "0 is out of range"),
     ("iteration a string", lambda m: m.update(iteration="four"), "iteration", "expected an integer, got str 'four'"),
     ("1500-dimension tensor", _extra_tensor(1500), "ptc.tensors[{last}].shape", "1500 entries, at most 64"),
@@ -212,7 +212,7 @@ def test_a_load_takes_a_malformed_copy_for_damaged_and_falls_back_to_the_previou
         field = f"{two}/metadata.json: ptc.tensors[0].dtype: unknown dtype 'float128x'"
     elif damage == "model":
         rewrite_metadata(two, lambda m: m.update(model={}))
-        field = f"{two}/metadata.json: model.num_layers: missing"
+        field = f"{two}/metadata.json: model.vocab_size: missing"
     else:
         _huge_header_number(os.path.join(two, "rank_00000.safetensors"))
         field = f"{two}/rank_00000.safetensors: malformed safetensors header: Exceeds the limit"
@@ -224,3 +224,17 @@ def test_a_load_takes_a_malformed_copy_for_damaged_and_falls_back_to_the_previou
     got, data = _restart(save)
     assert got.result.path.endswith("iter_0000001") and torch.equal(data, FULL)  # the previous copy, whole
     assert len(got.skipped) == 1 and field in got.skipped[0]
+
+
+def test_a_model_record_without_the_shape_verifies_and_plan_names_what_it_lacks(tmp_path, capsys) -> None:
+    """A user's own loop records the vocabulary and seed only (``live_job`` without args): its metadata reads
+    (``inspect``; the test_public_api launch loads one); ``plan``, which needs the model's shape, says which field is
+    missing in one line."""
+    ckpt = _tiny_checkpoint(str(tmp_path / "save"))
+    rewrite_metadata(ckpt, lambda m: m.update(model={"vocab_size": m["model"]["vocab_size"], "seed": 1234}))
+    rc, out = _run(capsys, "inspect", ckpt)
+    assert rc == 0 and "error" not in out, out
+    rc, out = _run(capsys, "plan", ckpt, "--to", "tp=1,pp=1,dp=2")
+    meta_file = os.path.join(ckpt, "metadata.json")
+    assert rc == 2 and out.count("\n") == 1, out
+    assert f"{meta_file}: model.num_layers: missing (plan needs the model's shape)" in out, out
