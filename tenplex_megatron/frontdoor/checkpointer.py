@@ -14,7 +14,9 @@ trainer, the Megatron-LM hook and the DeepSpeed calls share it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,12 +25,13 @@ from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.engine.save import SaveResult
 from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.execute.collective import rank, run_phase
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.memory import fallback, state
 from tenplex_megatron.memory.restart import discard_after
 from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
 from tenplex_megatron.memory.state import MemoryTier
-from tenplex_megatron.storage import lease
+from tenplex_megatron.storage import job_identity, lease
 
 _log = log.get("checkpointer")
 
@@ -49,6 +52,37 @@ class Checkpointer:
         self._tier: MemoryTier | None = None
         self._opened = False
         self._closed = False
+        self._claimed: set[str] = set()
+
+    @classmethod
+    def for_api(cls, prog: str) -> Checkpointer:
+        """A job driven through API calls rather than flags (the DeepSpeed front door): no lease claimed at start-up
+        (each save directory is claimed at its first save, :meth:`claim_dir`), no host-memory tier opened."""
+        return cls(argparse.Namespace(tenplex=False, save=None, load=None, tenplex_memory=None), prog)
+
+    def claim_dir(self, save_dir: str, job_id: str | None = None, take_over: bool = False,
+                  ttl: float = lease.DEFAULT_TTL) -> None:
+        """Collective, once per directory: rank 0 takes ``save_dir``'s lease for ``job_id`` (default: the launch's
+        id), the other ranks check it; another live job's lease is refused on every rank (a
+        :class:`~tenplex_megatron.storage.lease.LeaseError` naming the directory and its holder) before anything is
+        written. Rank 0's lease is released by :meth:`close`."""
+        self._check_open()
+        key = os.path.abspath(save_dir)
+        if key in self._claimed:
+            return
+
+        def claim() -> None:  # the launch's id read on every rank inside the phase: a failure there is raised on all
+            job = job_identity.job_id(job_id)
+            if rank() == 0:
+                lease.acquire(save_dir, job, ttl, take_over, remedy=lease.API_REMEDY)
+            else:
+                lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY)
+
+        run_phase(f"lease of {save_dir}", claim)
+        self._claimed.add(key)
+        if rank() == 0:
+            self.args.tenplex_leases = [*(self.args.tenplex_leases or ()), save_dir]
+        self.leases = tuple(self.args.tenplex_leases or ())
 
     # -- the sequence ------------------------------------------------------------------------------------------
 
@@ -81,11 +115,12 @@ class Checkpointer:
 
     def restart(self, adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult],
                 sources: restart_sources.Sources, load_dir: str | None, *,
-                memory: bool = True) -> fallback.Restart:
-        """Collective: load ``sources``' snapshot or durable checkpoint, re-sharded (``--tenplex-no-verify`` skips
-        the checksums); a damaged copy falls back to the next (``memory/fallback.py``)."""
+                memory: bool = True, verify: bool | None = None) -> fallback.Restart:
+        """Collective: load ``sources``' snapshot or durable checkpoint, re-sharded (``verify``, by default unless
+        ``--tenplex-no-verify``: check the checksums); a damaged copy falls back to the next (``memory/fallback.py``)."""
         self._check_open()
-        verify = not getattr(self.args, "tenplex_no_verify", False)
+        if verify is None:
+            verify = not getattr(self.args, "tenplex_no_verify", False)
         tier = self._tier if memory else None
         return restart_sources.restart(adapter, load_durable, tier, sources, load_dir, verify=verify)
 
@@ -118,6 +153,11 @@ class Checkpointer:
         (each durable checkpoint committed meanwhile said through ``say``); nothing without the tier."""
         if self._tier is not None and not self._closed:
             memory_flags.finish(self._tier, over=over, say=say)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run."""
+        return self._closed
 
     @property
     def tier(self) -> MemoryTier | None:

@@ -12,13 +12,14 @@ DeepSpeed's own ``global_stepN`` checkpoints written at any DP size, in place
 Safety at cluster scale, as behind the other front doors: the first save into a directory takes its lease (one
 writer per directory, ``storage/lease.py``: another live job's directory is refused on every rank before anything
 is written); a load of the newest checkpoint falls back past a damaged copy (``memory/fallback.py``); and under
-torchrun a worker dies with its agent (``engine/orphan.py``).
+torchrun a worker dies with its agent (``engine/orphan.py``). The lease claim and the load order run through the
+engine's one :class:`~tenplex_megatron.frontdoor.checkpointer.Checkpointer` (:func:`checkpointer`), as behind the
+other front doors.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from tenplex_megatron.engine import orphan
@@ -26,7 +27,7 @@ from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
 from tenplex_megatron.engine.save import SaveResult, save
-from tenplex_megatron.execute.collective import rank, run_phase
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.zero import (
     DeepSpeedStateError,
@@ -37,9 +38,8 @@ from tenplex_megatron.integrations.deepspeed.zero import (
     inner_optimizer,
     tied_copies,
 )
-from tenplex_megatron.memory import fallback
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.storage import copies, job_identity, lease
+from tenplex_megatron.storage import lease
 
 FRAMEWORK = "deepspeed"
 
@@ -123,31 +123,32 @@ class DeepSpeedAdapter:
             native.refresh_model_weights(self.engine)
 
 
-#: the engine's attribute naming the save directories whose lease its job has claimed (rank 0 holds each): the
-#: record lives with the engine, so that a new engine in the same process (a job built again) claims afresh
-CLAIMED_ATTRIBUTE = "_tenplex_claimed_save_dirs"
+#: the engine's attribute holding its job's :class:`~tenplex_megatron.frontdoor.checkpointer.Checkpointer` (the
+#: save directories claimed, their leases): it lives with the engine, so that a new engine in the same process (a job
+#: built again) claims afresh
+CHECKPOINTER_ATTRIBUTE = "_tenplex_checkpointer"
+
+PROG = "tenplex_megatron.integrations.deepspeed"
+
+
+def checkpointer(engine: Any) -> Checkpointer:
+    """The engine's :class:`Checkpointer` (built at its first use, kept on the engine; a closed one is replaced);
+    without ``engine``, a new one for this call."""
+    ckpt: Checkpointer | None = getattr(engine, CHECKPOINTER_ATTRIBUTE, None)
+    if ckpt is None or ckpt.closed:
+        ckpt = Checkpointer.for_api(PROG)
+        if engine is not None:
+            setattr(engine, CHECKPOINTER_ATTRIBUTE, ckpt)
+    return ckpt
 
 
 def claim_save_dir(save_dir: str, job_id: str | None = None, take_over: bool = False,
                    ttl: float = lease.DEFAULT_TTL, *, engine: Any = None) -> None:
     """Collective, once per directory and ``engine``: rank 0 takes ``save_dir``'s lease for ``job_id`` (default:
     the launch's id, as the trainers derive it), the other ranks check it; another live job's lease is refused on
-    every rank, naming the directory and its holder, before anything is written. Without ``engine``: every call
-    claims."""
-    key = os.path.abspath(save_dir)
-    claimed: set[str] = getattr(engine, CLAIMED_ATTRIBUTE, set())
-    if key in claimed:
-        return
-    def claim() -> None:  # the launch's id read on every rank inside the phase: a failure there is raised on all
-        job = job_identity.job_id(job_id)
-        if rank() == 0:
-            lease.acquire(save_dir, job, ttl, take_over, remedy=lease.API_REMEDY)
-        else:
-            lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY)
-
-    run_phase(f"lease of {save_dir}", claim)
-    if engine is not None:
-        setattr(engine, CLAIMED_ATTRIBUTE, claimed | {key})
+    every rank, naming the directory and its holder, before anything is written (``Checkpointer.claim_dir``).
+    Without ``engine``: every call claims."""
+    checkpointer(engine).claim_dir(save_dir, job_id, take_over, ttl)
 
 
 def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | None = None,
@@ -173,11 +174,12 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *,
     orphan.die_with_agent()
     adapter = DeepSpeedAdapter(engine, seed, where=load_dir)
     if not native.is_deepspeed_checkpoint_dir(load_dir):
-        newest, damaged = copies.choose(load_dir) if iteration is None else (None, ())
-        if newest is None:  # a given iteration (or nothing to load: the engine's error)
+        ckpt = checkpointer(engine)
+        sources = ckpt.sources(load_dir, tenplex=True, memory=False) if iteration is None else None
+        if sources is None or sources.tenplex is None:  # a given iteration (or nothing to load: the engine's error)
             return load(adapter, load_dir, iteration, strict=True, verify=verify)
-        return fallback.restart(lambda _: None, lambda path: load(adapter, path, None, strict=True, verify=verify),
-                                None, None, load_dir, newest, damaged).result
+        return ckpt.restart(lambda: adapter, lambda path: load(adapter, path, None, strict=True, verify=verify),
+                            sources, load_dir, memory=False, verify=verify).result
 
     def opener() -> Any:  # runs before the adapter describes the engine for the load
         opened, adapter.source = native.open_native(native.step_dir(load_dir, iteration),
