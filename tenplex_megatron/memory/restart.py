@@ -23,7 +23,7 @@ import torch
 from tenplex_megatron.engine import rank_local
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
-from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.collective import broadcast_json, gather_phase, gather_records, rank, run_phase
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.peers import cpu_group, exchange
 from tenplex_megatron.memory.state import MemoryTier
@@ -55,22 +55,38 @@ def durable_iteration(load_dir: str | None) -> int | None:
     return None if path is None else directory.read_checkpoint_metadata(path).require_iteration()
 
 
+@dataclass(frozen=True)
+class NodeListing:
+    """One rank's answer when a restart lists the snapshots: its node's (its leader's; none from the others) and,
+    from rank 0, the newest durable checkpoint's iteration."""
+
+    held: tuple[Snapshot, ...]
+    durable: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"held": [s.to_json() for s in self.held], "durable": self.durable}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NodeListing:
+        return cls(tuple(Snapshot.from_json(s) for s in d["held"]), d["durable"])
+
+
 def choose(tier: MemoryTier, load_dir: str | None,
            exclude: set[tuple[int, str, str]] | frozenset[tuple[int, str, str]] = frozenset()) -> Choice | None:
     """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh). Every
     node's snapshots newer than the restart point (incomplete on the live nodes: a node that held part of them was
     lost) are discarded, so that the job never jumps back to that timeline when the node returns. ``exclude``:
     (iteration, rank file, node) copies found damaged (:func:`damaged_copies`), counted as absent."""
-    def local() -> dict[str, Any]:
+    def local() -> NodeListing:
         held = node_dir.list_snapshots(tier.mem, tier.node) if tier.leader else []
-        return {"held": [s.to_json() for s in held], "durable": durable_iteration(load_dir) if rank() == 0 else None}
+        return NodeListing(tuple(held), durable_iteration(load_dir) if rank() == 0 else None)
 
-    got = gather_phase(f"--tenplex-memory {tier.mem}: listing snapshots", local)
-    held = [Snapshot.from_json(s) for g in got for s in g["held"]]
+    got = gather_records(f"--tenplex-memory {tier.mem}: listing snapshots", local, NodeListing)
+    held = [s for g in got for s in g.held]
     if exclude:
         held = [dataclasses.replace(s, present={f: n for f, n in s.present.items()
                                                 if (s.iteration, f, s.node) not in exclude}) for s in held]
-    newest_durable = got[0]["durable"]
+    newest_durable = got[0].durable
     picked = run_phase("choosing the snapshot to restart from", lambda: _pick(held, tier.settings.job, newest_durable))
     durable_dir = None if not load_dir or newest_durable is None else os.path.join(
         load_dir, directory.iter_dir_name(newest_durable))
