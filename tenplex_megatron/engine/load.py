@@ -22,7 +22,7 @@ import torch
 from tenplex_megatron.engine import rank_local, rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
-from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
+from tenplex_megatron.execute.collective import gather_records, rank, run_phase
 from tenplex_megatron.execute.executor import (
     ExecStats,
     block_intervals,
@@ -35,7 +35,7 @@ from tenplex_megatron.plan.gc_pause import gc_paused
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.plan.verify_share import share_blocks
+from tenplex_megatron.plan.verify_share import Interval, share_blocks
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.source import Opened
@@ -100,6 +100,23 @@ class ChunksLoaded:
     ptc: PTC
     stats: ExecStats
     tensors: int  # chunks filled
+
+
+@dataclass(frozen=True)
+class RankReads:
+    """What one rank of a load reads, gathered before any copy: the tensors it fills (the strict check that every
+    stored tensor has a reader), its host, and the shareable checksum blocks it needs (one rank per host checks each)."""
+
+    tensors: tuple[str, ...]
+    host: str | None
+    blocks: tuple[Interval, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tensors": list(self.tensors), "host": self.host, "blocks": [list(b) for b in self.blocks]}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RankReads:
+        return cls(tuple(d["tensors"]), d["host"], tuple((s, lo, hi) for s, lo, hi in d["blocks"]))
 
 
 @dataclass
@@ -177,18 +194,18 @@ def load_chunks(
     p = run_phase(f"load from {load_dir}: opening sources", open_sources)
     path = p.opened.path
     tensors = sorted({lc.meta.key for lc in p.chunks})
-    ranks = gather_phase(f"load from {path}: gathering what each rank reads",
-                         lambda: {"tensors": tensors, "host": host, "blocks": block_intervals(p.todo)})
+    ranks = gather_records(f"load from {path}: gathering what each rank reads",
+                           lambda: RankReads(tuple(tensors), host, tuple(block_intervals(p.todo))), RankReads)
 
     def check_and_verify() -> None:
-        needed = {k for r in ranks for k in r["tensors"]}
+        needed = {k for r in ranks for k in r.tensors}
         unused = sorted(k for k in set(p.opened.ptc.tensors) - needed if not (left_out and k.startswith(left_out)))
         if strict and unused:
             raise PlanError(f"{path}: the checkpoint has tensors no rank of this job holds: {', '.join(unused[:8])}")
         maybe_fail("load.verify", me)
         # checksums of every block read, each checked by one rank of the host that reads it, before any copy
-        needs = {r: [(s, lo, hi) for s, lo, hi in x["blocks"]] for r, x in enumerate(ranks)}
-        share = share_blocks(needs, {r: x["host"] for r, x in enumerate(ranks)}, me)
+        needs = {r: list(x.blocks) for r, x in enumerate(ranks)}
+        share = share_blocks(needs, {r: x.host for r, x in enumerate(ranks)}, me)
         with plain_ops():
             verify_blocks(p.opened.files, p.todo, share)
         if local is None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,16 @@ import torch.distributed as dist
 from tenplex_megatron.errors import TenplexError
 
 T = TypeVar("T")
+R = TypeVar("R", bound="Record")
+
+
+class Record(Protocol):
+    """A phase's typed per-rank result: a frozen dataclass that travels as JSON (``to_json``/``from_json``)."""
+
+    def to_json(self) -> Any: ...
+
+    @classmethod
+    def from_json(cls: type[R], d: Any) -> R: ...
 
 
 class RankFailure(TenplexError, RuntimeError):
@@ -106,6 +116,12 @@ def gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
     got = [json.loads(b) for b in _all_gather_bytes(payload)]
     _raise_failures(what, {r: g["error"] for r, g in enumerate(got) if "error" in g}, error)
     return [g["ok"] for g in got]
+
+
+def gather_records(what: str, fn: Callable[[], R], kind: type[R]) -> list[R]:
+    """:func:`gather_phase` of a typed record: ``fn``'s ``kind`` travels as its JSON and comes back as ``kind`` from
+    every rank, in rank order."""
+    return [kind.from_json(d) for d in gather_phase(what, lambda: fn().to_json())]
 
 
 def run_phase(what: str, fn: Callable[[], T]) -> T:

@@ -67,7 +67,7 @@ from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
     is_legacy_megatron_checkpoint,
-    read_metadata,
+    read_checkpoint_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
 
@@ -430,7 +430,7 @@ def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any
     ckpt = find_checkpoint(args.load)
     mck = find_megatron_checkpoint(args.load) if ckpt is None else None
     if ckpt is not None:
-        saved = read_metadata(ckpt).get("padded_vocab_size")
+        saved = read_checkpoint_metadata(ckpt).padded_vocab_size
     elif mck is not None:
         read = legacy_padded_vocab if is_legacy_megatron_checkpoint(mck) else saved_padded_vocab
         saved = read(mck, trust_pickles=getattr(args, "tenplex_trust_pickles", False))

@@ -23,7 +23,7 @@ import torch
 from tenplex_megatron.engine import rank_local
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
-from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.collective import broadcast_json, gather_phase, gather_records, rank, run_phase
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.peers import cpu_group, exchange
 from tenplex_megatron.memory.state import MemoryTier
@@ -55,22 +55,38 @@ def durable_iteration(load_dir: str | None) -> int | None:
     return None if path is None else directory.read_checkpoint_metadata(path).require_iteration()
 
 
+@dataclass(frozen=True)
+class NodeListing:
+    """One rank's answer when a restart lists the snapshots: its node's (its leader's; none from the others) and,
+    from rank 0, the newest durable checkpoint's iteration."""
+
+    held: tuple[Snapshot, ...]
+    durable: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"held": [s.to_json() for s in self.held], "durable": self.durable}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NodeListing:
+        return cls(tuple(Snapshot.from_json(s) for s in d["held"]), d["durable"])
+
+
 def choose(tier: MemoryTier, load_dir: str | None,
            exclude: set[tuple[int, str, str]] | frozenset[tuple[int, str, str]] = frozenset()) -> Choice | None:
     """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh). Every
     node's snapshots newer than the restart point (incomplete on the live nodes: a node that held part of them was
     lost) are discarded, so that the job never jumps back to that timeline when the node returns. ``exclude``:
     (iteration, rank file, node) copies found damaged (:func:`damaged_copies`), counted as absent."""
-    def local() -> dict[str, Any]:
+    def local() -> NodeListing:
         held = node_dir.list_snapshots(tier.mem, tier.node) if tier.leader else []
-        return {"held": [s.to_json() for s in held], "durable": durable_iteration(load_dir) if rank() == 0 else None}
+        return NodeListing(tuple(held), durable_iteration(load_dir) if rank() == 0 else None)
 
-    got = gather_phase(f"--tenplex-memory {tier.mem}: listing snapshots", local)
-    held = [Snapshot.from_json(s) for g in got for s in g["held"]]
+    got = gather_records(f"--tenplex-memory {tier.mem}: listing snapshots", local, NodeListing)
+    held = [s for g in got for s in g.held]
     if exclude:
         held = [dataclasses.replace(s, present={f: n for f, n in s.present.items()
                                                 if (s.iteration, f, s.node) not in exclude}) for s in held]
-    newest_durable = got[0]["durable"]
+    newest_durable = got[0].durable
     picked = run_phase("choosing the snapshot to restart from", lambda: _pick(held, tier.settings.job, newest_durable))
     durable_dir = None if not load_dir or newest_durable is None else os.path.join(
         load_dir, directory.iter_dir_name(newest_durable))
@@ -101,7 +117,10 @@ def choose(tier: MemoryTier, load_dir: str | None,
         return directory.read_metadata(path)
 
     meta = broadcast_json(run_phase("reading the snapshot's metadata", read_meta), src)
-    return dataclasses.replace(picked, metadata=meta,  # picked.durable: files of the durable iteration
+    # every rank types the metadata it was sent (checked as read on ``src``: the same answer on every rank)
+    typed = CheckpointMetadata.from_json(
+        meta, os.path.join(node_dir.snapshot_dir(tier.mem, picked.iteration), directory.METADATA_FILE))
+    return dataclasses.replace(picked, metadata=typed,  # picked.durable: files of the durable iteration
                                durable_dir=durable_dir if picked.durable else None)
 
 
@@ -114,6 +133,13 @@ def _pick(held: list[Snapshot], job: str, durable_iteration: int | None,
         raise CheckpointFileError(str(e)) from None
 
 
+def _metadata(choice: Choice) -> CheckpointMetadata:
+    """The chosen snapshot's metadata (filled in by :func:`choose` once the choice is made)."""
+    if choice.metadata is None:
+        raise ValueError(f"snapshot of iteration {choice.iteration}: its metadata was not read")
+    return choice.metadata
+
+
 def damaged_copies(tier: MemoryTier, choice: Choice) -> list[tuple[int, str, str]]:
     """Collective, after a failed load only: the (iteration, rank file, node) copies of the chosen snapshot that fail their
     checksums, each node's leader checking every file its memory holds of it (``verify_checkpoint``)."""
@@ -121,7 +147,7 @@ def damaged_copies(tier: MemoryTier, choice: Choice) -> list[tuple[int, str, str
         path = node_dir.snapshot_dir(tier.mem, choice.iteration)
         if not tier.leader or not os.path.isdir(path):
             return []
-        held = {f for f in choice.metadata.get("files", {}) if os.path.isfile(os.path.join(path, f))}
+        held = {f for f in _metadata(choice).files or {} if os.path.isfile(os.path.join(path, f))}
         return sorted([f, tier.node] for f in verify_checkpoint(path, workers=1).damaged_files() if f in held)
 
     got = gather_phase(f"--tenplex-memory {tier.mem}: checking this node's copies of the snapshot", local)
@@ -141,8 +167,7 @@ class MemorySource(SourceFiles):
 
     def __init__(self, tier: MemoryTier, choice: Choice, verify: bool):
         path = node_dir.snapshot_dir(tier.mem, choice.iteration)
-        # every rank checks the metadata it was sent (a malformed field: a damaged copy, as on disk)
-        meta = CheckpointMetadata.from_json(choice.metadata, os.path.join(path, directory.METADATA_FILE))
+        meta = _metadata(choice)
         ptc = meta.require_ptc()
         local = [f for f, nodes in choice.holders.items() if tier.node in nodes]
         durable = list(choice.durable)
@@ -161,7 +186,7 @@ class MemorySource(SourceFiles):
         self.durable = set(durable)
         self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
-        self.local_sizes = rank_local.entry_sizes(choice.metadata)  # (file, rank-local entry) -> its byte count
+        self.local_sizes = rank_local.entry_sizes(meta.raw)  # (file, rank-local entry) -> its byte count
 
     def _receive_into(self, key: tuple[str, str], nbytes: int) -> torch.Tensor:
         """The buffer for ``key``'s bytes received from peers (``nbytes``), made on first use."""
@@ -244,7 +269,7 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = F
                 bb = sc.location.block_bytes or size
                 blocks = touched_blocks(*piece_runs(p), dtype_size(files.dtypes[sc.chunk.key]), bb)
                 wanted.setdefault(p.source, []).extend((b * bb, min((b + 1) * bb, size)) for b in blocks)
-            own = rank_local.stored_entries(choice.metadata, rank()) if with_rank_local else []
+            own = rank_local.stored_entries(_metadata(choice).raw, rank()) if with_rank_local else []
             return [*(PeerRequest(_key(sources[s]), lo, hi).to_json() for s, rs in wanted.items()
                       for lo, hi in merge_ranges(rs)),
                     *(PeerRequest(PeerKey(f, n), 0, nbytes).to_json() for f, n, nbytes in own if not files.stored(f))]
@@ -313,10 +338,10 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: Choice, *, verify:
     def opener() -> Opened:
         src = MemorySource(tier, choice, verify)
         opened.append(src)
-        return Opened(label, choice.metadata, src.ptc, src)
+        return Opened(label, dict(_metadata(choice).raw), src.ptc, src)
 
     same_layout = getattr(adapter, "prepare_rank_local", None) is not None \
-        and choice.metadata.get("layout") == adapter.layout()  # rank-local state can apply: fetch it too
+        and _metadata(choice).layout == adapter.layout()  # rank-local state can apply: fetch it too
     fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice, same_layout)
     res = load(adapter, label, None, strict=True, verify=verify, opener=opener, host=f"memory-node:{tier.node}",
                fetch=fetch)

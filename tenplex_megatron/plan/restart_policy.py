@@ -8,10 +8,13 @@ collective around it (listing, gathering, reading the chosen metadata) is ``memo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tenplex_megatron.errors import TenplexError
+
+if TYPE_CHECKING:  # the type alone: the planner reads no files
+    from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 
 
 class ForeignSnapshotError(TenplexError, ValueError):
@@ -65,7 +68,7 @@ class Choice:
     holders: dict[str, tuple[str, ...]]
     expected: dict[str, int]
     durable: tuple[str, ...] = ()
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: CheckpointMetadata | None = None  # the snapshot's metadata.json, checked
     durable_dir: str | None = None
 
 

@@ -50,7 +50,7 @@ from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, retention, save
 from tenplex_megatron.plan.unsupported import UNSUPPORTED
 from tenplex_megatron.storage.directory import (
     is_legacy_megatron_checkpoint,
-    read_metadata,
+    read_checkpoint_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.training import (
@@ -463,7 +463,8 @@ def _padded_vocab(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayou
     """The padded vocabulary: the restart source's (``--tenplex-vocab-padding keep``) where this TP allows it, else
     Megatron's rule. A legacy Megatron-LM checkpoint without ``--tenplex`` is refused here, before anything is built."""
     from_memory, ckpt, mck = sources.memory, sources.tenplex, sources.megatron
-    saved_padded = (from_memory.metadata if from_memory else read_metadata(ckpt) if ckpt else {}).get("padded_vocab_size")
+    saved_meta = from_memory.metadata if from_memory else read_checkpoint_metadata(ckpt) if ckpt else None
+    saved_padded = saved_meta.padded_vocab_size if saved_meta is not None else None
     legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
     if legacy and not args.tenplex:
         raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
