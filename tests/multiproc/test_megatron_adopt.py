@@ -94,17 +94,23 @@ def _run(tmp: str, name: str, tasks: list[dict]) -> str:
     return r.log
 
 
-def _edit_common(ckpt: str, edit: Callable[[dict], None]) -> None:
-    """Change a torch_dist checkpoint's common state (the test crafts bad input from its own trusted file)."""
+def _read_common(ckpt: str) -> dict:
+    """A torch_dist checkpoint's common state (the test's own trusted file): ``common.pt``, or from megatron-core
+    0.19 an object in the .distcp files."""
     legacy = os.path.join(ckpt, "common.pt")
     if os.path.isfile(legacy):
-        common = torch.load(legacy, weights_only=False)
-    else:  # megatron-core 0.19+: the common state is an object in the .distcp files; a common.pt is read first
-        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+        return torch.load(legacy, weights_only=False)
+    from megatron.core.dist_checkpointing.serialization import load_common_state_dict
 
-        common = load_common_state_dict(ckpt)
+    return load_common_state_dict(ckpt)
+
+
+def _edit_common(ckpt: str, edit: Callable[[dict], None]) -> None:
+    """Change a torch_dist checkpoint's common state (the test crafts bad input from its own trusted file); a
+    common.pt is read first, also from megatron-core 0.19."""
+    common = _read_common(ckpt)
     edit(common)
-    torch.save(common, legacy)
+    torch.save(common, os.path.join(ckpt, "common.pt"))
 
 
 def _rewrite_index(ckpt: str, old: str, new: str) -> None:
@@ -258,7 +264,7 @@ def test_exported_megatron_checkpoint_resumes_without_tenplex_and_losses_continu
         assert f.read().strip() == "3"
     with open(os.path.join(out, "iter_0000003", "metadata.json")) as f:
         assert json.load(f)["sharded_backend"] == "torch_dist"
-    common = torch.load(os.path.join(out, "iter_0000003", "common.pt"), weights_only=False)  # the test's own file
+    common = _read_common(os.path.join(out, "iter_0000003"))
     args, lay = common["args"], ParallelLayout.parse(to)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size) == \
         (lay.tp, lay.pp, lay.dp)
