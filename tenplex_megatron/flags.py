@@ -218,8 +218,9 @@ class EnvVar:
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_STAGING", "`parallel`, `copy`, `direct`, `auto`", "`auto`",
            "how a load reads: reader threads with `preadv` into one ring of slots, checking each block as it is "
-           "read (`parallel`, pinned on a GPU; `auto` is this), one host thread through a ring of staging buffers "
-           "(`copy`) or one strided copy per piece from the file's map (`direct`); a save from a GPU goes through "
+           "read (`parallel`, pinned on a GPU; opt-in: it finds a damaged block while it copies, after earlier pieces "
+           "are placed), one host thread through a ring of staging buffers (`copy`; `auto` on a GPU) or one strided "
+           "copy per piece from the file's map (`direct`; `auto` on the CPU); a save (`auto`: writer threads) from a GPU goes through "
            "the ring unless `direct`, one from the CPU through the ring only with `copy`", "user"),
     EnvVar("TENPLEX_STAGING_MB", "MB (fractions allowed)", "256",
            "the staging budget of one load or save, the ring's buffers together; on a GPU the same again in device "

@@ -30,17 +30,23 @@ MIN_BYTES = 64
 
 def staging_mode(device: torch.device) -> str:
     """How a load reads, from ``TENPLEX_STAGING``: ``parallel`` (``storage/parallel_read.py``: reader threads, one
-    ring, the default), ``copy`` (one host thread through staging buffers) or ``direct`` (per-piece copies from
-    the file's map). ``auto``: ``parallel``."""
+    ring; opt-in), ``copy`` (one host thread through staging buffers) or ``direct`` (per-piece copies from the
+    file's map). ``auto`` (the default): ``copy`` for a GPU, ``direct`` for the CPU. The parallel reader is not the
+    default yet: it finds a damaged block while it copies, and a Megatron-LM restart that then falls back to an
+    older copy did not continue its losses (tests/megatron_lm, ``falls_back_past_a_damaged_checkpoint``)."""
     mode = os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"TENPLEX_STAGING={mode!r}: expected one of {', '.join(MODES)}")
-    return "parallel" if mode == "auto" else mode
+    if mode == "auto":
+        return "direct" if device.type == "cpu" else "copy"
+    return mode
 
 
 def write_mode(device: torch.device) -> str:
     """How a save or snapshot leaves ``device``: ``parallel`` (``storage/parallel_write.py``: writer threads, the
-    default), ``copy`` (one thread through the staging ring) or ``direct`` (one write per tensor)."""
+    default: ``auto``), ``copy`` (one thread through the staging ring) or ``direct`` (one write per tensor)."""
+    if (os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto") == "auto":
+        return "parallel"
     return staging_mode(device)
 
 

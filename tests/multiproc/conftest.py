@@ -1,6 +1,6 @@
 """The multi-process suite loads through the parallel reader with small slots, unless told otherwise.
 
-The launches inherit ``TENPLEX_STAGING=parallel`` (the default, named so that
+The launches inherit ``TENPLEX_STAGING=parallel`` (opt-in for loads, named so that
 an outer setting cannot change it unseen) and a 0.25 MB staging budget (reads
 cut into many runs, slots reused, pieces split across them), so every matrix
 oracle (bit-exact re-save, loss continuation) checks the reader's indexing.

@@ -206,7 +206,8 @@ def test_settings_are_checked(monkeypatch) -> None:
     with pytest.raises(ValueError, match="TENPLEX_STAGING='zero'"):
         staging_mode(torch.device("cpu"))
     monkeypatch.setenv("TENPLEX_STAGING", "auto")
-    assert staging_mode(torch.device("cpu")) == "parallel" and staging_mode(torch.device("cuda")) == "parallel"
+    # a load's default: the single-thread paths (the parallel reader is opt-in); a save's: the writer threads
+    assert staging_mode(torch.device("cpu")) == "direct" and staging_mode(torch.device("cuda")) == "copy"
     assert write_mode(torch.device("cpu")) == "parallel" and write_mode(torch.device("cuda")) == "parallel"
     monkeypatch.setenv("TENPLEX_STAGING_MB", "lots")
     with pytest.raises(ValueError, match="TENPLEX_STAGING_MB='lots'"):
