@@ -10,6 +10,7 @@ import os
 import re
 import tempfile
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -39,13 +40,12 @@ def _source(root: str, src=(2, 1, 1, False), seed: int = 0, d: int = 2, layers: 
     return tensors, write_source(root, tensors, ParallelLayout(*src[:3]), src[3], full)
 
 
-def _load(root: str, tensors, rp, sources, mode: str, monkeypatch=None, threads: int = 2, mb: float = 256,
+def _load(root: str, tensors, rp, sources, mode: str, threads: int = 2, mb: float = 256,
           verify: bool = True) -> tuple[list[torch.Tensor], object]:
-    """One rank's load as ``engine.load`` does it (open and verify, then copy), through ``TENPLEX_STAGING=mode``."""
+    """One rank's load as ``engine.load`` does it (open and verify, then copy), through ``TENPLEX_STAGING=mode``
+    (set and restored here: hypothesis examples cannot use a function-scoped monkeypatch)."""
     env = {"TENPLEX_STAGING": mode, "TENPLEX_READ_THREADS": str(threads), "TENPLEX_STAGING_MB": str(mb)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         files = SourceFiles(root, {k: m.dtype for k, m in tensors.items()}, verify=verify, require_checksums=verify)
         out = [torch.full((c.numel,), 7, dtype=getattr(torch, tensors[c.key].dtype)) for c in rp.chunks]
         try:
@@ -53,12 +53,6 @@ def _load(root: str, tensors, rp, sources, mode: str, monkeypatch=None, threads:
             stats = execute_plan(rp, sources, files, out)
         finally:
             files.close()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return out, stats
 
 
