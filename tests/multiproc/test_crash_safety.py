@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from unittest import mock
 
 import pytest
 import torch
@@ -51,17 +52,8 @@ LOAD_FAULTS = [("load.read@1:error", [1]), ("load.read:error", [0, 1])]
 
 
 def run(args: list[str], fault: str | None = None, nproc: int = 2, timeout: float = 180):
-    env_fault = {"TENPLEX_FAULT": fault} if fault else {}
-    old = {k: os.environ.get(k) for k in env_fault}
-    os.environ.update(env_fault)
-    try:
+    with mock.patch.dict(os.environ, {"TENPLEX_FAULT": fault} if fault else {}):
         return torchrun(nproc, [*MODEL, *args], timeout=timeout)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def job(name: str, args: list[str], fault: str | None = None) -> dict:
