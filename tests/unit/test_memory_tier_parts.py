@@ -335,8 +335,8 @@ def test_replication_between_two_helpers_is_byte_exact_and_paced_by_the_rate(tmp
                 assert (nodes[i] / f"r{it}_{other}").read_bytes() == files[other].read_bytes()
             if it == 2:
                 assert elapsed >= sizes[0] / rate, elapsed  # node 0 sent its file no faster than the cap
-            if it == 3:
-                assert elapsed < 0.5 * sizes[0] / rate, elapsed  # the hurry ended the pacing
+            if it == 3:  # the hurry ended the pacing: done before the cap alone would let node 0's file through
+                assert elapsed < sizes[0] / rate, elapsed
         for i in range(2):  # the spare became the replica (same inode), truncated to the replica's size
             assert not spares[i].exists() and os.stat(nodes[i] / f"r2_{1 - i}").st_ino == inodes[i]
     finally:
