@@ -33,6 +33,7 @@ from typing import Any
 
 from tenplex_megatron import log as tlog
 from tenplex_megatron.plan.versioned import VersionedFormat
+from tenplex_megatron.storage.bounded import read_capped
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir
 
@@ -44,6 +45,7 @@ VERSION = 1
 DEFAULT_TTL = 15.0  # seconds without a heartbeat after which another job may take a lease over
 HEARTBEATS_PER_TTL = 5
 _GEN_RE = re.compile(r"gen-([0-9]{8,})\.json")
+LEASE_MAX_BYTES = 64 * 1024  # a lease file is a few hundred bytes
 _KEEP_OLD = 1  # older generations' files kept (the one before the newest: what it took over, for the record)
 _NOT_ATOMIC = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
 
@@ -136,11 +138,12 @@ def current(directory: str) -> Lease | None:
     """The newest generation's lease of ``directory``, None where none was ever taken."""
     for g in reversed(generations(directory)):
         path = gen_path(directory, g)
-        try:
-            with open(path) as f:
-                text = f.read()
+        try:  # bounded like a checkpoint's own small files: a FIFO, device or giant in its place is refused
+            text = read_capped(path, LEASE_MAX_BYTES).decode("utf-8", errors="replace")
         except FileNotFoundError:  # pruned meanwhile by a newer holder
             continue
+        except CheckpointFileError as e:
+            raise LeaseError(f"{e}; remove it if no job writes into {directory}") from None
         return _parse(directory, path, text)
     return None
 

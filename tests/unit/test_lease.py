@@ -339,3 +339,20 @@ def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, mon
     del other.tenplex_leases
     with pytest.raises(SystemExit, match=f"{mem} is held by job 'job-a'"):
         lease_flags.claim(other, "pretrain_gpt.py")
+
+
+def test_a_fifo_or_giant_in_place_of_a_lease_file_is_refused_naming_it_without_blocking(tmp_path) -> None:
+    """A lease file is read like a checkpoint's own small files: a FIFO (which a plain open would wait on forever)
+    and a sparse giant are refused, naming the file, before anything is written."""
+    d = str(tmp_path / "ckpt")
+    os.makedirs(lease.lease_dir(d))
+    path = lease.gen_path(d, 1)
+    os.mkfifo(path)
+    with pytest.raises(lease.LeaseError, match=f"{path}: is a FIFO"):
+        lease.check(d, "job")
+    os.remove(path)
+    with open(path, "w") as f:
+        f.truncate(10 * lease.LEASE_MAX_BYTES)
+    with pytest.raises(lease.LeaseError, match=f"{path}: .* over the cap"):
+        lease.acquire(d, "job")
+    assert lease.generations(d) == [1]  # nothing taken
