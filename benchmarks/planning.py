@@ -6,7 +6,8 @@ For each N, two PTCs of one tensor, read from their JSON as ``verify``, ``plan``
 ``metadata.json``'s ``ptc``: the hostile-checkpoint probe's N staggered, overlapping chunks (each row ``[i, i+N)``
 of a ``[2N, 1]`` tensor: refused as overlapping), and a valid brick-wall partition of N chunks (two columns cut
 at staggered rows, so the boxes form no grid and the overlap check sweeps them), then planned onto two ranks (the
-tensor's halves). Prints the median seconds of each step; ``--out`` writes them as JSON.
+tensor's halves); and a valid comb of N chunks (N/2 one-row pieces beside N/2 full-height columns) read, checked
+and planned onto two ranks. Prints the median seconds of each step; ``--out`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ def brick_wall(n: int) -> dict[str, Any]:
     return _ptc([rows, 2], left + right)
 
 
+def comb(n: int) -> dict[str, Any]:
+    """A valid PTC JSON of ``2n`` chunks: ``n`` one-row pieces of column 0 beside ``n`` full-height columns (each
+    column spans every row interval the pieces cut: a grid of cells listing what spans them holds ``n**2``)."""
+    return _ptc([n, n + 1], [([r, 0], [1, 1]) for r in range(n)] + [([0, c], [n, 1]) for c in range(1, n + 1)])
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn()
@@ -62,8 +69,14 @@ def measure(n: int) -> dict[str, float]:
     b_plan, plan = _timed(lambda: plan_reshard(ptc, ptc.tensors, halves))
     if plan.total_bytes_read != rows * 2:
         raise SystemExit(f"{n} chunks of a brick wall: the plan reads {plan.total_bytes_read} bytes of {rows * 2}")
+    half = n // 2
+    c_plan, plan = _timed(lambda: plan_reshard(
+        comb_ptc := PTC.from_json(comb(half)), comb_ptc.tensors,
+        {0: [Chunk("w", (0, 0), (half // 2, half + 1))], 1: [Chunk("w", (half // 2, 0), (half - half // 2, half + 1))]}))
+    if plan.total_bytes_read != half * (half + 1):
+        raise SystemExit(f"{n} chunks of a comb: the plan reads {plan.total_bytes_read} bytes of {half * (half + 1)}")
     return {"staggered overlap: read + check": s_check, "brick wall: read + check": b_check,
-            "brick wall: plan onto 2 ranks": b_plan}
+            "brick wall: plan onto 2 ranks": b_plan, "comb: read + check + plan": c_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

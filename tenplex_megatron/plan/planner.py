@@ -104,54 +104,71 @@ class _Source:
         return self._rects
 
 
-class _Grid:
-    """Elementary intervals of one dimension: each cell lists the items that span it."""
-
-    def __init__(self, spans: list[tuple[int, int, int]]):
-        self.bounds = sorted({b for lo, hi, _ in spans for b in (lo, hi)})
-        self.cells: list[list[int]] = [[] for _ in range(max(len(self.bounds) - 1, 1))]
-        for lo, hi, n in spans:
-            for c in range(bisect.bisect_left(self.bounds, lo), bisect.bisect_left(self.bounds, hi)):
-                self.cells[c].append(n)
-
-    def cell_range(self, lo: int, hi: int) -> range:
-        a = max(bisect.bisect_right(self.bounds, lo) - 1, 0)
-        b = min(bisect.bisect_left(self.bounds, hi), len(self.cells))
-        return range(a, b)
-
-
 class _Index:
-    """A two-level grid (dimension 0, then dimension 1) over a tensor's source rectangles."""
+    """The source rectangles of one tensor, found by the destination box they meet: O(N log N) to build.
+
+    Along dimension 0 a query is output-sensitive: the rectangles starting inside the box are one slice of those
+    sorted by start, and those starting before it and reaching into it are a stabbing query of a segment tree
+    (each rectangle held by O(log N) nodes). Dimension 1, where there is one, filters what dimension 0 returns.
+    A grid of cells listing every rectangle that spans them grew as N squared on a valid partition (N thin rows
+    beside N full-height columns); this does not.
+    """
 
     def __init__(self, sources: list[_Source] | list[_Boxed]):
         self.items: list[tuple[int, Rect]] = [(i, r) for i, s in enumerate(sources) for r in s.rects]
         self.ndim = len(self.items[0][1].offsets) if self.items else 0
         if self.ndim == 0:
             return
-        self.top = _Grid([(r.offsets[0], r.end[0], n) for n, (_, r) in enumerate(self.items)])
-        self.sub: list[_Grid | None] = []
-        for cell in self.top.cells:
-            if self.ndim >= 2 and len(cell) > 8:
-                self.sub.append(_Grid([(self.items[n][1].offsets[1], self.items[n][1].end[1], n) for n in cell]))
-            else:
-                self.sub.append(None)
+        self.by_start = sorted(range(len(self.items)), key=lambda n: (self.items[n][1].offsets[0], n))
+        self.starts = [self.items[n][1].offsets[0] for n in self.by_start]
+        self.ends = sorted(r.end[0] for _, r in self.items)
+        self.bounds = sorted({b for _, r in self.items for b in (r.offsets[0], r.end[0])})
+        self.size = 1 << max(len(self.bounds) - 1, 1).bit_length()
+        self.nodes: dict[int, list[int]] = defaultdict(list)
+        for n, (_, r) in enumerate(self.items):  # the canonical nodes of the rectangle's cells [lo, hi)
+            lo = bisect.bisect_left(self.bounds, r.offsets[0]) + self.size
+            hi = bisect.bisect_left(self.bounds, r.end[0]) + self.size
+            while lo < hi:
+                if lo & 1:
+                    self.nodes[lo].append(n)
+                    lo += 1
+                if hi & 1:
+                    hi -= 1
+                    self.nodes[hi].append(n)
+                lo >>= 1
+                hi >>= 1
+
+    def _reaching(self, a: int) -> list[int]:
+        """The rectangles starting before ``a`` and ending after it along dimension 0 (a stabbing query)."""
+        cell = bisect.bisect_right(self.bounds, a) - 1
+        if cell < 0 or cell >= len(self.bounds) - 1:
+            return []
+        out = []
+        p = cell + self.size
+        while p:
+            out.extend(n for n in self.nodes.get(p, ()) if self.items[n][1].offsets[0] < a)
+            p >>= 1
+        return out
 
     def query(self, off: tuple[int, ...], end: tuple[int, ...]) -> list[tuple[int, Rect]]:
+        """The rectangles meeting the box ``[off, end)`` along dimensions 0 and 1, in the order of their start."""
         if self.ndim == 0:
             return list(self.items)
-        seen: set[int] = set()
-        out = []
-        for c in self.top.cell_range(off[0], end[0]):
-            sub = self.sub[c]
-            if sub is None:
-                ids: list[int] = self.top.cells[c]
-            else:
-                ids = [n for sc in sub.cell_range(off[1], end[1]) for n in sub.cells[sc]]
-            for n in ids:
-                if n not in seen:
-                    seen.add(n)
-                    out.append(self.items[n])
-        return out
+        inside = self.by_start[bisect.bisect_left(self.starts, off[0]): bisect.bisect_left(self.starts, end[0])]
+        ids = self._reaching(off[0]) + inside
+        if self.ndim >= 2:
+            ids = [n for n in ids if self.items[n][1].offsets[1] < end[1] and self.items[n][1].end[1] > off[1]]
+        return [self.items[n] for n in sorted(ids, key=lambda n: self._order(n, off))]
+
+    def _order(self, n: int, off: tuple[int, ...]) -> tuple[int, int, int]:
+        """Where rectangle ``n`` comes in a query from ``off``: the plans' order of pieces, kept as it always was (by
+        the first elementary interval of dimension 0 it meets; in an interval crowded by over 8 rectangles, by the
+        first of dimension 1 next; then by index), so that every plan is the same list as before."""
+        r = self.items[n][1]
+        x0 = max(r.offsets[0], off[0])
+        lo = self.bounds[max(bisect.bisect_right(self.bounds, x0) - 1, 0)]
+        crowded = self.ndim >= 2 and bisect.bisect_right(self.starts, lo) - bisect.bisect_right(self.ends, lo) > 8
+        return x0, max(r.offsets[1], off[1]) if crowded else 0, n
 
 
 def _unique_sources(chunks: list[tuple[int, StoredChunk]]) -> list[_Source]:
