@@ -38,6 +38,76 @@ def test_every_page_is_in_the_navigation() -> None:
         assert re.search(rf":\s+{re.escape(page)}\s*$", nav, re.M), f"docs/{page} is not in mkdocs.yml's nav"
 
 
+# A reader's page states what holds; how it came to hold goes into commit messages, plans into issues. Each pattern
+# is matched in prose only (fenced code blocks and code spans are left out: a command or a log may say anything),
+# case-insensitively, and names one habit of a lab notebook.
+DIARY = (
+    # An issue reference: the reader has no tracker; say what the thing is. `&#124;` (an HTML entity) and a link's
+    # `page.md#anchor` are not references; a number after `#` preceded by a letter, `&`, `/` or `#` is left alone.
+    (r"(?<![\w&/#])#\d+\b", "an issue reference (#N): say what the thing is"),
+    (r"\bissues? \d+\b|\b(?:the|this|that) issue's\b", "an issue named in words: say what the thing is"),
+    # Changelog wording: what a reader sees is the current state, compared with nothing.
+    (r"\bno longer\b", "changelog wording ('no longer'): say what holds"),
+    (r"\bfor the record\b", "'for the record': a figure is there because it says something; say what"),
+    # Plans: what is not done is a limit ("not supported", "not run"), said as such.
+    (r"\bis the next step\b|\bthe next step is\b|\bthe next GPU run\b", "a plan: say what is missing as a limit"),
+    # The machine's momentary state: a figure's caption names the machine and says whether it was shared.
+    (r"\bload averages?\b|\bunder load\b", "a load average: name the machine and say it was shared"),
+    # 'here' for this machine or this run: the reader is elsewhere; name the machine or the run.
+    (r"\b(?:seen|measured|ran|runs|run|built from nothing|lost) here\b|\b\d+(?:\.\d+)? s(?: of wall time)? here\b",
+     "'here' meaning the machine or the run: name it"),
+)
+
+
+def prose(text: str) -> str:
+    """A page without its fenced code blocks and code spans, line numbers kept (a code line becomes empty)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if re.match(r"^\s*(```|~~~)", line):
+            fenced = not fenced
+            lines.append("")
+        else:
+            lines.append("" if fenced else re.sub(r"`[^`]*`", "``", line))
+    return "\n".join(lines)
+
+
+def diary(text: str) -> list[str]:
+    """Every diary habit of a page, as 'line N: what (the words)'. Patterns span line breaks (Markdown wraps)."""
+    body = prose(text)
+    found = []
+    for pattern, what in DIARY:
+        for m in re.finditer(pattern.replace(" ", r"\s+"), body, re.I):
+            found.append(f"line {body.count(chr(10), 0, m.start()) + 1}: {what} ({m.group(0)!r})")
+    return found
+
+
+def test_no_page_reads_as_a_lab_notebook() -> None:
+    problems = []
+    for name in ["README.md"] + [f"docs/{p}" for p in PAGES]:
+        problems += [f"{name}: {p}" for p in diary(_read(*name.split("/")))]
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_diary_check_finds_each_habit_in_prose_only() -> None:
+    page = """See issue #4's targets and issue 13. It no longer hangs; for the record, the next step is a
+fix. Measured under load (load average 12), seen here, 38 s here.
+
+```
+git log --grep '#4' --grep 'no longer'   # code may say anything
+```
+
+`#4` and `measured here` in code spans; [a link](page.md#section-2), `&#124;` and a rank 3 are prose.
+"""
+    found = diary(page)
+    for words in ("'#4'", "'issue 13'", "'no longer'", "'for the record'", "'the next step is'", "'under load'",
+                  "'load average'", "'seen here'", "'38 s here'"):
+        assert any(words in f for f in found), (words, found)
+    assert all(f.startswith(("line 1:", "line 2:")) for f in found), found
+    assert len(found) == 9, found
+    assert diary("wrapped over\na line: it no\nlonger") == ["line 2: changelog wording ('no longer'): say what "
+                                                             "holds ('no\\nlonger')"]
+
+
 def test_no_page_speaks_of_sessions() -> None:
     for name, text in [("README.md", _read("README.md"))] + [(f"docs/{p}", _read("docs", p)) for p in PAGES]:
         assert not re.search(r"\bsessions?\b", text, re.I), f"{name}: history goes into commit messages"
