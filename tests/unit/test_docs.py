@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from scripts import support_table
 from tests.harness import ROOT
 
 DOCS = os.path.join(ROOT, "docs")
@@ -112,3 +113,17 @@ def test_no_page_speaks_of_sessions() -> None:
     for name, text in [("README.md", _read("README.md"))] + [(f"docs/{p}", _read("docs", p)) for p in PAGES]:
         assert not re.search(r"\bsessions?\b", text, re.I), f"{name}: history goes into commit messages"
         assert "../shared/" not in text, f"{name}: links outside the repository"
+
+
+def test_the_readmes_support_table_is_support_md_s() -> None:
+    # One source of truth: docs/support.md's "At a glance" table, copied with its links made relative to the root.
+    readme, support = _read("README.md"), _read("docs", "support.md")
+    assert support_table.readme_with_table(readme, support) == readme, \
+        "README.md's support table differs from docs/support.md's 'At a glance': python -m scripts.support_table"
+    assert support_table.main(["--check"]) == 0
+    row = next(line for line in support_table.glance(support).splitlines() if line.startswith("| DeepSpeed |"))
+    changed = support.replace(row, row.replace("ZeRO-0", "ZeRO-0, ZeRO++"))
+    assert support_table.readme_with_table(readme, changed) != readme  # a changed row is a different copy
+    assert "](docs/gpu.md)" in support_table.for_readme("[GPU check](gpu.md)")
+    assert support_table.for_readme("[x](#limits) [y](https://a.b/c.md)") == \
+        "[x](docs/support.md#limits) [y](https://a.b/c.md)"
