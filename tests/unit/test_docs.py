@@ -53,7 +53,8 @@ DIARY = (
     # Plans: what is not done is a limit ("not supported", "not run"), said as such.
     (r"\bis the next step\b|\bthe next step is\b|\bthe next GPU run\b", "a plan: say what is missing as a limit"),
     # The machine's momentary state: a figure's caption names the machine and says whether it was shared.
-    (r"\bload averages?\b|\bunder load\b", "a load average: name the machine and say it was shared"),
+    (r"\bload averages?\b|\bunder load\b|\bat (?:a )?load (?:of )?\d", "a load average: name the machine and say it "
+     "was shared"),
     # 'here' for this machine or this run: the reader is elsewhere; name the machine or the run.
     (r"\b(?:seen|measured|ran|runs|run|built from nothing|lost) here\b|\b\d+(?:\.\d+)? s(?: of wall time)? here\b",
      "'here' meaning the machine or the run: name it"),
@@ -91,7 +92,7 @@ def test_no_page_reads_as_a_lab_notebook() -> None:
 
 def test_the_diary_check_finds_each_habit_in_prose_only() -> None:
     page = """See issue #4's targets and issue 13. It no longer hangs; for the record, the next step is a
-fix. Measured under load (load average 12), seen here, 38 s here.
+fix. Measured under load (load average 12) and at load 3, seen here, 38 s here.
 
 ```
 git log --grep '#4' --grep 'no longer'   # code may say anything
@@ -101,10 +102,10 @@ git log --grep '#4' --grep 'no longer'   # code may say anything
 """
     found = diary(page)
     for words in ("'#4'", "'issue 13'", "'no longer'", "'for the record'", "'the next step is'", "'under load'",
-                  "'load average'", "'seen here'", "'38 s here'"):
+                  "'load average'", "'at load 3'", "'seen here'", "'38 s here'"):
         assert any(words in f for f in found), (words, found)
     assert all(f.startswith(("line 1:", "line 2:")) for f in found), found
-    assert len(found) == 9, found
+    assert len(found) == 10, found
     assert diary("wrapped over\na line: it no\nlonger") == ["line 2: changelog wording ('no longer'): say what "
                                                              "holds ('no\\nlonger')"]
 
