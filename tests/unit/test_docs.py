@@ -128,3 +128,38 @@ def test_the_readmes_support_table_is_support_md_s() -> None:
     assert "](docs/gpu.md)" in support_table.for_readme("[GPU check](gpu.md)")
     assert support_table.for_readme("[x](#limits) [y](https://a.b/c.md)") == \
         "[x](docs/support.md#limits) [y](https://a.b/c.md)"
+
+
+def test_the_readmes_quickstart_is_what_the_code_runs_and_prints() -> None:
+    # The quickstart's patch exists, its Megatron-LM flags are ones the opt-in suite runs pretrain_gpt.py with, its
+    # --tenplex flags are the hook's, and the restart line it shows is the hook's own (restart_sources.loaded_line
+    # behind the package logger's prefix), with N, X and S standing for the figures.
+    from tenplex_megatron import flags
+    from tenplex_megatron.engine.load import LoadResult
+    from tenplex_megatron.frontdoor.restart_sources import loaded_line
+    from tenplex_megatron.log import PREFIX
+    from tenplex_megatron.plan.layout import ParallelLayout
+
+    section = _read("README.md").split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```\n(.*?)```", section, re.S)
+    assert len(blocks) >= 2, "README.md's quickstart: the commands, then what a restart prints"
+    commands, printed = blocks[0], blocks[1].strip()
+
+    patches = re.findall(r"git apply \.\./tenplex-megatron/(\S+)", commands)
+    assert patches and all(os.path.isfile(os.path.join(ROOT, p)) for p in patches), patches
+    suite = _read("tests", "megatron_lm", "test_megatron_lm.py") + _read("tests", "megatron_lm", "run_megatron_lm.py")
+    torchrun = [line for line in commands.splitlines() if line.startswith("torchrun ")]
+    assert len(torchrun) == 2, commands
+    for flag in {f for line in torchrun for f in re.findall(r"--[a-z][a-z_-]*", line)} - {"--nproc_per_node"}:
+        if flag.startswith("--tenplex"):
+            assert flag in {f.name for f in flags.flags_for(flags.HOOK)}, f"README.md quickstart: {flag}"
+        else:
+            assert f'"{flag}"' in suite, f"README.md quickstart: {flag} is not a flag the opt-in suite runs"
+
+    src, dst = (ParallelLayout(**{k: int(v) for k, v in (kv.split("=") for kv in side.split(","))})
+                for side in re.search(r"layout (\S+) -> (\S+),", printed).groups())
+    res = LoadResult(path="ckpt/iter_0000500", iteration=500, source_layout=src.to_json(), bytes_read=12_345_678,
+                     bytes_filled=0, tensors=42, seconds=1.5, rng_exact=False)
+    pattern = re.escape(printed).replace("N\\ tensors", r"\d+\ tensors").replace("X\\ MB", r"[\d.]+\ MB")
+    pattern = pattern.replace("in\\ S\\ s", r"in\ [\d.]+\ s")
+    assert re.fullmatch(pattern, PREFIX + loaded_line(res, dst)), (printed, PREFIX + loaded_line(res, dst))
