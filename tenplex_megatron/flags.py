@@ -177,7 +177,7 @@ FLAGS: tuple[Flag, ...] = (
          "launch; else MASTER_ADDR:MASTER_PORT; else host:pid). A job with another id is refused a directory while "
          "its holder lives", "lease", metavar="ID", doc_default="the launch's id"),
     Flag("--tenplex-take-over", "take the leases of --save and --tenplex-memory over at once, even from a job whose "
-         "heartbeat is fresh (that job is known to be gone); it can no longer commit there", "lease",
+         "heartbeat is fresh (that job is known to be gone); it cannot commit there any more", "lease",
          action="store_true"),
     Flag("--tenplex-lease-ttl", "a holder silent this long is gone: another job may take its directories over (a "
          "holder on the same host that died is gone at once)", "lease", type=float, default=15.0,
