@@ -92,12 +92,12 @@ def by_iteration(entries: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def assert_uninterrupted(out: list[dict], ref: list[dict]) -> dict[int, list[dict]]:
+def assert_uninterrupted(out: list[dict], ref: list[dict], iters: int = ITERS) -> dict[int, list[dict]]:
     """Every logged iteration, repeated ones included, trained on the reference's samples to its loss and LR."""
     ref_by_it = {m["iteration"]: m for m in ref}
-    assert sorted(ref_by_it) == list(range(1, ITERS + 1))
+    assert sorted(ref_by_it) == list(range(1, iters + 1))
     got = by_iteration(out)
-    assert sorted(got) == list(range(1, ITERS + 1)), [m["iteration"] for m in out]
+    assert sorted(got) == list(range(1, iters + 1)), [m["iteration"] for m in out]
     for it, entries in got.items():
         for m in entries:  # before a fault and again after it: the same step
             assert m["loss"] == pytest.approx(ref_by_it[it]["loss"], rel=1e-5), (it, m["layout"])
