@@ -231,15 +231,17 @@ def test_survivors_keep_the_jobs_lease_generation(runs: dict) -> None:
 
 
 def test_a_fenced_job_stops_and_never_takes_the_lease_back(runs: dict) -> None:
-    """Another job takes the in-place job's --save over mid-run: the job's next commit is fenced, the rank exits
-    3, the launcher ends the others and exits 3; nothing is committed after the take-over, and no restart in place
+    """Another job takes the in-place job's --save over mid-run: the job's next commit is fenced, every rank exits
+    3 (the fence is raised on every rank of the collective commit) or is ended by the launcher, which exits 3; nothing is committed after the take-over, and no restart in place
     takes the directory back (the other job's generation stays the newest)."""
     run, seen, d = runs["fence"], runs["fence_seen"], runs["dir"]
     assert seen["alive"], run.log[-6000:]  # taken over while the job ran
     assert run.returncode == 3, run.log[-6000:]
-    assert 3 in pairs(STATUSES, run.log).values(), run.log[-3000:]
-    assert "a newer generation owns the directory" in run.log and "exited 3 (fenced: another job owns a " \
-        "checkpoint directory): ending the ranks left" in run.log, run.log[-6000:]
+    statuses = pairs(STATUSES, run.log)
+    assert 3 in statuses.values() and all(c in (3, -9) for c in statuses.values()), run.log[-3000:]
+    assert "a newer generation owns the directory" in run.log, run.log[-6000:]
+    if -9 in statuses.values():  # a rank still running when another exited 3 was ended by the launcher
+        assert "exited 3 (fenced: another job owns a checkpoint directory): ending the ranks left" in run.log
     got = lease_file(f"{d}/fence-ckpt")
     assert got["job"] == OTHER_JOB and got["generations"][-1] == seen["generation"], got
     # a commit that checked the fence just before the take-over may land; none after it
