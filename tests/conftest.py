@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DURATIONS = os.path.join(HERE, "multiproc", "durations.json")
 #: test files whose agents rendezvous or are killed on a clock: one unit of work, never run beside each other
 RENDEZVOUS = ("test_elastic.py", "test_bench_elastic.py", "test_memory_nodes.py", "test_signal_save.py",
-              "test_cluster_safety.py")
+              "test_cluster_safety.py", "test_inprocess_nodes.py")
 DEFAULT_SECONDS = 30.0  # a multi-process test file not in durations.json yet (a unit test file: 0, they fill in last)
 
 

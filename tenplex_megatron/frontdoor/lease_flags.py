@@ -15,6 +15,8 @@ from tenplex_megatron.storage import job_identity, lease
 
 _log = log.get("lease")
 
+FENCED_EXIT = 3  # the exit status of a writer fenced by a newer generation (the in-process launcher ends the rest)
+
 
 def job_id(args: Any) -> str:
     """The job's identity, the same on every rank and elastic round of one launch (``storage/job_identity.py``)."""
@@ -69,7 +71,7 @@ def stop_when_fenced(prog: str) -> Iterator[None]:
         if why is None:
             raise
         _log.error("%s: %s", prog, why)
-        elastic.stop_agent_and_exit(3)  # every node's agent
+        elastic.stop_agent_and_exit(FENCED_EXIT)  # every node's agent
 
 
 def release(args: Any) -> None:

@@ -188,13 +188,15 @@ def _write(lease: Lease, path: str) -> None:
 
 
 def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False, *,
-            remedy: tuple[str, str] = FLAG_REMEDY) -> Lease:
+            remedy: tuple[str, str] = FLAG_REMEDY, holder_pid: int | None = None) -> Lease:
     """Take the next generation of ``directory``'s lease for ``job`` (refused as :func:`check` says), hold it in
-    this process (heartbeat thread, :func:`fence`) and prune older generations' files."""
+    this process (heartbeat thread, :func:`fence`) and prune older generations' files. ``holder_pid``: the process
+    whose life the lease's liveness follows (default this one; a launcher that outlives its ranks, for a job
+    whose ranks may die while the others continue in place)."""
     if ttl <= 0:
         raise ValueError(f"--tenplex-lease-ttl must be > 0 seconds, got {ttl}")
     os.makedirs(lease_dir(directory), exist_ok=True)
-    holder = f"{socket.gethostname()}:{os.getpid()}"
+    holder = f"{socket.gethostname()}:{os.getpid() if holder_pid is None else holder_pid}"
     while True:
         cur = check(directory, job, take_over, remedy=remedy)
         gen = (cur.generation if cur else max(generations(directory), default=0)) + 1
@@ -232,6 +234,29 @@ def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool 
     if cur is not None and cur.job != job:
         log.warning("%s: took the lease over from %s", directory, cur.describe())
     return lease
+
+
+def adopt(directory: str, generation: int, token: str) -> Lease:
+    """Hold, in this process too, the lease another process of the same job took (its ``generation`` and
+    ``token``): no new generation, so the job's other holders are not fenced; this process's heartbeat renews it
+    as well, so the lease stays live while any holder lives. Refused (:class:`LeaseError`, naming the file) when
+    that generation is gone, is not the newest, or was taken by another taking (another token)."""
+    path = gen_path(directory, generation)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise LeaseError(f"{path}: the lease generation this job took is gone (a newer holder pruned it)") from None
+    mine = _parse(directory, path, text)
+    newest = max(generations(directory), default=0)
+    if mine.token != token or newest != generation:
+        raise FencedError(f"{directory}: a newer generation owns the directory (generation {newest}; this job took "
+                          f"generation {generation}): this process does not write there")
+    mine = replace(mine, directory=os.path.abspath(directory))
+    with _LOCK:
+        _HELD[_key(directory)] = mine
+    _start_heartbeat()
+    return mine
 
 
 def held(directory: str) -> Lease | None:

@@ -7,7 +7,8 @@ a process group is made on a prefix of the launcher's store, and the trainer's `
 parallel state, model, optimizer and scheduler afresh and restores the newest state: the host-memory snapshot
 (``--tenplex-memory``: own node's and peers' memory) re-sharded to the new layout, else the durable checkpoint.
 After a fault NVRx aborts the process group; :func:`_after_fault` ends what the aborted call left running (the
-memory tier's helper process) before the next call.
+memory tier's helper process) before the next call. The checkpoint leases are claimed once, before the first call,
+and kept across calls (``frontdoor/inprocess_lease.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import psutil
 import torch
 
 from tenplex_megatron import _optional
-from tenplex_megatron.frontdoor import inprocess, lease_flags
+from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
 from tenplex_megatron.frontdoor.elastic import world as launch_world
 from tenplex_megatron.memory import peers
 from tenplex_megatron.plan.layout import LayoutError
@@ -102,6 +103,7 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     if not torch.cuda.is_available():
         cpu_shim.install()
     store = inprocess.job_store(settings.barrier)
+    leases = inprocess_lease.claim(args, PROG, store, settings.barrier)  # kept through every call (no new generation)
     initial, pid = int(os.environ["RANK"]), os.getpid()
     logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
     logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
@@ -113,7 +115,9 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         it = call_wrapper.iteration
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         _say(f"in place: call {it}: rank {rank} of {world} (initial rank {initial}, pid {pid})")
+        inprocess_lease.check_kept(leases, PROG)  # another job took a directory over: this rank stops (exit 3)
         a = parse(argv)  # the layout for this world
+        a.tenplex_leases = []  # the job's leases are this process's across calls (claimed above), not the call's
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"tenplex-inprocess/{it}",
                                                                                           store),
@@ -137,4 +141,5 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         print(f"{PROG}: error: --tenplex-inprocess: no legal layout for the ranks left; exiting", file=sys.stderr,
               flush=True)
         raise SystemExit(2) from None
+    inprocess_lease.release(leases)
     return 0

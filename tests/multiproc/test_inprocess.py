@@ -7,38 +7,75 @@ exact), the survivors' process ids unchanged, nothing read from durable storage.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
+from tenplex_megatron.storage import directory, lease
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, Run, layout_flags, metrics, torchrun
 
 pytestmark = pytest.mark.dist
 
 ITERS = 8
+FENCE_ITERS = 40  # the fenced job's: far more than it reaches before the other job takes its directory over
 BASE = [*TINY_GPT, "--vocab-size", "96", "--train-iters", str(ITERS), *layout_flags(2, 1),
         "--use-distributed-optimizer", "--save-interval", "1"]
 CALL = re.compile(r"in place: call (\d+): rank (\d+) of (\d+) \(initial rank (\d+), pid (\d+)\)")
 STARTED = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")
 STATUSES = re.compile(r"exit statuses ((?:\d+:-?\d+ ?)+)")
+LAUNCHER = re.compile(r"launcher pid (\d+)")
+OTHER_JOB = "another-job"
 
 
 def launch_inprocess(nproc: int, args: list[str], port: int, env: dict[str, str] | None = None,
-                     timeout: float = 240) -> Run:
-    """``python -m tenplex_megatron.frontdoor.launch`` (the stores served outside the ranks) running PRETRAIN."""
+                     timeout: float = 240, during: Callable[[subprocess.Popen], None] | None = None) -> Run:
+    """``python -m tenplex_megatron.frontdoor.launch`` (the stores served outside the ranks) running PRETRAIN;
+    ``during`` is called with the launcher's process while it runs."""
     cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nproc-per-node", str(nproc), "--master-port",
            str(port), "--timeout", str(timeout - 10), PRETRAIN, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1", **(env or {}))
-    try:
-        p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return Run(124, out + "\nTIMEOUT")
-    return Run(p.returncode, p.stdout + p.stderr)
+    with tempfile.TemporaryFile("w+") as out:
+        p = subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        try:
+            if during is not None:
+                during(p)
+            rc = p.wait(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            rc = 124
+        out.seek(0)
+        return Run(rc, out.read() + ("\nTIMEOUT" if rc == 124 else ""))
+
+
+def take_over_at(save: str, ref: str, iteration: int, seen: dict[str, object], timeout: float = 180) -> \
+        Callable[[subprocess.Popen], None]:
+    """While the job runs: once ``ref`` (its metrics) reaches ``iteration``, another job takes ``save`` over (a
+    real second process, ``--tenplex-take-over``'s path); ``seen`` records the newest committed checkpoint then."""
+
+    def act(p: subprocess.Popen) -> None:
+        deadline = time.monotonic() + timeout
+        while p.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(ref) and any(m["iteration"] >= iteration for m in metrics(ref)):
+                break
+            time.sleep(0.05)
+        other = subprocess.run([sys.executable, "-c", "import sys; from tenplex_megatron.storage import lease; "
+                                f"print(lease.acquire(sys.argv[1], {OTHER_JOB!r}, take_over=True).generation)", save],
+                               capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH),
+                               timeout=60)
+        seen.update(generation=int(other.stdout), committed=directory.tracker_iteration(save), alive=p.poll() is None)
+
+    return act
 
 
 def pairs(pattern: re.Pattern[str], log: str) -> dict[int, int]:
@@ -55,12 +92,12 @@ def by_iteration(entries: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def assert_uninterrupted(out: list[dict], ref: list[dict]) -> dict[int, list[dict]]:
+def assert_uninterrupted(out: list[dict], ref: list[dict], iters: int = ITERS) -> dict[int, list[dict]]:
     """Every logged iteration, repeated ones included, trained on the reference's samples to its loss and LR."""
     ref_by_it = {m["iteration"]: m for m in ref}
-    assert sorted(ref_by_it) == list(range(1, ITERS + 1))
+    assert sorted(ref_by_it) == list(range(1, iters + 1))
     got = by_iteration(out)
-    assert sorted(got) == list(range(1, ITERS + 1)), [m["iteration"] for m in out]
+    assert sorted(got) == list(range(1, iters + 1)), [m["iteration"] for m in out]
     for it, entries in got.items():
         for m in entries:  # before a fault and again after it: the same step
             assert m["loss"] == pytest.approx(ref_by_it[it]["loss"], rel=1e-5), (it, m["layout"])
@@ -107,8 +144,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
                             port=29741, env={"TENPLEX_FAULT": "memory.write@1#3:stop"})
     none = launch_inprocess(2, [*BASE, "--save", str(d / "none-ckpt"), "--tenplex-inprocess",
                                 "--tenplex-inprocess-timeout", "15"], port=29751, env={"TENPLEX_FAULT": "save.tensors@1#3"})
+    seen: dict[str, object] = {}
+    fence = launch_inprocess(2, [*BASE, "--train-iters", str(FENCE_ITERS), "--save", str(d / "fence-ckpt"),
+                                 "--tenplex-metrics", str(d / "fence.jsonl"), "--tenplex-inprocess",
+                                 "--tenplex-inprocess-timeout", "15"], port=29761,
+                             during=take_over_at(str(d / "fence-ckpt"), str(d / "fence.jsonl"), 2, seen))
     return {"ref": metrics(str(d / "ref.jsonl")), "lose": lose, "lose_out": metrics(str(d / "lose.jsonl")),
-            "stop": stop, "stop_out": metrics(str(d / "stop.jsonl")), "none": none}
+            "stop": stop, "stop_out": metrics(str(d / "stop.jsonl")), "none": none, "dir": d,
+            "fence": fence, "fence_seen": seen, "fence_out": metrics(str(d / "fence.jsonl"))}
 
 
 def test_survivors_continue_with_the_uninterrupted_losses(runs: dict) -> None:
@@ -163,3 +206,44 @@ def test_no_legal_layout_left_ends_the_job_naming_why(runs: dict) -> None:
     assert run.log.count("> tenplex: warning: --tenplex-inprocess without --tenplex-memory: after a fault the "
                          "survivors load the newest durable checkpoint of ") == 1, run.log[-6000:]
     assert "(saved every 1 iterations): the iterations trained since it are lost and trained again" in run.log
+
+
+def lease_file(d: str) -> dict:
+    """The newest generation's lease file of ``d``, as JSON."""
+    gens = lease.generations(d)
+    with open(lease.gen_path(d, gens[-1])) as f:
+        return dict(json.load(f), generations=gens)
+
+
+def test_survivors_keep_the_jobs_lease_generation(runs: dict) -> None:
+    """Two restarts in place (rank 3, then rank 0, the lease's taker) took no new generation of either directory:
+    the one the job took at its start, in the launcher's name (it outlives every rank), kept live by the
+    survivors and released at the end (released: the next job takes it at once)."""
+    run, d = runs["lose"], runs["dir"]
+    assert run.returncode == 0, run.log[-6000:]
+    launcher = int(LAUNCHER.search(run.log).group(1))
+    for kept in (f"{d}/lose-ckpt", f"{d}/lose-mem"):
+        got = lease_file(kept)
+        assert got["generations"] == [1], (kept, got)
+        assert got["holder"] == f"{socket.gethostname()}:{launcher}" and got["job"] == "127.0.0.1:29731", got
+        assert got["released"] is True, got
+    assert "newer generation" not in run.log, run.log[-6000:]
+
+
+def test_a_fenced_job_stops_and_never_takes_the_lease_back(runs: dict) -> None:
+    """Another job takes the in-place job's --save over mid-run: the job's next commit is fenced, every rank exits
+    3 (the fence is raised on every rank of the collective commit) or is ended by the launcher, which exits 3; nothing is committed after the take-over, and no restart in place
+    takes the directory back (the other job's generation stays the newest)."""
+    run, seen, d = runs["fence"], runs["fence_seen"], runs["dir"]
+    assert seen["alive"], run.log[-6000:]  # taken over while the job ran
+    assert run.returncode == 3, run.log[-6000:]
+    statuses = pairs(STATUSES, run.log)
+    assert 3 in statuses.values() and all(c in (3, -9) for c in statuses.values()), run.log[-3000:]
+    assert "a newer generation owns the directory" in run.log, run.log[-6000:]
+    if -9 in statuses.values():  # a rank still running when another exited 3 was ended by the launcher
+        assert "exited 3 (fenced: another job owns a checkpoint directory): ending the ranks left" in run.log
+    got = lease_file(f"{d}/fence-ckpt")
+    assert got["job"] == OTHER_JOB and got["generations"][-1] == seen["generation"], got
+    # a commit that checked the fence just before the take-over may land; none after it
+    assert directory.tracker_iteration(f"{d}/fence-ckpt") <= (seen["committed"] or 0) + 1, seen
+    assert max(m["iteration"] for m in runs["fence_out"]) < FENCE_ITERS

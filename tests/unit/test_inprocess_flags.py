@@ -85,3 +85,15 @@ def test_the_launchers_exit_status() -> None:
     assert launch.exit_status([0, 2, 0]) == 2  # a rank failed: its status
     env = launch.rank_env(launch.parse(["--nproc-per-node", "3", "--master-port", "29900", "x.py", "--a"]), 2)
     assert (env["RANK"], env["WORLD_SIZE"], env[inprocess.STORE_ENV]) == ("2", "3", "127.0.0.1:29900")
+
+
+def test_the_launchers_second_node_numbers_its_ranks_after_the_first_and_uses_its_stores() -> None:
+    a = launch.parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--nproc-per-node", "2",
+                      "x.py"])
+    env = launch.rank_env(a, 1)
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_RANK"]) == \
+        ("3", "1", "4", "2", "1")
+    assert env[inprocess.STORE_ENV] == "10.0.0.1:29500"
+    for bad in (["--nnodes", "2", "--node-rank", "2"], ["--nnodes", "0"]):
+        with pytest.raises(SystemExit):
+            launch.parse([*bad, "--nproc-per-node", "1", "x.py"])

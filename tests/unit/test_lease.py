@@ -356,3 +356,34 @@ def test_a_fifo_or_giant_in_place_of_a_lease_file_is_refused_naming_it_without_b
     with pytest.raises(lease.LeaseError, match=f"{path}: .* over the cap"):
         lease.acquire(d, "job")
     assert lease.generations(d) == [1]  # nothing taken
+
+
+def test_adopted_generation_is_kept_by_the_adopter_when_the_taker_dies_and_fenced_by_a_newer_one(tmp_path) -> None:
+    """A job continuing in place: one process takes a generation in a longer-lived process's name (``holder_pid``),
+    another adopts it (no new generation); the taker dies and the lease stays live and the adopter's (renewed by
+    its heartbeat, never fenced); another job's newer generation fences the adopter, and adopting it is refused."""
+    d, parent = str(tmp_path / "ckpt"), os.getpid()
+    assert lease.stop_heartbeat_when_idle()  # an earlier test's heartbeat thread, asleep for its period, ended
+    taker = subprocess.Popen([sys.executable, "-c", "import sys; from tenplex_megatron.storage import lease; "
+                              "g = lease.acquire(sys.argv[1], 'job-a', 0.5, holder_pid=int(sys.argv[2])); "
+                              "print(g.generation, g.token, flush=True)", d, str(parent)],
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+    gen, token = taker.stdout.readline().split()
+    assert taker.wait(timeout=60) == 0  # the taker is gone; the lease names this (living) process as its holder
+    mine = lease.adopt(d, int(gen), token)
+    assert mine.holder == f"{socket.gethostname()}:{parent}" and lease.generations(d) == [int(gen)]
+    time.sleep(1.5)  # three ttls: only the adopter's heartbeat keeps it live
+    assert not lease.current(d).gone(time.time()) and lease.current(d).heartbeat > mine.heartbeat
+    with pytest.raises(lease.LeaseError, match="held by job 'job-a'"):
+        lease.check(d, "job-b")
+    lease.fence(d)  # still the newest: the adopter writes on
+    other = subprocess.run([sys.executable, "-c", "import sys; from tenplex_megatron.storage import lease; "
+                            "print(lease.acquire(sys.argv[1], 'job-b', take_over=True).generation)", d],
+                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
+    newer = int(other.stdout)  # another job took the directory over
+    with pytest.raises(lease.FencedError, match="a newer generation owns the directory"):
+        lease.fence(d)
+    with pytest.raises(lease.FencedError, match=f"generation {newer}; this job took generation {gen}"):
+        lease.adopt(d, int(gen), token)
+    lease.release(d)
+    assert lease.stop_heartbeat_when_idle()

@@ -1,0 +1,99 @@
+"""The checkpoint leases of a job that continues in place (``--tenplex-inprocess``): taken once, at the job's start,
+and kept by the survivors through every in-place restart.
+
+A lease generation is one job's right to write a directory (``storage/lease.py``). In place any rank may die while
+the others continue, so no single rank may be a lease's only holder. The rank that takes a directory's lease (rank
+0 for ``--save``, each node's first rank for its ``--tenplex-memory`` directory) takes it in the name of the
+in-process launcher, its parent, which outlives every rank (the liveness another job checks); it publishes the
+generation in the job's store (served by the launcher) and the directory's other ranks adopt that generation and
+renew it too, so the lease stays live while any of them lives. A restart in place takes no new generation: the
+survivors never fence themselves and no other job finds the lease gone in between. Before each call every holder
+checks that its generation is still the newest: a newer one (another job took the directory over) stops the rank
+with exit status 3 (``lease_flags.FENCED_EXIT``), and the launcher ends the ranks left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+from tenplex_megatron import log as tlog
+from tenplex_megatron.frontdoor import lease_flags
+from tenplex_megatron.storage import lease
+
+log = tlog.get("lease")
+
+KEY = "tenplex-lease/{taker}/{directory}"  # in the job's store: the generation the taker took, as JSON
+
+
+def directories(args: Any) -> list[tuple[str, int]]:
+    """The directories whose leases the job holds, each with the initial rank that takes it: ``--save`` (rank 0)
+    and this node's ``--tenplex-memory`` directory (the node's first rank)."""
+    if not getattr(args, "tenplex", False):
+        return []
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    out = [(args.save, 0)] if getattr(args, "save", None) else []
+    if getattr(args, "tenplex_memory", None):
+        out.append((args.tenplex_memory, rank - local))
+    return out
+
+
+def claim(args: Any, prog: str, store: Any, timeout: float) -> list[str]:
+    """Every rank, before NVRx's wrapper: take (the taker, for the launcher) or adopt (the others) each directory's
+    lease; SystemExit naming the directory and its holder when another live job holds it, or naming the taker when
+    its generation does not come within ``timeout`` seconds. Returns the directories this process holds."""
+    ttl = float(getattr(args, "tenplex_lease_ttl", lease.DEFAULT_TTL))
+    if ttl <= 0:
+        raise SystemExit(f"{prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
+    take_over = bool(getattr(args, "tenplex_take_over", False))
+    rank = int(os.environ.get("RANK", "0"))
+    held: list[str] = []
+    try:
+        dirs = directories(args)
+        job = lease_flags.job_id(args) if dirs else ""
+        for d, taker in dirs:
+            key = KEY.format(taker=taker, directory=os.path.abspath(d))
+            if rank == taker:
+                try:
+                    got = lease.acquire(d, job, ttl, take_over, holder_pid=os.getppid())
+                except lease.LeaseError as e:
+                    store.set(key, json.dumps({"error": str(e)}))
+                    raise
+                store.set(key, json.dumps({"generation": got.generation, "token": got.token}))
+            else:
+                lease.check(d, job, take_over)
+                taken = _taken(store, key, d, taker, timeout, prog)
+                if "error" in taken:
+                    raise lease.LeaseError(taken["error"])
+                lease.adopt(d, int(taken["generation"]), str(taken["token"]))
+            held.append(d)
+    except lease.LeaseError as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+    return held
+
+
+def _taken(store: Any, key: str, directory: str, taker: int, timeout: float, prog: str) -> dict[str, Any]:
+    """The taker's published generation (or its refusal), waited for up to ``timeout`` seconds."""
+    try:
+        store.wait([key], timedelta(seconds=timeout))
+        return dict(json.loads(store.get(key)))
+    except RuntimeError as e:  # torch's DistStoreError: the taker died or hangs before taking it
+        raise SystemExit(f"{prog}: error: the lease of {directory} was not taken by rank {taker} within {timeout:g} s "
+                         f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def check_kept(held: list[str], prog: str) -> None:
+    """At each call's start: every directory's generation is still this job's, else the rank stops (logged, exit
+    status 3: ``lease_flags.stop_when_fenced``)."""
+    with lease_flags.stop_when_fenced(prog):
+        for d in held:
+            lease.fence(d)
+
+
+def release(held: list[str]) -> None:
+    """The job's clean end, in every survivor: give the leases back and end the heartbeat."""
+    for d in held:
+        lease.release(d)
+    lease.stop_heartbeat_when_idle()
