@@ -101,7 +101,7 @@ bench: $(VENV)/.installed
 docs: $(VENV)/.installed
 	$(PY) -m tenplex_megatron.docs_reference --check
 	$(PY) -m scripts.support_table --check
-	$(PY) -m mkdocs build --strict --quiet
+	$(PY) -m mkdocs build --strict
 	$(PY) -m scripts.check_site site docs
 
 # The sdist and the wheel (from the sdist), as a user's pip would get them.
