@@ -111,3 +111,22 @@ def test_a_wrong_flag_in_a_recipe_is_named() -> None:
     with pytest.raises(AssertionError, match="a command no test parses"):
         check("srun python train.py")
     assert commands("```\na \\\n  b\n```\n") == ["a    b"]
+
+
+def test_every_test_a_recipe_names_exists() -> None:
+    # A recipe's "Tested by" names tests by function and by file: each must be defined where the suite has it.
+    with open(PAGE, encoding="utf-8") as f:
+        text = f.read()
+    sources = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "tests")):
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    sources[os.path.relpath(os.path.join(folder, name), ROOT)] = f.read()
+    functions = set(re.findall(r"`(test_[a-z0-9_]+)`", text))
+    files = set(re.findall(r"(tests/[a-z_/]+\.py)", text))
+    assert functions and files
+    for fn in functions:
+        assert any(re.search(rf"^def {fn}\(", src, re.M) for src in sources.values()), f"docs/recipes.md: no {fn}"
+    for path in files:
+        assert os.path.isfile(os.path.join(ROOT, path)), f"docs/recipes.md: no {path}"
