@@ -97,12 +97,12 @@ bench: $(VENV)/.installed
 # The documentation site (mkdocs.yml, docs/) into site/. Strict: a broken link or anchor, or a page missing from the
 # navigation, fails the build; scripts/check_site.py then fails on a page whose Markdown did not render (an
 # extension mkdocs.yml does not enable: a literal `!!!`, a table shown as text). The flag reference
-# (docs/reference.md) is checked first: it must be what `python -m tenplex_megatron.docs_reference` writes from
-# tenplex_megatron/flags.py; so is README.md's support table, a copy of docs/support.md's (scripts/support_table.py).
+# (docs/reference.md) and the CLI reference (docs/cli-reference.md) are checked first: they must be what
+# `python -m tenplex_megatron.docs_reference` writes from tenplex_megatron/flags.py and the CLI's parser; so is README.md's support table, a copy of docs/support.md's (scripts/support_table.py).
 docs: $(VENV)/.installed
 	$(PY) -m tenplex_megatron.docs_reference --check
 	$(PY) -m scripts.support_table --check
-	$(PY) -m mkdocs build --strict --quiet
+	$(PY) -m mkdocs build --strict
 	$(PY) -m scripts.check_site site docs
 
 # The sdist and the wheel (from the sdist), as a user's pip would get them.

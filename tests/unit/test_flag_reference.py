@@ -82,6 +82,23 @@ def test_the_reference_page_is_current() -> None:
     assert docs_reference.main(["--check"]) == 0
 
 
+def test_the_cli_reference_is_every_commands_help_at_any_terminal_width(monkeypatch) -> None:
+    from tenplex_megatron import cli
+
+    with open(docs_reference.CLI_OUT, encoding="utf-8") as f:
+        page = f.read()
+    assert page == docs_reference.render_cli(), "docs/cli-reference.md is stale: python -m tenplex_megatron.docs_reference"
+    commands = docs_reference.subcommands(cli.build_parser())
+    assert {"inspect", "verify", "plan", "layouts", "export-hf", "export-megatron", "clean-memory",
+            "simulate"} <= set(commands)
+    for name, sub in commands.items():
+        assert f"## {name}\n" in page and f"usage: python -m tenplex_megatron {name} " in page, name
+        for action in (a for a in sub._actions if a.help != argparse.SUPPRESS):
+            assert all(o in page for o in action.option_strings), (name, action.option_strings)
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow terminal rewraps --help, never the page
+    assert docs_reference.render_cli() == page
+
+
 def test_every_flag_and_variable_is_on_the_page() -> None:
     page = docs_reference.render()
     for f in flags.FLAGS:
