@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron.engine.save_records import RankFile
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc32
@@ -23,19 +24,19 @@ from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc
 PREFIX = "rank_local:"
 
 
-def rank_local_json(infos: list[dict[str, Any]]) -> dict[str, Any]:
+def rank_local_json(infos: list[RankFile]) -> dict[str, Any]:
     """metadata.json's ``rank_local`` section from every rank's save info: per rank, its file and each entry's
     record (what the adapter said about it) with its bytes' block CRC-32s; empty when no rank has any."""
     out: dict[str, Any] = {}
     for r, info in enumerate(infos):
-        records = (info.get("info") or {}).get("rank_local") or {}
+        records = info.info.get("rank_local") or {}
         if not records:
             continue
-        sums = info.get("block_crc32") or {}
         out[str(r)] = {
-            "file": info.get("file"),
-            "block_bytes": int(info["block_bytes"]),
-            "entries": {name: {**rec, "block_crc32": list(sums.get(name, ()))} for name, rec in records.items()},
+            "file": info.file,
+            "block_bytes": info.block_bytes,
+            "entries": {name: {**rec, "block_crc32": list(info.block_crc32.get(name, ()))}
+                        for name, rec in records.items()},
         }
     return out
 
