@@ -204,7 +204,7 @@ class MemorySource(SourceFiles):
         self.durable = set(durable)
         self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
-        self.local_sizes = rank_local.entry_sizes(meta.raw)  # (file, rank-local entry) -> its byte count
+        self.local_sizes = rank_local.entry_sizes(meta.rank_local)  # (file, rank-local entry) -> its byte count
 
     def _receive_into(self, key: tuple[str, str], nbytes: int) -> torch.Tensor:
         """The buffer for ``key``'s bytes received from peers (``nbytes``), made on first use."""
@@ -287,7 +287,7 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = F
                 bb = sc.location.block_bytes or size
                 blocks = touched_blocks(*piece_runs(p), dtype_size(files.dtypes[sc.chunk.key]), bb)
                 wanted.setdefault(p.source, []).extend((b * bb, min((b + 1) * bb, size)) for b in blocks)
-            own = rank_local.stored_entries(_metadata(choice).raw, rank()) if with_rank_local else []
+            own = rank_local.stored_entries(_metadata(choice).rank_local, rank()) if with_rank_local else []
             return RankRequests((*(PeerRequest(_key(sources[s]), lo, hi) for s, rs in wanted.items()
                                    for lo, hi in merge_ranges(rs)),
                                  *(PeerRequest(PeerKey(f, n), 0, nbytes) for f, n, nbytes in own
@@ -357,7 +357,7 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: Choice, *, verify:
     def opener() -> Opened:
         src = MemorySource(tier, choice, verify)
         opened.append(src)
-        return Opened(label, dict(_metadata(choice).raw), src.ptc, src)
+        return Opened(label, _metadata(choice), src.ptc, src)
 
     same_layout = getattr(adapter, "prepare_rank_local", None) is not None \
         and _metadata(choice).layout == adapter.layout()  # rank-local state can apply: fetch it too

@@ -41,6 +41,7 @@ from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import snapshot
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage.source import Metadata
 from tests.logs import logged
 
 ROWS, COLS = 8, 6
@@ -98,8 +99,8 @@ class Tiny:
     def rank_local(self) -> dict[str, Any]:
         return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})} if self.local else {}
 
-    def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
-        if not self.local or metadata.get("layout") != self.layout():
+    def prepare_rank_local(self, metadata: Metadata, read: Any) -> Any:
+        if not self.local or metadata.layout != self.layout():
             return None
         got = read(LOCAL).view(torch.float32)
         return lambda: setattr(self, "state", got)
