@@ -105,12 +105,12 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     first = []  # a job's first two snapshots write fresh tmpfs pages; later ones write over a retired one's
     for _ in range(2):
         first.append(gathered(timed(lambda: tds.save_snapshot(engine, tier))[1]))
-        background.drain(tier)
+        background.drain(tier.tier)
     for i in range(a.reps):
         for system in rotated(["ds", "tenplex", "memory"], i):
             if system == "memory":
                 res, rec = timed(lambda: tds.save_snapshot(engine, tier))
-                background.drain(tier)  # its replication, before the next save is timed
+                background.drain(tier.tier)  # its replication, before the next save is timed
                 reps["tenplex_memory"].append(gathered({**rec, "bytes_written": res.bytes_written}))
                 continue
             path = os.path.join(a.workdir, system if i == 0 else f"{system}_rep{i}")

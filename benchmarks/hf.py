@@ -122,7 +122,7 @@ def _import_rank(hf_dir: str, tp: int, pp: int, rank: int, fill: list | None = N
     """Plan and read rank ``rank``'s slice of the transformers directory; returns (chunks, tensors, bytes read)."""
     lib = _lib()
     opened = lib.open_hf(hf_dir)
-    facts, mapping, padded = _job_mapping(opened.metadata["config"], tp)
+    facts, mapping, padded = _job_mapping(opened.metadata.raw["config"], tp)
     chunks = _rank_boxes(mapping, padded, tp, pp, rank)
     dst = {k: lib.TensorMeta(k, (padded, *m.shape[1:]) if m.vocab_rows else m.shape, opened.ptc.tensors[k].dtype,
                              vocab_rows=m.vocab_rows) for k, m in mapping.megatron.items()}

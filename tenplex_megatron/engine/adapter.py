@@ -10,7 +10,8 @@ leave its peers in a mismatched one); collective work goes in ``after_load``.
 
 Two optional methods carry rank-local state (``engine/rank_local.py``: opaque bytes only the same rank can take
 back, such as Transformer Engine's ``_extra_state``): ``rank_local() -> {entry name: (flat uint8 tensor, JSON
-record)}`` at save, and ``prepare_rank_local(metadata, read) -> (callable applied after restore) | None`` at load.
+record)}`` at save, and ``prepare_rank_local(metadata, read) -> (callable applied after restore) | None`` at load
+(``metadata``: the checked record, ``storage/source.py``'s ``Metadata``).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -46,7 +45,3 @@ def tensor_table(chunks: list[LocalChunk]) -> dict[str, TensorMeta]:
             raise PTCError(f"tensor {lc.meta.key!r}: inconsistent metadata {prev} vs {lc.meta}")
     return tensors
 
-
-def holdings_json(chunks: list[LocalChunk]) -> list[Any]:
-    """What a rank tells the others at save: each chunk, whether it is the main replica, its bytes, its tensor."""
-    return [[lc.chunk.to_json(), lc.main, lc.nbytes, lc.meta.to_json()] for lc in chunks]

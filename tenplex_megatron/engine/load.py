@@ -37,8 +37,9 @@ from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.plan.verify_share import Interval, share_blocks
 from tenplex_megatron.storage import directory
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.faults import maybe_fail
-from tenplex_megatron.storage.source import Opened
+from tenplex_megatron.storage.source import Metadata, Opened
 from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.steps import checkpoint_at
 
@@ -59,7 +60,7 @@ class LoadResult:
     bytes_unverified: int = 0  # bytes copied that no checksum covered (``verify=False``, foreign formats)
     source_format: str = "tenplex"  # or the foreign format read in place ("deepspeed")
     consumed_samples: int = 0  # the data position to resume from (DeepSpeed: global samples)
-    metadata: dict[str, Any] | None = None  # the checkpoint's metadata (framework fields: consumed samples, extra)
+    metadata: dict[str, Any] | None = None  # the checkpoint's metadata document as read (its framework's fields: extra)
 
 
 def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opened:
@@ -75,19 +76,20 @@ def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opene
                         None if meta.files is None else dict(meta.files), verify,
                         require_checksums=meta.checksums_required,  # format 2 records block CRCs for every chunk
                         names=(sc.location.file for sc in source.chunks))
-    return Opened(path, dict(meta.raw), source, files)
+    return Opened(path, meta, source, files)
 
 
-def check_scope(meta: dict[str, Any], scope: LoadScope, where: str) -> None:
+def check_scope(meta: Metadata, scope: LoadScope, where: str) -> None:
     """Refuse, before anything is copied, a load that asks for what the checkpoint does not hold: the optimizer of
-    a weights-only checkpoint (``--no-save-optim``), or weights from a checkpoint without any."""
-    if scope.optimizer and meta.get("weights_only"):
-        raise ValueError(f"{where}: the checkpoint of iteration {meta.get('iteration')} holds the weights only (saved "
+    a weights-only checkpoint (``--no-save-optim``), or weights from a checkpoint without any. A foreign format
+    records neither: its tensors are checked against the model's by the planner's coverage proof."""
+    if not isinstance(meta, CheckpointMetadata):
+        return
+    if scope.optimizer and meta.weights_only:
+        raise ValueError(f"{where}: the checkpoint of iteration {meta.iteration} holds the weights only (saved "
                          "with --no-save-optim): load it with --no-load-optim (fresh optimizer) or --finetune")
-    keys = [str(t.get("key", "")) for t in (meta.get("ptc") or {}).get("tensors") or [] if isinstance(t, dict)]
-    if scope.finetune and "ptc" in meta and all(k.startswith("optimizer.") for k in keys):  # a foreign format's
-        # tensors (no "ptc" in its metadata) are checked against the model's by the planner's coverage proof
-        raise ValueError(f"{where}: --finetune: the checkpoint of iteration {meta.get('iteration')} holds no model "
+    if scope.finetune and meta.ptc is not None and all(k.startswith("optimizer.") for k in meta.ptc.tensors):
+        raise ValueError(f"{where}: --finetune: the checkpoint of iteration {meta.iteration} holds no model "
                          "weights")
 
 
@@ -96,7 +98,7 @@ class ChunksLoaded:
     """What :func:`load_chunks` did on this rank, before the engine applies the RNG policy."""
 
     path: str
-    metadata: dict[str, Any]
+    metadata: Metadata
     ptc: PTC
     stats: ExecStats
     tensors: int  # chunks filled
@@ -135,15 +137,15 @@ class _Prepared:
 def load_chunks(
     load_dir: str,
     iteration: int | None,
-    describe: Callable[[dict[str, Any]], list[LocalChunk]],
-    restore: Callable[[dict[str, Any]], None],
+    describe: Callable[[Metadata], list[LocalChunk]],
+    restore: Callable[[Metadata], None],
     *,
     strict: bool = True,
     verify: bool = True,
     opener: Callable[[], Opened] | None = None,
     host: str | None = None,
     fetch: Callable[[Any, tuple, Any], None] | None = None,
-    local: Callable[[dict[str, Any], Callable[[str], torch.Tensor]], Callable[[], None] | None] | None = None,
+    local: Callable[[Metadata, Callable[[str], torch.Tensor]], Callable[[], None] | None] | None = None,
     left_out: tuple[str, ...] = (),
 ) -> ChunksLoaded:
     """Collective: fill this rank's live chunks from the newest complete checkpoint under ``load_dir``.
@@ -212,7 +214,7 @@ def load_chunks(
             return None
         files = p.opened.files  # tenplex's own files (a memory snapshot's included) read through their source
         raw = files.entry if isinstance(files, SourceFiles) else None
-        return local(p.opened.metadata, rank_local.reader(path, p.opened.metadata, me, raw))
+        return local(p.opened.metadata, rank_local.reader(path, p.opened.metadata.rank_local, me, raw))
 
     apply_local = run_phase(f"load from {path}: verifying checksums", check_and_verify)
 
@@ -248,25 +250,26 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
     scope = scope or LoadScope()
     iteration = scope.iteration if iteration is None else iteration
 
-    def describe(meta: dict[str, Any]) -> list[LocalChunk]:
-        found = meta.get("framework")
+    def describe(meta: Metadata) -> list[LocalChunk]:
+        found = meta.framework if isinstance(meta, CheckpointMetadata) else None
         if opener is None and found is not None and found != adapter.framework:
             raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
         check_scope(meta, scope, load_dir)
-        return adapter.describe_for_load(meta)
+        return adapter.describe_for_load(dict(meta.raw))
 
     with gc_paused():  # no full collections over the job's heap while the load allocates views and plan objects
-        loaded = load_chunks(load_dir, iteration, describe, adapter.restore, strict=strict, verify=verify, opener=opener,
+        loaded = load_chunks(load_dir, iteration, describe, lambda meta: adapter.restore(dict(meta.raw)),
+                             strict=strict, verify=verify, opener=opener,
                              host=host, fetch=fetch, local=getattr(adapter, "prepare_rank_local", None),
                              left_out=() if scope.optimizer else ("optimizer.",))
     meta, stats = loaded.metadata, loaded.stats
-    run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
+    run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(dict(meta.raw)))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(
         meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker)) if scope.rng else False
     return LoadResult(
         path=loaded.path,
         iteration=adapter.iteration(),
-        source_layout=dict(meta.get("layout") or loaded.ptc.layout),
+        source_layout=dict(meta.layout or loaded.ptc.layout),
         bytes_read=stats.bytes_read,
         bytes_filled=stats.bytes_filled,
         tensors=loaded.tensors,
@@ -275,6 +278,6 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
         bytes_verified=stats.bytes_verified,
         bytes_unverified=stats.bytes_unverified,
         source_format=source_format,
-        consumed_samples=int(meta.get("consumed_samples", meta.get("global_samples", 0)) or 0),
-        metadata=meta,
+        consumed_samples=meta.data_position,
+        metadata=dict(meta.raw),
     )

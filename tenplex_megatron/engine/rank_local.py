@@ -10,11 +10,13 @@ copied, and the engine reads back only the entries of the loading rank's own num
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from tenplex_megatron.engine.save_records import RankFile
+from tenplex_megatron.storage.checkpoint_metadata import RankLocalSection
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc32
@@ -23,43 +25,42 @@ from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc
 PREFIX = "rank_local:"
 
 
-def rank_local_json(infos: list[dict[str, Any]]) -> dict[str, Any]:
+def rank_local_json(infos: list[RankFile]) -> dict[str, Any]:
     """metadata.json's ``rank_local`` section from every rank's save info: per rank, its file and each entry's
     record (what the adapter said about it) with its bytes' block CRC-32s; empty when no rank has any."""
     out: dict[str, Any] = {}
     for r, info in enumerate(infos):
-        records = (info.get("info") or {}).get("rank_local") or {}
+        records = info.info.get("rank_local") or {}
         if not records:
             continue
-        sums = info.get("block_crc32") or {}
         out[str(r)] = {
-            "file": info.get("file"),
-            "block_bytes": int(info["block_bytes"]),
-            "entries": {name: {**rec, "block_crc32": list(sums.get(name, ()))} for name, rec in records.items()},
+            "file": info.file,
+            "block_bytes": info.block_bytes,
+            "entries": {name: {**rec, "block_crc32": list(info.block_crc32.get(name, ()))}
+                        for name, rec in records.items()},
         }
     return out
 
 
-def saved_entries(metadata: dict[str, Any], rank: int) -> dict[str, dict[str, Any]] | None:
-    """The records of the entries rank ``rank`` saved (None: the checkpoint has no rank-local section for it)."""
-    section = (metadata.get("rank_local") or {}).get(str(rank))
-    return None if section is None else dict(section.get("entries") or {})
+def saved_entries(sections: Mapping[int, RankLocalSection], rank: int) -> dict[str, Mapping[str, Any]] | None:
+    """The records of the entries rank ``rank`` saved (None: the checkpoint has no rank-local section for it).
+    ``sections``: the checked metadata's (``CheckpointMetadata.rank_local``)."""
+    section = sections.get(rank)
+    return None if section is None else {name: e.record for name, e in section.entries.items()}
 
 
-def stored_entries(metadata: dict[str, Any], rank: int) -> list[tuple[str, str, int]]:
+def stored_entries(sections: Mapping[int, RankLocalSection], rank: int) -> list[tuple[str, str, int]]:
     """(file, entry, byte count) of each rank-local entry with bytes that rank ``rank`` saved (an empty entry is its
     record alone: nothing to read)."""
-    section = (metadata.get("rank_local") or {}).get(str(rank)) or {}
-    file = section.get("file")
-    if not isinstance(file, str):
+    section = sections.get(rank)
+    if section is None or section.file is None:
         return []
-    return [(file, name, int(rec["nbytes"])) for name, rec in sorted((section.get("entries") or {}).items())
-            if int(rec["nbytes"])]
+    return [(section.file, name, e.nbytes) for name, e in sorted(section.entries.items()) if e.nbytes]
 
 
-def entry_sizes(metadata: dict[str, Any]) -> dict[tuple[str, str], int]:
+def entry_sizes(sections: Mapping[int, RankLocalSection]) -> dict[tuple[str, str], int]:
     """(file, entry) -> byte count of every rank's rank-local entries with bytes."""
-    return {(f, n): b for r in (metadata.get("rank_local") or {}) for f, n, b in stored_entries(metadata, int(r))}
+    return {(f, n): b for r in sections for f, n, b in stored_entries(sections, r)}
 
 
 def read_file_entry(path: str, file: str, name: str, nbytes: int) -> torch.Tensor:
@@ -71,29 +72,27 @@ def read_file_entry(path: str, file: str, name: str, nbytes: int) -> torch.Tenso
         f.close()
 
 
-def reader(path: str, metadata: dict[str, Any], rank: int,
+def reader(path: str, sections: Mapping[int, RankLocalSection], rank: int,
            raw: Callable[[str, str, int], torch.Tensor] | None = None) -> Callable[[str], torch.Tensor]:
     """``read(name)``: entry ``name`` of rank ``rank``'s rank-local state in checkpoint ``path`` as a uint8 tensor of
     its own (a copy, not a view of the file), its size and every block CRC checked; errors name the file and entry.
     ``raw(file, name, nbytes)``: where the bytes come from (default: the file in ``path``; a host-memory snapshot's
     source reads its node's memory, the durable checkpoint, or what a peer sent)."""
-    section = (metadata.get("rank_local") or {}).get(str(rank)) or {}
-    entries = section.get("entries") or {}
+    section = sections.get(rank)
     fetch = raw or (lambda file, name, nbytes: read_file_entry(path, file, name, nbytes))
 
     def read(name: str) -> torch.Tensor:
-        rec = entries.get(name)
-        if rec is None:
+        entry = None if section is None else section.entries.get(name)
+        if section is None or entry is None:
             raise CheckpointFileError(f"{path}: rank {rank} saved no rank-local entry {name!r}")
-        nbytes = int(rec["nbytes"])
-        if nbytes == 0:
+        if entry.nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
-        fname = section.get("file")
-        if not isinstance(fname, str):
+        fname = section.file
+        if fname is None:
             raise CheckpointFileError(f"{path}: metadata.json names no file for rank {rank}'s rank-local state")
-        data = fetch(fname, name, nbytes)
-        got = list(block_crc32(data, int(section["block_bytes"])))
-        if got != list(rec.get("block_crc32") or []):
+        data = fetch(fname, name, entry.nbytes)
+        got = list(block_crc32(data, section.block_bytes))
+        if got != list(entry.block_crc32):
             raise CheckpointFileError(f"{path}/{fname}: rank-local entry {name!r} fails its block checksums "
                                       "(damaged file)")
         return data

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tenplex_megatron.storage.source import Metadata
+
 
 def _b64(t: torch.Tensor) -> str:
     return base64.b64encode(t.cpu().numpy().tobytes()).decode()
@@ -72,13 +74,13 @@ def reseed(seed: int, iteration: int, tracker: bool = True) -> None:
         model_parallel_cuda_manual_seed(s)
 
 
-def apply_policy(metadata: dict[str, Any], layout: dict[str, Any], rank: int, seed: int, iteration: int,
+def apply_policy(metadata: Metadata, layout: dict[str, Any], rank: int, seed: int, iteration: int,
                  tracker: bool = True) -> bool:
     """Restore this rank's saved streams when the layout is the saved one, else re-seed; returns whether exact."""
-    saved = metadata.get("rng") or {}
-    exact = metadata.get("layout") == layout and str(rank) in saved
+    saved = metadata.rng
+    exact = metadata.layout == layout and rank in saved
     if exact:
-        restore(saved[str(rank)])
+        restore(dict(saved[rank]))
     else:
         reseed(seed, iteration, tracker)
     return exact

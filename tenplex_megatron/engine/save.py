@@ -20,9 +20,10 @@ import torch
 from tenplex_megatron import log
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
-from tenplex_megatron.engine.chunks import LocalChunk, chunk_name, holdings_json
+from tenplex_megatron.engine.chunks import LocalChunk, chunk_name
 from tenplex_megatron.engine.rank_local import rank_local_json
-from tenplex_megatron.execute.collective import gather_phase, rank, run_phase
+from tenplex_megatron.engine.save_records import RankFile, RankHoldings
+from tenplex_megatron.execute.collective import gather_records, rank, run_phase
 from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.writers import Holding, assign_writers
@@ -43,13 +44,16 @@ class SaveResult:
     removed: tuple[str, ...] = ()  # older checkpoints deleted by retention, stale partial saves cleaned up
 
 
-def writer_assignment(gathered: list[Any]) -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+def writer_assignment(gathered: list[RankHoldings]
+                      ) -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
+    """From every rank's chunk list: the holdings, one writer per distinct chunk, and every tensor's metadata
+    (ranks that disagree on a tensor's are refused)."""
     holdings = []
     all_meta: dict[str, TensorMeta] = {}
-    for r, items in enumerate(gathered):
-        for cj, main, nbytes, mj in items:
-            holdings.append(Holding(r, Chunk.from_json(cj), bool(main), int(nbytes)))
-            meta = TensorMeta.from_json(mj)
+    for r, rank_holdings in enumerate(gathered):
+        for h in rank_holdings.held:
+            holdings.append(Holding(r, h.chunk, h.main, h.nbytes))
+            meta = h.meta
             prev = all_meta.setdefault(meta.key, meta)
             if prev != meta:
                 raise PTCError(f"tensor {meta.key!r}: ranks disagree on its metadata ({prev} vs {meta})")
@@ -88,15 +92,15 @@ def rank_tensors(chunks: list[LocalChunk], writers: dict[Chunk, int], me: int,
     return mine
 
 
-def build_metadata(writers: dict[Chunk, int], infos: list[dict[str, Any]], all_meta: dict[str, TensorMeta],
+def build_metadata(writers: dict[Chunk, int], infos: list[RankFile], all_meta: dict[str, TensorMeta],
                    layout: dict[str, Any], iteration: int, metadata: Any) -> dict[str, Any]:
     """metadata.json of a save: the PTC (each chunk at its writer's file, with its block CRCs) and the rest."""
     stored = [
         StoredChunk(
             c,
-            Location(directory.rank_file_name(w), chunk_name(c), w, infos[w]["host"],
-                     block_crc32=tuple(infos[w]["block_crc32"][chunk_name(c)]),
-                     block_bytes=int(infos[w]["block_bytes"])),
+            Location(directory.rank_file_name(w), chunk_name(c), w, infos[w].host,
+                     block_crc32=tuple(infos[w].block_crc32[chunk_name(c)]),
+                     block_bytes=infos[w].block_bytes),
         )
         for c, w in writers.items()
     ]
@@ -107,8 +111,8 @@ def build_metadata(writers: dict[Chunk, int], infos: list[dict[str, Any]], all_m
         "format_version": directory.FORMAT_VERSION,
         "iteration": iteration,
         "layout": layout,
-        **metadata([i["info"] for i in infos]),
-        "files": {i["file"]: i["size"] for i in infos if i["file"]},
+        **metadata([dict(i.info) for i in infos]),
+        "files": {i.file: i.size for i in infos if i.file},
         "saved_at": time.time(),
         **({"rank_local": local} if local else {}),
         "ptc": ptc.to_json(),
@@ -137,11 +141,11 @@ def save_chunks(
     me = rank()
     what = f"save of iteration {iteration} to {save_dir}"
 
-    def local_holdings() -> list[Any]:
+    def local_holdings() -> RankHoldings:
         maybe_fail("save.gather", me, iteration)
-        return holdings_json(chunks)
+        return RankHoldings.of(chunks)
 
-    gathered = gather_phase(f"{what}: gathering chunk lists", local_holdings)
+    gathered = gather_records(f"{what}: gathering chunk lists", local_holdings, RankHoldings)
     removed: list[str] = []
 
     def prepare() -> tuple[list[Holding], dict[Chunk, int], dict[str, TensorMeta]]:
@@ -171,12 +175,11 @@ def save_chunks(
 
     size, sums = run_phase(f"{what}: writing shards", write)
 
-    def local_info() -> dict[str, Any]:
+    def local_info() -> RankFile:
         fname = directory.rank_file_name(me) if sums else None
-        return {"info": rank_info, "file": fname, "size": size, "host": socket.gethostname(),
-                "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
+        return RankFile(rank_info, fname, size, socket.gethostname(), BLOCK_BYTES, sums)
 
-    infos = gather_phase(f"{what}: gathering file lists", local_info)
+    infos = gather_records(f"{what}: gathering file lists", local_info, RankFile)
 
     def commit() -> str:  # rank 0's work alone: every rank's shard is written and synced by now
         if me != 0:

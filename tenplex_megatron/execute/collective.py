@@ -1,13 +1,15 @@
 """Collectives over torch.distributed: JSON all-gather and the phase runner that keeps every rank in step.
 
 JSON travels as bytes in tensors (nothing is pickled). Every phase of a save
-or a load runs through :func:`run_phase` or :func:`gather_phase` (as PyTorch
+or a load runs through :func:`run_phase` or :func:`gather_records` (as PyTorch
 DCP's ``_DistWrapper`` does): the phase's local work runs on each rank, whatever
 it raises, of any type, is caught, and the outcome (the local result or the
 error) travels in the phase's one collective, so every rank raises the same
 :class:`RankFailure` naming each failing rank with the exception's type and
 message. The local work must contain no collective of its own: a rank that
-failed before it would leave its peers in a mismatched collective.
+failed before it would leave its peers in a mismatched collective. What a
+gathering phase returns is a typed :class:`Record` from every rank (a frozen
+dataclass that travels as JSON), never a bare dict.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def check_all(error: BaseException | None, what: str) -> None:
     _raise_failures(what, {r: m for r, m in enumerate(msgs) if m is not None}, error)
 
 
-def gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
+def _gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
     """Collective: run ``fn`` (local work, JSON result) on every rank and return every rank's result in rank order;
     if it raised anything on any rank, raise on all of them. Result and error share the one all-gather."""
     error: BaseException | None = None
@@ -119,9 +121,10 @@ def gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
 
 
 def gather_records(what: str, fn: Callable[[], R], kind: type[R]) -> list[R]:
-    """:func:`gather_phase` of a typed record: ``fn``'s ``kind`` travels as its JSON and comes back as ``kind`` from
-    every rank, in rank order."""
-    return [kind.from_json(d) for d in gather_phase(what, lambda: fn().to_json())]
+    """Collective: run ``fn`` (local work, no collective inside) on every rank and return every rank's ``kind`` record
+    in rank order (it travels as its JSON); if ``fn`` raised anything on any rank, raise on all of them. Result and
+    error share the one all-gather."""
+    return [kind.from_json(d) for d in _gather_phase(what, lambda: fn().to_json())]
 
 
 def run_phase(what: str, fn: Callable[[], T]) -> T:

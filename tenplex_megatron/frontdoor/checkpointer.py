@@ -29,6 +29,7 @@ from tenplex_megatron.execute.collective import rank, run_phase
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.memory import fallback, state
 from tenplex_megatron.memory.restart import discard_after
+from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.storage import job_identity, lease
@@ -46,19 +47,21 @@ class Checkpointer:
     names the program in refusals. Building it claims the leases (before any process group: another live job's
     directory is refused with SystemExit naming it)."""
 
-    def __init__(self, args: Any, prog: str) -> None:
+    def __init__(self, args: Any, prog: str, memory: MemorySettings | None = None) -> None:
         self.args, self.prog = args, prog
         self.leases: tuple[str, ...] = tuple(lease_flags.claim(args, prog))
+        self._settings = memory  # the tier's settings given by an API caller (else the flags say)
         self._tier: MemoryTier | None = None
         self._opened = False
         self._closed = False
         self._claimed: set[str] = set()
 
     @classmethod
-    def for_api(cls, prog: str) -> Checkpointer:
+    def for_api(cls, prog: str, memory: MemorySettings | None = None) -> Checkpointer:
         """A job driven through API calls rather than flags (the DeepSpeed front door): no lease claimed at start-up
-        (each save directory is claimed at its first save, :meth:`claim_dir`), no host-memory tier opened."""
-        return cls(argparse.Namespace(tenplex=False, save=None, load=None, tenplex_memory=None), prog)
+        (each save directory is claimed at its first save, :meth:`claim_dir`); the host-memory tier of ``memory``
+        (DeepSpeed's ``open_memory``), opened by :meth:`memory`, or none."""
+        return cls(argparse.Namespace(tenplex=False, save=None, load=None, tenplex_memory=None), prog, memory)
 
     def claim_dir(self, save_dir: str, job_id: str | None = None, take_over: bool = False,
                   ttl: float = lease.DEFAULT_TTL) -> None:
@@ -88,8 +91,9 @@ class Checkpointer:
 
     @property
     def wants_memory(self) -> bool:
-        """Whether the job runs the host-memory tier (``--tenplex --tenplex-memory DIR``)."""
-        return bool(getattr(self.args, "tenplex", False) and getattr(self.args, "tenplex_memory", None))
+        """Whether the job runs the host-memory tier (``--tenplex --tenplex-memory DIR``, or an API caller's)."""
+        return self._settings is not None or bool(getattr(self.args, "tenplex", False)
+                                                  and getattr(self.args, "tenplex_memory", None))
 
     @property
     def memory_opened(self) -> bool:
@@ -97,11 +101,12 @@ class Checkpointer:
         return self._opened
 
     def memory(self) -> MemoryTier | None:
-        """Collective at the first call (every rank reaches it): the ``--tenplex-memory`` tier, its helper processes
-        started; None without the flag. Later calls return the same tier."""
+        """Collective at the first call (every rank reaches it): the ``--tenplex-memory`` tier (or the API caller's),
+        its helper processes started; None without one. Later calls return the same tier."""
         self._check_open()
         if not self._opened:
-            self._tier = memory_flags.open_memory(self.args) if self.wants_memory else None
+            self._tier = (memory_flags.open_settings(self._settings) if self._settings is not None
+                          else memory_flags.open_memory(self.args) if self.wants_memory else None)
             self._opened = True
         return self._tier
 
@@ -135,11 +140,18 @@ class Checkpointer:
         """Collective: a snapshot into host memory through ``adapter()`` when the tier is open (``persist`` as
         :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it), else ``save_durable()`` (which applies
         ``--tenplex-keep``); a writer fenced by a newer generation of its directory stops (:meth:`fenced`)."""
-        tier = self.memory()
         with self.fenced():
-            if tier is not None:
-                return snapshot(adapter(), tier, persist=persist)
+            if self.memory() is not None:
+                return self.snapshot(adapter(), persist=persist)
             return save_durable()
+
+    def snapshot(self, adapter: Adapter, *, persist: bool | None = None) -> SnapshotResult:
+        """Collective: a snapshot of ``adapter``'s state into the host-memory tier (``persist`` as
+        :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it); a job without the tier is refused."""
+        tier = self.memory()
+        if tier is None:
+            raise ValueError(f"{self.prog}: a host-memory snapshot needs the host-memory tier (--tenplex-memory)")
+        return snapshot(adapter, tier, persist=persist)
 
     @contextlib.contextmanager
     def fenced(self) -> Iterator[None]:
@@ -148,11 +160,13 @@ class Checkpointer:
         with lease_flags.stop_when_fenced(self.prog):
             yield
 
-    def finish(self, *, over: bool, say: Callable[[str], None]) -> None:
+    def finish(self, *, over: bool, say: Callable[[str], None] | None = None) -> tuple[str, ...]:
         """Collective, when the job stops: the last snapshot replicated and, when training is ``over``, persisted
-        (each durable checkpoint committed meanwhile said through ``say``); nothing without the tier."""
+        (each durable checkpoint committed meanwhile said through ``say``); returns their paths. Nothing without
+        the tier."""
         if self._tier is not None and not self._closed:
-            memory_flags.finish(self._tier, over=over, say=say)
+            return memory_flags.finish(self._tier, over=over, say=say)
+        return ()
 
     @property
     def closed(self) -> bool:

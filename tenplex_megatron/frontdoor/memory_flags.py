@@ -53,15 +53,23 @@ def open_memory(args: argparse.Namespace | Any) -> MemoryTier | None:
     """Collective: the host-memory tier of ``--tenplex-memory`` (None without it), its helper processes started."""
     if not (args.tenplex and args.tenplex_memory):
         return None
-    mounts.say_huge_pages_hint(args.tenplex_memory)
-    return open_tier(memory_settings(args), start_helpers_now=True)
+    return open_settings(memory_settings(args))
 
 
-def finish(tier: MemoryTier, *, over: bool, say: Callable[[str], None]) -> None:
+def open_settings(settings: MemorySettings) -> MemoryTier:
+    """Collective: the host-memory tier of ``settings`` (the flags', or DeepSpeed's ``open_memory``'s), its helper
+    processes started; the node's huge-pages hint said first."""
+    mounts.say_huge_pages_hint(settings.mem)
+    return open_tier(settings, start_helpers_now=True)
+
+
+def finish(tier: MemoryTier, *, over: bool, say: Callable[[str], None] | None = None) -> tuple[str, ...]:
     """Collective, when the job stops: :func:`background.finish`, each durable checkpoint it committed said
-    (``say`` gets the line without the ``> tenplex:`` prefix)."""
-    for path in background.finish(tier, over=over):
+    (``say`` gets the line without the ``> tenplex:`` prefix); returns their paths."""
+    done = background.finish(tier, over=over)
+    for path in done if say is not None else ():
         say(f"persisted {path} (background)")
+    return done
 
 
 def describe_snapshot(snap: SnapshotResult, iteration: int) -> list[str]:

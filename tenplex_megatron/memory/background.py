@@ -5,11 +5,12 @@ the waits at the end of a job (:func:`drain`, :func:`finish`). Every call is col
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.execute.collective import all_gather_json, broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.collective import all_gather_json, broadcast_json, gather_records, rank, run_phase
 from tenplex_megatron.memory import node_dir, replication
 from tenplex_megatron.memory.protocol import Copy, Persist
 from tenplex_megatron.memory.state import MemoryTier, start_helpers
@@ -35,27 +36,57 @@ class Progress:
         return Progress(str(d["state"]), d.get("error"))
 
 
-def node_progress(tier: MemoryTier, wait: float) -> dict[str, dict[str, Any]] | None:
-    """This node's :class:`Progress` (as JSON, to be gathered) on the pending persist and replication, asking its
-    helper (waiting at most ``wait`` s); None on ranks other than the node's first, or with nothing pending."""
+@dataclass(frozen=True)
+class NodeProgress:
+    """One rank's word on its node's background work: each pending op's :class:`Progress` (none from ranks other
+    than the node's first, or with nothing pending). Travels as ``{op: progress}``, or null when empty."""
+
+    ops: Mapping[str, Progress] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, dict[str, Any]] | None:
+        return {op: p.to_json() for op, p in self.ops.items()} or None
+
+    @classmethod
+    def from_json(cls, d: dict[str, dict[str, Any]] | None) -> NodeProgress:
+        return cls({str(op): Progress.from_json(p) for op, p in (d or {}).items()})
+
+
+@dataclass(frozen=True)
+class HelperCheck:
+    """One rank's word after the answers are applied: whether its helpers must restart, and (its node's first
+    rank) the words of its helper's death, if it died."""
+
+    restart: bool
+    exited: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"restart": self.restart, "exited": self.exited}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HelperCheck:
+        return cls(bool(d["restart"]), d["exited"])
+
+
+def node_progress(tier: MemoryTier, wait: float) -> NodeProgress:
+    """This node's :class:`Progress` (to be gathered) on the pending persist and replication, asking its helper
+    (waiting at most ``wait`` s); empty on ranks other than the node's first, or with nothing pending."""
     if not tier.leader or (tier.pending is None and tier.replicating is None):
-        return None
+        return NodeProgress()
     out = {}
     for op, it in (("persist", tier.pending), ("replicate", tier.replicating)):
         if it is None:
             continue
         if tier.helper is None:
-            out[op] = Progress("failed", "no helper process on this node").to_json()
+            out[op] = Progress("failed", "no helper process on this node")
             continue
         got = tier.helper.poll(op, it, wait)
-        p = Progress("running") if got is None else Progress("done") if got.ok else Progress("failed", got.error)
-        out[op] = p.to_json()
-    return out
+        out[op] = Progress("running") if got is None else Progress("done") if got.ok else Progress("failed", got.error)
+    return NodeProgress(out)
 
 
-def settle(answers: list[dict[str, dict[str, Any]] | None], op: str) -> tuple[bool, str | None]:
+def settle(answers: list[NodeProgress], op: str) -> tuple[bool, str | None]:
     """From every node's :func:`node_progress`, about ``op``: (finished on every node, the error that ended it)."""
-    said = [Progress.from_json(a[op]) for a in answers if a is not None and op in a]
+    said = [a.ops[op] for a in answers if op in a.ops]
     if not said:
         return False, None
     errors = [p.error or "failed" for p in said if p.state == "failed"]
@@ -77,7 +108,7 @@ def _persist_failed(tier: MemoryTier, what: str, error: str) -> None:
     tier.pending = tier.pending_meta = None
 
 
-def resolve(tier: MemoryTier, answers: list[dict[str, dict[str, Any]] | None], what: str) -> bool:
+def resolve(tier: MemoryTier, answers: list[NodeProgress], what: str) -> bool:
     """Apply every node's answers: replication done or failed (a failed helper: all helpers restart);
     returns whether the pending durable checkpoint can be committed now. Collective when helpers restart.
 
@@ -96,20 +127,20 @@ def resolve(tier: MemoryTier, answers: list[dict[str, dict[str, Any]] | None], w
         _persist_failed(tier, what, error)
         restart = restart or tier.replicates
 
-    def local() -> dict[str, Any]:
+    def local() -> HelperCheck:
         if done and tier.leader:  # the older snapshot the replicated one protected can go now
             node_dir.retain(tier.mem, tier.settings.keep, tier.protected(), tier.dispose)
         exited = tier.helper.exited() if tier.leader and tier.helper is not None else None
-        return {"restart": restart or exited is not None, "exited": exited}
+        return HelperCheck(restart or exited is not None, exited)
 
-    checks = gather_phase(f"{what}: checking the helper processes", local)
-    died = next((c["exited"] for c in checks if c["exited"] is not None), None)
+    checks = gather_records(f"{what}: checking the helper processes", local, HelperCheck)
+    died = next((c.exited for c in checks if c.exited is not None), None)
     if died is not None:  # a helper died after its node's answer: what it had under way failed with it
         if tier.replicating is not None:
             _replication_failed(tier, what, died)
         if tier.pending is not None and not commit:
             _persist_failed(tier, what, died)
-    if any(c["restart"] for c in checks):
+    if any(c.restart for c in checks):
         if rank() == 0 and (tier.replicating is not None or (tier.pending is not None and not commit)):
             log.warning("%s: the helper processes restart: the replication of iteration %s and the persist of "
                         "iteration %s under way are abandoned", what, tier.replicating, tier.pending)
@@ -154,8 +185,8 @@ def start_persist(tier: MemoryTier, what: str) -> None:
 
 def busy(tier: MemoryTier) -> bool:
     """Collective: whether any node's helper is still replicating or persisting (nothing is waited for)."""
-    return any(a is not None and any(Progress.from_json(p).state == "running" for p in a.values())
-               for a in all_gather_json(node_progress(tier, 0.0)))
+    return any(p.state == "running" for a in all_gather_json(node_progress(tier, 0.0).to_json())
+               for p in NodeProgress.from_json(a).ops.values())
 
 
 def drain(tier: MemoryTier) -> tuple[str, ...]:
@@ -163,7 +194,7 @@ def drain(tier: MemoryTier) -> tuple[str, ...]:
     returns the durable path (if any)."""
     persisted: list[str] = []
     while tier.pending is not None or tier.replicating is not None:
-        answers = gather_phase("waiting for the helper processes", lambda: node_progress(tier, 0.5))
+        answers = gather_records("waiting for the helper processes", lambda: node_progress(tier, 0.5), NodeProgress)
         if resolve(tier, answers, "waiting for the helper processes"):
             persisted.append(run_phase("committing the persisted checkpoint",
                                        lambda: commit_durable(tier, []) if rank() == 0 else ""))

@@ -8,9 +8,10 @@ node's helper process sends and receives them in the background (``memory/helper
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Sequence
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.engine.save_records import RankFile
 from tenplex_megatron.execute.collective import rank, run_phase
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.protocol import Receive, Replicate, Send
@@ -31,26 +32,26 @@ def replication_rate(cap_mb: float, pace: float, interval: float | None, node_by
     return rate
 
 
-def node_request(tier: MemoryTier, infos: list[dict[str, Any]], it: int) -> tuple[tuple[Send, ...], tuple[Receive, ...]]:
+def node_request(tier: MemoryTier, infos: Sequence[RankFile], it: int) -> tuple[tuple[Send, ...], tuple[Receive, ...]]:
     """What this node's helper sends and receives of snapshot ``it`` (``infos``: every rank's file and size)."""
     order = tier.order()
     node_of = tier.node_of()
     path = node_dir.snapshot_dir(tier.mem, it)
     sends, recvs = [], []
     for r, i in enumerate(infos):
-        if not i["file"]:
+        if not i.file:
             continue
         src = node_of[r]
         for t in tier.targets(src):
             if src == tier.node:
-                sends.append(Send(os.path.join(path, i["file"]), order.index(t), r))
+                sends.append(Send(os.path.join(path, i.file), order.index(t), r))
             elif t == tier.node:
-                recvs.append(Receive(order.index(src), int(i["size"]), os.path.join(path, i["file"]), r,
+                recvs.append(Receive(order.index(src), i.size, os.path.join(path, i.file), r,
                                      node_dir.spare_path(tier.mem, r)))
     return tuple(sends), tuple(recvs)
 
 
-def replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str, interval: float | None = None,
+def replicate(tier: MemoryTier, infos: Sequence[RankFile], it: int, what: str, interval: float | None = None,
               *, unpaced: bool = False) -> int:
     """Collective: have the helpers copy this snapshot's files into the memory of the nodes that keep replicas
     of them (in the background), at :func:`replication_rate` (``unpaced``: at the cap alone, the job is
@@ -68,7 +69,7 @@ def replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str,
         start_helpers(tier)
     tier.replicating = it
     sends, recvs = node_request(tier, infos, it)
-    node_bytes = sum(int(infos[s.tag]["size"]) for s in sends)
+    node_bytes = sum(infos[s.tag].size for s in sends)
     rate = replication_rate(tier.settings.rate_cap, 0.0 if unpaced else tier.settings.pace, interval, node_bytes)
 
     def start() -> None:
@@ -78,4 +79,4 @@ def replicate(tier: MemoryTier, infos: list[dict[str, Any]], it: int, what: str,
 
     run_phase(f"{what}: starting the replication", start)
     mine = infos[rank()]
-    return int(mine["size"]) * len(tier.targets(tier.node)) if mine["file"] else 0
+    return mine.size * len(tier.targets(tier.node)) if mine.file else 0

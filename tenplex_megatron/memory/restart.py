@@ -23,11 +23,11 @@ import torch
 from tenplex_megatron.engine import rank_local
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
-from tenplex_megatron.execute.collective import broadcast_json, gather_phase, gather_records, rank, run_phase
+from tenplex_megatron.execute.collective import broadcast_json, gather_records, rank, run_phase
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.peers import cpu_group, exchange
 from tenplex_megatron.memory.state import MemoryTier
-from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, merge_ranges, schedule
+from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, RankRequests, merge_ranges, schedule
 from tenplex_megatron.plan.ptc import StoredChunk, dtype_size
 from tenplex_megatron.plan.restart_policy import Choice, DurableListing, ForeignSnapshotError, Snapshot, pick_snapshot
 from tenplex_megatron.storage import directory
@@ -140,18 +140,36 @@ def _metadata(choice: Choice) -> CheckpointMetadata:
     return choice.metadata
 
 
+@dataclass(frozen=True)
+class DamagedCopies:
+    """One rank's word after a failed load: the rank files of the snapshot its node's memory holds that fail their
+    checksums (its node's first rank checks them; none from the others)."""
+
+    node: str
+    files: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "files": list(self.files)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DamagedCopies:
+        return cls(str(d["node"]), tuple(str(f) for f in d["files"]))
+
+
 def damaged_copies(tier: MemoryTier, choice: Choice) -> list[tuple[int, str, str]]:
     """Collective, after a failed load only: the (iteration, rank file, node) copies of the chosen snapshot that fail their
     checksums, each node's leader checking every file its memory holds of it (``verify_checkpoint``)."""
-    def local() -> list[list[str]]:
+    def local() -> DamagedCopies:
         path = node_dir.snapshot_dir(tier.mem, choice.iteration)
         if not tier.leader or not os.path.isdir(path):
-            return []
+            return DamagedCopies(tier.node, ())
         held = {f for f in _metadata(choice).files or {} if os.path.isfile(os.path.join(path, f))}
-        return sorted([f, tier.node] for f in verify_checkpoint(path, workers=1).damaged_files() if f in held)
+        return DamagedCopies(tier.node, tuple(sorted(f for f in verify_checkpoint(path, workers=1).damaged_files()
+                                                     if f in held)))
 
-    got = gather_phase(f"--tenplex-memory {tier.mem}: checking this node's copies of the snapshot", local)
-    return [(choice.iteration, f, n) for g in got for f, n in g]
+    got = gather_records(f"--tenplex-memory {tier.mem}: checking this node's copies of the snapshot", local,
+                         DamagedCopies)
+    return [(choice.iteration, f, g.node) for g in got for f in g.files]
 
 
 def discard_after(tier: MemoryTier, start: int | None) -> list[str]:
@@ -186,7 +204,7 @@ class MemorySource(SourceFiles):
         self.durable = set(durable)
         self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
-        self.local_sizes = rank_local.entry_sizes(meta.raw)  # (file, rank-local entry) -> its byte count
+        self.local_sizes = rank_local.entry_sizes(meta.rank_local)  # (file, rank-local entry) -> its byte count
 
     def _receive_into(self, key: tuple[str, str], nbytes: int) -> torch.Tensor:
         """The buffer for ``key``'s bytes received from peers (``nbytes``), made on first use."""
@@ -259,7 +277,7 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = F
     stats = {"sent": 0, "received": 0}
 
     def fetch(plan: Any, sources: tuple[StoredChunk, ...], files: MemorySource) -> None:
-        def requests() -> list[dict[str, Any]]:
+        def requests() -> RankRequests:
             wanted: dict[int, list[tuple[int, int]]] = {}
             for p in plan.pieces:
                 sc = sources[p.source]
@@ -269,13 +287,14 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = F
                 bb = sc.location.block_bytes or size
                 blocks = touched_blocks(*piece_runs(p), dtype_size(files.dtypes[sc.chunk.key]), bb)
                 wanted.setdefault(p.source, []).extend((b * bb, min((b + 1) * bb, size)) for b in blocks)
-            own = rank_local.stored_entries(_metadata(choice).raw, rank()) if with_rank_local else []
-            return [*(PeerRequest(_key(sources[s]), lo, hi).to_json() for s, rs in wanted.items()
-                      for lo, hi in merge_ranges(rs)),
-                    *(PeerRequest(PeerKey(f, n), 0, nbytes).to_json() for f, n, nbytes in own if not files.stored(f))]
+            own = rank_local.stored_entries(_metadata(choice).rank_local, rank()) if with_rank_local else []
+            return RankRequests((*(PeerRequest(_key(sources[s]), lo, hi) for s, rs in wanted.items()
+                                   for lo, hi in merge_ranges(rs)),
+                                 *(PeerRequest(PeerKey(f, n), 0, nbytes) for f, n, nbytes in own
+                                   if not files.stored(f))))
 
-        asked = [[PeerRequest.from_json(q) for q in reqs] for reqs in
-                 gather_phase("load from memory: gathering what each rank receives from peers", requests)]
+        asked = [g.requests for g in gather_records("load from memory: gathering what each rank receives from peers",
+                                                    requests, RankRequests)]
         by_key = {_key(sc): sc for sc in sources}
 
         def plan_transfers() -> list[Any]:
@@ -285,7 +304,7 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = F
                     if q.key not in senders:
                         holders = choice.holders.get(q.key.file, ())
                         senders[q.key] = sorted(x for n in holders for x in tier.nodes.get(n, []))
-            return schedule({r: reqs for r, reqs in enumerate(asked) if reqs}, senders)
+            return schedule({r: list(reqs) for r, reqs in enumerate(asked) if reqs}, senders)
 
         transfers = run_phase("load from memory: scheduling peer transfers", plan_transfers)
         me = rank()
@@ -338,7 +357,7 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: Choice, *, verify:
     def opener() -> Opened:
         src = MemorySource(tier, choice, verify)
         opened.append(src)
-        return Opened(label, dict(_metadata(choice).raw), src.ptc, src)
+        return Opened(label, _metadata(choice), src.ptc, src)
 
     same_layout = getattr(adapter, "prepare_rank_local", None) is not None \
         and _metadata(choice).layout == adapter.layout()  # rank-local state can apply: fetch it too

@@ -20,7 +20,6 @@ from typing import Any
 from tenplex_megatron import log as tlog
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
-from tenplex_megatron.engine.chunks import holdings_json
 from tenplex_megatron.engine.save import (
     RankLocal,
     SaveResult,
@@ -32,8 +31,9 @@ from tenplex_megatron.engine.save import (
     save,
     writer_assignment,
 )
+from tenplex_megatron.engine.save_records import RankFile, RankHoldings
 from tenplex_megatron.errors import TenplexError
-from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.execute.collective import broadcast_json, gather_records, rank, run_phase
 from tenplex_megatron.execute.executor import plain_ops
 from tenplex_megatron.memory import background, node_dir, replication
 from tenplex_megatron.memory.shm_write import write_tensors
@@ -97,10 +97,10 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
     what = f"memory snapshot of iteration {it} in {tier.mem}"
     chunks, local = run_phase(f"{what}: describing the job", lambda: describe_for_save(adapter))
     clock.mark("describe")
-    gathered = gather_phase(f"{what}: gathering chunk lists", lambda: _node_room(tier, chunks, local))
+    gathered = gather_records(f"{what}: gathering chunk lists", lambda: _node_room(tier, chunks, local), NodeRoom)
     clock.mark("gather")
-    holdings, writers, all_meta = writer_assignment([g["holdings"] for g in gathered])
-    commit_durable = background.resolve(tier, [g["persist"] for g in gathered], what)
+    holdings, writers, all_meta = writer_assignment([g.holdings for g in gathered])
+    commit_durable = background.resolve(tier, [g.persist for g in gathered], what)
     clock.mark("assign")
     short = _shortfall(tier, holdings, writers, gathered)
     if short and tier.settings.fallback and tier.settings.save_dir:
@@ -116,7 +116,8 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
     size, sums = run_phase(f"{what}: copying into node memory",
                            lambda: _write_rank_file(tier, chunks, writers, it, local))
     clock.mark("copy")
-    infos = gather_phase(f"{what}: gathering file lists", lambda: _file_info(adapter, tier, size, sums, local))
+    infos = gather_records(f"{what}: gathering file lists", lambda: _file_info(adapter, tier, size, sums, local),
+                           RankFile)
     clock.mark("infos")
     meta = broadcast_json(run_phase(f"{what}: building metadata",
                                     lambda: _metadata(adapter, tier, writers, infos, all_meta, it)), 0)
@@ -131,20 +132,41 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
                           phases=clock.phases())
 
 
-def _node_room(tier: MemoryTier, chunks: Any, local: RankLocal) -> dict[str, Any]:
+@dataclass(frozen=True)
+class NodeRoom:
+    """One rank's word at the start of a snapshot: its chunk list and rank-local bytes, the room in its node's
+    memory directory (free, and used by committed snapshots) and its node's background work (:func:`_node_room`)."""
+
+    holdings: RankHoldings
+    local: int
+    free: int
+    used: int
+    persist: background.NodeProgress
+
+    def to_json(self) -> dict[str, Any]:
+        return {"holdings": self.holdings.to_json(), "local": self.local, "free": self.free, "used": self.used,
+                "persist": self.persist.to_json()}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> NodeRoom:
+        return cls(RankHoldings.from_json(d["holdings"]), int(d["local"]), int(d["free"]), int(d["used"]),
+                   background.NodeProgress.from_json(d["persist"]))
+
+
+def _node_room(tier: MemoryTier, chunks: Any, local: RankLocal) -> NodeRoom:
     """This rank's chunk list and rank-local bytes, and (its node's first rank) the room in the node's memory
     directory and the background work's progress: gathered, so every rank decides alike."""
     committed = directory.committed_iterations(tier.mem) if tier.leader else []
     spares = node_dir.spare_bytes(tier.mem, tier.held_ranks()) if tier.leader else 0
-    return {"holdings": holdings_json(chunks), "local": sum(t.numel() for t, _ in local.values()),
-            "free": node_dir.free_bytes(tier.mem) + spares,
-            "used": node_dir.used_bytes(tier.mem, committed), "persist": background.node_progress(tier, 0.0)}
+    return NodeRoom(RankHoldings.of(chunks), sum(t.numel() for t, _ in local.values()),
+                    node_dir.free_bytes(tier.mem) + spares, node_dir.used_bytes(tier.mem, committed),
+                    background.node_progress(tier, 0.0))
 
 
-def _shortfall(tier: MemoryTier, holdings: Any, writers: dict[Any, int], gathered: list[dict[str, Any]]) -> list[str]:
+def _shortfall(tier: MemoryTier, holdings: Any, writers: dict[Any, int], gathered: list[NodeRoom]) -> list[str]:
     """For each node the snapshot (its own files and the replicas it keeps) would not fit: a line saying so."""
     node_of = tier.node_of()
-    written = {r: int(g.get("local", 0)) for r, g in enumerate(gathered) if g.get("local")}
+    written = {r: g.local for r, g in enumerate(gathered) if g.local}
     for h in holdings:
         if writers.get(h.chunk) == h.rank:
             written[h.rank] = written.get(h.rank, 0) + h.nbytes
@@ -155,9 +177,9 @@ def _shortfall(tier: MemoryTier, holdings: Any, writers: dict[Any, int], gathere
     short = []
     for n, nbytes in need.items():
         lead = tier.nodes[n][0]
-        avail = gathered[lead]["free"]
+        avail = gathered[lead].free
         if tier.settings.limit is not None:
-            avail = min(avail, tier.settings.limit - gathered[lead]["used"])
+            avail = min(avail, tier.settings.limit - gathered[lead].used)
         if nbytes > avail:
             short.append(f"node {n} (rank {lead}): {nbytes / 1e6:.1f} MB needed, {max(avail, 0) / 1e6:.1f} MB "
                          "available")
@@ -234,15 +256,14 @@ def _write_rank_file(tier: MemoryTier, chunks: Any, writers: dict[Any, int], it:
 
 
 def _file_info(adapter: Adapter, tier: MemoryTier, size: int, sums: dict[str, tuple[int, ...]],
-               local: RankLocal) -> dict[str, Any]:
+               local: RankLocal) -> RankFile:
     """This rank's part of the metadata: its RNG state and rank-local records, its file (name, size, block CRCs)
     and node."""
-    return {"info": {"rng": rng.capture(tracker=adapter.rng_tracker), **local_records(local)},
-            "file": directory.rank_file_name(rank()) if sums else None, "size": size, "host": tier.node,
-            "block_bytes": BLOCK_BYTES, "block_crc32": {name: list(crcs) for name, crcs in sums.items()}}
+    return RankFile({"rng": rng.capture(tracker=adapter.rng_tracker), **local_records(local)},
+                    directory.rank_file_name(rank()) if sums else None, size, tier.node, BLOCK_BYTES, sums)
 
 
-def _metadata(adapter: Adapter, tier: MemoryTier, writers: dict[Any, int], infos: list[dict[str, Any]],
+def _metadata(adapter: Adapter, tier: MemoryTier, writers: dict[Any, int], infos: list[RankFile],
               all_meta: Any, it: int) -> dict[str, Any] | None:
     """Rank 0: the snapshot's metadata (a durable checkpoint's, naming the job); None elsewhere."""
     if rank() != 0:
@@ -267,12 +288,12 @@ def _commit(tier: MemoryTier, it: int, meta: dict[str, Any], removed: list[str])
     return path
 
 
-def _remember(tier: MemoryTier, it: int, meta: dict[str, Any], infos: list[dict[str, Any]], t0: float
+def _remember(tier: MemoryTier, it: int, meta: dict[str, Any], infos: list[RankFile], t0: float
               ) -> float | None:
     """Record the committed snapshot in the tier's state; returns the time since the previous one started."""
     tier.snapshots += 1
-    tier.last = (it, meta, [infos[r]["file"] for r in tier.nodes[tier.node] if infos[r]["file"]])
-    tier.last_files = [{"file": i["file"], "size": i["size"]} for i in infos]
+    tier.last = (it, meta, [f for r in tier.nodes[tier.node] if (f := infos[r].file)])
+    tier.last_files = tuple(infos)
     interval = None if tier.last_snapshot_at is None else t0 - tier.last_snapshot_at
     tier.last_snapshot_at = t0
     return interval

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.execute.collective import broadcast_json, gather_phase, rank, run_phase
+from tenplex_megatron.engine.save_records import RankFile
+from tenplex_megatron.execute.collective import broadcast_json, gather_records, rank, run_phase
 from tenplex_megatron.memory import mounts, node_dir
 from tenplex_megatron.memory.helper import Helper
 from tenplex_megatron.memory.peers import cpu_group
@@ -38,7 +39,7 @@ class MemoryTier:
     replicating: int | None = None  # iteration whose replicas the helpers are copying
     replicated: int | None = None  # newest iteration with every replica in place (kept until a newer one is)
     last: tuple[int, dict[str, Any], list[str]] | None = None  # the last snapshot: iteration, metadata, own files
-    last_files: list[dict[str, Any]] = field(default_factory=list)  # every rank's file of it: name, size
+    last_files: tuple[RankFile, ...] = ()  # every rank's file of it
     disposing: set[str] = field(default_factory=set)  # retired snapshots this node's helper is deleting
 
     @property
@@ -92,6 +93,20 @@ class MemoryTier:
             shutil.rmtree(path, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class NodeIdentity:
+    """One rank's node, as its memory directory names it (``node_dir.node_id``): gathered to group the ranks."""
+
+    node: str
+
+    def to_json(self) -> str:
+        return self.node
+
+    @classmethod
+    def from_json(cls, d: str) -> NodeIdentity:
+        return cls(str(d))
+
+
 def open_tier(settings: MemorySettings, *, start_helpers_now: bool = False) -> MemoryTier:
     """Collective: this process's memory tier (node id read or made, nodes found by gathering every rank's id).
 
@@ -101,13 +116,14 @@ def open_tier(settings: MemorySettings, *, start_helpers_now: bool = False) -> M
     """
     tier = MemoryTier(settings)
 
-    def local() -> str:
+    def local() -> NodeIdentity:
         node = node_dir.node_id(tier.mem)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             mounts.warn_if_not_memory(tier.mem)
-        return node
+        return NodeIdentity(node)
 
-    ids = gather_phase(f"--tenplex-memory {settings.mem}: reading the node id", local)
+    ids = [g.node for g in gather_records(f"--tenplex-memory {settings.mem}: reading the node id", local,
+                                          NodeIdentity)]
     tier.node = ids[rank()]
     for r, n in enumerate(ids):
         tier.nodes.setdefault(n, []).append(r)

@@ -40,6 +40,20 @@ class PeerRequest:
 
 
 @dataclass(frozen=True)
+class RankRequests:
+    """Every byte range one rank needs from its peers (gathered, so that every rank schedules the same transfers)."""
+
+    requests: tuple[PeerRequest, ...]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [q.to_json() for q in self.requests]
+
+    @classmethod
+    def from_json(cls, d: list[dict[str, Any]]) -> RankRequests:
+        return cls(tuple(PeerRequest.from_json(q) for q in d))
+
+
+@dataclass(frozen=True)
 class Transfer:
     """``hi - lo`` bytes of stored item ``key`` from ``sender`` to ``receiver``."""
 

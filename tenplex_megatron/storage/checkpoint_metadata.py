@@ -5,14 +5,14 @@ and range before anything uses it (an unknown dtype, a 5000-digit number, ``tp_p
 record, a 1500-dimension tensor, a negative size, two tensors of one name), and a bad one is one
 :class:`CheckpointFileError` naming the file and the field, e.g. ``ckpt/iter_0000004/metadata.json: ptc.tensors[3].dtype:
 unknown dtype 'float128x'``: ``verify``, ``inspect`` and ``plan`` print it, and a load treats the copy as damaged
-(it falls back to the next). The fields a framework's adapter alone reads (optimizer, scheduler, RNG, extra) stay in
-:attr:`CheckpointMetadata.raw`. The on-disk format is unchanged.
+(it falls back to the next). The fields a framework's adapter alone reads (optimizer, scheduler, extra, DeepSpeed's
+step counters) stay in :attr:`CheckpointMetadata.raw`. The on-disk format is unchanged.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES, PTC, PTCError
@@ -137,6 +137,16 @@ class CheckpointMetadata:
     saved_at: float | None
     memory_job: str | None  # a host-memory snapshot's job id (None in a durable checkpoint)
     raw: Mapping[str, Any]
+    weights_only: bool = False  # saved without the optimizer (--no-save-optim)
+    global_samples: int | None = None  # DeepSpeed's data position (its engines record no consumed_samples)
+    rng: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # rank -> its saved RNG streams (engine/rng.py)
+
+    @property
+    def data_position(self) -> int:
+        """The samples consumed when it was saved: ``consumed_samples``, else DeepSpeed's ``global_samples``, else 0."""
+        if self.consumed_samples is not None:
+            return self.consumed_samples
+        return self.global_samples or 0
 
     def require_iteration(self) -> int:
         if self.iteration is None:
@@ -178,6 +188,9 @@ class CheckpointMetadata:
             saved_at=None if d.get("saved_at") is None else f.number(d["saved_at"], "saved_at"),
             memory_job=None if d.get("memory_job") is None else f.text(d["memory_job"], "memory_job"),
             raw=d,
+            weights_only=bool(d.get("weights_only") is not None and f.flag(d["weights_only"], "weights_only")),
+            global_samples=f.opt_count(d.get("global_samples"), "global_samples"),
+            rng=_rng(f, d.get("rng") or {}),
         )
 
 
@@ -281,6 +294,16 @@ def _ptc(f: _Fields, v: object) -> PTC:
         return PTC.from_json(dict(d))
     except (PTCError, ValueError) as e:
         raise f.fail("ptc", str(e)) from None
+
+
+def _rng(f: _Fields, v: object) -> dict[int, dict[str, Any]]:
+    """Each rank's saved RNG streams (opaque to everything but ``engine/rng.py``): an object per rank number."""
+    out = {}
+    for r, state in f.obj(v, "rng").items():
+        if not r.isdigit() or len(r) > 9:
+            raise f.fail(f"rng[{_short(r)}]", "the key must be a rank number")
+        out[int(r)] = f.obj(state, f"rng[{r!r}]")
+    return out
 
 
 def _rank_local(f: _Fields, v: object) -> dict[int, RankLocalSection]:

@@ -10,10 +10,12 @@ executor never asks what kind of source it has.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tenplex_megatron.plan.ptc import PTC, StoredChunk
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata, RankLocalSection
 
 if TYPE_CHECKING:  # types only: torch and the planner's Piece are not needed to define the protocol
     import torch
@@ -84,10 +86,46 @@ class UncheckedSource:
 
 
 @dataclass(frozen=True)
+class ForeignMetadata:
+    """What a checkpoint of another format (Megatron's own, DeepSpeed's, Hugging Face's) says beside its tensors:
+    the record its opener builds from that format's files. The engine reads its ``layout`` and ``consumed_samples``;
+    ``raw`` holds the rest in that format's adapter's keys (optimizer, scheduler, iteration, config)."""
+
+    format: str
+    layout: Mapping[str, Any]
+    consumed_samples: int
+    raw: Mapping[str, Any]
+
+    @property
+    def data_position(self) -> int:
+        """The samples consumed when it was saved."""
+        return self.consumed_samples
+
+    @property
+    def rank_local(self) -> Mapping[int, RankLocalSection]:
+        """No rank-local state: only tenplex's saves keep it."""
+        return {}
+
+    @property
+    def rng(self) -> Mapping[int, Mapping[str, Any]]:
+        """No RNG streams: a foreign format's load re-seeds."""
+        return {}
+
+    @classmethod
+    def of(cls, fmt: str, raw: dict[str, Any], consumed_samples: int = 0) -> ForeignMetadata:
+        """The record of ``raw`` (an opener's own dict, with its ``layout``)."""
+        return cls(fmt, dict(raw["layout"]), consumed_samples, raw)
+
+
+#: what a load reads beside the tensors: tenplex's own metadata.json, checked, or a foreign format's record
+Metadata = CheckpointMetadata | ForeignMetadata
+
+
+@dataclass(frozen=True)
 class Opened:
     """A checkpoint found and opened for reading: its directory, metadata, PTC and chunk source."""
 
     path: str
-    metadata: dict[str, Any]
+    metadata: Metadata
     ptc: PTC
     files: Source

@@ -6,7 +6,7 @@ from tenplex_megatron.storage.directory import (
     committed_iterations,
     find_checkpoint,
     is_tenplex_checkpoint,
-    read_metadata,
+    read_checkpoint_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
 
@@ -15,7 +15,7 @@ def checkpoint_at(load: str, iteration: int, flag: str = "--ckpt-step") -> str:
     """The complete tenplex checkpoint of ``iteration`` under ``load`` (or ``load`` itself, if it is that one);
     else an error naming ``flag`` and listing the iterations there."""
     if is_tenplex_checkpoint(load):
-        saved = read_metadata(load).get("iteration")
+        saved = read_checkpoint_metadata(load).iteration
         if saved == iteration:
             return load
         raise CheckpointFileError(f"{flag} {iteration}: {load} is the checkpoint of iteration {saved}")

@@ -23,6 +23,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ from tenplex_megatron.execute.collective import RankFailure, check_all
 from tenplex_megatron.integrations.megatron_core.adapter import load_job
 from tenplex_megatron.integrations.megatron_core.sharded import model_keys, unwrap
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
-from tenplex_megatron.storage.directory import find_checkpoint, iter_dir_name, read_metadata
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
+from tenplex_megatron.storage.directory import find_checkpoint, iter_dir_name, read_checkpoint_metadata
 from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
 #: the distributed optimizer's formats an export writes (megatron-core's names; the first is the default)
@@ -70,7 +72,7 @@ def megatron_metadata(distributed_optimizer: bool, optimizer_format: str) -> dic
     return md
 
 
-def megatron_args(job: gpt.GPTJob, record: dict[str, Any], source: str, optimizer_format: str) -> argparse.Namespace:
+def megatron_args(job: gpt.GPTJob, record: Mapping[str, Any], source: str, optimizer_format: str) -> argparse.Namespace:
     """Megatron-LM's saved ``args``: the model record's flags (Megatron-LM's names), the exported layout, the data
     position, and what the checkpoint holds (``no_save_rng``: no RNG streams; the optimizer state is there)."""
     lay = job.layout
@@ -104,16 +106,20 @@ def megatron_state_dict(job: gpt.GPTJob, md: dict[str, Any], args: argparse.Name
     }
 
 
-def build_target(meta: dict[str, Any], layout: ParallelLayout, path: str) -> gpt.GPTJob:
+def model_record(meta: CheckpointMetadata) -> Mapping[str, Any]:
+    """The checkpoint's model record; a checkpoint of another framework, or without one, is refused."""
+    if meta.framework not in (None, "megatron-core") or meta.model is None:
+        raise ExportError(f"{meta.path}: not a megatron-core checkpoint with a model record (framework "
+                          f"{meta.framework!r}): export-megatron reads megatron-core checkpoints")
+    return meta.model
+
+
+def build_target(meta: CheckpointMetadata, layout: ParallelLayout) -> gpt.GPTJob:
     """Collective: the job the checkpoint's model record describes, built at ``layout`` with Megatron's vocabulary
     padding at that TP (what a stock Megatron-LM run pads to); one micro-batch per DP rank (no batch is run)."""
-    record = meta.get("model")
-    if meta.get("framework") not in (None, "megatron-core") or not isinstance(record, dict):
-        raise ExportError(f"{path}: not a megatron-core checkpoint with a model record (framework "
-                          f"{meta.get('framework')!r}): export-megatron reads megatron-core checkpoints")
-    spec = gpt.GPTSpec.from_json(record)
+    spec = gpt.GPTSpec.from_json(dict(model_record(meta)))
     padded = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
-    return gpt.build_job(spec, layout, use_distributed_optimizer=bool(meta.get("use_distributed_optimizer")),
+    return gpt.build_job(spec, layout, use_distributed_optimizer=bool(meta.use_distributed_optimizer),
                          micro_batch_size=1, global_batch_size=layout.dp, padded_vocab=padded)
 
 
@@ -130,12 +136,12 @@ def export(ckpt: str, out: str, layout: ParallelLayout, *, optimizer_format: str
     path = find_checkpoint(ckpt)
     if path is None:
         raise ExportError(f"{ckpt}: no complete tenplex checkpoint here")
-    meta = read_metadata(path)
-    job = build_target(meta, layout, path)
+    meta = read_checkpoint_metadata(path)
+    job = build_target(meta, layout)
     res = load_job(job, path, verify=verify)
     flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
     md = megatron_metadata(job.use_distributed_optimizer, optimizer_format)
-    state = megatron_state_dict(job, md, megatron_args(job, meta["model"], path, optimizer_format), flops)
+    state = megatron_state_dict(job, md, megatron_args(job, model_record(meta), path, optimizer_format), flops)
     if job.use_distributed_optimizer and optimizer_format == "fully_reshardable":
         error: BaseException | None = None
         try:

@@ -42,6 +42,7 @@ def run(mode: str, job: Job) -> dict:
     out: dict = {"mem": os.path.abspath(mem), "losses": {}}
     engine = build(job)
     tier = tds.open_memory(mem, ckpt, persist_interval=2, replicas=2, replication_rate="auto")  # 4: paced
+    mem_dir = tier.tier.mem  # the tier's directory, as it names it (the Checkpointer lets the tier go when closed)
     first = 1
     if mode == "train":
         out["fresh"] = tds.load_latest(engine, tier, ckpt) is None  # neither a snapshot nor a durable checkpoint
@@ -62,8 +63,8 @@ def run(mode: str, job: Job) -> dict:
     if mode == "resume":
         tds.save_snapshot(engine, tier)
     out["persisted"] = list(tds.finish_memory(tier, over=mode == "resume"))
-    out["files"] = {it: sorted(os.listdir(node_dir.snapshot_dir(tier.mem, it)))
-                    for it in (4, 6) if os.path.isdir(node_dir.snapshot_dir(tier.mem, it))}
+    out["files"] = {it: sorted(os.listdir(node_dir.snapshot_dir(mem_dir, it)))
+                    for it in (4, 6) if os.path.isdir(node_dir.snapshot_dir(mem_dir, it))}
     if mode == "resume":  # every node's memory lost (a reboot): the durable checkpoint persisted at the end
         final = full_state(engine)
         rebooted = build(job)

@@ -34,13 +34,14 @@ import torch.distributed as dist
 from tenplex_megatron import flags
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load
-from tenplex_megatron.execute.collective import RankFailure, gather_phase
+from tenplex_megatron.execute.collective import RankFailure, gather_records
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.memory import background, node_dir, restart, state
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import snapshot
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage.source import Metadata
 from tests.logs import logged
 
 ROWS, COLS = 8, 6
@@ -98,8 +99,8 @@ class Tiny:
     def rank_local(self) -> dict[str, Any]:
         return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})} if self.local else {}
 
-    def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
-        if not self.local or metadata.get("layout") != self.layout():
+    def prepare_rank_local(self, metadata: Metadata, read: Any) -> Any:
+        if not self.local or metadata.layout != self.layout():
             return None
         got = read(LOCAL).view(torch.float32)
         return lambda: setattr(self, "state", got)
@@ -246,8 +247,8 @@ def died_after_answer(out: str) -> dict[str, Any]:
     state.start_helpers(d)
     os.kill(d.helper.proc.pid, signal.SIGSTOP)  # the requests wait in its pipe, unanswered
     snap(d, 14.0, 14)
-    answers = gather_phase("asking", lambda: background.node_progress(d, 0.0))
-    said = sorted({p["state"] for a in answers if a for p in a.values()})
+    answers = gather_records("asking", lambda: background.node_progress(d, 0.0), background.NodeProgress)
+    said = sorted({p.state for a in answers for p in a.ops.values()})
     d.helper.proc.kill()
     d.helper.proc.wait(timeout=60)  # the event: the helper is gone
     dist.barrier()

@@ -34,6 +34,7 @@ from tenplex_megatron.memory import fallback
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage import copies
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.safetensors_io import write_safetensors
 
 LIMIT_S = int(os.environ.get("HOSTILE_LIMIT_S", "30"))
@@ -60,7 +61,7 @@ def load(load_dir: str) -> dict[str, Any]:
         return {"fresh": True}
     got = fallback.restart(lambda c: None, lambda path: load_chunks(path, None, describe, lambda meta: None),
                            None, None, load_dir, newest, damaged)
-    return {"path": got.result.path, "iteration": got.result.metadata["iteration"], "skipped": list(got.skipped),
+    return {"path": got.result.path, "iteration": got.result.metadata.iteration, "skipped": list(got.skipped),
             "equal": bool(torch.equal(dst, torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32)))}
 
 
@@ -105,7 +106,7 @@ def te(d: str, what: str, trust: str) -> dict[str, Any]:
     _, sums = write_safetensors(f"{d}/rank_00000.safetensors",
                                 {n: torch.frombuffer(bytearray(raw), dtype=torch.uint8)})
     layout = ParallelLayout(1, 1, 1)
-    meta = {"layout": layout.to_json(), "rank_local": {"0": {
+    meta = {"format_version": 2, "layout": layout.to_json(), "rank_local": {"0": {
         "file": "rank_00000.safetensors", "block_bytes": 1 << 20, "entries": {n: {
             "kind": "tensor", "dtype": "uint8", "shape": [len(raw)], "nbytes": len(raw), "chunk": 0,
             "module": "decoder.layers.0.self_attention.linear_qkv", "block_crc32": list(sums[n])}}}}}
@@ -115,7 +116,8 @@ def te(d: str, what: str, trust: str) -> dict[str, Any]:
     m.decoder.layers[0].self_attention = torch.nn.Module()
     module = m.decoder.layers[0].self_attention.linear_qkv = TELike()
     job = types.SimpleNamespace(model=[m], layout=layout, trust_pickles=trust == "trust")
-    apply = extra_state.prepare(job, meta, rank_local.reader(d, meta, 0), 0)
+    checked = CheckpointMetadata.from_json(meta, os.path.join(d, "metadata.json"))  # as a load reads it
+    apply = extra_state.prepare(job, checked, rank_local.reader(d, checked.rank_local, 0), 0)
     if apply is not None:
         apply()
     restored = what == "te" and torch.equal(module.state["amax_history_fwd"], payload["amax_history_fwd"]) \

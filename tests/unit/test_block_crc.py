@@ -295,7 +295,7 @@ def test_format_1_checkpoint_with_one_crc_per_chunk_still_loads_checked_whole(tm
     want = Chunk("w", (0, 0), (1024, 768), (100, 200))
     dst = _local("w", torch.zeros_like(full), want)
     loaded = load_chunks(ckpt, None, lambda meta: [dst], lambda meta: None, strict=True)
-    assert loaded.metadata["format_version"] == 1 and torch.equal(dst.data, full.reshape(-1)[100:200])
+    assert loaded.metadata.format_version == 1 and torch.equal(dst.data, full.reshape(-1)[100:200])
     assert loaded.stats.bytes_read == 400 and loaded.stats.bytes_verified == 393_216 * 4  # the whole first half
     with open(os.path.join(ckpt, "metadata.json")) as f:
         at = next(c["at"] for c in json.load(f)["ptc"]["chunks"] if c["flat"][0] == 0)

@@ -168,12 +168,20 @@ def test_the_hook_refuses_a_ckpt_step_not_under_load(tmp_path, caplog) -> None:
 def test_a_load_asking_for_what_the_checkpoint_lacks_is_refused() -> None:
     """Before anything is copied: the optimizer of a weights-only checkpoint; a fine-tune of one without weights."""
     from tenplex_megatron.engine.load import check_scope
+    from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
+    from tenplex_megatron.storage.source import ForeignMetadata
 
-    weights_only = {"iteration": 4, "weights_only": True, "ptc": {"tensors": [{"key": "embedding.weight"}]}}
+    def tenplex(key: str, **fields: object) -> CheckpointMetadata:
+        ptc = {"ptc_version": 1, "tensors": [{"key": key, "shape": [4], "dtype": "float32"}], "chunks": [], "layout": {}}
+        return CheckpointMetadata.from_json({"format_version": 2, "iteration": 4, "ptc": ptc, **fields},
+                                            "ckpt/metadata.json")
+
+    weights_only = tenplex("embedding.weight", weights_only=True)
     with pytest.raises(ValueError, match="holds the weights only .*--no-load-optim"):
         check_scope(weights_only, table.LoadScope(), "ckpt")
     check_scope(weights_only, table.LoadScope(optimizer=False), "ckpt")
-    no_weights = {"iteration": 4, "ptc": {"tensors": [{"key": "optimizer.state.exp_avg.embedding.weight"}]}}
+    no_weights = tenplex("optimizer.state.exp_avg.embedding.weight")
     with pytest.raises(ValueError, match="--finetune: .* holds no model weights"):
         check_scope(no_weights, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
-    check_scope({"iteration": 4}, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")  # Megatron's own
+    megatron = ForeignMetadata.of("megatron torch_dist", {"iteration": 4, "layout": {"tp": 1}})  # Megatron's own
+    check_scope(megatron, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")

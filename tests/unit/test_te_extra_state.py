@@ -26,6 +26,7 @@ from tenplex_megatron.engine.save import save_chunks
 from tenplex_megatron.integrations.megatron_core import extra_state, sharded
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
+from tenplex_megatron.storage.directory import read_checkpoint_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 from tests.logs import logged
@@ -181,10 +182,9 @@ def test_damaged_entry_refused_naming_file_and_entry(tmp_path) -> None:
     path = _save(tmp_path, src)
     name = f"{PREFIX}model0.0._extra_state"
     _flip_first_byte(path, name)
-    with open(f"{path}/metadata.json") as f:
-        meta = json.load(f)
+    sections = read_checkpoint_metadata(path).rank_local
     with pytest.raises(CheckpointFileError, match=r"rank_00000\.safetensors: rank-local entry .*model0\.0\._extra_state"):
-        reader(path, meta, 0)(name)
+        reader(path, sections, 0)(name)
     dst = _job()
     with pytest.raises(Exception, match="block checksums"):
         _load(path, dst)
@@ -214,8 +214,7 @@ def test_entries_listed_and_read_through_another_source(tmp_path) -> None:
     src = _job()
     src.model[0][0].meta = torch.tensor([3.0, 2.0, 1.0])
     path = _save(tmp_path, src)
-    with open(f"{path}/metadata.json") as f:
-        meta = json.load(f)
+    meta = read_checkpoint_metadata(path).rank_local
     names = [f"{PREFIX}model0.0._extra_state", f"{PREFIX}model0.1._extra_state"]  # Plain holds none
     assert stored_entries(meta, 0) == [("rank_00000.safetensors", n, 12) for n in names]
     assert stored_entries(meta, 1) == [] and stored_entries({}, 0) == []

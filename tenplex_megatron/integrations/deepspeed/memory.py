@@ -3,7 +3,9 @@
 The same tier as ``--tenplex-memory`` (``tenplex_megatron/memory/``): a snapshot copies
 each rank's ZeRO partitions into node-local shared memory, the nodes' helper processes replicate it to peers'
 memory and persist it to the durable directory in the background, and a restart at any DP size loads the newest
-snapshot that is whole in the live nodes' memory, receiving from peers what its own node lacks.
+snapshot that is whole in the live nodes' memory, receiving from peers what its own node lacks. The tier is owned
+by a :class:`~tenplex_megatron.frontdoor.checkpointer.Checkpointer`, as behind the other front doors:
+``open_memory`` builds it, ``finish_memory`` closes it (helpers stopped, shared memory handles closed).
 """
 
 from __future__ import annotations
@@ -12,17 +14,19 @@ import os
 from typing import Any
 
 from tenplex_megatron.engine.load import LoadResult
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.deepspeed import native
-from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter, load_checkpoint
-from tenplex_megatron.memory import background, mounts, restart, state
+from tenplex_megatron.integrations.deepspeed.adapter import PROG, DeepSpeedAdapter, load_checkpoint
+from tenplex_megatron.memory import restart
 from tenplex_megatron.memory.restart import MemoryLoadResult
 from tenplex_megatron.memory.settings import MemorySettings
-from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
+from tenplex_megatron.memory.snapshot import SnapshotResult
 from tenplex_megatron.memory.state import MemoryTier
 
 
-def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **options: Any) -> MemoryTier:
-    """Collective: this rank's host-memory tier in the node-local ``mem_dir``, its helper processes started.
+def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **options: Any) -> Checkpointer:
+    """Collective: the Checkpointer of this rank's host-memory tier in the node-local ``mem_dir``, the tier opened
+    and its helper processes started (its ``tier`` attribute).
 
     ``save_dir``: where snapshots are persisted (None: never). ``job``: the job's identity, by default its durable
     directory (another job's snapshots are never loaded). ``options``: those of ``--tenplex-memory``
@@ -30,24 +34,34 @@ def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **op
     ``replication_rate`` in MB/s or ``"auto"``): :class:`MemorySettings`, which checks them.
     """
     settings = MemorySettings(mem_dir, os.path.abspath(job or save_dir or mem_dir), save_dir, **options)
-    mounts.say_huge_pages_hint(mem_dir)
-    return state.open_tier(settings, start_helpers_now=True)
+    memory = Checkpointer.for_api(PROG, memory=settings)
+    memory.memory()
+    return memory
 
 
-def save_snapshot(engine: Any, tier: MemoryTier, client_state: dict[str, Any] | None = None, *,
+def _tier(memory: Checkpointer) -> MemoryTier:
+    """The open tier of ``memory`` (a closed Checkpointer is refused, naming the program)."""
+    tier = memory.memory()
+    if tier is None:
+        raise ValueError(f"{PROG}: {memory!r} has no host-memory tier: build it with open_memory")
+    return tier
+
+
+def save_snapshot(engine: Any, memory: Checkpointer, client_state: dict[str, Any] | None = None, *,
                   persist: bool | None = None) -> SnapshotResult:
     """Collective: snapshot the engine's full state (named after its global steps) into host memory.
 
     ``persist``: True forces a durable copy of this snapshot, False skips it, None follows ``persist_interval``.
     """
-    return snapshot(DeepSpeedAdapter(engine, client_state=client_state), tier, persist=persist)
+    return memory.snapshot(DeepSpeedAdapter(engine, client_state=client_state), persist=persist)
 
 
-def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, *, verify: bool = True,
+def load_latest(engine: Any, memory: Checkpointer, load_dir: str | None, *, verify: bool = True,
                 seed: int = 1234) -> MemoryLoadResult | LoadResult | None:
     """Collective: load the newest state into ``engine``, re-sharded to its DP size: the newest snapshot whole in
     the live nodes' memory, else the durable checkpoint under ``load_dir`` (tenplex's or DeepSpeed's own); None
     when there is neither (and every older snapshot is discarded: the job starts afresh)."""
+    tier = _tier(memory)
     choice = restart.choose(tier, load_dir)
     if choice is not None:
         return restart.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify=verify)
@@ -57,10 +71,11 @@ def load_latest(engine: Any, tier: MemoryTier, load_dir: str | None, *, verify: 
     return load_checkpoint(engine, load_dir, verify=verify, seed=seed)
 
 
-def finish_memory(tier: MemoryTier, *, over: bool) -> tuple[str, ...]:
+def finish_memory(memory: Checkpointer, *, over: bool) -> tuple[str, ...]:
     """Collective, when the job stops: the last snapshot replicated to its peers and, when training is ``over``,
-    persisted; then the helpers stop. Returns the durable checkpoints committed meanwhile."""
+    persisted; then the Checkpointer is closed (the helpers stop). Returns the durable checkpoints committed
+    meanwhile."""
     try:
-        return background.finish(tier, over=over)
+        return memory.finish(over=over)
     finally:
-        state.close(tier)
+        memory.close()

@@ -35,7 +35,7 @@ from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorM
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
-from tenplex_megatron.storage.source import Opened, UncheckedSource
+from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
 
 OPTIM_STATES = ("fp32_param", *STATE_KEYS)
 
@@ -253,7 +253,7 @@ def open_native(path: str, *, trust_pickles: bool = False) -> tuple[Opened, Nati
                       "step": int(max(steps)) if steps else 0},
         "scheduler": ms.get("lr_scheduler"),
     }
-    return Opened(path, meta, ptc, src), ck
+    return Opened(path, ForeignMetadata.of("deepspeed", meta, meta["global_samples"]), ptc, src), ck
 
 
 def refresh_model_weights(engine: Any) -> None:

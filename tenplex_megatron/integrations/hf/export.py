@@ -26,6 +26,7 @@ from tenplex_megatron.integrations.hf.source import CONFIG, INDEX
 from tenplex_megatron.plan.hf_map import HFMapError, HFTensor, ModelFacts, build_mapping, hf_config, shard_files
 from tenplex_megatron.plan.planner import Planner, RankPlan
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta, dtype_size
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.safetensors_io import ST_CODES, TORCH_DTYPES, fsync_dir, fsync_file
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
@@ -86,14 +87,14 @@ def export_hf(ckpt: str, out: str, dtype: str | None = None, max_shard_bytes: in
         raise HFMapError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     opened = open_tenplex(ckpt, None, verify=verify)
     meta = opened.metadata
-    if meta.get("framework") not in (None, "megatron-core"):
-        raise HFMapError(f"{opened.path}: written by {meta.get('framework')!r}; export-hf reads megatron-core "
+    assert isinstance(meta, CheckpointMetadata)  # open_tenplex's
+    if meta.framework not in (None, "megatron-core"):
+        raise HFMapError(f"{opened.path}: written by {meta.framework!r}; export-hf reads megatron-core "
                          "checkpoints")
-    model = meta.get("model")
-    if not isinstance(model, dict):
+    if meta.model is None:
         raise HFMapError(f"{opened.path}: the metadata has no model description")
     try:
-        facts = ModelFacts.from_model_json(model)
+        facts = ModelFacts.from_model_json(dict(meta.model))
     except HFMapError as e:
         raise HFMapError(f"{opened.path}: {e}") from None
     mapping = build_mapping(facts)

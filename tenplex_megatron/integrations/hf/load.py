@@ -17,12 +17,13 @@ from tenplex_megatron.integrations.hf.source import open_hf
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
 from tenplex_megatron.integrations.megatron_core.sharded import model_chunks
 from tenplex_megatron.plan.hf_map import ModelFacts
+from tenplex_megatron.storage.source import Metadata
 
 
 def init_from_hf(job: Any, hf_dir: str, run: ModelFacts) -> ChunksLoaded:
     """Collective: fill ``job``'s model weights from ``hf_dir``; ``run`` (the flags' model) must match its config."""
 
-    def restore(metadata: dict[str, Any]) -> None:
+    def restore(metadata: Metadata) -> None:
         for opt in sub_optimizers(job.optimizer):
             opt.reload_model_params()  # main (fp32) weights from the loaded model weights, as megatron does
 

@@ -32,7 +32,7 @@ from tenplex_megatron.plan.hf_map import (
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader, TensorEntry, read_header
-from tenplex_megatron.storage.source import Opened, UncheckedSource
+from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -177,4 +177,4 @@ def open_hf(path: str, run: ModelFacts | None = None) -> Opened:
     _, ptc, links = describe_hf(d, run)
     meta = {"iteration": 0, "consumed_samples": 0, "layout": dict(ptc.layout), "format": "huggingface",
             "config": d.config}
-    return Opened(path, meta, ptc, HFSource(d, links))
+    return Opened(path, ForeignMetadata.of("huggingface", meta), ptc, HFSource(d, links))

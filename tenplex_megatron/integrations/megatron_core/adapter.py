@@ -42,6 +42,7 @@ from tenplex_megatron.plan.experts import check_expert_kind
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
+from tenplex_megatron.storage.source import Metadata
 
 __all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
            "load_checkpoint", "load_job",
@@ -121,7 +122,7 @@ class MegatronCoreAdapter:
         """Transformer Engine's ``_extra_state`` of this rank's modules, kept per rank (``extra_state.py``)."""
         return extra_state.collect(self.job)
 
-    def prepare_rank_local(self, metadata: dict[str, Any], read: Any) -> Any:
+    def prepare_rank_local(self, metadata: Metadata, read: Any) -> Any:
         """The saved ``_extra_state`` back at the same layout, else left out with one warning."""
         return extra_state.prepare(self.job, metadata, read, rank())
 

@@ -28,6 +28,7 @@ from tenplex_megatron.engine.rank_local import PREFIX, saved_entries
 from tenplex_megatron.integrations.megatron_core.sharded import unwrap
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage.pickles import why_unsafe_extra_state
+from tenplex_megatron.storage.source import Metadata
 
 log = tlog.get("megatron_core")
 _WARNED: set[str] = set()
@@ -126,20 +127,20 @@ def _refused(raw: dict[str, torch.Tensor], saved: dict[str, dict[str, Any]]) -> 
     return out
 
 
-def prepare(job: Any, metadata: dict[str, Any], read: Callable[[str], torch.Tensor],
+def prepare(job: Any, metadata: Metadata, read: Callable[[str], torch.Tensor],
             rank: int) -> Callable[[], None] | None:
     """At load, before any tensor is copied: read back this rank's saved extra state when it applies (the saved
     layout is the job's and the saved rank held the same modules), checked, and its pickles checked unless
     ``job.trust_pickles``; returns what hands it to the modules."""
     live = {entry_name(c, n): m for c, n, m in _modules(job)}
-    saved = {k: v for k, v in (saved_entries(metadata, rank) or {}).items() if k.endswith("._extra_state")}
+    saved = {k: v for k, v in (saved_entries(metadata.rank_local, rank) or {}).items() if k.endswith("._extra_state")}
     have = sorted(k for k, m in live.items() if m.get_extra_state() is not None)
     if not saved:
-        if have and metadata.get("rank_local") is None:
+        if have and not metadata.rank_local:
             _warn_dropped(have, "the checkpoint holds none (not a tenplex save of it)")
         return None
-    if metadata.get("layout") != job.layout.to_json():
-        _warn_dropped(sorted(saved), f"saved at layout {_layout(metadata.get('layout'))}, loaded at {job.layout}")
+    if metadata.layout != job.layout.to_json():
+        _warn_dropped(sorted(saved), f"saved at layout {_layout(metadata.layout)}, loaded at {job.layout}")
         return None
     missing = sorted(set(saved) - set(live))
     if missing:

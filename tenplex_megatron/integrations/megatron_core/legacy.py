@@ -43,7 +43,7 @@ from tenplex_megatron.storage.megatron_legacy import (
     rank_dir,
 )
 from tenplex_megatron.storage.megatron_ptc import PRE_KEYS, MegatronCheckpointError
-from tenplex_megatron.storage.source import Opened, UncheckedSource
+from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
 
 
 class LegacySource(UncheckedSource):
@@ -107,7 +107,7 @@ def open_legacy(path: str, job: Any, *, trust_pickles: bool = False) -> Opened:
         "extra": {"num_floating_point_operations_so_far": float(first.get("num_floating_point_operations_so_far", 0.0) or 0.0)},
         "source_format": "megatron legacy torch",
     }
-    return Opened(path, meta, ptc, src)
+    return Opened(path, ForeignMetadata.of("megatron legacy torch", meta, meta["consumed_samples"]), ptc, src)
 
 
 def _plain(group: dict[str, Any]) -> dict[str, Any]:

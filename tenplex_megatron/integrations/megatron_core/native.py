@@ -48,7 +48,7 @@ from tenplex_megatron.storage.megatron_ptc import (
 )
 from tenplex_megatron.storage.parallel_read import Extent
 from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
-from tenplex_megatron.storage.source import Opened, UncheckedSource
+from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
 
 
 def safe_globals() -> list[Any]:
@@ -182,7 +182,7 @@ def open_megatron(path: str, job: Any, *, trust_pickles: bool = False) -> Opened
     if args is not None:  # the saved args' experts and router, for the mixture-of-experts check before any load
         meta["model"] = {k: getattr(args, k) for k in ("num_experts", "moe_router_enable_expert_bias",
                                                        "moe_router_score_function") if hasattr(args, k)}
-    return Opened(path, meta, ptc, source)
+    return Opened(path, ForeignMetadata.of("megatron torch_dist", meta, meta["consumed_samples"]), ptc, source)
 
 
 def opener_for(path: str, job: Any, *, trust_pickles: bool = False) -> Callable[[], Opened]:
