@@ -11,7 +11,8 @@ leave its peers in a mismatched one); collective work goes in ``after_load``.
 Two optional methods carry rank-local state (``engine/rank_local.py``: opaque bytes only the same rank can take
 back, such as Transformer Engine's ``_extra_state``): ``rank_local() -> {entry name: (flat uint8 tensor, JSON
 record)}`` at save, and ``prepare_rank_local(metadata, read) -> (callable applied after restore) | None`` at load
-(``metadata``: the checked record, ``storage/source.py``'s ``Metadata``).
+(``metadata``: the checked record, ``storage/source.py``'s ``Metadata``, as every load method gets it: tenplex's
+own fields typed, a framework's own records through ``metadata.record(name)``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from tenplex_megatron.engine.chunks import LocalChunk
+from tenplex_megatron.storage.source import Metadata
 
 
 class Adapter(Protocol):
@@ -40,7 +42,7 @@ class Adapter(Protocol):
         """Every chunk of state this rank holds, for a save."""
         ...
 
-    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+    def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         """Check the checkpoint fits this job (naming what does not), allocate missing state, describe it."""
         ...
 
@@ -48,10 +50,10 @@ class Adapter(Protocol):
         """The framework's non-tensor state for metadata.json (called on rank 0 during the commit)."""
         ...
 
-    def restore(self, metadata: dict[str, Any]) -> None:
+    def restore(self, metadata: Metadata) -> None:
         """Restore the non-tensor state after the tensors were copied in (local work: no collective)."""
         ...
 
-    def after_load(self, metadata: dict[str, Any]) -> None:
+    def after_load(self, metadata: Metadata) -> None:
         """Collective work once every rank has restored (DeepSpeed re-gathers its model weights); often nothing."""
         ...

@@ -255,15 +255,15 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
         if opener is None and found is not None and found != adapter.framework:
             raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
         check_scope(meta, scope, load_dir)
-        return adapter.describe_for_load(dict(meta.raw))
+        return adapter.describe_for_load(meta)
 
     with gc_paused():  # no full collections over the job's heap while the load allocates views and plan objects
-        loaded = load_chunks(load_dir, iteration, describe, lambda meta: adapter.restore(dict(meta.raw)),
+        loaded = load_chunks(load_dir, iteration, describe, adapter.restore,
                              strict=strict, verify=verify, opener=opener,
                              host=host, fetch=fetch, local=getattr(adapter, "prepare_rank_local", None),
                              left_out=() if scope.optimizer else ("optimizer.",))
     meta, stats = loaded.metadata, loaded.stats
-    run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(dict(meta.raw)))
+    run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(
         meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker)) if scope.rng else False
     return LoadResult(

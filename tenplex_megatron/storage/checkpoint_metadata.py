@@ -153,6 +153,16 @@ class CheckpointMetadata:
             raise CheckpointFileError(f"{self.path}: iteration: missing")
         return self.iteration
 
+    @property
+    def tensor_keys(self) -> tuple[str, ...]:
+        """The keys of the tensors the checkpoint lists (none without a PTC)."""
+        return tuple(self.ptc.tensors) if self.ptc is not None else ()
+
+    def record(self, name: str) -> Any:
+        """A framework's own record (its optimizer's hyper-parameters and step, its scheduler, its counters): opaque
+        to the engine, read by the adapter that wrote it; None where the checkpoint has none."""
+        return self.raw.get(name)
+
     def require_ptc(self) -> PTC:
         if self.ptc is None:
             raise CheckpointFileError(f"{self.path}: ptc: missing (the checkpoint lists no tensors)")

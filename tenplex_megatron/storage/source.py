@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tenplex_megatron.plan.ptc import PTC, StoredChunk
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata, RankLocalSection
+from tenplex_megatron.storage.files import CheckpointFileError
 
 if TYPE_CHECKING:  # types only: torch and the planner's Piece are not needed to define the protocol
     import torch
@@ -100,6 +101,36 @@ class ForeignMetadata:
     def data_position(self) -> int:
         """The samples consumed when it was saved."""
         return self.consumed_samples
+
+    @property
+    def iteration(self) -> int | None:
+        """The iteration the format records (its opener's ``iteration``), None where it records none."""
+        it = self.raw.get("iteration")
+        return None if it is None else int(it)
+
+    def require_iteration(self) -> int:
+        if self.iteration is None:
+            raise CheckpointFileError(f"{self.format} checkpoint: iteration: missing")
+        return self.iteration
+
+    @property
+    def model(self) -> Mapping[str, Any] | None:
+        """The model's settings as the format saved them (Megatron's args), None where it saved none."""
+        return self.raw.get("model")
+
+    @property
+    def framework(self) -> None:
+        """No tenplex framework record: the opener's format names what wrote it."""
+        return None
+
+    @property
+    def tensor_keys(self) -> tuple[str, ...]:
+        """None listed: a foreign checkpoint's tensors are the opener's PTC, checked against the model's."""
+        return ()
+
+    def record(self, name: str) -> Any:
+        """The opener's record ``name`` in its adapter's keys (optimizer, scheduler, counters), None where absent."""
+        return self.raw.get(name)
 
     @property
     def rank_local(self) -> Mapping[int, RankLocalSection]:

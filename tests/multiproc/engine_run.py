@@ -26,6 +26,7 @@ from tenplex_megatron.execute.collective import RankFailure
 from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.faults import POINTS, RANK0_ONLY
+from tenplex_megatron.storage.source import Metadata
 
 ROWS, COLS = 8, 6
 
@@ -57,16 +58,16 @@ class TinyAdapter:
             LocalChunk(TensorMeta("b", (COLS,), "float32"), Chunk("b", (0,), (COLS,)), self.b, self.rank == 0),
         ]
 
-    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+    def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         return self.describe()
 
     def metadata(self) -> dict[str, Any]:
         return {"note": "tiny"}
 
-    def restore(self, metadata: dict[str, Any]) -> None:
-        self.it = int(metadata["iteration"])
+    def restore(self, metadata: Metadata) -> None:
+        self.it = metadata.require_iteration()
 
-    def after_load(self, metadata: dict[str, Any]) -> None:
+    def after_load(self, metadata: Metadata) -> None:
         return None
 
 

@@ -90,7 +90,7 @@ class Tiny:
                 LocalChunk(TensorMeta("b", (self.cols,), "float32"), Chunk("b", (0,), (self.cols,)), self.b,
                            self.rank == 0)]
 
-    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+    def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         return self.describe()
 
     def metadata(self) -> dict[str, Any]:
@@ -105,10 +105,10 @@ class Tiny:
         got = read(LOCAL).view(torch.float32)
         return lambda: setattr(self, "state", got)
 
-    def restore(self, metadata: dict[str, Any]) -> None:
-        self.it = int(metadata["iteration"])
+    def restore(self, metadata: Metadata) -> None:
+        self.it = metadata.require_iteration()
 
-    def after_load(self, metadata: dict[str, Any]) -> None:
+    def after_load(self, metadata: Metadata) -> None:
         return None
 
     def state_is(self, value: float) -> bool:

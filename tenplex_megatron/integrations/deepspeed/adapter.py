@@ -38,8 +38,8 @@ from tenplex_megatron.integrations.deepspeed.zero import (
     inner_optimizer,
     tied_copies,
 )
-from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.storage import lease
+from tenplex_megatron.storage.source import Metadata
 
 FRAMEWORK = "deepspeed"
 
@@ -78,7 +78,7 @@ class DeepSpeedAdapter:
         skip = tied_copies(self.engine, lay)  # a pipeline's tied modules: only the lowest stage's copy is written
         return [lc for lc in chunks if (lc.meta.param or lc.meta.key.removeprefix("model.")) not in skip]
 
-    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+    def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         if self.source is not None:
             if engine_layout(self.engine).pp != 1:
                 raise DeepSpeedStateError("loading DeepSpeed's own checkpoint into a pipeline engine is not supported")
@@ -86,12 +86,12 @@ class DeepSpeedAdapter:
             chunks = [lc for lc in describe_engine(self.engine)[1] if not lc.meta.key.startswith("model.")]
             native.check_model(self.source, chunks, self.source.path)
             return chunks
-        if metadata.get("framework") != FRAMEWORK:
-            raise ValueError(f"checkpoint was written by {metadata.get('framework', 'megatron-core')!r}, "
+        if metadata.framework != FRAMEWORK:
+            raise ValueError(f"checkpoint was written by {metadata.framework or 'megatron-core'!r}, "
                              "not by a DeepSpeed engine")
         allocate_state(self.engine)
         chunks = describe_engine(self.engine)[1]
-        check_param_shapes({lc.meta.key: lc.meta for lc in chunks}, PTC.from_json(metadata["ptc"]).tensors,
+        check_param_shapes({lc.meta.key: lc.meta for lc in chunks}, metadata.require_ptc().tensors,
                            self.where)
         return chunks
 
@@ -108,17 +108,17 @@ class DeepSpeedAdapter:
             "extra": self.client_state,
         }
 
-    def restore(self, metadata: dict[str, Any]) -> None:
+    def restore(self, metadata: Metadata) -> None:
         engine = self.engine
-        restore_optimizer(inner_optimizer(engine), metadata["optimizer"])
-        engine.global_steps = int(metadata["global_steps"])
-        engine.global_samples = int(metadata["global_samples"])
-        engine.skipped_steps = int(metadata.get("skipped_steps", 0))
+        restore_optimizer(inner_optimizer(engine), metadata.record("optimizer"))
+        engine.global_steps = int(metadata.record("global_steps"))
+        engine.global_samples = metadata.data_position
+        engine.skipped_steps = int(metadata.record("skipped_steps") or 0)
         sched = getattr(engine, "lr_scheduler", None)
-        if sched is not None and metadata.get("scheduler") is not None:
-            sched.load_state_dict(metadata["scheduler"])
+        if sched is not None and metadata.record("scheduler") is not None:
+            sched.load_state_dict(metadata.record("scheduler"))
 
-    def after_load(self, metadata: dict[str, Any]) -> None:
+    def after_load(self, metadata: Metadata) -> None:
         if self.source is not None:  # DeepSpeed's files hold no model weights: DeepSpeed rebuilds them (all-gather)
             native.refresh_model_weights(self.engine)
 

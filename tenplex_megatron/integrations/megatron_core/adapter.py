@@ -103,16 +103,16 @@ class MegatronCoreAdapter:
     def describe(self) -> list[LocalChunk]:
         return describe_job(self.job)[1] if self.save_scope.optimizer else model_chunks(self.job)
 
-    def describe_for_load(self, metadata: dict[str, Any]) -> list[LocalChunk]:
+    def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         # before anything is allocated or loaded: a state layout this megatron-core does not reproduce is refused,
         # and so is another mixture of experts (expert count, router kind, grouped or sequential experts)
-        mcore_versions.check_checkpoint(metadata.get("megatron_core"), "metadata.json")
+        mcore_versions.check_checkpoint(metadata.record("megatron_core"), "metadata.json")
         check_moe_record(metadata, self.job.spec.to_json())
-        check_expert_kind("metadata.json", saved_tensor_keys(metadata),
+        check_expert_kind("metadata.json", list(metadata.tensor_keys),
                           expert_module_kind([unwrap(m) for m in self.job.model]))
         if not self.load_scope.optimizer:  # the weights alone: the optimizer stays as built (no state yet)
             return model_chunks(self.job)
-        if not never_stepped(metadata.get("optimizer")) or stores_moments(metadata):
+        if not never_stepped(metadata.record("optimizer")) or stores_moments(metadata):
             allocate_state(self.job.optimizer)
         # else: Adam makes its state at its first step taken, and had none when saved (a save at iteration 0, or
         # after fp16 steps that the loss scaler all skipped): the job's stays unmade too, as in an uninterrupted run
@@ -141,16 +141,16 @@ class MegatronCoreAdapter:
             "megatron_core": mcore_versions.record(),  # its version and state layout (a load checks them)
         }
 
-    def restore(self, metadata: dict[str, Any]) -> None:
+    def restore(self, metadata: Metadata) -> None:
         job, scope = self.job, self.load_scope
         if scope.optimizer:
-            restore_optimizer_state(job.optimizer, metadata["optimizer"])
-            if job.scheduler is not None and metadata.get("scheduler") is not None:
-                job.scheduler.load_state_dict(metadata["scheduler"])
-        job.iteration = 0 if scope.finetune else int(metadata["iteration"])
-        job.consumed_samples = 0 if scope.finetune else int(metadata["consumed_samples"])
+            restore_optimizer_state(job.optimizer, metadata.record("optimizer"))
+            if job.scheduler is not None and metadata.record("scheduler") is not None:
+                job.scheduler.load_state_dict(metadata.record("scheduler"))
+        job.iteration = 0 if scope.finetune else metadata.require_iteration()
+        job.consumed_samples = 0 if scope.finetune else metadata.data_position
 
-    def after_load(self, metadata: dict[str, Any]) -> None:
+    def after_load(self, metadata: Metadata) -> None:
         if not self.load_scope.optimizer:  # Megatron-LM's rule: main (fp32) weights from the loaded model weights
             for opt in sub_optimizers(self.job.optimizer):
                 reload = getattr(opt, "reload_model_params", None)
@@ -198,15 +198,15 @@ MOE_FIELDS = (("num_experts", "routed experts per MoE layer", None),
               ("moe_router_score_function", "router's score function", "softmax"))
 
 
-def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
+def check_moe_record(metadata: Metadata, model: dict[str, Any]) -> None:
     """Refuse a checkpoint whose experts or router are of another kind than the model's, naming the router tensor
     and both values (before any state is touched; a record without MoE fields is a dense model's)."""
-    saved = metadata.get("model")
+    saved = metadata.model
     if saved is None:  # a Megatron checkpoint without saved args: its tensors are checked against the model's
         return
     if not (saved.get("num_experts") or model.get("num_experts")):
         return
-    tensors = [str(t.get("key", "")) for t in ((metadata.get("ptc") or {}).get("tensors") or []) if isinstance(t, dict)]
+    tensors = metadata.tensor_keys
     router = next((k for k in tensors if k.endswith("mlp.router.weight")), "decoder.layers.mlp.router.weight")
     for field_name, what, default in MOE_FIELDS:
         if field_name not in saved:  # a record written before the field existed
@@ -217,16 +217,10 @@ def check_moe_record(metadata: dict[str, Any], model: dict[str, Any]) -> None:
                              "a checkpoint of another mixture-of-experts model")
 
 
-def saved_tensor_keys(metadata: dict[str, Any]) -> list[str]:
-    """The tensor keys a tenplex checkpoint's metadata lists (none for a foreign checkpoint read in place)."""
-    return [str(t.get("key", "")) for t in ((metadata.get("ptc") or {}).get("tensors") or []) if isinstance(t, dict)]
-
-
-def stores_moments(metadata: dict[str, Any]) -> bool:
+def stores_moments(metadata: Metadata) -> bool:
     """Whether a tenplex checkpoint's metadata lists Adam moments (a never-stepped optimizer's may, if saved by an
     older version that allocated them: then the job makes them too, to be filled)."""
-    tensors = (metadata.get("ptc") or {}).get("tensors") or []
-    return any(str(t.get("key", "")).startswith("optimizer.state.exp_avg") for t in tensors if isinstance(t, dict))
+    return any(k.startswith("optimizer.state.exp_avg") for k in metadata.tensor_keys)
 
 
 def current_layout(chunks: list[Any]) -> ParallelLayout:
