@@ -113,6 +113,9 @@ FLAGS = [
     "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000",
     "--deterministic-mode", "--no-gradient-accumulation-fusion",
 ]
+#: in a case's flags: that launch leaves out FLAGS' --use-distributed-optimizer (Megatron-LM has no flag to turn it
+#: off), so it trains with megatron-core's plain optimizer (Float16OptimizerWithFloat16Params / FP32Optimizer)
+PLAIN_OPTIMIZER = "<plain optimizer>"
 LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?lm loss: ([0-9.E+-]+)")
 
 
@@ -171,8 +174,11 @@ def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: boo
          ok: bool = True) -> str:
     env, cpu = _env()
     backend = ["--distributed-backend", "gloo"] if cpu else []
+    plain = PLAIN_OPTIMIZER in extra
+    flags = [f for f in FLAGS if not (plain and f == "--use-distributed-optimizer")]
+    extra = [f for f in extra if f != PLAIN_OPTIMIZER]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RUNNER, script,
-           *FLAGS, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),
+           *flags, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),
            *(["--tensor-model-parallel-size", str(tp)] if tp is not None else []), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert (p.returncode == 0) == ok, (p.stdout + p.stderr)[-5000:]
@@ -462,8 +468,8 @@ def test_megatron_lm_restarts_from_peer_memory_at_another_layout_after_losing_a_
         assert opened and all(p.startswith(str(tmp_path / f"mem_{node}") + os.sep) for p in opened), (node, opened)
 
 
-#: What GPU runs turn on, through Megatron-LM's own loop and parser: name -> (flags of the uninterrupted run and of
-#: the save, flags of the restart). The restart keeps --sequence-parallel on its command line at TP 1 (Megatron-LM
+#: What GPU runs turn on, and the plain optimizer, through Megatron-LM's own loop and parser: name -> (flags of the
+#: uninterrupted run and of the save, flags of the restart). The restart keeps --sequence-parallel on its command line at TP 1 (Megatron-LM
 #: turns it off there); the interleaved run has one layer per virtual stage (4 layers, PP2 x VPP2); fp16's scaler
 #: starts at 1024 and doubles every 2 steps, far from overflow (its state must come back for the scale to go on).
 GPU_FLAGS = {
@@ -477,6 +483,9 @@ GPU_FLAGS = {
                          "--loss-scale-window", "2", "--no-masked-softmax-fusion"],
                         ["--tensor-model-parallel-size", "1", "--fp16", "--initial-loss-scale", "1024",
                          "--loss-scale-window", "2", "--no-masked-softmax-fusion"]),
+    # without --use-distributed-optimizer: each rank's optimizer holds every parameter of its model shard
+    "plain-TP2-TP1DP2": ([PLAIN_OPTIMIZER, "--tensor-model-parallel-size", "2"],
+                         [PLAIN_OPTIMIZER, "--tensor-model-parallel-size", "1"]),
 }
 
 
@@ -506,12 +515,39 @@ def _restart_oracle(script: str, tmp_path: pathlib.Path, a: list[str], b: list[s
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
 @pytest.mark.parametrize("name", list(GPU_FLAGS))
 def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, name: str) -> None:
-    """Sequence parallelism, an interleaved pipeline and fp16 with loss scaling under Megatron-LM: train at A and save
-    at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the uninterrupted run at A."""
+    """Sequence parallelism, an interleaved pipeline, fp16 with loss scaling and the plain optimizer under Megatron-LM:
+    train at A and save at iteration 4 with --tenplex, restart at B, and iterations 5-8 equal the uninterrupted run
+    at A."""
     a, b = GPU_FLAGS[name]
-    meta, _, _ = _restart_oracle(script, tmp_path, a, b, rel=1e-4 if "--fp16" in a else 1e-5)
+    meta, meta_b, _ = _restart_oracle(script, tmp_path, a, b, rel=1e-4 if "--fp16" in a else 1e-5)
     assert meta["layout"].get("sp", False) == ("--sequence-parallel" in a)
     assert meta["layout"].get("vpp", 1) == (2 if "--num-layers-per-virtual-pipeline-stage" in a else 1)
+    for m in (meta, meta_b):
+        assert m["use_distributed_optimizer"] == (PLAIN_OPTIMIZER not in a), m["use_distributed_optimizer"]
+
+
+def _transformer_engine_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+@pytest.mark.skipif(_transformer_engine_importable(), reason="Transformer Engine is installed: nothing to refuse")
+def test_megatron_lm_transformer_engine_spec_without_transformer_engine_refused_at_start(tmp_path,
+                                                                                        script: str) -> None:
+    """Megatron-LM's default --transformer-impl transformer_engine where Transformer Engine is not installed: without
+    the hook Megatron-LM stops while it builds the model (core_v0.16.1: NameError on TESpecProvider); with --tenplex
+    the hook refuses it at start, on every rank, naming the flag and both ways on, before any iteration or save."""
+    ckpt = tmp_path / "ckpt"
+    log = _run(script, 2, 95, ["--transformer-impl", "transformer_engine", "--save", str(ckpt), "--load", str(ckpt)],
+               ok=False)
+    want = ("pretrain_gpt.py: with --tenplex, --transformer-impl transformer_engine (Megatron-LM's default): "
+            "Transformer Engine cannot be imported")
+    assert log.count(want) == 2, log[-3000:]  # both ranks
+    assert "pass --transformer-impl local" in log, log[-3000:]
+    assert "TESpecProvider" not in log and not _log_lines(log), log[-3000:]
+    assert not ckpt.exists() or not os.listdir(ckpt), sorted(os.listdir(ckpt))
 
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]  # megatron-core needs SP with MoE at TP > 1
