@@ -610,7 +610,7 @@ def test_megatron_lm_moe_restart_continues_losses(tmp_path, script: str, name: s
     meta_a, meta_b, log = _restart_oracle(script, tmp_path, a, b, nproc=nproc)
     assert f": layout {ParallelLayout.parse(layout_a)} -> {ParallelLayout.parse(layout_b)}, " in log, log[-3000:]
     if "auto" in b:  # the hook's choice, logged with the expert layout spelled out
-        assert "> tenplex: --tenplex-layout auto: tp=2,pp=1,dp=1,ep=2,etp=1, micro-batch 2, expert TP 1 x EP 2 x " \
+        assert "> tenplex: --tenplex-layout auto: tp=2,pp=1,dp=1,sp,ep=2,etp=1, micro-batch 2, expert TP 1 x EP 2 x " \
                "expert DP 1 (auto: best of " in log, log[-3000:]
     _check_experts(meta_a, layout_a, nproc)
     _check_experts(meta_b, layout_b, nproc)
