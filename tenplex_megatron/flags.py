@@ -256,6 +256,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "append each test's wall time and the CPU seconds of the processes it started (JSON lines)", "tests"),
     EnvVar("TENPLEX_TEST_SAMPLES", "a file path", "unset",
            "the Megatron-LM runner records every sample Megatron-LM's dataset hands out", "tests"),
+    EnvVar("TENPLEX_TEST_HIDE_NVRX", "`1`", "unset",
+           "the Megatron-LM runner's sitecustomize makes nvidia-resiliency-ext unimportable (the opt-in suite sets it "
+           "for core_v0.19, whose megatron.core does not import beside nvidia-resiliency-ext older than 0.6)",
+           "tests"),
     EnvVar("TENPLEX_CROSS_PYTHON", "a Python interpreter's path", "`.venv/bin/python`",
            "the cross-version test (tests/multiproc/test_cross_version.py) writes and resumes checkpoints with this "
            "interpreter's megatron-core as the other version; `make test-compat` sets it to the pinned venv's",

@@ -62,7 +62,7 @@ from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
 from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, LoadScope, refusals, retention, save_scope
-from tenplex_megatron.plan.unsupported import unsupported_flags, unsupported_job_flags
+from tenplex_megatron.plan.unsupported import missing_transformer_engine, unsupported_flags, unsupported_job_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -189,10 +189,20 @@ def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chos
     return chosen
 
 
+def _have_te() -> bool:
+    """Whether megatron-core imports Transformer Engine (its own ``HAVE_TE``, which its layer specs go by)."""
+    try:
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+    except ImportError:
+        return False
+    return bool(HAVE_TE)
+
+
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
     """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
     host-memory flags' checks (refused before any process group starts)."""
-    problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args)] \
+    problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args),
+                *filter(None, [missing_transformer_engine(args, _have_te())])] \
         if getattr(args, "tenplex", False) else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))

@@ -71,5 +71,19 @@ def unsupported_job_flags(args: Any) -> list[str]:
     return out
 
 
+def missing_transformer_engine(args: Any, have_te: bool) -> str | None:
+    """``--transformer-impl transformer_engine`` (Megatron-LM's default) where Transformer Engine cannot be imported
+    (``have_te``, megatron-core's own ``HAVE_TE``): Megatron-LM's GPT layer spec needs it and would stop while it
+    builds the model, after the process groups, with a NameError or TypeError on ``TESpecProvider``. None where
+    ``--spec`` or the legacy model chooses the layers instead."""
+    if have_te or _get(args, "transformer_impl", "local") != "transformer_engine" or _get(args, "spec", None) \
+            or _get(args, "use_legacy_models", False):
+        return None
+    return ("--transformer-impl transformer_engine (Megatron-LM's default): Transformer Engine cannot be imported "
+            "(megatron-core's HAVE_TE is False), and Megatron-LM's GPT layer spec needs it to build the model; "
+            "install Transformer Engine, or pass --transformer-impl local (megatron-core's own layers, which tenplex "
+            "re-shards alike)")
+
+
 def _get(args: Any, attr: str, default: Any) -> Any:
     return args.get(attr, default) if isinstance(args, dict) else getattr(args, attr, default)

@@ -18,14 +18,15 @@ import json
 import os
 import runpy
 import sys
-import typing
 
 import torch
-import typing_extensions
 
-# core_v0.18+ import Python 3.12's typing.override (a marker that only sets __override__): on 3.11, the same
-# function from typing_extensions, so this harness runs them here; Megatron-LM itself declares Python >= 3.12.
-typing.override = getattr(typing, "override", typing_extensions.override)
+# site/sitecustomize.py: Python 3.12's typing.override on 3.11 (core_v0.18+ import it) and, where the tests ask,
+# no nvidia-resiliency-ext (core_v0.19 asserts >= 0.6 when one is installed). Run here for this process, and first
+# on PYTHONPATH for the processes Megatron-LM spawns (fresh interpreters: core_v0.19's torch_dist save starts one).
+SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
+runpy.run_path(os.path.join(SITE, "sitecustomize.py"))
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (SITE, os.environ.get("PYTHONPATH")) if p)
 
 
 def _install() -> None:

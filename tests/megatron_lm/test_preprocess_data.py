@@ -12,6 +12,10 @@ a literal ``<|endoftext|>`` among them) go through both with tokenizers the test
   default system (no special tokens) and its legacy one (``tokenizer(text).input_ids``, BOS included), which
   build_dataset.py gives with ``--tokenizer-hf-include-special-tokens``.
 
+On core_v0.19, whose ``preprocess_data.py`` has no ``--legacy-tokenizer`` and encodes with the special tokens, the
+HuggingFaceTokenizer case is compared with ``--tokenizer-hf-include-special-tokens`` and the legacy cases are skipped
+(GPT2BPETokenizer there is Hugging Face's ``gpt2`` from the Hub).
+
 The ``.bin`` and ``.idx`` files must be identical; pretrain_gpt.py's checks then accept preprocess_data.py's
 dataset (it has no record: its token ids are scanned) and megatron-core's GPTDataset reads it.
 """
@@ -30,6 +34,7 @@ from tenplex_megatron.training.data import build_train_dataset, check_data_path
 from tenplex_megatron.training.dataset_files import meta_path
 from tenplex_megatron.training.tokenizer import TokenizerSpec, build_tokenizer
 from tests.harness import ROOT
+from tests.megatron_lm.test_megatron_lm import NVRX_ENV, RELEASE
 from tests.tokenizer_files import EOT, make_tokenizer_files, training_text
 
 pytestmark = pytest.mark.megatron_lm
@@ -68,9 +73,18 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_bytes_as_preprocess_data(inputs: dict, case: str) -> None:
     kind, theirs, ours = CASES[case]
+    if RELEASE[:2] >= (0, 19):
+        if "--legacy-tokenizer" in theirs:
+            pytest.skip("core_v0.19's tools/preprocess_data.py has no --legacy-tokenizer (its legacy tokenizer system is "
+                        "gone), and its own system loads GPT2BPETokenizer as Hugging Face's `gpt2` from the Hub")
+        # core_v0.19's own system encodes a HuggingFaceTokenizer's text with its special tokens (the BOS here), as
+        # the legacy system did up to core_v0.18
+        ours = [*ours, "--tokenizer-hf-include-special-tokens"]
     root = inputs["root"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (MLM, os.environ.get("PYTHONPATH", "")) if p),
-               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    # the runner's site first (typing.override on 3.11, nvidia-resiliency-ext hidden for core_v0.19: NVRX_ENV)
+    site = os.path.join(ROOT, "tests", "megatron_lm", "site")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, MLM, os.environ.get("PYTHONPATH", "")) if p),
+               OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", **NVRX_ENV)
     p = subprocess.run([sys.executable, os.path.join(MLM, "tools", "preprocess_data.py"), "--input", inputs["src"],
                         "--output-prefix", str(root / f"mlm_{case}"), "--workers", "2", *inputs[kind], *theirs],
                        capture_output=True, text=True, timeout=900, env=env)

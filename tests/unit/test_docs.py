@@ -44,8 +44,9 @@ def test_every_page_is_in_the_navigation() -> None:
 # case-insensitively, and names one habit of a lab notebook.
 DIARY = (
     # An issue reference: the reader has no tracker; say what the thing is. `&#124;` (an HTML entity) and a link's
-    # `page.md#anchor` are not references; a number after `#` preceded by a letter, `&`, `/` or `#` is left alone.
-    (r"(?<![\w&/#])#\d+\b", "an issue reference (#N): say what the thing is"),
+    # `page.md#anchor` and a link to an anchor of the same page, `](#1-install)`, are not references; a number after
+    # `#` preceded by a letter, `&`, `/`, `#` or a link's opening parenthesis is left alone.
+    (r"(?<![\w&/#])(?<!\]\()#\d+\b", "an issue reference (#N): say what the thing is"),
     (r"\bissues? \d+\b|\b(?:the|this|that) issue's\b", "an issue named in words: say what the thing is"),
     # Changelog wording: what a reader sees is the current state, compared with nothing.
     (r"\bno longer\b", "changelog wording ('no longer'): say what holds"),

@@ -78,3 +78,22 @@ def test_async_save_is_refused_in_a_job_but_not_in_a_saved_checkpoint() -> None:
     assert problem.startswith("--async-save:") and "--tenplex-memory" in problem
     assert unsupported_job_flags(Namespace(async_save=False)) == [] and unsupported_job_flags({}) == []
     check_saved_args("ckpt/iter_0000003/common.pt", {"async_save": True})
+
+
+def test_transformer_engine_spec_without_transformer_engine() -> None:
+    """--transformer-impl transformer_engine (Megatron-LM's default) where Transformer Engine cannot be imported is
+    refused naming the flag and both ways on; with it importable, with the local spec, a --spec or the legacy model,
+    nothing is said."""
+    from tenplex_megatron.plan.unsupported import missing_transformer_engine
+
+    te = _args(transformer_impl="transformer_engine")
+    problem = missing_transformer_engine(te, have_te=False)
+    assert problem is not None and problem.startswith("--transformer-impl transformer_engine (Megatron-LM's default): "
+                                                      "Transformer Engine cannot be imported")
+    assert "install Transformer Engine, or pass --transformer-impl local" in problem
+    assert missing_transformer_engine(te, have_te=True) is None
+    assert missing_transformer_engine(_args(transformer_impl="local"), have_te=False) is None
+    assert missing_transformer_engine(_args(transformer_impl="transformer_engine", spec=["my.module", "spec"]),
+                                      have_te=False) is None
+    assert missing_transformer_engine(_args(transformer_impl="transformer_engine", use_legacy_models=True),
+                                      have_te=False) is None
