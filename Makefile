@@ -97,8 +97,9 @@ bench: $(VENV)/.installed
 # The documentation site (mkdocs.yml, docs/) into site/. Strict: a broken link or anchor, or a page missing from the
 # navigation, fails the build; scripts/check_site.py then fails on a page whose Markdown did not render (an
 # extension mkdocs.yml does not enable: a literal `!!!`, a table shown as text). The flag reference
-# (docs/reference.md) and the CLI reference (docs/cli-reference.md) are checked first: they must be what
-# `python -m tenplex_megatron.docs_reference` writes from tenplex_megatron/flags.py and the CLI's parser; so is README.md's support table, a copy of docs/support.md's (scripts/support_table.py).
+# (docs/reference.md), the CLI reference (docs/cli-reference.md) and the error types (docs/errors.md) are checked
+# first: they must be what `python -m tenplex_megatron.docs_reference` writes from tenplex_megatron/flags.py, the
+# CLI's parser and the package's exception classes; so is README.md's support table, a copy of docs/support.md's (scripts/support_table.py).
 docs: $(VENV)/.installed
 	$(PY) -m tenplex_megatron.docs_reference --check
 	$(PY) -m scripts.support_table --check

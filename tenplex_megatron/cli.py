@@ -73,7 +73,7 @@ from tenplex_megatron.storage.verify_ckpt import CheckReport, checkpoints_in, de
 
 
 class CLIError(TenplexError, RuntimeError):
-    """A user-facing error: printed without a traceback, exit status 2."""
+    """A bad argument, or a checkpoint or directory a command cannot use: printed without a traceback, exit 2."""
 
 
 def _fmt_bytes(n: float) -> str:

@@ -41,7 +41,7 @@ from tenplex_megatron.plan.trace import Trace, TraceError, load_trace
 
 
 class SimulateError(TenplexError, RuntimeError):
-    """A bad flag or input file; the CLI prints it without a traceback."""
+    """A bad flag or input file of ``simulate``: the CLI prints it without a traceback, exit status 2."""
 
 
 def _mp(text: str) -> tuple[int, int]:

@@ -1,11 +1,12 @@
 """Write ``docs/reference.md`` (every ``--tenplex*`` flag and ``TENPLEX_*`` variable, from
-``tenplex_megatron/flags.py``) and ``docs/cli-reference.md`` (the ``--help`` of the CLI and of every subcommand).
+``tenplex_megatron/flags.py``), ``docs/cli-reference.md`` (the ``--help`` of the CLI and of every subcommand) and
+``docs/errors.md`` (every error class, from the package: ``error_reference.py``).
 
-    python -m tenplex_megatron.docs_reference            # (re)write both pages in this checkout
-    python -m tenplex_megatron.docs_reference --check    # exit 1 if either is stale
+    python -m tenplex_megatron.docs_reference            # (re)write the three pages in this checkout
+    python -m tenplex_megatron.docs_reference --check    # exit 1 if any is stale
 
 ``tests/unit/test_flag_reference.py`` runs the check, and checks the table against both front doors' parsers
-and the environment variables the code reads.
+and the environment variables the code reads; ``tests/unit/test_error_reference.py`` checks the error page.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import os
 import sys
 
 from tenplex_megatron import cli, flags
+from tenplex_megatron.error_reference import OUT_NAME as ERRORS_NAME
+from tenplex_megatron.error_reference import render_errors
 from tenplex_megatron.plan import megatron_ckpt_flags as ckpt_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "docs", "reference.md")
 CLI_OUT = os.path.join(ROOT, "docs", "cli-reference.md")
+ERRORS_OUT = os.path.join(ROOT, "docs", ERRORS_NAME)
 #: the width the help is wrapped at: argparse reads the terminal's (COLUMNS), which must not change the page
 HELP_COLUMNS = 112
 
@@ -158,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tenplex_megatron.docs_reference", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=DEFAULT_OUT, help="the flag reference to write (default: docs/reference.md)")
     p.add_argument("--cli-out", default=CLI_OUT, help="the CLI reference to write (default: docs/cli-reference.md)")
+    p.add_argument("--errors-out", default=ERRORS_OUT, help="the error types to write (default: docs/errors.md)")
     p.add_argument("--check", action="store_true", help="do not write; exit 1 if a page differs")
     args = p.parse_args(argv)
-    ok = [_write_or_check(args.out, render(), args.check), _write_or_check(args.cli_out, render_cli(), args.check)]
+    ok = [_write_or_check(args.out, render(), args.check), _write_or_check(args.cli_out, render_cli(), args.check),
+          _write_or_check(args.errors_out, render_errors(), args.check)]
     return 0 if all(ok) else 1
 
 
