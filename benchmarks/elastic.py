@@ -16,13 +16,20 @@ and everyone restarts at the new world size). The same trace, model and target i
   start stays fixed and only DP scales; at a GPU count that is not a multiple of TP x PP the job runs on the
   largest multiple (none: it waits); ``--dp-only-mp TP,PP`` fixes another;
 * ``table``: ``--tenplex-layout FILE.json``: a fixed user table (``--table``; by default one that keeps PP=2
-  wherever the world size is even).
+  wherever the world size is even);
+* ``inprocess``: ``tenplex``'s layout choice with ``--tenplex-inprocess`` and ``--tenplex-memory``, one in-process
+  launcher per node (``benchmarks/kit/inplace.py``): a lost node's process group is SIGKILLed and the survivors
+  continue in their own processes (NVRx); a grow is a planned stop (SIGTERM: every rank saves) and a new launch on
+  all nodes, since NVRx's in-process restart only shrinks.
 
 Reported per policy: the wall time to reach the target iteration, samples per second over time, each change's
 breakdown (detect, rendezvous and spawn, imports and process group, build, plan and re-shard, first step;
 parsed from the trainer's timeline lines and the workers' lifetimes) and the largest relative loss deviation
 from an uninterrupted run's (the loss curves in a PNG). ``RATIO time_to_target <trace> tenplex/<peer>``
-lines (below 1: tenplex reached the target sooner) and ``RATIO samples_per_s ...`` (above 1: tenplex faster).
+lines (below 1: tenplex reached the target sooner) and ``RATIO samples_per_s ...`` (above 1: tenplex faster); with
+both restart and in place in the run, ``RATIO time_to_target <trace> inprocess/tenplex`` and ``RATIO
+shrink_to_first_iteration <trace> inprocess/tenplex`` (a lost node to the first iteration after it, summed over the
+trace's shrinks).
 Then the simulator (``plan/simulate.py``), fed each policy's measured iteration times and restart costs
 (``benchmarks/kit/elastic_sim.py``), predicts its time to target: ``RATIO sim_over_measured <trace> <policy>``.
 ``--memory-budget GB`` gives every policy ``--tenplex-memory-budget`` (the layouts that fit it).
@@ -51,6 +58,7 @@ from benchmarks.kit.elastic_analysis import (
     timelines,
 )
 from benchmarks.kit.elastic_sim import predict
+from benchmarks.kit.inplace import InplaceCluster
 from benchmarks.kit.launch import ROOT, torchrun, write_json
 from benchmarks.kit.report import Column, Table, machine, num, ratio_key, ratio_line
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -59,13 +67,14 @@ from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
 from tenplex_megatron.plan.trace import Trace, load_trace
 
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
-POLICIES = ("tenplex", "dp_only", "table")
+POLICIES = ("tenplex", "dp_only", "table", "inprocess")
+INPROCESS = ["--tenplex-inprocess", "--tenplex-inprocess-timeout", "30"]  # the inprocess policy's (memory: per node)
 COMMON = ["--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
           "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--tenplex", "--log-interval", "10",
           "--make-vocab-size-divisible-by", "16"]
 # name: (layers, hidden, heads, seq, vocab, global batch)
 MODELS = {"tiny": (2, 64, 4, 32, 96, 8), "small": (4, 256, 8, 128, 1024, 16), "six": (6, 384, 6, 128, 1024, 12)}
-COLORS = {"tenplex": "tab:blue", "dp_only": "tab:orange", "table": "tab:green"}
+COLORS = {"tenplex": "tab:blue", "dp_only": "tab:orange", "table": "tab:green", "inprocess": "tab:red"}
 
 
 def model_flags(name: str) -> list[str]:
@@ -113,9 +122,12 @@ def replay(policy: str, trace: Trace, flags: list[str], work: str, scale: float,
     for name in os.listdir(work):  # its agents' logs and its metrics
         if name.startswith(f"{policy}.node") or name == f"{policy}.metrics.jsonl":
             os.unlink(os.path.join(work, name))
-    cluster = Cluster(policy, PRETRAIN, [*flags, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log],
-                      max_nodes=max(e.nodes for e in trace.events), nproc=trace.gpus_per_node, log_dir=work,
-                      rdzv_conf=rdzv_conf(keep_alive_attempts))
+        elif name.startswith(f"{policy}.mem"):  # the inprocess policy's nodes' memory
+            shutil.rmtree(os.path.join(work, name))
+    kind = InplaceCluster if policy == "inprocess" else Cluster
+    cluster = kind(policy, PRETRAIN, [*flags, "--save", ckpt, "--load", ckpt, "--tenplex-metrics", log],
+                   max_nodes=max(e.nodes for e in trace.events), nproc=trace.gpus_per_node, log_dir=work,
+                   rdzv_conf=rdzv_conf(keep_alive_attempts))
     changes: list[Change] = []
     nodes, pending, reached = 0, list(trace.events), None
     t0 = time.time()
@@ -190,10 +202,17 @@ def references(runs: list[dict[str, Any]], flags: list[str], work: str, timeout:
     return out
 
 
+def shrink_seconds(run: dict[str, Any]) -> float | None:
+    """Seconds from each lost node to the first iteration after it, summed over the trace's shrinks (None: one had
+    no breakdown)."""
+    totals = [(c["breakdown"] or {}).get("total") for c in run["changes"] if 0 < c["after"] < c["before"]]
+    return sum(totals) if totals and None not in totals else None
+
+
 def report(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, float]], trace: Trace, gbs: int,
            window: float) -> list[str]:
     """Print the tables and RATIO lines; return the RATIO lines."""
-    t = Table([Column("policy", 8, "<"), Column("to target (s)", 14), Column("samples/s", 10),
+    t = Table([Column("policy", 9, "<"), Column("to target (s)", 14), Column("samples/s", 10),
                Column("repeated it.", 13), Column("max rel. loss dev.", 19), Column("layouts", 40, "<", "  ")])
     print(t.header())
     for r in runs:
@@ -205,7 +224,7 @@ def report(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, flo
         print(t.row(r["policy"], num(tt, ".1f"), num(r["samples_per_s"], ".1f"), str(r["repeated"]),
                     f"{r['loss_deviation']:.2e}", " ".join(r["layouts"])))
     print("\nchanges (seconds from the change to the new job's first iteration):")
-    c = Table([Column("policy", 8, "<"), Column("at (s)", 7), Column("nodes", 7), *[Column(p, len(p) + 1) for p in
+    c = Table([Column("policy", 9, "<"), Column("at (s)", 7), Column("nodes", 7), *[Column(p, len(p) + 1) for p in
               PHASES], Column("total", 7)])
     print(c.header())
     for r in runs:
@@ -216,12 +235,21 @@ def report(runs: list[dict[str, Any]], refs: dict[tuple[int, int], dict[int, flo
     out = []
     by = {r["policy"]: r for r in runs}
     mine = by.get("tenplex")
-    for peer in (p for p in by if p != "tenplex"):
+    for peer in (p for p in by if p not in ("tenplex", "inprocess")):
         if mine and mine["time_to_target"] and by[peer]["time_to_target"]:
             out.append(ratio_line(ratio_key("time_to_target", trace.name, "tenplex", peer),
                                   mine["time_to_target"] / by[peer]["time_to_target"]))
             out.append(ratio_line(ratio_key("samples_per_s", trace.name, "tenplex", peer),
                                   mine["samples_per_s"] / by[peer]["samples_per_s"]))
+    inplace = by.get("inprocess")
+    if mine and inplace:  # in place against the restart, the same trace in the same run
+        if mine["time_to_target"] and inplace["time_to_target"]:
+            out.append(ratio_line(ratio_key("time_to_target", trace.name, "inprocess", "tenplex"),
+                                  inplace["time_to_target"] / mine["time_to_target"]))
+        shrinks = [shrink_seconds(r) for r in (inplace, mine)]
+        if all(shrinks):
+            out.append(ratio_line(ratio_key("shrink_to_first_iteration", trace.name, "inprocess", "tenplex"),
+                                  shrinks[0] / shrinks[1]))
     print()
     for line in out:
         print(line)
@@ -236,11 +264,11 @@ def simulated(runs: list[dict[str, Any]], a: argparse.Namespace, trace: Trace, t
     print("\nsimulated (plan/simulate.py fed each policy's measured iteration times and restart costs):")
     out = []
     for r in runs:
-        kind = a.tenplex_layout if r["policy"] == "tenplex" else r["policy"]
+        kind = a.tenplex_layout if r["policy"] in ("tenplex", "inprocess") else r["policy"]
         r["simulated"] = sim = predict(r, kind, trace, dims(a.model), gbs, a.train_iters, a.time_scale,
                                        a.clock == "first-iteration", a.save_interval, t, mp, 16, a.memory_budget,
                                        {int(w): x for w, x in r.get("layout_times", {}).items()})
-        print(f"  {r['policy']:<8} simulated {num(sim['time_to_target'], '.1f')} s, measured "
+        print(f"  {r['policy']:<9} simulated {num(sim['time_to_target'], '.1f')} s, measured "
               f"{num(r['time_to_target'], '.1f')} s; layouts {' '.join(sim['layouts'])}; restarts {sim['restarts']}, "
               f"redone {sim['redone_iterations']}")
         if sim["time_to_target"] and r["time_to_target"]:
@@ -343,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
           f"x{a.time_scale:g} time), model {a.model}, target iteration {a.train_iters}, save every "
           f"{a.save_interval}; dp_only keeps TP x PP = {start.tp} x {start.pp}; table {table}; work {work}")
     per_policy = {"tenplex": ["--tenplex-layout", a.tenplex_layout], "table": ["--tenplex-layout", table],
+                  "inprocess": ["--tenplex-layout", a.tenplex_layout, *INPROCESS],
                   "dp_only": ["--tenplex-layout", "auto", "--tensor-model-parallel-size", str(start.tp),
                               "--pipeline-model-parallel-size", str(start.pp)]}
     runs = []

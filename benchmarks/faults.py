@@ -18,14 +18,24 @@ present) under real torchrun agents on this machine, and the job must carry on b
   the other node's copy only (replica); the restart falls back (``memory/fallback.py``);
 * ``second-job``: a second job started on the running job's ``--save``, both plain torchrun launches without
   ``--rdzv-id`` (run id ``none``): refused at start (the lease);
+* ``restart@rank1``: the in-place rows' fault under torchrun's agent (2 ranks, ``--tenplex-memory``, rank 1
+  SIGKILLed while it writes its snapshot of iteration 2 x S): the agent restarts both workers (new processes,
+  imports), which load from host memory; the process restart the in-place rows are compared with;
 * ``inprocess@rank1`` / ``inprocess@rank0``: ``--tenplex-inprocess`` with ``--tenplex-memory`` under the in-process
   launcher (``python -m tenplex_megatron.frontdoor.launch``, NVRx), 2 ranks at DP2; the rank SIGKILLed while it
-  writes its snapshot of iteration 2 x S; the survivor continues in its own process at DP1 from host memory (the
-  note says whether its process id stayed the same, and the collective timeout used).
+  writes its snapshot of iteration 2 x S; the survivor continues in its own process at DP1 from host memory;
+* ``inprocess@node1``: two in-process launchers of 2 ranks each (``--nnodes 2``, a memory directory each) at DP4,
+  8 x --iters; once node 1's part of a snapshot from iteration 2 x S on is in node 0's memory, node 1's process
+  group (launcher, ranks, helper) is SIGKILLed and its memory removed; node 0's ranks continue in place at DP2;
+* ``inprocess-stop@rank1``: as ``inprocess@rank1`` but the rank SIGSTOPped (hung): NVRx's progress timeouts end it.
+
+The in-place rows' note says whether the survivors' process ids stayed the same and the timeouts used; their
+seconds run to the first iteration at the new layout, and each is divided by the ``restart@rank1`` row's when that
+ran too (``RATIO in_place_over_restart ...``; the issue's target: at most 0.25).
 
 Per fault: checkpoints lost (durable checkpoints the job reported committed that are missing or fail their
-checksums at the end), iterations lost beyond the save interval (the newest iteration done before the fault minus
-the one resumed from, less S), megabytes rank 0 read from durable storage at the recovery, and the seconds from
+checksums at the end), iterations lost (the newest iteration done before the fault minus the one resumed from) and
+those beyond the save interval (less S), megabytes rank 0 read from durable storage at the recovery, and the seconds from
 the fault to the first iteration after it (a restart row: from the relaunch, imports included).
 """
 
@@ -43,14 +53,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import psutil
 
 from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
 from benchmarks.kit.etcd import EtcdError, start_etcd
 from benchmarks.kit.launch import ROOT, env, write_json
-from benchmarks.kit.report import Column, Table, machine, num
+from benchmarks.kit.report import Column, Table, machine, num, ratio_line
+from tenplex_megatron.frontdoor.inprocess import InprocessSettings
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 
@@ -75,8 +86,13 @@ class Row:
     checkpoints_lost: int
     iterations_lost_beyond_interval: int | None  # None: no restart was needed
     durable_mb_rank0: float | None
-    seconds_to_first_iteration: float | None
+    seconds_to_first_iteration: float | None  # in place: to the first iteration at the new layout
     note: str = ""
+    in_place: bool = False  # the survivors continued in their processes (NVRx)
+    survivors_kept: bool | None = None  # in place: every rank called again is the process started for it
+    survivors_ended: tuple[int, ...] = ()  # in place: ranks not hit by the fault that NVRx ended all the same
+    ratio_to_restart: float | None = None  # in place: seconds to 1st iteration over the process restart's
+    iterations_lost: int | None = None  # the newest iteration done at the fault minus the one resumed from
 
 
 @dataclass
@@ -127,8 +143,10 @@ class Run:
         raise SystemExit(f"bench_faults: {self.root}: fewer than {n} iterations after {timeout:.0f} s\n"
                          f"{self.logs()[-4000:]}")
 
-    def finish(self, fault: str, t_fault: float | None, done_before: int | None, note: str = "") -> Row:
-        """Measure the run once every agent has exited: ``done_before``: the newest iteration done at the fault."""
+    def finish(self, fault: str, t_fault: float | None, done_before: int | None, note: str = "",
+               new_layout: bool = False) -> Row:
+        """Measure the run once every agent has exited: ``done_before``: the newest iteration done at the fault;
+        ``new_layout``: time to the first iteration at a layout other than the one trained at the fault."""
         logs = self.logs()
         reported = {int(m) for m in SAVED_RE.findall(logs)} | {int(m) for m in PERSISTED_RE.findall(logs)}
         whole = {it for it in directory.committed_iterations(self.ckpt)
@@ -140,6 +158,9 @@ class Run:
         if t_fault is None or done_before is None:
             return Row(fault, lost, None, None, None, note)
         after = [m for m in got if m["time"] > t_fault]
+        if new_layout:
+            before = [m["layout"] for m in got if m["time"] <= t_fault][-1:]
+            after = [m for m in after if [m["layout"]] != before]
         if not after:
             return Row(fault, lost, None, None, None, note + "; nothing ran after the fault")
         resumed = after[0]["iteration"] - 1
@@ -148,7 +169,8 @@ class Run:
         if loads:
             _, memory, durable_mb, durable_bytes = loads[-1]
             mb = float(durable_bytes) / 1e6 if memory else float(durable_mb)
-        return Row(fault, lost, max(0, done_before - resumed - self.every), mb, after[0]["time"] - t_fault, note)
+        return Row(fault, lost, max(0, done_before - resumed - self.every), mb, after[0]["time"] - t_fault, note,
+                   iterations_lost=max(0, done_before - resumed))
 
 
 def _wait_all(procs: list[subprocess.Popen], what: str, run: Run) -> None:
@@ -316,41 +338,159 @@ def second_job(run: Run) -> Row:
                       f"NOT refused: exit {second.returncode}: {out[-300:]}")
 
 
-INPROCESS_TIMEOUT = 30  # --tenplex-inprocess-timeout of the in-process rows (s)
+INPROCESS_TIMEOUT = 30  # --tenplex-inprocess-timeout of the in-process rows that kill (s)
+STOP_TIMEOUT = 8  # the SIGSTOP row's: a hung rank is caught only by NVRx's progress timeouts (1.5x, 2x this)
 PIDS_RE = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")
+STATUSES_RE = re.compile(r"exit statuses ((?:\d+:-?\d+ ?)+)")
 CALL_RE = re.compile(r"in place: call (\d+): rank \d+ of \d+ \(initial rank (\d+), pid (\d+)\)")
+RESTART = "restart@rank1"  # the process restart the in-place rows are compared with (same fault, same run)
 
 
-def inprocess_kill(victim: int) -> Callable[[Run], Row]:
-    """2 ranks in place (NVRx); ``victim`` SIGKILLed while it writes its snapshot of iteration 2 x S (once)."""
+def _timeouts(seconds: float) -> str:
+    """The in-place timeouts used, as the note says them."""
+    t = InprocessSettings(timeout=seconds)
+    return f"collective timeout {t.timeout:g} s, NVRx soft/hard {t.soft:g}/{t.hard:g} s"
+
+
+def _survivors(logs: str, lost: set[int]) -> tuple[bool, tuple[int, ...]]:
+    """Whether every rank called again in place is the process its launcher started (the same pid), and the ranks
+    not ``lost`` that were ended by a signal all the same (NVRx's hard timeout: a survivor stuck in a collective)."""
+    started, statuses = {}, {}
+    for m in PIDS_RE.finditer(logs):  # one line per launcher (node): initial rank -> pid
+        started.update({int(r): int(p) for r, p in (x.split(":") for x in m.group(1).split())})
+    for m in STATUSES_RE.finditer(logs):
+        statuses.update({int(r): int(c) for r, c in (x.split(":") for x in m.group(1).split())})
+    again = {(int(i), int(p)) for c, i, p in CALL_RE.findall(logs) if c != "0"}
+    kept = bool(again) and all(started.get(i) == p for i, p in again)
+    return kept, tuple(sorted(r for r, c in statuses.items() if c < 0 and r not in lost))
+
+
+def _launcher(run: Run, name: str, nproc: int, port: int, extra: list[str], more_env: dict[str, str] | None = None,
+              nodes: tuple[int, int] | None = None) -> subprocess.Popen:
+    """``python -m tenplex_megatron.frontdoor.launch`` (the stores served outside the ranks) running the trainer in
+    place; ``nodes``: (this launcher's node rank, the number of nodes)."""
+    where = ["--nnodes", str(nodes[1]), "--node-rank", str(nodes[0])] if nodes else []
+    cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", *where, "--nproc-per-node", str(nproc),
+           "--master-port", str(port), "--timeout", str(TIMEOUT), PRETRAIN, *run.flags(["--tenplex-inprocess", *extra])]
+    return subprocess.Popen(cmd, env=dict(env(), **(more_env or {})), stdout=open(os.path.join(run.root, f"{name}.log"),
+                            "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_launcher(job: subprocess.Popen, what: str, run: Run) -> None:
+    try:
+        job.wait(timeout=TIMEOUT + 30)
+    finally:
+        if job.poll() is None:
+            kill_tree(job)
+    if job.returncode != 0:
+        raise SystemExit(f"bench_faults: in place, {what}: the launcher ended with {job.returncode}\n"
+                         f"{run.logs()[-4000:]}")
+
+
+def _in_place_row(run: Run, fault: str, t_fault: float | None, done_before: int, seconds: float, lost: set[int],
+                  what: str = "") -> Row:
+    if t_fault is None:
+        return run.finish(fault, None, done_before, "the fault never fired")
+    kept, ended = _survivors(run.logs(), lost)
+    note = (f"{what}survivors' processes {'kept' if kept else 'NOT kept'}"
+            f"{'; also ended by NVRx (stuck in a collective): rank ' + ', '.join(map(str, ended)) if ended else ''}; "
+            f"{_timeouts(seconds)}")
+    return replace(run.finish(fault, t_fault, done_before, note, new_layout=True), in_place=True, survivors_kept=kept,
+                   survivors_ended=ended)
+
+
+def inprocess_fault(victim: int, kind: str = "kill") -> Callable[[Run], Row]:
+    """2 ranks in place (NVRx) at DP2; ``victim`` SIGKILLed (``kill``) or SIGSTOPped (``stop``: a hung rank, ended
+    by NVRx's hard timeout) while it writes its snapshot of iteration 2 x S (once)."""
     def go(run: Run) -> Row:
         at = 2 * run.every
         once = os.path.join(run.root, "fault-fired")
-        extra = ["--tenplex-memory", os.path.join(run.root, "mem"), "--tenplex-inprocess",
-                 "--tenplex-inprocess-timeout", str(INPROCESS_TIMEOUT)]
-        cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "--timeout", str(TIMEOUT), PRETRAIN, *run.flags(extra)]
-        e = dict(env(), TENPLEX_FAULT=f"memory.write@{victim}#{at}", TENPLEX_FAULT_ONCE=once)
-        job = subprocess.Popen(cmd, env=e, stdout=open(os.path.join(run.root, "job.log"), "a"),
-                               stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            job.wait(timeout=TIMEOUT + 30)
-        finally:
-            if job.poll() is None:
-                kill_tree(job)
-        if job.returncode != 0:
-            raise SystemExit(f"bench_faults: in place, rank {victim} lost: the launcher ended with {job.returncode}\n"
-                             f"{run.logs()[-4000:]}")
+        seconds = STOP_TIMEOUT if kind == "stop" else INPROCESS_TIMEOUT
+        extra = ["--tenplex-memory", os.path.join(run.root, "mem"), "--tenplex-inprocess-timeout", str(seconds)]
+        job = _launcher(run, "job", 2, free_port(), extra,
+                        {"TENPLEX_FAULT": f"memory.write@{victim}#{at}:{kind}", "TENPLEX_FAULT_ONCE": once})
+        _wait_launcher(job, f"rank {victim} {'stopped' if kind == 'stop' else 'lost'}", run)
         fired = os.path.getmtime(once) if os.path.exists(once) else None
-        logs = run.logs()
-        m = PIDS_RE.search(logs)
-        started = {int(r): int(p) for r, p in (x.split(":") for x in m.group(1).split())} if m else {}
-        again = {(int(i), int(p)) for c, i, p in CALL_RE.findall(logs) if c != "0"}
-        kept = bool(again) and all(started.get(i) == p for i, p in again)
-        note = (f"survivor's process {'kept' if kept else 'NOT kept'}; collective timeout {INPROCESS_TIMEOUT} s"
-                if fired else "the fault never fired")
-        return run.finish(f"SIGKILL rank {victim}, in place (NVRx)", fired, at, note)
+        fault = f"{'SIGSTOP' if kind == 'stop' else 'SIGKILL'} rank {victim}, in place (NVRx)"
+        return _in_place_row(run, fault, fired, at, seconds, {victim})
     return go
+
+
+NODE_ITERS = 8  # the node row trains this many times --iters: the helpers that replicate need seconds to start
+
+
+def _replicated(mem: str, ranks: range, since: int) -> int | None:
+    """The newest iteration from ``since`` on whose snapshot in ``mem`` (a node's memory directory) holds the files
+    of ``ranks`` (another node's: replicas), or None."""
+    names = {directory.rank_file_name(r) for r in ranks}
+    found = []
+    for it in directory.committed_iterations(mem) if os.path.isdir(mem) else []:
+        try:
+            if it >= since and names <= set(os.listdir(os.path.join(mem, directory.iter_dir_name(it)))):
+                found.append(it)
+        except FileNotFoundError:  # removed by retention meanwhile
+            pass
+    return max(found, default=None)
+
+
+def inprocess_node(run: Run) -> Row:
+    """Two in-process launchers of 2 ranks each (nodes on localhost, a memory directory each) at DP4, training
+    ``NODE_ITERS`` x --iters; once node 1's part of a snapshot from iteration 2 x S on is replicated into node 0's
+    memory, node 1 is lost: its launcher, ranks and helper SIGKILLed at once (its process group), its memory removed.
+    Node 0's ranks continue in place at DP2."""
+    run = Run(run.root, run.iters * NODE_ITERS, run.every)
+    port, mems = free_port(), [os.path.join(run.root, f"mem-{n}") for n in (0, 1)]
+    extra = ["--tenplex-inprocess-timeout", str(INPROCESS_TIMEOUT)]
+    nodes = [_launcher(run, f"node{n}", 2, port, [*extra, "--tenplex-memory", mems[n]], nodes=(n, 2)) for n in (0, 1)]
+    try:
+        deadline = time.time() + TIMEOUT
+        while _replicated(mems[0], range(2, 4), 2 * run.every) is None or run.metrics()[-1]["layout"]["dp"] != 4:
+            if time.time() > deadline or any(p.poll() is not None for p in nodes):
+                raise SystemExit(f"bench_faults: in place, node lost: no snapshot of node 1 from iteration "
+                                 f"{2 * run.every} on replicated to node 0 while the job ran\n{run.logs()[-4000:]}")
+            time.sleep(0.05)
+        done = run.metrics()[-1]["iteration"]
+        t = time.time()
+        os.killpg(nodes[1].pid, signal.SIGKILL)  # node 1: launcher, ranks, helper
+        nodes[1].wait()
+        shutil.rmtree(mems[1], ignore_errors=True)  # its memory goes with it
+        _wait_launcher(nodes[0], "node 1 lost", run)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                kill_tree(p)
+    return _in_place_row(run, "SIGKILL node of 2 ranks, in place (NVRx)", t, done, INPROCESS_TIMEOUT, {2, 3},
+                         "2 of 4 ranks left; ")
+
+
+def process_restart(run: Run) -> Row:
+    """The in-place rows' fault under torchrun's agent: 2 ranks with ``--tenplex-memory``, rank 1 SIGKILLed while it
+    writes its snapshot of iteration 2 x S (once); the agent restarts both workers (new processes, imports), which
+    load from host memory at the same layout."""
+    at = 2 * run.every
+    once = os.path.join(run.root, "fault-fired")
+    job = run.agent("job", "1", 2, ["--standalone"], ["--tenplex-memory", os.path.join(run.root, "mem")],
+                    {"TENPLEX_FAULT": f"memory.write@1#{at}", "TENPLEX_FAULT_ONCE": once})
+    _wait_all([job], "process restart", run)
+    fired = os.path.getmtime(once) if os.path.exists(once) else None
+    return run.finish("SIGKILL rank 1, process restart", fired, at, "" if fired else "the fault never fired")
+
+
+def with_ratios(rows: list[Row]) -> tuple[list[Row], list[str]]:
+    """Each in-place row's seconds to its first iteration over the process restart's in the same run (the issue's
+    target: at most 0.25); the RATIO lines."""
+    restart = next((r for r in rows if r.fault == "SIGKILL rank 1, process restart"), None)
+    if restart is None or not restart.seconds_to_first_iteration:
+        return rows, []
+    out, lines = [], []
+    for r in rows:
+        if r.in_place and r.seconds_to_first_iteration is not None:
+            x = r.seconds_to_first_iteration / restart.seconds_to_first_iteration
+            r = replace(r, ratio_to_restart=x)
+            lines.append(ratio_line(f"in_place_over_restart {r.fault.split(',')[0].replace(' ', '_')}", x) +
+                         " (target <= 0.25)")
+        out.append(r)
+    return out, lines
 
 
 FAULTS: dict[str, Callable[[Run], Row]] = {
@@ -364,8 +504,11 @@ FAULTS: dict[str, Callable[[Run], Row]] = {
     "flip@snapshot": flip("snapshot"),
     "flip@replica": flip("replica"),
     "second-job": second_job,
-    "inprocess@rank1": inprocess_kill(1),
-    "inprocess@rank0": inprocess_kill(0),
+    RESTART: process_restart,
+    "inprocess@rank1": inprocess_fault(1),
+    "inprocess@rank0": inprocess_fault(0),
+    "inprocess@node1": inprocess_node,
+    "inprocess-stop@rank1": inprocess_fault(1, "stop"),
 }
 
 
@@ -405,18 +548,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"> bench_faults: {name}: {time.time() - t0:.0f} s", flush=True)
     if a.keep is None:
         shutil.rmtree(base, ignore_errors=True)
+    rows, ratios = with_ratios(rows)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     info = {**machine(), "commit": commit_id(), "date": when, "iters": iters, "save_interval": every}
     print(f"fault benchmark: {iters} iterations, a checkpoint every {every}; {info['cpus']} CPUs, torch "
           f"{info['torch']}, gpu {info['gpu']}; commit {info['commit']}; {when}")
-    t = Table([Column("fault", 34, "<"), Column("ckpts lost", 10), Column("iters lost > S", 14),
-               Column("durable MB (rank 0)", 19), Column("s to 1st iter", 13), Column("note", 0, "<", "  ")])
+    t = Table([Column("fault", 40, "<"), Column("ckpts lost", 10), Column("iters lost", 10), Column("> S", 4),
+               Column("durable MB (rank 0)", 19), Column("s to 1st iter", 13), Column("/ restart", 9),
+               Column("note", 0, "<", "  ")])
     print(t.header())
     for r in rows:
-        print(t.row(r.fault, str(r.checkpoints_lost), num(r.iterations_lost_beyond_interval, "d"),
-                    num(r.durable_mb_rank0, ".2f"), num(r.seconds_to_first_iteration, ".1f"), r.note))
+        print(t.row(r.fault, str(r.checkpoints_lost), num(r.iterations_lost, "d"), num(r.iterations_lost_beyond_interval, "d"),
+                    num(r.durable_mb_rank0, ".2f"), num(r.seconds_to_first_iteration, ".1f"),
+                    num(r.ratio_to_restart, ".2f"), r.note))
+    for line in ratios:
+        print(line)
     if a.out:
-        write_json(a.out, {"machine": info, "rows": [asdict(r) for r in rows]}, indent=1)
+        write_json(a.out, {"machine": info, "rows": [asdict(r) for r in rows], "ratios": ratios}, indent=1)
     bad = [r.fault for r in rows if r.checkpoints_lost or (r.iterations_lost_beyond_interval or 0)]
     if bad:
         print(f"bench_faults: target missed (checkpoints or iterations lost) in: {', '.join(bad)}")

@@ -20,6 +20,7 @@ Driver side (no torch):
   disk              directory sizes, fsync of a tree, page-cache eviction and residency, read()/write() counters
   memory            peak RSS and anonymous memory of a block, sampled by a thread, for a process or its tree
   agents            torchrun elastic agents standing for nodes: started, SIGKILLed, their workers watched
+  inplace           in-process launchers standing for nodes (the elastic benchmark's in-place policy)
   etcd              a real etcd server for torchrun's ``etcd-v2`` rendezvous (also used by a cluster-safety test)
   elastic_analysis  what a replayed trace did: progress, throughput, each change's breakdown, loss deviation
   elastic_sim       the simulator (``plan/simulate.py``) fed a replay's measurements, to predict its time to target

@@ -76,9 +76,21 @@ def breakdown(change: Change, spans: Sequence[Any], lines: Sequence[Mapping[str,
     detect: until the workers that were running after the change (survivors of a lost node, or the old group
     on a grow, which saves on the agent's SIGTERM first) had exited; rendezvous+spawn: until the new rank 0
     started; then the trainer's own timeline: imports and process group, building the model, the load (plan
-    and re-shard from the newest checkpoint), the first iteration.
+    and re-shard from the newest checkpoint), the first iteration. In place (``--tenplex-inprocess``: no new
+    process; the timeline of the call that followed the change): detect covers the fault's detection, NVRx's restart
+    and the new process group, and rendezvous+spawn and imports are 0.
     """
+    again = sorted((x for x in lines if x.get("inprocess_call") and x["process_group"] > change.t),
+                   key=lambda x: x["process_group"])
     nxt = [x for x in lines if x["process_start"] > change.t]
+    if again and (not nxt or again[0]["process_group"] < nxt[0]["process_start"]):
+        t = again[0]
+        if next_change is not None and t["first_iteration"] > next_change:
+            return None
+        loaded, load = t.get("loaded", t["process_group"]), t.get("load_seconds", 0.0)
+        return {"detect": t["process_group"] - change.t, "rendezvous+spawn": 0.0, "imports+process group": 0.0,
+                "build": loaded - t["process_group"] - load, "plan+re-shard": load,
+                "first step": t["first_iteration"] - loaded, "total": t["first_iteration"] - change.t}
     if not nxt:
         return None
     t = nxt[0]

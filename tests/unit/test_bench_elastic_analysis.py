@@ -50,6 +50,18 @@ def test_breakdown_splits_a_change_into_its_phases() -> None:
     assert breakdown(Change(30.0, 1, 2), spans, lines) is None  # no restart after it
 
 
+def test_an_in_place_change_is_timed_from_the_call_that_followed_it() -> None:
+    start = {"process_start": 1.0, "process_group": 5.0, "first_iteration": 6.0, "inprocess_call": 0}
+    again = {"process_start": 1.0, "process_group": 11.5, "loaded": 12.5, "load_seconds": 0.25,
+             "first_iteration": 13.0, "inprocess_call": 1}  # the same process, called again after the fault
+    lines = timelines(["> tenplex-megatron: timeline " + json.dumps(x) for x in (start, again)])
+    b = breakdown(Change(10.0, 2, 1), [WorkerSpan(1, 0, 1.0)], lines)
+    assert b == pytest.approx({"detect": 1.5, "rendezvous+spawn": 0.0, "imports+process group": 0.0, "build": 0.75,
+                               "plan+re-shard": 0.25, "first step": 0.5, "total": 3.0})
+    assert breakdown(Change(10.0, 2, 1), [], lines, next_change=12.0) is None  # superseded before its first step
+    assert breakdown(Change(20.0, 1, 2), [], lines) is None  # nothing followed it
+
+
 def _ml(it: int, t: float, dp: int, mbs: int) -> dict:
     return {"iteration": it, "time": t, "layout": {"tp": 1, "pp": 1, "dp": dp}, "micro_batch_size": mbs}
 
