@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psutil
+
 from tenplex_megatron import _optional
 from tenplex_megatron import log as tlog
+from tenplex_megatron.memory import peers
 
 log = tlog.get("inprocess")
 
@@ -132,10 +135,6 @@ def end_aborted_call() -> None:
     """In a survivor after a fault, before the next call: end the memory-tier helper processes the aborted call
     started (children of this process running ``tenplex_megatron.memory.helper``), and forget the aborted process
     group's subgroups."""
-    import psutil
-
-    from tenplex_megatron.memory import peers
-
     for child in psutil.Process().children():
         try:
             if "tenplex_megatron.memory.helper" in " ".join(child.cmdline()):

@@ -118,4 +118,4 @@ def test_megatron_lm_inprocess_restart_shrinks_to_a_smaller_layout(tmp_path) -> 
     load = os.getloadavg()
     print("\n".join(rows))
     print(f"last iteration before the kill -> first at TP1 x DP2: {(first_after - last_before).total_seconds():.2f} s "
-          f"(gloo timeout 10 s; load average {load[0]:.2f})")
+          f"(gloo timeout 10 s; 1-minute load {load[0]:.2f})")
