@@ -146,8 +146,9 @@ FLAGS: tuple[Flag, ...] = (
          "from --tenplex-memory; start it with python -m tenplex_megatron.frontdoor.launch (needs the [inprocess] "
          "extra)", "layout", doors=(TRAINER,), action="store_true"),
     Flag("--tenplex-inprocess-timeout",
-         "with --tenplex-inprocess: seconds a collective waits on a peer (gloo/NCCL timeout) before the fault is "
-         "declared; NVRx's soft and hard progress timeouts are 1.5x and 2x it", "layout", doors=(TRAINER,),
+         "with --tenplex-inprocess (under Megatron-LM: --inprocess-restart with --tenplex): seconds a collective "
+         "waits on a peer (gloo/NCCL timeout) before the fault is declared; NVRx's soft and hard progress timeouts "
+         "are 1.5x and 2x it", "layout", doors=BOTH,
          type=float, default=60.0, metavar="SECONDS"),
     # --- host-memory checkpoints
     Flag("--tenplex-memory",

@@ -23,7 +23,8 @@ def rank() -> int:
     dist = getattr(torch, "distributed", None) if torch is not None else None
     if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
-    return int(os.environ.get("RANK", "0") or 0)
+    value = os.environ.get("RANK", "0")
+    return int(value) if value.isdigit() else 0  # NVRx's in-process restart sets "None" in a rank it let go
 
 
 class RankZeroFilter(logging.Filter):

@@ -20,8 +20,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import psutil
+
 from tenplex_megatron import _optional
 from tenplex_megatron import log as tlog
+from tenplex_megatron.memory import peers
 
 log = tlog.get("inprocess")
 
@@ -72,15 +75,15 @@ def store_address() -> tuple[str, int] | None:
     return host or "127.0.0.1", int(port)
 
 
-def refusal(prog: str, argv: list[str]) -> str | None:
+def refusal(prog: str, argv: list[str], flag: str = "--tenplex-inprocess") -> str | None:
     """Why this process cannot run in place (None: it can): not started by the in-process launcher, which serves
-    the stores and keeps the survivors running when a rank exits. Names the command to use."""
+    the stores and keeps the survivors running when a rank exits. Names ``flag`` and the command to use."""
     if store_address() is not None:
         return None
     nproc = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "N"
     under = "torchrun, which ends every worker when one exits," if os.environ.get("TORCHELASTIC_RUN_ID") else \
         "a launcher that does not serve the job's stores outside the ranks"
-    return (f"{prog}: error: --tenplex-inprocess needs the survivors of a fault to keep running and the stores to "
+    return (f"{prog}: error: {flag} needs the survivors of a fault to keep running and the stores to "
             f"outlive any rank; it was started under {under}. Start it with: {LAUNCH} --nproc-per-node {nproc} "
             f"{prog} {' '.join(argv)}")
 
@@ -128,17 +131,33 @@ def job_store(timeout: float) -> Any:
                          use_libuv=True)
 
 
+def end_aborted_call() -> None:
+    """In a survivor after a fault, before the next call: end the memory-tier helper processes the aborted call
+    started (children of this process running ``tenplex_megatron.memory.helper``), and forget the aborted process
+    group's subgroups."""
+    for child in psutil.Process().children():
+        try:
+            if "tenplex_megatron.memory.helper" in " ".join(child.cmdline()):
+                child.kill()
+                child.wait(timeout=10)
+        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
+            pass
+    peers.reset()
+
+
 def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
             finalize: Callable[[], None] | None = None, logfile: str | None = None,
-            why_not: Callable[[int], str] = lambda n: "") -> Any:
+            why_not: Callable[[int], str] = lambda n: "", active: int | None = None) -> Any:
     """NVRx's ``Wrapper`` for a job whose world may shrink to any size ``legal`` admits (:func:`admitted`); the
-    stores are the launcher's; ``finalize`` runs in each survivor after a fault, before the next call. With no legal
-    world left, every rank's wrapper ends (NVRx's ``RestartAbort``, see :func:`no_layout_left`), the error naming
-    the ranks left and ``why_not`` their world size."""
+    stores are the launcher's; ``finalize`` runs in each survivor after a fault, before the next call. ``active``
+    (default: every rank) is how many ranks train at most, the rest waiting as spares that replace lost ranks
+    first. With no legal world left, every rank's wrapper ends (NVRx's ``RestartAbort``, see
+    :func:`no_layout_left`), the error naming the ranks left and ``why_not`` their world size."""
     inprocess = nvrx()
     ra = inprocess.rank_assignment
     _, port = store_address() or ("127.0.0.1", 0)
     world = int(os.environ["WORLD_SIZE"])
+    active = world if active is None else min(active, world)
 
     def world_size_filter(n: int) -> int:
         m = admitted(n, legal)
@@ -164,7 +183,7 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
         initialize=inprocess.initialize.RetryController(min_world_size=1),
         finalize=Finalize(),
         health_check=None,
-        rank_assignment=ra.Tree([ra.Layer(min_ranks=1, max_ranks=world, flag=ra.LayerFlag.RESERVE)],
+        rank_assignment=ra.Tree([ra.Layer(min_ranks=1, max_ranks=active, flag=ra.LayerFlag.RESERVE)],
                                 world_size_filter=world_size_filter),
         monitor_thread_interval=iv, monitor_process_interval=iv, progress_watchdog_interval=iv,
         heartbeat_interval=iv, last_call_wait=iv,

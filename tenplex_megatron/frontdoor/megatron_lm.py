@@ -20,7 +20,9 @@ the new layout (``megatron_core/native.py``, ``legacy.py``), and later saves
 are tenplex checkpoints. With ``--tenplex-memory`` (and its flags, ``tenplex_megatron/flags.py``) a save is
 a host-memory snapshot and a load prefers the newest snapshot complete in the live nodes' memory; the wrapped
 ``maybe_finalize_async_save(terminate=True)`` replicates (and, once training is over, persists) the last one.
-Without ``--tenplex`` nothing changes.
+With ``--inprocess-restart`` (Megatron-LM's, NVRx's in-process restart) the wrapped
+``maybe_wrap_for_inprocess_restart`` lets the survivors of a fault continue in the same processes at a smaller legal
+layout (``frontdoor/megatron_lm_inprocess.py``). Without ``--tenplex`` nothing changes.
 ``--tenplex-init-from-hf DIR`` starts a run whose ``--load`` directory holds no
 checkpoint yet from a Hugging Face transformers checkpoint (Megatron-LM calls
 ``load_checkpoint`` only when ``--load`` is given: give it, empty on the first
@@ -42,7 +44,7 @@ from typing import Any
 from tenplex_megatron import flags, log
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import ckpt_flags, elastic, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import ckpt_flags, elastic, megatron_lm_inprocess, memory_flags, restart_sources
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.integrations.hf.load import init_from_hf
@@ -83,6 +85,7 @@ class Hook:
     def __init__(self, originals: Mapping[str, Callable[..., Any]]) -> None:
         self.originals: Mapping[str, Callable[..., Any]] = MappingProxyType(dict(originals))
         self.checkpointer: Checkpointer | None = None
+        self.in_place: megatron_lm_inprocess.InPlace | None = None  # Megatron-LM's --inprocess-restart, --tenplex
 
     def checkpointer_for(self, args: Any) -> Checkpointer:
         """The job's Checkpointer, built from Megatron-LM's parsed ``args`` at the first call (the leases claimed:
@@ -211,6 +214,9 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
             _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
         raise SystemExit(2)
     hook = installed()
+    if hook.in_place is not None:  # in place: the leases are the process's (claimed once), the gloo/NCCL timeout ours
+        args.tenplex_leases = []
+        args.distributed_timeout_minutes = hook.in_place.settings.timeout / 60
     if hasattr(args, "tenplex_take_over"):  # before any process group: another live job's directory is refused
         try:
             hook.checkpointer_for(args)
@@ -219,6 +225,48 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
             raise SystemExit(2) from None
     choose_layout_for_args(args)
     return hook.originals["validate_args"](args, *a, **kw)
+
+
+def layout_reason(args: Any, argv: Sequence[str]) -> Callable[[int], str]:
+    """Why the job's flags give no legal layout at a world size ("" when they do): ``--tenplex-layout``'s choice
+    (every candidate refused), else Megatron-LM's layout flags as given."""
+    _, local = elastic.world()
+
+    def reason(n: int) -> str:
+        if not getattr(args, "tenplex_layout", None):
+            return megatron_lm_inprocess.fixed_layout_reason(args, n)
+        if args.tenplex_layout == "measure":
+            return "--tenplex-layout measure: not supported under Megatron-LM (give auto or a table)"
+        try:
+            choose(layout_request(args, argv, n, local))
+        except (LayoutError, OSError, ValueError) as e:
+            return f"--tenplex-layout {args.tenplex_layout}: {e}"
+        return ""
+
+    return reason
+
+
+def _maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
+    """Megatron-LM's ``maybe_wrap_for_inprocess_restart``; with ``--tenplex`` the wrapper shrinks the world to a
+    legal layout instead of ending when no spare is left (``frontdoor/megatron_lm_inprocess.py``)."""
+    argv = sys.argv[1:]
+    if not megatron_lm_inprocess.wanted(argv):
+        return _original("maybe_wrap_for_inprocess_restart")(pretrain)
+    import megatron.training.arguments as args_mod
+    from megatron.training.inprocess_restart import destroy_state
+
+    if hasattr(args_mod, "parse_and_validate_args"):
+        raise SystemExit(megatron_lm_inprocess.PARSED_OUTSIDE)
+    args = args_mod.parse_args(add_tenplex_args, ignore_unknown_args=True)
+    hook = installed()
+
+    def after_fault() -> None:  # Megatron-LM's own finalize, then the hook's Checkpointer (local: helpers stopped)
+        destroy_state()
+        hook.close()
+
+    run, store, hook.in_place = megatron_lm_inprocess.wrap(pretrain, args, argv, layout_reason(args, argv),
+                                                           after_fault)
+    return run, store
 
 
 def _load_args_from_checkpoint(args: Any, *a: Any, **kw: Any) -> Any:
@@ -490,6 +538,12 @@ def install() -> None:
     originals["load_checkpoint"] = ckpt_mod.load_checkpoint
     originals["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader
     originals["maybe_finalize_async_save"] = train_mod.maybe_finalize_async_save
+    # Megatron-LM's --inprocess-restart (NVRx's wrapper at a fixed world): with --tenplex, one that shrinks
+    try:
+        restart_mod: Any = importlib.import_module("megatron.training.inprocess_restart")
+        originals["maybe_wrap_for_inprocess_restart"] = restart_mod.maybe_wrap_for_inprocess_restart
+    except (ImportError, AttributeError):
+        restart_mod = None
     setattr(train_mod, HOOK_ATTRIBUTE, Hook(originals))  # before any wrapper can run
     checks.validate_args = _validate_args
     if tok_name:
@@ -501,3 +555,5 @@ def install() -> None:
     train_mod.maybe_finalize_async_save = maybe_finalize_async_save
     for mod in args_readers:
         mod.load_args_from_checkpoint = _load_args_from_checkpoint
+    if restart_mod is not None:  # pretrain_gpt.py looks it up on the module when it starts (after install)
+        restart_mod.maybe_wrap_for_inprocess_restart = _maybe_wrap_for_inprocess_restart

@@ -6,7 +6,7 @@ it): the flags are parsed again for that world (``--tenplex-layout`` chooses ane
 a process group is made on a prefix of the launcher's store, and the trainer's ``run`` builds megatron-core's
 parallel state, model, optimizer and scheduler afresh and restores the newest state: the host-memory snapshot
 (``--tenplex-memory``: own node's and peers' memory) re-sharded to the new layout, else the durable checkpoint.
-After a fault NVRx aborts the process group; :func:`_after_fault` ends what the aborted call left running (the
+After a fault NVRx aborts the process group; :func:`~tenplex_megatron.frontdoor.inprocess.end_aborted_call` ends what the aborted call left running (the
 memory tier's helper process) before the next call. The checkpoint leases are claimed once, before the first call,
 and kept across calls (``frontdoor/inprocess_lease.py``).
 """
@@ -69,19 +69,6 @@ def _say(msg: str) -> None:
     print(f"> tenplex-megatron: {msg}", flush=True)
 
 
-def _after_fault() -> None:
-    """In a survivor, before the next call: end the memory-tier helper processes the aborted call started (children
-    of this process running ``tenplex_megatron.memory.helper``), and forget the aborted process group's subgroups."""
-    for child in psutil.Process().children():
-        try:
-            if "tenplex_megatron.memory.helper" in " ".join(child.cmdline()):
-                child.kill()
-                child.wait(timeout=10)
-        except (psutil.NoSuchProcess, psutil.TimeoutExpired):
-            pass
-    peers.reset()
-
-
 def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
          parse: Callable[[list[str]], argparse.Namespace], run: Callable[[argparse.Namespace], None]) -> int:
     """Run the job in place: refused (naming the flag and the command) where it cannot be; else the wrapped
@@ -108,7 +95,7 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
     logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
     reason = why_not(parser, argv)
-    wrap = inprocess.wrapper(settings, lambda n: not reason(n), finalize=_after_fault, logfile=logfile,
+    wrap = inprocess.wrapper(settings, lambda n: not reason(n), finalize=inprocess.end_aborted_call, logfile=logfile,
                              why_not=reason)
 
     def train(call_wrapper: Any = None) -> None:

@@ -1,0 +1,143 @@
+"""Megatron-LM's in-process restart with ``--tenplex``: the survivors of a fault continue at a smaller layout.
+
+Megatron-LM's ``--inprocess-restart`` (``megatron/training/inprocess_restart.py``) wraps ``pretrain`` in NVIDIA
+Resiliency Extension's ``Wrapper`` at a fixed active world (``Layer(min_ranks=max_ranks=active)`` and
+``RetryController(min_world_size=active)``) fed by hot spares, with its stores hosted by rank 0: with no spare left
+the job ends. With ``--tenplex`` the hook replaces the function ``pretrain_gpt.py`` calls to build that wrapper
+(``maybe_wrap_for_inprocess_restart``) by :func:`wrap`: spares (``--inprocess-active-world-size`` below the world)
+are used first, then the world shrinks to the largest size with a legal layout; the stores are the in-process
+launcher's (``frontdoor/launch.py``), so any rank may die; the checkpoint leases are claimed once and kept. Each call
+of ``pretrain`` parses and validates its flags again for the world NVRx admitted (the hook's ``validate_args``
+chooses the layout), builds the micro-batch calculator for the new data-parallel size, and the hook's
+``load_checkpoint`` restores the newest host-memory snapshot at the new layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tenplex_megatron import _optional
+from tenplex_megatron import log as tlog
+from tenplex_megatron.frontdoor import inprocess, inprocess_lease
+
+_log = tlog.get("megatron_lm")
+PROG = "pretrain_gpt.py"
+FLAG = "--inprocess-restart"
+#: core_v0.18+: pretrain_gpt.py parses and validates its flags once, before NVRx's wrapper, and hands ``pretrain`` a
+#: config built from them: a call after a fault cannot take another world size without moving that into the call
+PARSED_OUTSIDE = (f"{PROG}: error: {FLAG} with --tenplex needs pretrain to parse its flags at each call (Megatron-LM "
+                  "core_v0.15-0.17); from core_v0.18 pretrain_gpt.py parses and validates them once, outside the "
+                  "in-process wrapper, so the survivors of a fault could not take a new world size. Use a core_v0.17 "
+                  "or older checkout, or the reference trainer's --tenplex-inprocess")
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """A job running in place: its timeouts and the checkpoint directories whose leases it holds across calls."""
+
+    settings: inprocess.InprocessSettings
+    leases: tuple[str, ...]
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether Megatron-LM's in-process restart is asked for together with ``--tenplex``."""
+    return FLAG in argv and "--tenplex" in argv
+
+
+def fixed_layout_reason(args: Any, n: int) -> str:
+    """Why Megatron-LM's layout flags as given cannot run at world size ``n`` ("" when they can): TP x PP (x CP)
+    divides it, expert TP x EP x PP divides it, the global batch splits into micro-batches over DP."""
+    tp, pp = int(args.tensor_model_parallel_size), int(args.pipeline_model_parallel_size)
+    cp = int(getattr(args, "context_parallel_size", 1) or 1)
+    ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
+    etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
+    if n % (tp * pp * cp):
+        return (f"--tensor-model-parallel-size x --pipeline-model-parallel-size x --context-parallel-size = "
+                f"{tp} x {pp} x {cp} does not divide it")
+    if n % (etp * ep * pp):
+        return (f"--expert-tensor-parallel-size x --expert-model-parallel-size x --pipeline-model-parallel-size = "
+                f"{etp} x {ep} x {pp} does not divide it")
+    dp, mbs, gbs = n // (tp * pp * cp), int(args.micro_batch_size), args.global_batch_size
+    if gbs and int(gbs) % (mbs * dp):
+        return f"--global-batch-size {gbs} is not a multiple of --micro-batch-size x DP = {mbs} x {dp}"
+    return ""
+
+
+def start(args: Any, argv: list[str]) -> tuple[InPlace, Any]:
+    """Before NVRx's wrapper, every rank: refused (naming the flag, the extra or the command to use) where the job
+    cannot run in place; else the job's leases claimed and a client of the launcher's store (the process groups of
+    every call are made on a prefix of it)."""
+    problem = inprocess.refusal(PROG, argv, FLAG + " with --tenplex")
+    if problem:
+        raise SystemExit(problem)
+    if not getattr(args, "load", None):  # Megatron-LM calls load_checkpoint only with --load
+        raise SystemExit(f"{PROG}: error: {FLAG} with --tenplex needs --load (empty on the first start): without it "
+                         "Megatron-LM never calls load_checkpoint and the survivors of a fault would start again from "
+                         "iteration 0")
+    try:
+        inprocess.nvrx()
+    except _optional.MissingExtraError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
+    try:
+        settings = inprocess.InprocessSettings(timeout=args.tenplex_inprocess_timeout)
+    except ValueError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
+    if not getattr(args, "tenplex_memory", None) and int(os.environ.get("RANK", "0")) == 0:
+        _log.warning("%s", inprocess.durable_only(args.save or args.load, args.save_interval).replace(
+            "--tenplex-inprocess", f"{FLAG} with --tenplex"))
+    store = inprocess.job_store(settings.barrier)
+    leases = inprocess_lease.claim(args, PROG, store, settings.barrier)
+    return InPlace(settings, tuple(leases)), store
+
+
+def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Callable[[int], str],
+         finalize: Callable[[], None]) -> tuple[Callable[..., Any], Any, InPlace]:
+    """``pretrain`` inside NVRx's ``Wrapper`` with the world allowed to shrink to any size ``reason`` admits (its
+    ``""``), and the store ``pretrain_gpt.py`` passes on to ``pretrain``. ``finalize`` runs in each survivor after
+    a fault (Megatron-LM's global state and the hook's Checkpointer torn down). No legal world left: exit 2."""
+    state, store = start(args, argv)
+    initial, pid = int(os.environ["RANK"]), os.getpid()
+    logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
+    logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
+    active = getattr(args, "inprocess_active_world_size", None)
+
+    def after_fault() -> None:  # the helpers killed first: closing one waits for its background persist
+        inprocess.end_aborted_call()
+        finalize()
+
+    wrapper = inprocess.wrapper(state.settings, lambda n: not reason(n), finalize=after_fault, logfile=logfile,
+                                why_not=reason, active=int(active) if active else None)
+
+    def call(*a: Any, call_wrapper: Any = None, **kw: Any) -> Any:
+        import torch
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        it = call_wrapper.iteration  # a call after a fault is a warning, so that every survivor says it
+        (_log.warning if it else _log.info)("in place: call %d: rank %d of %d (initial rank %d, pid %d)", it, rank,
+                                            world, initial, pid)
+        inprocess_lease.check_kept(list(state.leases), PROG)  # another job took a directory over: exit 3
+        out = pretrain(*a, **{**kw, "inprocess_call_wrapper": call_wrapper})
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return out
+
+    # NVRx passes its CallWrapper to the parameter annotated with that class, and checks every parameter's
+    # annotation as a class: only that one, a real class (not this module's postponed string annotations)
+    call.__annotations__ = {"call_wrapper": inprocess.nvrx().CallWrapper}
+    wrapped = wrapper(call)
+
+    def run(*a: Any, **kw: Any) -> Any:
+        try:
+            out = wrapped(*a, **kw)
+        except BaseException as e:  # the wrapper's own end: no legal world left (logged with every reason)
+            if not inprocess.no_layout_left(e):
+                raise
+            _log.error("%s: %s with --tenplex: no legal layout for the ranks left; exiting", PROG, FLAG)
+            raise SystemExit(2) from None
+        inprocess_lease.release(list(state.leases))
+        return out
+
+    return run, store, state

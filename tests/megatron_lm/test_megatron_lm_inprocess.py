@@ -1,0 +1,121 @@
+"""Opt-in: Megatron-LM's own pretrain_gpt.py (patched) with ``--inprocess-restart --tenplex`` under the in-process
+launcher loses a rank and continues in the same processes at a smaller layout.
+
+4 ranks at TP2 x DP2 (``--tenplex-layout`` table: 4 -> TP2 x DP2, 2 -> TP1 x DP2 with micro-batch 1), snapshots
+into host memory every iteration; rank 3 is SIGKILLed during its snapshot of iteration 3 (``TENPLEX_FAULT``, once).
+NVRx's wrapper admits 2 of the 3 survivors (3 has no legal layout; the third waits as a spare), ``pretrain`` is
+called again in the same processes, parses its flags for world size 2, builds the micro-batch calculator for the
+new DP size, and the hook restores the newest complete snapshot from host memory at TP1 x DP2. Oracle: every
+logged iteration's loss equals an uninterrupted torchrun run at TP2 x DP2 (fp32, 1e-5), the data position exact
+(consumed samples), the survivors' process ids the launcher's, nothing read from durable storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from datetime import datetime
+
+import pytest
+
+from tests.megatron_lm.test_megatron_lm import (
+    FLAGS,
+    MLM,
+    RUNNER,
+    _env,
+    _log_lines,
+    _losses,
+    _run,
+    _vocab_flag,
+    patched_script,
+)
+
+pytestmark = [pytest.mark.megatron_lm,
+              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")]
+
+STARTED = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")
+STATUSES = re.compile(r"exit statuses ((?:\d+:-?\d+ ?)+)")
+CALL = re.compile(r"in place: call (\d+): rank (\d+) of (\d+) \(initial rank (\d+), pid (\d+)\)")
+STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/")
+
+
+def _port_pair() -> int:
+    """A free port whose successor is free too (the launcher serves the job's store and NVRx's there)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _pairs(text: str) -> dict[int, int]:
+    return {int(k): int(v) for k, v in (p.split(":") for p in text.split())}
+
+
+def test_megatron_lm_inprocess_restart_shrinks_to_a_smaller_layout(tmp_path) -> None:
+    script = patched_script(tmp_path)
+    ref = _losses(_run(script, 2, 95, [], nproc=4))  # uninterrupted, torchrun, TP2 x DP2
+    assert sorted(ref) == list(range(1, 9)), ref
+
+    table = tmp_path / "layouts.json"
+    table.write_text(json.dumps({"version": 1, "layouts": {
+        "4": {"tp": 2, "pp": 1, "dp": 2, "micro_batch_size": 2},
+        "2": {"tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1}}}))
+    env, cpu = _env()
+    env.update(PYTHONUNBUFFERED="1", TENPLEX_FAULT="memory.write@3#3", TENPLEX_FAULT_ONCE=str(tmp_path / "once"))
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nproc-per-node", "4", "--master-port",
+           str(_port_pair()), "--timeout", "600", RUNNER, script, *FLAGS, "--tenplex",
+           *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", _vocab_flag(95),
+           "--tenplex-layout", str(table), "--inprocess-restart", "--tenplex-inprocess-timeout", "10",
+           "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1",
+           "--tenplex-memory", str(tmp_path / "mem")]
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=660)
+    log = p.stdout  # one stream, in the order the lines came: the second call's lines follow its first marker
+    assert p.returncode == 0, log[-6000:]
+
+    started, statuses = _pairs(STARTED.search(log).group(1)), _pairs(STATUSES.search(log).group(1))
+    assert statuses == {0: 0, 1: 0, 2: 0, 3: -9}, statuses  # rank 3 killed; the spare (2) ends with the job
+    assert "3 rank(s) left; 2 admitted (the largest world size with a legal layout), 1 waiting as spare(s)" in log
+    calls = [tuple(map(int, m.groups())) for m in CALL.finditer(log)]
+    after = sorted((rank, world, initial, pid) for it, rank, world, initial, pid in calls if it == 1)
+    assert [(rank, world, initial) for rank, world, initial, _ in after] == [(0, 2, 0), (1, 2, 1)], calls
+    for _, _, initial, pid in after:  # the survivors continue in the processes the launcher started
+        assert pid == started[initial], (initial, pid, started)
+
+    # the second call: the layout for world size 2 chosen again, the newest complete snapshot (2: rank 3 died in 3's)
+    cut = log.index("in place: call 1:")
+    first, second = log[:cut], log[cut:]
+    assert f"--tenplex-layout {table}: tp=1,pp=1,dp=2, micro-batch 1" in second, second[-4000:]
+    loaded = re.search(r"> tenplex: loaded iteration (\d+) from host memory \(\S+\): layout tp=2,pp=1,dp=2 -> "
+                       r"tp=1,pp=1,dp=2, .*0 bytes read from durable storage", second)
+    assert loaded, second[-4000:]
+    resumed_from = int(loaded.group(1))
+    assert resumed_from == 2
+    lines = _log_lines(second)
+    assert [(it, consumed) for it, consumed, _ in lines] == [(it, 8 * it) for it in range(resumed_from + 1, 9)], lines
+    assert [it for it, _, _ in _log_lines(first)] == [1, 2, 3]
+    rows = []
+    for part, losses in (("before", _losses(first)), ("after", _losses(second))):
+        for it, loss in sorted(losses.items()):
+            rows.append(f"{part} {it}: uninterrupted {ref[it]:.6f} in place {loss:.6f}")
+            assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (part, it, loss, ref[it])
+    # kill -> first iteration at the new layout: from the last iteration before the kill (rank 3 died in the
+    # snapshot right after it) to the first one logged by the survivors; printed, not asserted (a figure)
+    stamps = [(int(it), datetime.fromisoformat(ts)) for ts, it in STAMP.findall(log)]
+    last_before = max(t for it, t in stamps[:len(_log_lines(first))])
+    first_after = stamps[len(_log_lines(first))][1]
+    load = os.getloadavg()
+    print("\n".join(rows))
+    print(f"last iteration before the kill -> first at TP1 x DP2: {(first_after - last_before).total_seconds():.2f} s "
+          f"(gloo timeout 10 s; 1-minute load {load[0]:.2f})")
