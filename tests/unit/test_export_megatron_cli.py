@@ -26,10 +26,11 @@ MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_si
          "make_vocab_size_divisible_by": 16}
 
 
-def _save(save: str, it: int, framework: str = "megatron-core") -> str:
+def _save(save: str, it: int, framework: str = "megatron-core", model: dict | None = None) -> str:
     chunk = LocalChunk(TensorMeta("w", (8, 8), "float32"), Chunk("w", (0, 0), (8, 8)), W.reshape(-1).clone(), True)
     path = save_chunks([chunk], save, it, {"tp": 1, "pp": 1, "dp": 1}, {}, lambda infos: {}).path
-    rewrite_metadata(path, lambda m: m.update(framework=framework, model=MODEL, use_distributed_optimizer=True))
+    rewrite_metadata(path, lambda m: m.update(framework=framework, model=model or MODEL,
+                                              use_distributed_optimizer=True))
     return path
 
 
@@ -116,3 +117,13 @@ def test_a_load_without_tenplex_meeting_a_tenplex_checkpoint_is_refused_naming_e
     # nothing there, or no --load: a fresh start as before
     assert restart_sources.find_sources(None, str(tmp_path / "empty"), tenplex=False).megatron is None
     assert restart_sources.find_sources(None, None, tenplex=False).megatron is None
+
+
+def test_a_mixture_of_experts_is_refused_naming_what_to_use_instead(tmp_path, capsys) -> None:
+    """Stock Megatron-LM (core_v0.16.1) does not load an exported expert optimizer's parameter groups (KeyError in
+    its distributed optimizer's load_state_dict): refused before anything is written, naming export-hf."""
+    ckpt, out = _save(str(tmp_path / "save"), 3, model={**MODEL, "num_experts": 4}), str(tmp_path / "out")
+    rc, err = _export(capsys, ckpt, out, "--to", "tp=1,pp=1,dp=2,ep=2")
+    assert rc == 2, err
+    assert f"{ckpt}: a mixture of experts (4 experts)" in err and "export-hf" in err, err
+    assert not os.path.exists(out)
