@@ -18,17 +18,23 @@ from tenplex_megatron.errors import TenplexError
 OUT_NAME = "errors.md"
 
 
-def error_classes() -> list[type[TenplexError]]:
-    """Every :class:`TenplexError` subclass defined (not merely imported) in a module of the package, the root
-    first, then depth first through the hierarchy (children by name, any case), so a subclass follows its base."""
-    found: set[type[TenplexError]] = set()
+def defined_subclasses(base: type) -> list[type]:
+    """Every subclass of ``base`` defined (not merely imported) in a module of the package, in the walk's order."""
+    found = []
     for info in pkgutil.walk_packages(tenplex_megatron.__path__, "tenplex_megatron."):
         if info.name.endswith("__main__"):  # runs the CLI on import
             continue
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == info.name and issubclass(cls, TenplexError):
-                found.add(cls)
+            if cls.__module__ == info.name and issubclass(cls, base):
+                found.append(cls)
+    return found
+
+
+def error_classes() -> list[type[TenplexError]]:
+    """Every :class:`TenplexError` subclass defined (not merely imported) in a module of the package, the root
+    first, then depth first through the hierarchy (children by name, any case), so a subclass follows its base."""
+    found: set[type[TenplexError]] = set(defined_subclasses(TenplexError))
     ordered: list[type[TenplexError]] = []
 
     def visit(cls: type[TenplexError]) -> None:

@@ -66,6 +66,19 @@ def nvrx() -> Any:
                              "NVIDIA Resiliency Extension's in-process restart (0.4.1 tested)")
 
 
+def checked_settings(prog: str, timeout: float) -> InprocessSettings:
+    """Both front doors' start-up checks after the launcher's: NVRx installed and the timeout usable, else
+    ``SystemExit`` naming the extra or the flag (before any process group)."""
+    try:
+        nvrx()
+    except _optional.MissingExtraError as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+    try:
+        return InprocessSettings(timeout=timeout)
+    except ValueError as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+
+
 def store_address() -> tuple[str, int] | None:
     """The job's store (host, port) that the in-process launcher serves, or None when not under it."""
     value = os.environ.get(STORE_ENV)

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tenplex_megatron import _optional
 from tenplex_megatron import log as tlog
 from tenplex_megatron.frontdoor import inprocess, inprocess_lease
 
@@ -77,14 +76,7 @@ def start(args: Any, argv: list[str]) -> tuple[InPlace, Any]:
         raise SystemExit(f"{PROG}: error: {FLAG} with --tenplex needs --load (empty on the first start): without it "
                          "Megatron-LM never calls load_checkpoint and the survivors of a fault would start again from "
                          "iteration 0")
-    try:
-        inprocess.nvrx()
-    except _optional.MissingExtraError as e:
-        raise SystemExit(f"{PROG}: error: {e}") from None
-    try:
-        settings = inprocess.InprocessSettings(timeout=args.tenplex_inprocess_timeout)
-    except ValueError as e:
-        raise SystemExit(f"{PROG}: error: {e}") from None
+    settings = inprocess.checked_settings(PROG, args.tenplex_inprocess_timeout)
     if not getattr(args, "tenplex_memory", None) and int(os.environ.get("RANK", "0")) == 0:
         _log.warning("%s", inprocess.durable_only(args.save or args.load, args.save_interval).replace(
             "--tenplex-inprocess", f"{FLAG} with --tenplex"))

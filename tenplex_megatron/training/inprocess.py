@@ -24,7 +24,6 @@ from typing import Any
 import psutil
 import torch
 
-from tenplex_megatron import _optional
 from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
 from tenplex_megatron.frontdoor.elastic import world as launch_world
 from tenplex_megatron.memory import peers
@@ -76,14 +75,7 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     problem = inprocess.refusal(PROG, argv)
     if problem:
         raise SystemExit(problem)
-    try:
-        inprocess.nvrx()
-    except _optional.MissingExtraError as e:
-        raise SystemExit(f"{PROG}: error: {e}") from None
-    try:
-        settings = inprocess.InprocessSettings(timeout=args.tenplex_inprocess_timeout)
-    except ValueError as e:
-        raise SystemExit(f"{PROG}: error: {e}") from None
+    settings = inprocess.checked_settings(PROG, args.tenplex_inprocess_timeout)
     if not args.tenplex_memory and int(os.environ.get("RANK", "0")) == 0:
         print(f"> tenplex: warning: {inprocess.durable_only(args.save or args.load, args.save_interval)}",
               file=sys.stderr, flush=True)

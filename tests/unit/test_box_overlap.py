@@ -55,6 +55,15 @@ def _limit_child() -> None:
     resource.setrlimit(resource.RLIMIT_CPU, (30, 30))  # and 110 s
 
 
+def _run_capped(code: str) -> list[str]:
+    """The lines ``code`` prints, run in a child process under :func:`_limit_child`'s memory and CPU caps."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                       preexec_fn=_limit_child)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.splitlines()
+
+
 def test_the_probes_16000_staggered_overlapping_chunks_are_refused_in_seconds_and_bounded_memory() -> None:
     code = textwrap.dedent("""
         import time
@@ -65,11 +74,7 @@ def test_the_probes_16000_staggered_overlapping_chunks_are_refused_in_seconds_an
         print(partition_errors(PTC.from_json(staggered_overlap(16000)))["w"])
         print("cpu", time.process_time() - t0)
     """)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                       preexec_fn=_limit_child)
-    assert p.returncode == 0, p.stderr[-2000:]
-    why, cpu = p.stdout.splitlines()
+    why, cpu = _run_capped(code)
     assert why.startswith("tensor 'w': source chunks overlap ((0, 0)/(16000, 1)/None and (1, 0)/(16000, 1)/None)")
     assert float(cpu.split()[1]) < 15, cpu  # seconds of CPU: about 1 on a loaded 2-core machine
 
@@ -89,10 +94,6 @@ def test_a_valid_comb_of_16000_chunks_is_planned_in_seconds_and_bounded_memory()
         print(plan.total_bytes_read, sum(len(p.pieces) for p in plan.ranks.values()))
         print("cpu", time.process_time() - t0)
     """)
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
-                       preexec_fn=_limit_child)
-    assert p.returncode == 0, p.stderr[-2000:]
-    counts, cpu = p.stdout.splitlines()
+    counts, cpu = _run_capped(code)
     assert counts.split() == [str(8000 * 8001), str(8000 + 2 * 8000)]  # every element once; each column cut in two
     assert float(cpu.split()[1]) < 15, cpu  # seconds of CPU: under 1 on a loaded 2-core machine

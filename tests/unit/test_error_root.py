@@ -3,25 +3,13 @@ as one; each keeps its other bases (``ValueError``...), so narrower ``except`` c
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import pkgutil
-
-import tenplex_megatron
 from tenplex_megatron import TenplexError
+from tenplex_megatron.error_reference import defined_subclasses
 
 
 def _exception_classes() -> list[type[BaseException]]:
     """Every exception class defined (not merely imported) in a module of the package."""
-    found = []
-    for info in pkgutil.walk_packages(tenplex_megatron.__path__, "tenplex_megatron."):
-        if info.name.endswith("__main__"):  # runs the CLI on import
-            continue
-        module = importlib.import_module(info.name)
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == info.name and issubclass(cls, BaseException):
-                found.append(cls)
-    return found
+    return defined_subclasses(BaseException)
 
 
 def test_every_exception_class_of_the_package_is_a_tenplex_error() -> None:
