@@ -17,7 +17,7 @@ import pytest
 
 from tests.harness import ROOT
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # make test-bench runs it (make test's budget)
 
 
 @pytest.fixture(scope="module")
