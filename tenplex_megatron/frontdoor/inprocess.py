@@ -40,7 +40,7 @@ class InprocessSettings:
     timeout (no progress) is set above it and its hard timeout (the rank is ended) above that."""
 
     timeout: float = 60.0
-    interval: float = 0.5  # NVRx's monitoring and heartbeat intervals
+    interval: float = 0.25  # NVRx's monitoring and heartbeat intervals
 
     def __post_init__(self) -> None:
         if not self.timeout > 4 * self.interval:

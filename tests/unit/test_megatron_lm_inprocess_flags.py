@@ -60,8 +60,8 @@ def test_nvrx_missing_names_the_extra(rank0_of_4: None, monkeypatch: pytest.Monk
 
 def test_a_timeout_too_short_is_named(rank0_of_4: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(inprocess.STORE_ENV, "127.0.0.1:1")
-    with pytest.raises(SystemExit, match=r"--tenplex-inprocess-timeout must be > 2 seconds .*got 1"):
-        mlm.start(_args(tenplex_inprocess_timeout=1.0), ARGV)
+    with pytest.raises(SystemExit, match=r"--tenplex-inprocess-timeout must be > 1 seconds .*got 0.5"):
+        mlm.start(_args(tenplex_inprocess_timeout=0.5), ARGV)
 
 
 def test_fixed_layout_admits_the_world_sizes_it_divides() -> None:
