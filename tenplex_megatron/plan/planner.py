@@ -114,7 +114,7 @@ class _Index:
     beside N full-height columns); this does not.
     """
 
-    def __init__(self, sources: list[_Source] | list[_Boxed]):
+    def __init__(self, sources: list[_Source]):
         self.items: list[tuple[int, Rect]] = [(i, r) for i, s in enumerate(sources) for r in s.rects]
         self.ndim = len(self.items[0][1].offsets) if self.items else 0
         if self.ndim == 0:
@@ -180,15 +180,6 @@ def _unique_sources(chunks: list[tuple[int, StoredChunk]]) -> list[_Source]:
         src.locations.append(sc.location)
         src.slots.append(slot)
     return sorted(by_chunk.values(), key=lambda s: (s.chunk.offsets, s.chunk.flat_range, s.chunk.shape))
-
-
-class _Boxed:
-    """A lone rectangle in the shape _Index expects of a source."""
-
-    __slots__ = ("rects",)
-
-    def __init__(self, rect: Rect):
-        self.rects = [rect]
 
 
 def _boxes(sources: list[_Source]) -> dict[tuple, list[tuple[int, int, int]]]:
