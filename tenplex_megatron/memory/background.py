@@ -14,7 +14,7 @@ from tenplex_megatron.execute.collective import all_gather_json, broadcast_json,
 from tenplex_megatron.memory import node_dir, replication
 from tenplex_megatron.memory.protocol import Copy, Persist
 from tenplex_megatron.memory.state import MemoryTier, start_helpers
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.faults import maybe_fail
 
 log = tlog.get("memory")
@@ -102,6 +102,11 @@ def _replication_failed(tier: MemoryTier, what: str, error: str) -> None:
 
 
 def _persist_failed(tier: MemoryTier, what: str, error: str) -> None:
+    """A failed persist is logged and dropped; one fenced by a newer lease generation stops the job (every rank
+    sees the same answers), as a fenced commit does."""
+    if error.startswith("FencedError: "):
+        tier.pending = tier.pending_meta = None
+        raise lease.FencedError(error.removeprefix("FencedError: "))
     if rank() == 0:
         log.warning("%s: background persist of iteration %s failed: %s; its staging directory is removed by "
                     "the next persist", what, tier.pending, error)
@@ -171,6 +176,9 @@ def start_persist(tier: MemoryTier, what: str) -> None:
     tier.pending = it
     if rank() == 0:
         tier.pending_meta = meta
+    if tier.save_lease is None:  # every node's helper writes for the lease rank 0 holds: fenced by a newer one
+        mine = lease.held(save_dir) if rank() == 0 else None
+        tier.save_lease = int(broadcast_json(mine.generation if mine is not None else 0, 0))
 
     def start() -> None:
         if not tier.leader:
@@ -178,7 +186,8 @@ def start_persist(tier: MemoryTier, what: str) -> None:
         assert tier.helper is not None
         src = node_dir.snapshot_dir(tier.mem, it)
         dst = directory.partial_dir(save_dir, it)
-        tier.helper.request(Persist(it, tuple(Copy(os.path.join(src, f), os.path.join(dst, f)) for f in own)))
+        tier.helper.request(Persist(it, tuple(Copy(os.path.join(src, f), os.path.join(dst, f)) for f in own),
+                                    (save_dir, tier.save_lease) if tier.save_lease else None))
 
     run_phase(f"{what}: starting the background persist", start)
 

@@ -53,6 +53,7 @@ from tenplex_megatron.memory.protocol import (
 )
 from tenplex_megatron.storage.faults import log_open, maybe_fail
 from tenplex_megatron.storage.files import fsync_dir
+from tenplex_megatron.storage.lease import fence_generation
 
 CHUNK = 64 << 20
 SLICE = 8 << 20  # bytes of each message per round of a paced replication (``rate``)
@@ -140,10 +141,18 @@ def copy_file(src: str, dst: str, iteration: int) -> int:
 
 
 def persist(req: Persist) -> int:
-    """Copy the request's files to durable storage, each and their directories fsynced; returns the bytes."""
+    """Copy the request's files to durable storage, each and their directories fsynced; returns the bytes. With the
+    job's lease named, a newer generation on the directory stops it before the next file (:class:`FencedError`)."""
+
+    def fenced() -> None:
+        if req.lease is not None:
+            fence_generation(req.lease[0], req.lease[1], f"the memory helper of generation {req.lease[1]}")
+
     total = 0
     for c in req.copies:
+        fenced()
         total += copy_file(c.src, c.dst, req.iteration)
+    fenced()
     for d in {os.path.dirname(c.dst) for c in req.copies}:
         fsync_dir(d)
     return total

@@ -58,11 +58,14 @@ class Receive:
 
 @dataclass(frozen=True)
 class Persist:
-    """Copy a snapshot's own files to durable storage, each fsynced (the job commits it once all nodes answered)."""
+    """Copy a snapshot's own files to durable storage, each fsynced (the job commits it once all nodes answered).
+    ``lease``: the durable directory and the generation of the job's lease on it, checked before each file (a
+    helper of a fenced job stops writing where the newer holder saves)."""
 
     op: ClassVar[str] = "persist"
     iteration: int
     copies: tuple[Copy, ...]
+    lease: tuple[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ def encode(msg: Request | Reply) -> bytes:
     body: dict[str, Any] = {"iteration": msg.iteration}
     if isinstance(msg, Persist):
         body["copies"] = [{"src": c.src, "dst": c.dst} for c in msg.copies]
+        body["lease"] = {"directory": msg.lease[0], "generation": msg.lease[1]} if msg.lease else None
     elif isinstance(msg, Replicate):
         body["sends"] = [{"path": s.path, "peer": s.peer, "tag": s.tag} for s in msg.sends]
         body["recvs"] = [{"peer": r.peer, "size": r.size, "path": r.path, "tag": r.tag, "spare": r.spare}
@@ -161,7 +165,12 @@ def decode_request(line: bytes | str) -> Request:
     d = _parse(line)
     op, it = d.get("op"), _field(d, "iteration", int)
     if op == Persist.op:
-        return Persist(it, tuple(Copy(_field(c, "src", str), _field(c, "dst", str)) for c in _items(d, "copies")))
+        lease = d.get("lease")
+        if lease is not None and not isinstance(lease, dict):
+            raise ProtocolError(f"'persist' message: field 'lease' must be an object or null, got {lease!r}")
+        held = (_field(lease, "directory", str), _field(lease, "generation", int)) if lease is not None else None
+        return Persist(it, tuple(Copy(_field(c, "src", str), _field(c, "dst", str)) for c in _items(d, "copies")),
+                       held)
     if op == Replicate.op:
         sends = tuple(Send(_field(s, "path", str), _field(s, "peer", int), _field(s, "tag", int))
                       for s in _items(d, "sends"))

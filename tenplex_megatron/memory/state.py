@@ -41,6 +41,7 @@ class MemoryTier:
     last: tuple[int, dict[str, Any], list[str]] | None = None  # the last snapshot: iteration, metadata, own files
     last_files: tuple[RankFile, ...] = ()  # every rank's file of it
     disposing: set[str] = field(default_factory=set)  # retired snapshots this node's helper is deleting
+    save_lease: int | None = None  # rank 0's lease generation on the durable directory (0: none), once known
 
     @property
     def mem(self) -> str:

@@ -268,18 +268,24 @@ def fence(directory: str) -> None:
     """Before a commit, retention or a partial save's removal: stop (:class:`FencedError`) when this process holds
     ``directory``'s lease but a newer generation exists. A directory this process holds no lease on: no check."""
     mine = held(directory)
-    if mine is None:
-        return
+    if mine is not None:
+        fence_generation(directory, mine.generation, mine.describe())
+
+
+def fence_generation(directory: str, generation: int, writer: str = "") -> None:
+    """:func:`fence` for a writer that holds no lease object of its own (a node's helper process writing for the
+    job that holds ``generation``): stop when a newer generation owns ``directory``."""
     newest = max(generations(directory), default=0)
-    if newest == mine.generation:
+    if newest == generation:
         return
     try:
         newer = current(directory)
     except LeaseError:
         newer = None
     who = newer.describe() if newer is not None else f"generation {newest}"
-    raise FencedError(f"{directory}: a newer generation owns the directory ({who}); this writer ({mine.describe()}) "
-                      "stops without committing, applying retention or removing partial saves")
+    raise FencedError(f"{directory}: a newer generation owns the directory ({who}); this writer "
+                      f"({writer or f'generation {generation}'}) stops without committing, applying retention or "
+                      "removing partial saves")
 
 
 def _rewrite(lease: Lease) -> None:

@@ -31,7 +31,7 @@ from tenplex_megatron.memory.shm_write import write_tensors
 from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, merge_ranges, schedule
 from tenplex_megatron.plan.restart_policy import DurableListing, ForeignSnapshotError, Snapshot
 from tenplex_megatron.plan.restart_policy import pick_snapshot as choose
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import write_safetensors
 from tests.logs import logged
@@ -356,9 +356,36 @@ def test_snapshots_newer_than_the_restart_point_are_discarded(tmp_path) -> None:
     assert len(node_dir.discard_newer(mem, None, went.append)) == 1 and directory.committed_iterations(mem) == []
 
 
+def test_a_fenced_jobs_helper_writes_nothing_more_into_the_durable_directory(tmp_path) -> None:
+    """The helper persists for the lease generation the job holds on ``--save``: once another job has taken the
+    directory over (a newer generation), its next persist is refused before any file, naming the newer holder."""
+    save = tmp_path / "save"
+    src, dst = tmp_path / "a.bin", save / "iter_0000005.tenplex-partial" / "a.bin"
+    src.write_bytes(os.urandom(1 << 20))
+    os.makedirs(dst.parent)
+    mine = lease.acquire(str(save), "job-a")
+    helper = Helper()
+    try:
+        helper.request(Persist(5, (Copy(str(src), str(dst)),), (str(save), mine.generation)))
+        got = _answer(helper, "persist", 5)
+        assert got.ok and dst.read_bytes() == src.read_bytes()  # its own generation: written
+        dst.unlink()
+        newer = lease.acquire(str(save), "job-b", take_over=True)  # another job takes the directory over
+        assert newer.generation == mine.generation + 1
+        helper.request(Persist(10, (Copy(str(src), str(dst)),), (str(save), mine.generation)))
+        got = _answer(helper, "persist", 10)
+        assert not got.ok and str(got.error).startswith("FencedError: ")
+        assert "a newer generation owns the directory" in str(got.error) and "job-b" in str(got.error)
+        assert f"the memory helper of generation {mine.generation}" in str(got.error)
+        assert not dst.exists()  # nothing written where the newer holder saves
+    finally:
+        helper.close()
+        lease.release(str(save))
+
+
 def test_helper_messages_are_versioned_json_and_a_bad_line_is_refused_naming_what_is_wrong() -> None:
     """Every request and reply survives its line; another version, an unknown op, a missing field are refused."""
-    msgs = [Persist(5, (Copy("/m/a", "/d/a"),)), Remove(("/m/old",), 0), Hurry(),
+    msgs = [Persist(5, (Copy("/m/a", "/d/a"),)), Persist(6, (), ("/d", 3)), Remove(("/m/old",), 0), Hurry(),
             Replicate(7, (Send("/m/f", 1, 3),), (Receive(1, 10, "/m/g", 2, None), Receive(0, 0, "/m/h", 4, "/s")), 2.5)]
     for m in msgs:
         assert decode_request(encode(m)) == m
