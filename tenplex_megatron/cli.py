@@ -589,10 +589,6 @@ def cmd_export_megatron(args: argparse.Namespace) -> int:
     if meta.framework not in (None, "megatron-core") or not meta.model:
         raise CLIError(f"{ckpt}: written by {meta.framework!r} without a megatron-core model record: "
                        "export-megatron reads megatron-core checkpoints")
-    if meta.model.get("num_experts"):
-        raise CLIError(f"{ckpt}: a mixture of experts ({meta.model['num_experts']} experts): export-megatron writes "
-                       "dense models only (stock Megatron-LM core_v0.16.1 does not load the exported experts' "
-                       "optimizer parameter groups); export the weights with export-hf, or keep --tenplex")
     _check_empty_out(args.out)
     try:
         dst = ParallelLayout.parse(args.to)

@@ -77,8 +77,10 @@ def by_index(i: int, group: dict[str, Any]) -> Any:
     return i
 
 
-def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: GroupKey = by_index) -> None:
-    """Set hyper-parameters (groups matched by ``key``) and the step from :func:`optimizer_json` output."""
+def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: GroupKey = by_index,
+                      keep: tuple[str, ...] = ()) -> None:
+    """Set hyper-parameters (groups matched by ``key``) and the step from :func:`optimizer_json` output; the keys in
+    ``keep`` say what a group is, not how it steps (megatron-core's ``is_expert_parallel``): the job's stay."""
     groups = saved["param_groups"]
     by_key = {key(i, g): g for i, g in enumerate(groups)}
     if key is by_index and len(groups) != len(inner.param_groups):
@@ -88,7 +90,7 @@ def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: 
         if src is None:
             raise ValueError(f"checkpoint has no optimizer param group matching {key(i, group)}")
         for k, v in src.items():
-            if k in group and k not in ("params", "step"):
+            if k in group and k not in ("params", "step") and k not in keep:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     step = int(saved["step"])
     in_groups = step_in_groups(inner)

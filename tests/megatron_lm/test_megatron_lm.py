@@ -326,7 +326,11 @@ EXPORTS = {"tp1dp2-fully_reshardable": ("tp=1,pp=1,dp=2", ["--tensor-model-paral
            # --no-masked-softmax-fusion: with bf16 Megatron-LM picks the fused CUDA softmax kernel, absent on the CPU
            "tp1dp2-fully_reshardable-bf16": ("tp=1,pp=1,dp=2", ["--tensor-model-parallel-size", "1", "--bf16",
                                                              "--no-masked-softmax-fusion"],
-                                          ["--bf16", "--no-masked-softmax-fusion"])}
+                                          ["--bf16", "--no-masked-softmax-fusion"]),
+           # a mixture of experts saved at TP2 x EP1 (one sub-optimizer) exported at EP2 (the experts' own)
+           "ep2-fully_reshardable-moe": ("tp=1,pp=1,dp=2,ep=2", ["--tensor-model-parallel-size", "1", *MOE,
+                                                                 "--expert-model-parallel-size", "2"],
+                                         [*MOE, "--sequence-parallel"])}
 
 
 @pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
@@ -347,10 +351,11 @@ def test_megatron_lm_loads_exported_checkpoint_without_the_plugin(tmp_path, scri
     assert f"{ckpt}/iter_0000004 is a tenplex checkpoint" in log, log[-3000:]
     if bf16:  # the same checkpoint resumed with --tenplex at the export's layout (a TP2 run rounds bf16 otherwise)
         ref = _losses(_run(script, None, 95, [*stock, "--load", str(ckpt)]))
-    p = subprocess.run([sys.executable, "-m", "tenplex_megatron", "export-megatron", str(ckpt), str(out), "--to", to],
+    fmt = case.split("-")[1]
+    p = subprocess.run([sys.executable, "-m", "tenplex_megatron", "export-megatron", str(ckpt), str(out), "--to", to,
+                        "--optimizer-format", fmt],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=900)
     assert p.returncode == 0, (p.stdout + p.stderr)[-5000:]
-    fmt = case.split("-")[1]
     assert f"iteration 4 written to {out}/iter_0000004 as Megatron torch_dist at {to} (distributed optimizer " \
            f"{fmt})" in p.stdout, p.stdout[-3000:]
     assert (out / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

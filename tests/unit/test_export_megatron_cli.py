@@ -117,13 +117,3 @@ def test_a_load_without_tenplex_meeting_a_tenplex_checkpoint_is_refused_naming_e
     # nothing there, or no --load: a fresh start as before
     assert restart_sources.find_sources(None, str(tmp_path / "empty"), tenplex=False).megatron is None
     assert restart_sources.find_sources(None, None, tenplex=False).megatron is None
-
-
-def test_a_mixture_of_experts_is_refused_naming_what_to_use_instead(tmp_path, capsys) -> None:
-    """Stock Megatron-LM (core_v0.16.1) does not load an exported expert optimizer's parameter groups (KeyError in
-    its distributed optimizer's load_state_dict): refused before anything is written, naming export-hf."""
-    ckpt, out = _save(str(tmp_path / "save"), 3, model={**MODEL, "num_experts": 4}), str(tmp_path / "out")
-    rc, err = _export(capsys, ckpt, out, "--to", "tp=1,pp=1,dp=2,ep=2")
-    assert rc == 2, err
-    assert f"{ckpt}: a mixture of experts (4 experts)" in err and "export-hf" in err, err
-    assert not os.path.exists(out)

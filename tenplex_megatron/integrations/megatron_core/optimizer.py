@@ -99,7 +99,9 @@ def restore_optimizer_state(optimizer: Any, saved: dict[str, Any]) -> None:
         pooled = pooled_entry(entries)
         pairs = [(opt, pooled, _identifier_any_expert) for opt in subs]
     for opt, entry, key in pairs:
-        restore_optimizer(opt.optimizer, entry, key=key)
+        # the identifier keys stay the job's: pooled across an EP change, the experts' sub-optimizer would take the
+        # dense groups' is_expert_parallel=False, which Megatron-LM's loader then cannot match
+        restore_optimizer(opt.optimizer, entry, key=key, keep=tuple(param_group_identifier_keys))
         if "grad_scaler" in entry and getattr(opt, "grad_scaler", None) is not None:
             opt.grad_scaler.load_state_dict(grad_scaler_state(entry["grad_scaler"]))
 
