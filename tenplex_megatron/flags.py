@@ -272,7 +272,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "the job's store served outside the ranks (`python -m tenplex_megatron.frontdoor.launch`); NVRx's own "
            "store listens on the next port. `--tenplex-inprocess` is refused without it", "internal"),
     EnvVar("TENPLEX_INPROCESS_LOGDIR", "a directory", "unset",
-           "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here", "user"),
+           "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here (made if missing)", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",
            "the training process a host-memory helper belongs to (the helper exits when it is gone)", "internal"),
 )

@@ -210,6 +210,20 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
     )
 
 
+def monitor_logfile(prog: str, rank: int) -> str | None:
+    """NVRx's monitor process log of ``rank`` under ``TENPLEX_INPROCESS_LOGDIR`` (made if missing), None unset. A
+    directory that cannot be made is refused here: NVRx's monitor would fail to open its log and the ranks hang."""
+    logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
+    if not logdir:
+        return None
+    try:
+        os.makedirs(logdir, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"{prog}: error: TENPLEX_INPROCESS_LOGDIR={logdir}: cannot make the directory for NVRx's "
+                         f"monitor logs ({e.strerror})") from None
+    return os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{rank}.log")
+
+
 def no_layout_left(error: BaseException) -> bool:
     """Whether NVRx's wrapper ended because no legal world was left (its ``RestartAbort``)."""
     return type(error).__name__ == "RestartAbort" or type(error.__cause__).__name__ == "RestartAbort"

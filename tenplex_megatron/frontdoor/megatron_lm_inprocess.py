@@ -92,8 +92,7 @@ def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Calla
     a fault (Megatron-LM's global state and the hook's Checkpointer torn down). No legal world left: exit 2."""
     state, store = start(args, argv)
     initial, pid = int(os.environ["RANK"]), os.getpid()
-    logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
-    logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
+    logfile = inprocess.monitor_logfile(PROG, initial)
     active = getattr(args, "inprocess_active_world_size", None)
 
     def after_fault() -> None:  # the helpers killed first: closing one waits for its background persist

@@ -84,8 +84,7 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     store = inprocess.job_store(settings.barrier)
     leases = inprocess_lease.claim(args, PROG, store, settings.barrier)  # kept through every call (no new generation)
     initial, pid = int(os.environ["RANK"]), os.getpid()
-    logdir = os.environ.get("TENPLEX_INPROCESS_LOGDIR")
-    logfile = os.path.join(os.path.abspath(logdir), f"nvrx-monitor-{initial}.log") if logdir else None
+    logfile = inprocess.monitor_logfile(PROG, initial)
     reason = why_not(parser, argv)
     wrap = inprocess.wrapper(settings, lambda n: not reason(n), finalize=inprocess.end_aborted_call, logfile=logfile,
                              why_not=reason)

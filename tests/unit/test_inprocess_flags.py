@@ -97,3 +97,17 @@ def test_the_launchers_second_node_numbers_its_ranks_after_the_first_and_uses_it
     for bad in (["--nnodes", "2", "--node-rank", "2"], ["--nnodes", "0"]):
         with pytest.raises(SystemExit):
             launch.parse([*bad, "--nproc-per-node", "1", "x.py"])
+
+
+def test_the_monitor_log_directory_is_made_or_refused_naming_the_variable(tmp_path, monkeypatch) -> None:
+    """NVRx's monitor process cannot open a log in a missing directory and the ranks then hang: made at start, and
+    one that cannot be made (under a file) refused naming TENPLEX_INPROCESS_LOGDIR."""
+    monkeypatch.delenv("TENPLEX_INPROCESS_LOGDIR", raising=False)
+    assert inprocess.monitor_logfile("pretrain_gpt.py", 3) is None
+    monkeypatch.setenv("TENPLEX_INPROCESS_LOGDIR", str(tmp_path / "logs" / "nvrx"))
+    assert inprocess.monitor_logfile("pretrain_gpt.py", 3) == str(tmp_path / "logs" / "nvrx" / "nvrx-monitor-3.log")
+    assert (tmp_path / "logs" / "nvrx").is_dir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TENPLEX_INPROCESS_LOGDIR", str(tmp_path / "file" / "nvrx"))
+    with pytest.raises(SystemExit, match=r"pretrain_gpt.py: error: TENPLEX_INPROCESS_LOGDIR=.*file/nvrx: cannot make"):
+        inprocess.monitor_logfile("pretrain_gpt.py", 3)
