@@ -217,12 +217,12 @@ class EnvVar:
 
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar("TENPLEX_STAGING", "`parallel`, `copy`, `direct`, `auto`", "`auto`",
-           "how a load reads: reader threads with `preadv` into one ring of slots, checking each block as it is "
-           "read (`parallel`, pinned on a GPU; opt-in: it finds a damaged block while it copies, after earlier pieces "
-           "are placed), one host thread through a ring of staging buffers (`copy`; `auto` on a GPU) or one strided "
-           "copy per piece from the file's map (`direct`; `auto` on the CPU); a save (`auto`: writer threads) from a GPU goes through "
-           "the ring unless `direct`, one from the CPU through the ring only with `copy`", "user"),
+    EnvVar("TENPLEX_STAGING", "`auto`, `parallel`, `serial`, `copy`, `direct`", "`auto`",
+           "how a load reads and a save writes: reader (writer) threads with `preadv` (`pwrite`) through one ring "
+           "of slots, checking each block as it is read (`auto` = `parallel`, on any device, pinned on a GPU); "
+           "`serial`: one host thread, through a ring of staging buffers on a GPU (`copy`) and by one strided copy "
+           "per piece from the file's map on the CPU (`direct`), a load verifying every block before it copies "
+           "one", "user"),
     EnvVar("TENPLEX_STAGING_MB", "MB (fractions allowed)", "256",
            "the staging budget of one load or save, the ring's buffers together; on a GPU the same again in device "
            "memory", "user"),

@@ -3,8 +3,8 @@
 Each rank plans its own part (a pure function of the saved PTC and its own
 chunks), checks every file it will read, has the checksum blocks it reads
 verified (each block once per host), then copies only the bytes it needs
-straight into the live tensors; the adapter restores its non-tensor state and
-the engine applies the RNG policy. Every phase runs through
+straight into the live tensors; once every rank has copied, the adapter restores
+its non-tensor state and the engine applies the RNG policy. Every phase runs through
 :func:`run_phase`: a failure of any kind on any rank is raised on every rank
 before any rank copies a byte (or, after copying, on every rank at once).
 """
@@ -225,13 +225,19 @@ def load_chunks(
             for data, tmp in p.back:
                 data.copy_(tmp.view(data.shape))
         p.opened.files.close()
+        return stats
+
+    def restore_state() -> None:
         maybe_fail("load.restore", me)
         restore(p.opened.metadata)
         if apply_local is not None:
             apply_local()
-        return stats
 
     stats = run_phase(f"load from {path}: copying", copy)
+    # only once every rank has copied: the parallel reader finds a damaged block while it copies, so a rank whose
+    # share was sound would otherwise restore the non-tensor state of a copy the fallback then leaves (a learning-
+    # rate scheduler's load_state_dict adds its steps: restored twice, the steps counted twice)
+    run_phase(f"load from {path}: restoring state", restore_state)
     return ChunksLoaded(path, p.opened.metadata, p.opened.ptc, stats, len(p.dst))
 
 

@@ -8,7 +8,8 @@ Only when no complete copy is left does the restart fail, naming every copy trie
 restored from a bad local replica looped on NaN with no fallback to the global checkpoint).
 A copy is damaged when loading it fails with a checkpoint-file error on some rank (a checksum, a size, a missing
 file): other failures (another model's checkpoint) are raised as they are, since every copy would repeat them.
-A failed attempt restores no non-tensor state (iteration, RNG, data position): the parallel reader checks each
+A failed attempt restores no non-tensor state (iteration, RNG, data position, the scheduler's steps) on any rank:
+the engine restores it only once every rank has copied (``engine/load.py``). The parallel reader checks each
 block as it reads it, so pieces read before a damaged block may already be in the tensors, and the next copy's
 load writes every element of every tensor again (the plan covers each exactly once).
 """

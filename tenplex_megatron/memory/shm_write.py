@@ -6,7 +6,7 @@ kernel's single copy; no serialised buffer, no fsync), with the checksums
 the format requires computed by a second thread meanwhile (a GPU's tensors go
 through pinned staging buffers instead: device-to-host on a side stream while
 the previous segment is checksummed and written; ``TENPLEX_STAGING=copy``
-takes that path on the CPU too). By default (``TENPLEX_STAGING=parallel``) the
+takes that path on the CPU too). By default (``TENPLEX_STAGING`` ``auto`` or ``parallel``) the
 parallel writer's threads copy segments into the file and checksum them at once
 (``storage/parallel_write.py``); ``direct`` keeps one write per tensor. Where a retired
 snapshot left its rank file as a spare, the copy goes into those pages: a copy

@@ -1,6 +1,6 @@
 """Writing tensors' bytes to a shard file: straight from host memory, or through staging buffers.
 
-Through staging (``TENPLEX_STAGING``, a GPU's default): each tensor's bytes go
+Through staging (``TENPLEX_STAGING=copy``, or ``serial`` on a GPU): each tensor's bytes go
 in buffer-sized segments into a ring of pinned host buffers, copied from the
 GPU on a side stream while the previous segment is checksummed and written, so
 a save does not stall on one device-to-host copy per tensor. Either way the

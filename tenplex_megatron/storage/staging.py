@@ -22,31 +22,37 @@ from tenplex_megatron import log as tlog
 
 LOG = tlog.get("staging")
 
-MODES = ("parallel", "copy", "direct", "auto")
+MODES = ("parallel", "serial", "copy", "direct", "auto")
 DEFAULT_MB = 256.0
 RING = 3  # buffers: one being filled, one in transfer, one being scattered or written
 MIN_BYTES = 64
 
 
-def staging_mode(device: torch.device) -> str:
-    """How a load reads, from ``TENPLEX_STAGING``: ``parallel`` (``storage/parallel_read.py``: reader threads, one
-    ring; opt-in), ``copy`` (one host thread through staging buffers) or ``direct`` (per-piece copies from the
-    file's map). ``auto`` (the default): ``copy`` for a GPU, ``direct`` for the CPU. The parallel reader is not the
-    default yet: it finds a damaged block while it copies, and a Megatron-LM restart that then falls back to an
-    older copy did not continue its losses (tests/megatron_lm, ``falls_back_past_a_damaged_checkpoint``)."""
+def _mode() -> str:
+    """``TENPLEX_STAGING``, checked: one of :data:`MODES`."""
     mode = os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto"
     if mode not in MODES:
         raise ValueError(f"TENPLEX_STAGING={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def staging_mode(device: torch.device) -> str:
+    """How a load reads, from ``TENPLEX_STAGING``: ``parallel`` (``storage/parallel_read.py``: reader threads, one
+    ring; ``auto``, the default), ``copy`` (one host thread through staging buffers) or ``direct`` (per-piece
+    copies from the file's map). ``serial``: the one-thread path suited to ``device``, ``copy`` for a GPU and
+    ``direct`` for the CPU."""
+    mode = _mode()
     if mode == "auto":
+        return "parallel"
+    if mode == "serial":
         return "direct" if device.type == "cpu" else "copy"
     return mode
 
 
 def write_mode(device: torch.device) -> str:
     """How a save or snapshot leaves ``device``: ``parallel`` (``storage/parallel_write.py``: writer threads, the
-    default: ``auto``), ``copy`` (one thread through the staging ring) or ``direct`` (one write per tensor)."""
-    if (os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto") == "auto":
-        return "parallel"
+    default: ``auto``), ``copy`` (one thread through the staging ring) or ``direct`` (one write per tensor);
+    ``serial`` as for a load."""
     return staging_mode(device)
 
 

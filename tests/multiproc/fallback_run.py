@@ -32,6 +32,33 @@ def restart(t: state.MemoryTier | None, ckpt: str) -> tuple[Tiny, fallback.Resta
     return back, got
 
 
+class Counted(Tiny):
+    """A Tiny that records each non-tensor restore, as a learning-rate scheduler counts the steps it is given."""
+
+    def __init__(self, value: float, axis: int = 0):
+        super().__init__(value, axis)
+        self.restored: list[int] = []
+
+    def restore(self, metadata: Any) -> None:
+        super().restore(metadata)
+        self.restored.append(self.it)
+
+
+def one_rank_damaged(out: str, me: int) -> dict[str, Any]:
+    """The newest checkpoint's damage lies only in what rank 1 reads (same layout: each rank its own file), so rank
+    0 copies its share of it soundly: the fallback to the previous one must leave no trace of it on any rank."""
+    ckpt = os.path.join(out, "one_rank")
+    for value in (4.0, 5.0):
+        a = Tiny(value)
+        a.it = int(value)
+        save(a, ckpt)
+    barrier_then(me, lambda: flip(os.path.join(ckpt, "iter_0000005", directory.rank_file_name(1))))
+    back = Counted(0.0)
+    got = fallback.restart(lambda c: None, lambda p: load(back, p), None, None, ckpt,
+                           directory.find_checkpoint(ckpt))
+    return {**report(back, got), "restored": back.restored}
+
+
 def report(back: Tiny, got: fallback.Restart | str) -> dict[str, Any]:
     if isinstance(got, str):
         return {"error": got}
@@ -76,6 +103,7 @@ def cases(out: str) -> dict[str, Any]:
     res["bad_durable"] = report(*restart(None, ckpt))
     barrier_then(me, lambda: flip(os.path.join(ckpt, "iter_0000002", directory.rank_file_name(1))))
     res["none_left"] = report(*restart(None, ckpt))
+    res["one_rank_damaged"] = one_rank_damaged(out, me)
     return res
 
 

@@ -36,5 +36,10 @@ def test_damaged_copies_are_skipped_in_order(tmp_path) -> None:
         # none left: the error names every copy tried
         e = g["none_left"]["error"]
         assert "no complete copy" in e and "iter_0000003" in e and "iter_0000002" in e, e
+        # damage in rank 1's share only: rank 0 copied its share of iteration 5, yet every rank ends with iteration
+        # 4 alone, element by element, its non-tensor state restored once (from iteration 4 only)
+        o = g["one_rank_damaged"]
+        assert o["iteration"] == 4 and o["equal"] and o["restored"] == [4], o
+        assert len(o["skipped"]) == 1 and "iter_0000005" in o["skipped"][0], o["skipped"]
     assert got[0]["bad_replica"]["received"] > 0  # node 0's rank received rank 1's file from node 1
     assert r.log.count("skipping a damaged copy") >= 1  # the warning, once per copy (rank 0)

@@ -206,9 +206,12 @@ def test_settings_are_checked(monkeypatch) -> None:
     with pytest.raises(ValueError, match="TENPLEX_STAGING='zero'"):
         staging_mode(torch.device("cpu"))
     monkeypatch.setenv("TENPLEX_STAGING", "auto")
-    # a load's default: the single-thread paths (the parallel reader is opt-in); a save's: the writer threads
-    assert staging_mode(torch.device("cpu")) == "direct" and staging_mode(torch.device("cuda")) == "copy"
-    assert write_mode(torch.device("cpu")) == "parallel" and write_mode(torch.device("cuda")) == "parallel"
+    # the default of a load and of a save on any device: the reader and writer threads
+    for dev in (torch.device("cpu"), torch.device("cuda")):
+        assert staging_mode(dev) == "parallel" and write_mode(dev) == "parallel"
+    monkeypatch.setenv("TENPLEX_STAGING", "serial")  # one thread: the staging ring for a GPU, the file's map on a CPU
+    for mode in (staging_mode, write_mode):
+        assert mode(torch.device("cpu")) == "direct" and mode(torch.device("cuda")) == "copy"
     monkeypatch.setenv("TENPLEX_STAGING_MB", "lots")
     with pytest.raises(ValueError, match="TENPLEX_STAGING_MB='lots'"):
         staging_bytes()
