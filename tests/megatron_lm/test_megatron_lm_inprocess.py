@@ -64,15 +64,16 @@ def _pairs(text: str) -> dict[int, int]:
     return {int(k): int(v) for k, v in (p.split(":") for p in text.split())}
 
 
-#: case -> (the fault, the victim's initial rank)
-FAULTS = {"kill-rank3": ("memory.write@3#3", 3), "kill-rank0": ("memory.write@0#3", 0),
-          "stop-rank3": ("memory.write@3#3:stop", 3)}
+#: case -> (the faults, the victims' initial ranks, the calls of pretrain in the survivors); "nested": rank 3 killed
+#: in its snapshot, then rank 0 of the world of 2 in the re-shard that follows (each fault once)
+FAULTS = {"kill-rank3": ("memory.write@3#3", {3}, 2), "kill-rank0": ("memory.write@0#3", {0}, 2),
+          "stop-rank3": ("memory.write@3#3:stop", {3}, 2), "nested": ("memory.write@3#3,load.copy@0", {3, 0}, 3)}
 _REF: dict[str, dict[int, float]] = {}
 
 
 @pytest.mark.parametrize("case", list(FAULTS))
 def test_megatron_lm_inprocess_restart_shrinks_to_a_smaller_layout(tmp_path, case: str) -> None:
-    fault, victim = FAULTS[case]
+    fault, victims, ncalls = FAULTS[case]
     script = patched_script(tmp_path)
     if "ref" not in _REF:  # uninterrupted, torchrun, TP2 x DP2: one run for every case
         _REF["ref"] = _losses(_run(script, 2, 95, [], nproc=4))
@@ -97,14 +98,16 @@ def test_megatron_lm_inprocess_restart_shrinks_to_a_smaller_layout(tmp_path, cas
     assert p.returncode == 0, log[-6000:]
 
     started, statuses = _pairs(STARTED.search(log).group(1)), _pairs(STATUSES.search(log).group(1))
-    # the victim killed (a stopped one ended by NVRx at its hard timeout); the spare ends with the job
-    ended = {-9} if fault.endswith("#3") else {-9, -15}  # NVRx ends a hung rank with SIGTERM, then SIGKILL
-    assert statuses[victim] in ended and all(statuses[r] == 0 for r in range(4) if r != victim), statuses
+    # the victims killed (a stopped one ended by NVRx at its hard timeout); the spare ends with the job
+    ended = {-9, -15} if ":stop" in fault else {-9}  # NVRx ends a hung rank with SIGTERM, then SIGKILL
+    assert all(statuses[r] in ended for r in victims), statuses
+    assert all(statuses[r] == 0 for r in range(4) if r not in victims), statuses
     assert "3 rank(s) left; 2 admitted (the largest world size with a legal layout), 1 waiting as spare(s)" in log
     calls = [tuple(map(int, m.groups())) for m in CALL.finditer(log)]
-    after = sorted((rank, world, initial, pid) for it, rank, world, initial, pid in calls if it == 1)
+    assert max(c[0] for c in calls) == ncalls - 1, calls
+    after = sorted((rank, world, initial, pid) for it, rank, world, initial, pid in calls if it == ncalls - 1)
     assert [(rank, world) for rank, world, _, _ in after] == [(0, 2), (1, 2)], calls
-    assert victim not in {initial for _, _, initial, _ in after}, calls
+    assert not victims & {initial for _, _, initial, _ in after}, calls
     for _, _, initial, pid in after:  # the survivors continue in the processes the launcher started
         assert pid == started[initial], (initial, pid, started)
 
