@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,3 +139,72 @@ def test_megatron_lm_inprocess_restart_shrinks_to_a_smaller_layout(tmp_path, cas
     print(f"{case}: last iteration before the fault -> first at TP1 x DP2: "
           f"{(first_after - last_before).total_seconds():.2f} s "
           f"(gloo timeout 10 s; 1-minute load {load[0]:.2f})")
+
+
+def test_megatron_lm_inprocess_restart_survives_losing_a_node(tmp_path) -> None:
+    """Two in-process launchers of 2 ranks each (``--nnodes 2``, a memory directory each: two nodes) at TP2 x DP2,
+    each snapshot replicated to the other node (``--tenplex-replicas 2``); once node 0 has snapshotted iteration 3,
+    node 1 is lost (its launcher, ranks and helper SIGKILLed at once, its memory removed). Node 0's ranks continue in
+    the same processes at TP1 x DP2 from the newest snapshot complete in their memory (node 1's part from the
+    replicas), nothing read from durable storage, every loss the uninterrupted run's."""
+    import signal
+    import time
+
+    script = patched_script(tmp_path)
+    if "ref" not in _REF:
+        _REF["ref"] = _losses(_run(script, 2, 95, [], nproc=4))
+    ref = _REF["ref"]
+    table = tmp_path / "layouts.json"
+    table.write_text(json.dumps({"version": 1, "layouts": {
+        "4": {"tp": 2, "pp": 1, "dp": 2, "micro_batch_size": 2},
+        "2": {"tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1}}}))
+    env, cpu = _env()
+    env.update(PYTHONUNBUFFERED="1")
+    port, ckpt = _port_pair(), tmp_path / "ckpt"
+    procs, logs = [], [tmp_path / "node-0.log", tmp_path / "node-1.log"]
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nnodes", "2", "--node-rank", str(node),
+               "--nproc-per-node", "2", "--master-port", str(port), "--timeout", "600", RUNNER, script, *FLAGS,
+               "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", _vocab_flag(95),
+               "--tenplex-layout", str(table), "--inprocess-restart", "--tenplex-inprocess-timeout", "10",
+               "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1", "--tenplex-replicas", "2",
+               "--tenplex-memory", str(tmp_path / f"mem-{node}")]
+        with open(logs[node], "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        deadline = time.monotonic() + 600
+        while procs[0].poll() is None and time.monotonic() < deadline:
+            if "> tenplex: snapshot of iteration 3 in host memory" in logs[0].read_text():
+                os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: its launcher, ranks and helper at once
+                procs[1].wait()
+                shutil.rmtree(tmp_path / "mem-1", ignore_errors=True)  # its memory goes with it
+                break
+            time.sleep(0.05)
+        procs[0].wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    log, before = logs[0].read_text(), logs[1].read_text()
+    assert procs[0].returncode == 0, log[-6000:]
+    started = _pairs(STARTED.search(log).group(1))
+    calls = [tuple(map(int, m.groups())) for m in CALL.finditer(log)]
+    after = sorted((rank, world, initial, pid) for it, rank, world, initial, pid in calls if it == 1)
+    assert [(rank, world, initial) for rank, world, initial, _ in after] == [(0, 2, 0), (1, 2, 1)], calls
+    for _, _, initial, pid in after:  # node 0's ranks, in the processes its launcher started
+        assert pid == started[initial], (initial, pid, started)
+    second = log[log.index("in place: call 1:"):]
+    loaded = re.search(r"> tenplex: loaded iteration (\d+) from host memory \(\S+\): layout tp=2,pp=1,dp=2 -> "
+                       r"tp=1,pp=1,dp=2, .*0 bytes read from durable storage", second)
+    assert loaded, second[-4000:]
+    resumed_from = int(loaded.group(1))
+    assert 1 <= resumed_from <= 3, resumed_from
+    lines = _log_lines(second)
+    assert [(it, consumed) for it, consumed, _ in lines] == [(it, 8 * it) for it in range(resumed_from + 1, 9)], lines
+    # before the loss the iterations were logged by rank 3 (Megatron-LM's last rank), on node 1
+    assert [it for it, _, _ in _log_lines(before)][:3] == [1, 2, 3], before[-3000:]
+    for part, losses in (("before", _losses(before)), ("after", _losses(second))):
+        for it, loss in sorted(losses.items()):
+            assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (part, it, loss, ref[it])
