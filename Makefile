@@ -94,7 +94,7 @@ gpu-wheels:
 # MEGATRON_LM_PATH where it is set, else archived from a git clone of Megatron-LM (MLM_REPO, tag MLM_TAG).
 MLM_TAG ?= core_v0.16.1
 MLM_REPO ?= https://github.com/NVIDIA/Megatron-LM.git
-MLM_FILES = pretrain_gpt.py gpt_builders.py model_provider.py megatron/training megatron/legacy
+MLM_FILES = pretrain_gpt.py gpt_builders.py model_provider.py megatron/training megatron/legacy megatron/rl megatron/post_training
 gpu-mlm:
 	rm -rf .mlm && mkdir -p .mlm
 	if [ -n "$(MEGATRON_LM_PATH)" ]; then \

@@ -15,8 +15,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl -r scripts/gpu_wheels.txt
-# For the mlm step, Megatron-LM's own training code (~1.4 MB, ignored by git) in .mlm/ of this checkout:
-#   pretrain_gpt.py gpt_builders.py model_provider.py megatron/training megatron/legacy (core_v0.16.1)
+# For the mlm step, Megatron-LM's own training code (~1.8 MB, ignored by git) in .mlm/ of this checkout:
+#   pretrain_gpt.py gpt_builders.py model_provider.py megatron/{training,legacy,rl,post_training} (core_v0.16.1)
 # copied there by `make gpu-mlm` (run by `make gpu-wheels`) from MEGATRON_LM_PATH or a clone; without it the
 # step reports skip. --megatron-lm DIR or MEGATRON_LM_PATH name another checkout.
 # Not needed there: Transformer Engine and apex (megatron-core falls back to torch), hypothesis and
