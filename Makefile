@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels lint bench venv dist docs clean etcd
+.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels gpu-mlm lint bench venv dist docs clean etcd
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -87,6 +87,25 @@ gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 		-d .whl -r scripts/gpu_wheels.txt
+	$(MAKE) gpu-mlm
+
+# Megatron-LM's own training code for a GPU machine without a checkout or network (about 2 MB): pretrain_gpt.py,
+# the modules it imports beside it, megatron/training and megatron/legacy, into .mlm/ (ignored by git). Copied from
+# MEGATRON_LM_PATH where it is set, else archived from a git clone of Megatron-LM (MLM_REPO, tag MLM_TAG).
+MLM_TAG ?= core_v0.16.1
+MLM_REPO ?= https://github.com/NVIDIA/Megatron-LM.git
+MLM_FILES = pretrain_gpt.py gpt_builders.py model_provider.py megatron/training megatron/legacy megatron/rl megatron/post_training
+gpu-mlm:
+	rm -rf .mlm && mkdir -p .mlm
+	if [ -n "$(MEGATRON_LM_PATH)" ]; then \
+		(cd "$(MEGATRON_LM_PATH)" && tar cf - --exclude=__pycache__ $(MLM_FILES)) | tar xf - -C .mlm; \
+	elif [ -d "$(MLM_REPO)" ]; then \
+		git --git-dir="$(MLM_REPO)" archive "$(MLM_TAG)" $(MLM_FILES) | tar xf - -C .mlm; \
+	else \
+		tmp=$$(mktemp -d) && git clone -q --depth 1 --branch "$(MLM_TAG)" "$(MLM_REPO)" "$$tmp/mlm" && \
+		(cd "$$tmp/mlm" && tar cf - $(MLM_FILES)) | tar xf - -C .mlm; rc=$$?; rm -rf "$$tmp"; exit $$rc; \
+	fi
+	@du -sh .mlm
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron benchmarks scripts tests examples

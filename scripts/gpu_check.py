@@ -15,6 +15,12 @@ group with its own time limit, so a crash or a hang costs only that step, and th
             within fp32/bf16 tolerance, and the state re-saved right after the load byte-identical
   bench     ``python -m benchmarks.gpu_reshard --device cuda:0`` at GPT-3 1.3B and 2.7B (2.7B without megatron-core's
             dist_checkpointing when the time left would not hold it)
+  mlm       Megatron-LM's own ``pretrain_gpt.py`` (a copy patched with ``patches/``, ``--tenplex``, bf16, the
+            distributed optimizer, ``--transformer-impl local``) saves a TP2 checkpoint on the CPU (CUDA hidden, 2
+            gloo ranks, run through ``tests/megatron_lm/run_megatron_lm.py``), resumed at world size 1 on the device
+            and on the CPU: losses of steps 4-6 equal within bf16 tolerance. Needs a Megatron-LM checkout
+            (``--megatron-lm DIR``, else MEGATRON_LM_PATH, else ``.mlm/``): its ``pretrain_gpt.py`` and the modules
+            beside it, ``megatron/training`` and ``megatron/legacy``; without one the step reports skip
 
 Writes ``gpu_check.json`` (every figure), ``gpu_check.md`` (the table) and ``gpu_check.log`` (each step's
 command and the end of its output) to OUTDIR. ``--cpu-dry-run``: the same steps on the CPU with CUDA hidden
@@ -52,12 +58,13 @@ PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 WHEEL_LIST = os.path.join(ROOT, "scripts", "gpu_wheels.txt")
 REPORT_VERSION = 1
 JSON_NAME, TABLE_NAME, LOG_NAME = "gpu_check.json", "gpu_check.md", "gpu_check.log"
-STEPS = ("wheels", "env", "pytest", "identity", "snapshot", "resume", "bench")
+STEPS = ("wheels", "env", "pytest", "identity", "snapshot", "resume", "bench", "mlm")
 #: the distributions the steps import besides torch: without one of them a step fails at its first import
 NEEDED = ("megatron-core", "numpy", "packaging", "psutil", "pytest")
 MODELS = ("gpt3-1.3b", "gpt3-2.7b")
-#: each step's own limit in seconds (the bench gets what is left); a step also never runs past the budget
-STEP_LIMIT = {"env": 60, "pytest": 180, "identity": 150, "snapshot": 100, "resume": 200}
+#: each step's own limit in seconds (the bench gets what is left; mlm, after it, at most 180 s of what the bench left);
+#: a step also never runs past the budget
+STEP_LIMIT = {"env": 60, "pytest": 180, "identity": 150, "snapshot": 100, "resume": 200, "mlm": 180}
 REPORT_RESERVE = 10.0  # seconds kept for writing the report
 LOG_TAIL = 12_000  # characters of each step's output kept in gpu_check.log
 
@@ -508,6 +515,139 @@ def step_resume(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     return out
 
 
+# The mlm step: Megatron-LM's own script at the opt-in suite's tiny GPT (tests/megatron_lm/test_megatron_lm.py FLAGS),
+# bf16, saved at step 3 by TP2 and resumed at TP1 (96 vocabulary rows: no padding at either TP).
+MLM_NEEDS = ("pretrain_gpt.py", os.path.join("megatron", "training"), os.path.join("megatron", "legacy"))
+MLM_RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
+MLM_FLAGS = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "2", "--mock-data", "--tokenizer-type", "NullTokenizer", "--make-vocab-size-divisible-by",
+    "16", "--hidden-dropout", "0", "--attention-dropout", "0", "--transformer-impl", "local",
+    "--no-persist-layer-norm", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
+    "--eval-interval", "1000", "--deterministic-mode", "--no-gradient-accumulation-fusion", "--bf16", "--tenplex",
+    "--no-masked-softmax-fusion",  # with bf16 Megatron-LM picks a fused CUDA softmax kernel the CPU lacks
+]
+MLM_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+\d+ \|.*?lm loss: ([0-9.E+-]+)")
+
+
+def mlm_checkout(given: str | None, environ: dict[str, str]) -> tuple[str | None, str | None]:
+    """The Megatron-LM checkout the mlm step runs (``--megatron-lm``, else MEGATRON_LM_PATH, else ``.mlm/``), or
+    None and why not: the first one named must hold ``pretrain_gpt.py``, ``megatron/training`` and
+    ``megatron/legacy``."""
+    for where, path in (("--megatron-lm", given), ("MEGATRON_LM_PATH", environ.get("MEGATRON_LM_PATH")),
+                        (".mlm/", os.path.join(ROOT, ".mlm"))):
+        if not path:
+            continue
+        if where == ".mlm/" and not os.path.isdir(path):
+            break
+        missing = [n for n in MLM_NEEDS if not os.path.exists(os.path.join(path, n))]
+        if missing:
+            return None, f"{where} {path} lacks {', '.join(missing)}"
+        return os.path.abspath(path), None
+    return None, ("no Megatron-LM checkout: pass --megatron-lm DIR or set MEGATRON_LM_PATH, or carry .mlm/ "
+                  "(make gpu-mlm)")
+
+
+def mlm_release(checkout: str) -> tuple[int, int] | None:
+    """megatron-core's release (major, minor) as the checkout's script will import it: the checkout's own
+    ``megatron/core`` where it has one, else the installed distribution."""
+    info = os.path.join(checkout, "megatron", "core", "package_info.py")
+    text = None
+    if os.path.isfile(info):
+        with open(info) as f:
+            found = dict(re.findall(r"^(MAJOR|MINOR)\s*=\s*(\d+)", f.read(), re.M))
+        text = f"{found.get('MAJOR')}.{found.get('MINOR')}" if len(found) == 2 else None
+    if text is None:
+        try:
+            text = importlib.metadata.version("megatron-core")
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    m = re.match(r"(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def mlm_losses(log: str, release: tuple[int, int]) -> dict[int, float]:
+    """Each iteration's own loss from a launch's log. From core_v0.16 the second line of a launch prints the mean
+    of its first two iterations (Megatron-LM's training_log): undone here, as the opt-in suite does."""
+    lines = [(int(m.group(1)), float(m.group(2))) for m in MLM_LINE.finditer(log)]
+    out = dict(lines)
+    if len(lines) >= 2 and release >= (0, 16):
+        (_, l1), (second, mean) = lines[0], lines[1]
+        out[second] = 2 * mean - l1
+    return out
+
+
+def step_mlm(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
+    """Megatron-LM's patched script saves TP2 on the CPU; resumed at world size 1 on the device and on the CPU."""
+    t0 = time.monotonic()
+    checkout, why = mlm_checkout(opts.megatron_lm, dict(os.environ))
+    if checkout is None:
+        return {"status": "skip", "why": why}
+    release = mlm_release(checkout)
+    patch = os.path.join(ROOT, "patches", f"megatron-lm-core_v{release[0]}.{release[1]}.x.patch") if release else ""
+    if not os.path.isfile(patch):
+        return {"status": "skip", "why": f"no patch in patches/ for megatron-core {release} ({checkout})"}
+    limit = clock.limit("mlm")
+    base = os.path.join(opts.work, "mlm")
+    script_dir = os.path.join(base, "script")
+    os.makedirs(script_dir, exist_ok=True)
+    for name in os.listdir(checkout):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(checkout, name), script_dir)
+    subprocess.run(["git", "apply", patch], cwd=script_dir, check=True)
+    vocab = ["--vocab-size", "96" if release >= (0, 18) else "95"]  # NullTokenizer's EOD: 96 rows either way
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+
+    def env(hide_cuda: bool) -> dict[str, str]:
+        e = child_env(opts.site, hide_cuda)
+        e.update(PYTHONPATH=os.pathsep.join([checkout, e["PYTHONPATH"]]), PATH=path, CUBLAS_WORKSPACE_CONFIG=":4096:8",
+                 NCCL_ALGO="Ring", CUDA_DEVICE_MAX_CONNECTIONS="1")
+        if hide_cuda:
+            e["TORCH_COMPILE_DISABLE"] = "1"
+        elif not opts.cpu_dry_run:
+            e["CUDA_VISIBLE_DEVICES"] = visible_device(opts.device, e.get("CUDA_VISIBLE_DEVICES"))
+        return e
+
+    def launch(nproc: int, flags: list[str], on_cpu: bool, name: str) -> Launch:
+        backend = ["--distributed-backend", "gloo"] if on_cpu or opts.cpu_dry_run else []
+        return Launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                       MLM_RUNNER, os.path.join(script_dir, "pretrain_gpt.py"), *MLM_FLAGS, *vocab, *backend,
+                       *flags], env(on_cpu or opts.cpu_dry_run), log_path(opts.work, f"mlm-{name}"))
+
+    ckpt = os.path.join(base, "ckpt")
+    make = launch(2, ["--tensor-model-parallel-size", "2", "--save", ckpt, "--save-interval", str(SAVED_AT),
+                      "--exit-interval", str(SAVED_AT)], True, "make")
+    run_all([make], limit)
+    out: dict[str, Any] = {"checkout": checkout, "release": list(release), "from": "tp2pp1dp1", "to": "tp1pp1dp1",
+                           "dtype": "bf16", "make_rc": make.rc}
+    steps = list(range(SAVED_AT + 1, TRAIN_ITERS + 1))
+    losses: dict[str, dict[int, float]] = {}
+    if make.rc == 0:
+        resumed = {w: launch(1, ["--tensor-model-parallel-size", "1", "--load", ckpt], w == "cpu", w)
+                   for w in ("cpu", "device")}
+        run_all(list(resumed.values()), max(1.0, limit - (time.monotonic() - t0)))
+        for w, la in resumed.items():
+            out[f"{w}_rc"] = la.rc
+            with open(la.log) as f:
+                losses[w] = mlm_losses(f.read(), release)
+    cpu, dev = losses.get("cpu", {}), losses.get("device", {})
+    out.update(steps=steps, tolerance=TOLERANCE["bf16"], cpu_losses=[cpu.get(s) for s in steps],
+               device_losses=[dev.get(s) for s in steps], device_vs_cpu=max_rel(dev, cpu, steps))
+    rcs = [out.get(k) for k in ("make_rc", "cpu_rc", "device_rc")]
+    why_not = [w for w, bad in (
+        ("a launch failed", any(rc != 0 for rc in rcs)),
+        ("losses missing", out["device_vs_cpu"] is None),
+        (f"device loss differs from the CPU's by more than {TOLERANCE['bf16']:g}",
+         (out["device_vs_cpu"] or 0) > TOLERANCE["bf16"])) if bad]
+    out["status"] = "timeout" if 124 in rcs else "fail" if why_not else "pass"
+    if why_not:
+        out["why"] = "; ".join(why_not)
+    out["seconds"] = time.monotonic() - t0
+    return out
+
+
 #: relative size of each model's share (source files of rank 0 of TP4 from TP2: 1.3B 9.24 GB, 2.7B 18.60 GB)
 SIZE_HINT = {"gpt3-1.3b": 9.24, "gpt3-2.7b": 18.60, "tiny": 0.001}
 
@@ -674,6 +814,13 @@ def table_rows(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             rows.append((f"bench {model}", m["status"], secs(m), figs + why(m)))
         for note in b.get("notes", []):
             rows.append(("bench note", "-", "-", note))
+    if "mlm" in steps:
+        m = steps["mlm"]
+        figs = (f"Megatron-LM's pretrain_gpt.py ({m['checkout']}), {m['from']} (CPU) -> {m['to']} on the device, "
+                f"{m['dtype']}: loss steps {m['steps'][0]}-{m['steps'][-1]} max rel diff vs CPU "
+                f"{sci(m.get('device_vs_cpu'))} (tol {m['tolerance']:g})") if "steps" in m else "-"
+        rows.append(("Megatron-LM resume", m["status"], secs(m), figs + why(m) if figs != "-" else why(m).strip(" ()")
+                     or "-"))
     return rows
 
 
@@ -724,6 +871,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", nargs="+", default=None, help=f"bench models (default {' '.join(MODELS)}; dry run: tiny)")
     ap.add_argument("--systems", nargs="+", default=None, help="bench systems (default parallel staged direct mcore; "
                     "dry run: parallel staged direct)")
+    ap.add_argument("--megatron-lm", default=None, help="the Megatron-LM checkout of the mlm step (default: "
+                    "MEGATRON_LM_PATH, else .mlm/)")
     ap.add_argument("--reps", type=int, default=1, help="bench repetitions per system")
     ap.add_argument("--budget", type=float, default=530.0, help="seconds for the whole check (default 530)")
     ap.add_argument("--wheels", default=os.path.join(ROOT, ".whl"), help="the carried wheels (default .whl/)")
@@ -753,7 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                               "budget_s": opts.budget, "argv": sys.argv[1:] if argv is None else argv, "steps": {}}
     steps: dict[str, Callable[[argparse.Namespace, Clock], dict[str, Any]]] = {
         "env": step_env, "pytest": step_pytest, "identity": lambda o, c: step_torch("identity", o, c),
-        "snapshot": lambda o, c: step_torch("snapshot", o, c), "resume": step_resume, "bench": step_bench}
+        "snapshot": lambda o, c: step_torch("snapshot", o, c), "resume": step_resume, "mlm": step_mlm,
+        "bench": step_bench}
     try:
         for name in STEPS:
             if name not in opts.steps:

@@ -15,13 +15,18 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl -r scripts/gpu_wheels.txt
+# For the mlm step, Megatron-LM's own training code (~1.8 MB, ignored by git) in .mlm/ of this checkout:
+#   pretrain_gpt.py gpt_builders.py model_provider.py megatron/{training,legacy,rl,post_training} (core_v0.16.1)
+# copied there by `make gpu-mlm` (run by `make gpu-wheels`) from MEGATRON_LM_PATH or a clone; without it the
+# step reports skip. --megatron-lm DIR or MEGATRON_LM_PATH name another checkout.
 # Not needed there: Transformer Engine and apex (megatron-core falls back to torch), hypothesis and
 # pytest-xdist (tests/gpu imports neither), safetensors, transformers, deepspeed.
 #
 # It runs, within --budget seconds (default 530, under 9 minutes): pytest -m gpu tests/gpu; staged load and
 # save on CUDA byte-identical to the direct path; a host-memory snapshot of CUDA tensors through the pinned
 # ring; tiny TP2, PP2, DP2 and TP2-bf16 checkpoints made on the CPU (CUDA hidden, 2 gloo ranks) resumed at
-# world size 1 on the GPU against the CPU; python -m benchmarks.gpu_reshard --device cuda:0 at GPT-3 1.3B and 2.7B.
+# world size 1 on the GPU against the CPU; python -m benchmarks.gpu_reshard --device cuda:0 at GPT-3 1.3B and 2.7B; Megatron-LM's own
+# pretrain_gpt.py (patched, --tenplex, bf16) saving TP2 on the CPU, resumed at world size 1 on the GPU against the CPU.
 # Every figure goes to OUTDIR/gpu_check.json, the table to OUTDIR/gpu_check.md, each step's output to
 # OUTDIR/gpu_check.log. See scripts/gpu_check.py and docs/gpu.md.
 set -euo pipefail

@@ -37,7 +37,13 @@ def test_every_step_runs_and_passes_or_says_why_not(dry_run) -> None:
     report = json.load(open(os.path.join(out, "gpu_check.json")))
     steps = report["steps"]
     assert report["mode"] == "cpu-dry-run" and report["ok"] and list(steps) == [
-        "wheels", "env", "pytest", "identity", "snapshot", "resume", "bench"]
+        "wheels", "env", "pytest", "identity", "snapshot", "resume", "bench", "mlm"]
+    # Megatron-LM's own script needs a checkout (MEGATRON_LM_PATH or .mlm/): without one, a skip naming the way
+    mlm = steps["mlm"]
+    if not (os.environ.get("MEGATRON_LM_PATH") or os.path.isdir(os.path.join(ROOT, ".mlm"))):
+        assert mlm["status"] == "skip" and "--megatron-lm" in mlm["why"], mlm
+    else:
+        assert mlm["status"] == "pass" and mlm["device_vs_cpu"] is not None, mlm
     assert steps["wheels"]["status"] == "skip" and steps["env"]["status"] == "pass"
     assert steps["env"]["cuda_available"] is False and steps["env"]["megatron-core"]
     # the GPU tests were collected without megatron-core's unit modules, and all skipped: not counted as passing

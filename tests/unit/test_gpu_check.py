@@ -239,3 +239,42 @@ def test_the_resumed_run_sees_the_device_asked_for() -> None:
     assert gc.visible_device("cuda:1", "4,6") == "6" and gc.visible_device("cuda:0", "GPU-5e3f") == "GPU-5e3f"
     with pytest.raises(ValueError, match="shows 2 device"):
         gc.visible_device("cuda:2", "4,6")
+
+
+def test_the_mlm_step_finds_its_checkout_or_says_why_not(tmp_path) -> None:
+    mlm = tmp_path / "mlm"
+    assert gc.mlm_checkout(str(mlm), {})[0] is None and "lacks pretrain_gpt.py" in gc.mlm_checkout(str(mlm), {})[1]
+    (mlm / "megatron" / "training").mkdir(parents=True)
+    (mlm / "pretrain_gpt.py").write_text("")
+    found, why = gc.mlm_checkout(None, {"MEGATRON_LM_PATH": str(mlm)})
+    assert found is None and f"MEGATRON_LM_PATH {mlm} lacks megatron/legacy" == why
+    (mlm / "megatron" / "legacy").mkdir()
+    assert gc.mlm_checkout(None, {"MEGATRON_LM_PATH": str(mlm)}) == (str(mlm), None)
+    assert gc.mlm_checkout(str(mlm), {"MEGATRON_LM_PATH": "/nonexistent"}) == (str(mlm), None)  # the flag first
+    if not os.path.isdir(os.path.join(ROOT, ".mlm")):
+        found, why = gc.mlm_checkout(None, {})
+        assert found is None and "--megatron-lm" in why and "make gpu-mlm" in why
+    (mlm / "megatron" / "core").mkdir()
+    (mlm / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
+    assert gc.mlm_release(str(mlm)) == (0, 16)
+
+
+def test_the_mlm_step_skips_without_a_checkout_and_reports_a_row(tmp_path) -> None:
+    opts = gc.parse_args([str(tmp_path), "--cpu-dry-run", "--steps", "mlm", "--megatron-lm", str(tmp_path / "none")])
+    result = gc.step_mlm(opts, gc.Clock(100))
+    assert result["status"] == "skip" and str(tmp_path / "none") in result["why"]
+    report = {"version": 1, "mode": "gpu", "device": "cuda:0", "budget_s": 530, "seconds": 3, "ok": False,
+              "steps": {"mlm": {"status": "fail", "seconds": 90, "checkout": "/m", "from": "tp2pp1dp1",
+                                "to": "tp1pp1dp1", "dtype": "bf16", "steps": [4, 5, 6], "tolerance": 0.02,
+                                "device_vs_cpu": 0.03, "why": "device loss differs"}}}
+    (row,) = gc.table_rows(report)
+    assert row[:3] == ("Megatron-LM resume", "fail", "90") and "3.0e-02 (tol 0.02)" in row[3] and "(/m)" in row[3]
+    report["steps"]["mlm"] = result
+    assert gc.table_rows(report)[0][1:] == ("skip", "-", result["why"])
+
+
+def test_megatron_lm_losses_undo_the_second_line_mean() -> None:
+    log = "".join(f" iteration        {i}/       6 | consumed samples:           {8 * i} | elapsed: 1 | lm loss: "
+                  f"{loss:E} |\n" for i, loss in ((4, 4.0), (5, 3.5), (6, 3.0)))
+    assert gc.mlm_losses(log, (0, 16)) == {4: 4.0, 5: 3.0, 6: 3.0}
+    assert gc.mlm_losses(log, (0, 15)) == {4: 4.0, 5: 3.5, 6: 3.0}
