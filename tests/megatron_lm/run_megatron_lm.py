@@ -105,6 +105,23 @@ def _record_samples(path: str) -> None:
     GPTDataset.__getitem__ = recorded
 
 
+def _helpers_from_the_wheel() -> None:
+    """megatron-core's wheel ships its dataset helpers compiled (``helpers_cpp``) and no Makefile, yet Megatron-LM's
+    initialize runs ``make`` there on rank 0 and exits when it fails (the GPU check's carried ``.mlm/`` copy on the
+    wheel): where the compiled module imports and no Makefile is beside it, that step is skipped."""
+    import megatron.core.datasets.utils as dutils
+
+    here = os.path.dirname(os.path.abspath(dutils.__file__))
+    if os.path.exists(os.path.join(here, "Makefile")):
+        return
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return
+    dutils.compile_helpers = lambda: None
+
+
+_helpers_from_the_wheel()
 if not torch.cuda.is_available():
     _install()
 if os.environ.get("TENPLEX_TEST_SAMPLES"):
