@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import shutil
 import socket
@@ -65,6 +66,31 @@ def _pairs(text: str) -> dict[int, int]:
     return {int(k): int(v) for k, v in (p.split(":") for p in text.split())}
 
 
+#: the layout table of the shrinking cases: 4 ranks TP2 x DP2, 2 ranks TP1 x DP2 with micro-batch 1
+SHRINK = {"4": {"tp": 2, "pp": 1, "dp": 2, "micro_batch_size": 2}, "2": {"tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1}}
+
+
+def launcher_cmd(script: str, table: pathlib.Path, layouts: dict, ckpt: pathlib.Path, mem: pathlib.Path, port: int,
+                 cpu: bool, launch: list[str], extra: list[str] = ()) -> list[str]:
+    """The in-process launcher (``launch``: its node and rank flags) running the patched script with
+    ``--inprocess-restart --tenplex``, the ``layouts`` table written to ``table``, a snapshot every iteration into
+    ``mem``, ``--save``/``--load`` ``ckpt``."""
+    table.write_text(json.dumps({"version": 1, "layouts": layouts}))
+    return [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", *launch, "--master-port", str(port),
+            "--timeout", "600", RUNNER, script, *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []),
+            "--vocab-size", _vocab_flag(95), "--tenplex-layout", str(table), "--inprocess-restart",
+            "--tenplex-inprocess-timeout", "10", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1",
+            *extra, "--tenplex-memory", str(mem)]
+
+
+def _reference_tp2dp2(script: str) -> dict[int, float]:
+    """The uninterrupted torchrun run at TP2 x DP2: one run shared by this module's tests."""
+    if "ref" not in _REF:
+        _REF["ref"] = _losses(_run(script, 2, 95, [], nproc=4))
+    assert sorted(_REF["ref"]) == list(range(1, 9)), _REF["ref"]
+    return _REF["ref"]
+
+
 #: case -> (the faults, the victims' initial ranks, the calls of pretrain in the survivors); "nested": rank 3 killed
 #: in its snapshot, then rank 0 of the world of 2 in the re-shard that follows (each fault once)
 FAULTS = {"kill-rank3": ("memory.write@3#3", {3}, 2), "kill-rank0": ("memory.write@0#3", {0}, 2),
@@ -76,24 +102,12 @@ _REF: dict[str, dict[int, float]] = {}
 def test_megatron_lm_inprocess_restart_shrinks_to_a_smaller_layout(tmp_path, case: str) -> None:
     fault, victims, ncalls = FAULTS[case]
     script = patched_script(tmp_path)
-    if "ref" not in _REF:  # uninterrupted, torchrun, TP2 x DP2: one run for every case
-        _REF["ref"] = _losses(_run(script, 2, 95, [], nproc=4))
-    ref = _REF["ref"]
-    assert sorted(ref) == list(range(1, 9)), ref
-
-    table = tmp_path / "layouts.json"
-    table.write_text(json.dumps({"version": 1, "layouts": {
-        "4": {"tp": 2, "pp": 1, "dp": 2, "micro_batch_size": 2},
-        "2": {"tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1}}}))
+    ref = _reference_tp2dp2(script)
     env, cpu = _env()
     env.update(PYTHONUNBUFFERED="1", TENPLEX_FAULT=fault, TENPLEX_FAULT_ONCE=str(tmp_path / "once"))
-    ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nproc-per-node", "4", "--master-port",
-           str(_port_pair()), "--timeout", "600", RUNNER, script, *FLAGS, "--tenplex",
-           *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", _vocab_flag(95),
-           "--tenplex-layout", str(table), "--inprocess-restart", "--tenplex-inprocess-timeout", "10",
-           "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1",
-           "--tenplex-memory", str(tmp_path / "mem")]
+    table = tmp_path / "layouts.json"
+    cmd = launcher_cmd(script, table, SHRINK, tmp_path / "ckpt", tmp_path / "mem", _port_pair(), cpu,
+                       ["--nproc-per-node", "4"])
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=660)
     log = p.stdout  # one stream, in the order the lines came: the second call's lines follow its first marker
     assert p.returncode == 0, log[-6000:]
@@ -151,24 +165,15 @@ def test_megatron_lm_inprocess_restart_survives_losing_a_node(tmp_path) -> None:
     import time
 
     script = patched_script(tmp_path)
-    if "ref" not in _REF:
-        _REF["ref"] = _losses(_run(script, 2, 95, [], nproc=4))
-    ref = _REF["ref"]
-    table = tmp_path / "layouts.json"
-    table.write_text(json.dumps({"version": 1, "layouts": {
-        "4": {"tp": 2, "pp": 1, "dp": 2, "micro_batch_size": 2},
-        "2": {"tp": 1, "pp": 1, "dp": 2, "micro_batch_size": 1}}}))
+    ref = _reference_tp2dp2(script)
     env, cpu = _env()
     env.update(PYTHONUNBUFFERED="1")
-    port, ckpt = _port_pair(), tmp_path / "ckpt"
+    port = _port_pair()
     procs, logs = [], [tmp_path / "node-0.log", tmp_path / "node-1.log"]
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "2", "--master-port", str(port), "--timeout", "600", RUNNER, script, *FLAGS,
-               "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", _vocab_flag(95),
-               "--tenplex-layout", str(table), "--inprocess-restart", "--tenplex-inprocess-timeout", "10",
-               "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1", "--tenplex-replicas", "2",
-               "--tenplex-memory", str(tmp_path / f"mem-{node}")]
+        cmd = launcher_cmd(script, tmp_path / "layouts.json", SHRINK, tmp_path / "ckpt", tmp_path / f"mem-{node}",
+                           port, cpu, ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2"],
+                           ["--tenplex-replicas", "2"])
         with open(logs[node], "w") as out:
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True))

@@ -10,27 +10,23 @@ exact, the processes the launcher's, the spare's pid among them, nothing read fr
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
-import sys
 from datetime import datetime
 
 import pytest
 
-from tests.megatron_lm.test_megatron_lm import (
-    FLAGS,
-    MLM,
-    RUNNER,
-    _env,
-    _log_lines,
-    _losses,
-    _reference,
-    _vocab_flag,
-    patched_script,
+from tests.megatron_lm.test_megatron_lm import MLM, _env, _log_lines, _losses, _reference, patched_script
+from tests.megatron_lm.test_megatron_lm_inprocess import (
+    CALL,
+    STAMP,
+    STARTED,
+    STATUSES,
+    _pairs,
+    _port_pair,
+    launcher_cmd,
 )
-from tests.megatron_lm.test_megatron_lm_inprocess import CALL, STAMP, STARTED, STATUSES, _pairs, _port_pair
 
 pytestmark = [pytest.mark.megatron_lm,
               pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.17.x checkout")]
@@ -39,17 +35,11 @@ pytestmark = [pytest.mark.megatron_lm,
 def test_megatron_lm_inprocess_restart_uses_a_hot_spare_first(tmp_path) -> None:
     script = patched_script(tmp_path)
     ref = _reference(script, 95)  # uninterrupted, torchrun, TP2
-    table = tmp_path / "layouts.json"
-    table.write_text(json.dumps({"version": 1, "layouts": {"2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch_size": 2}}}))
     env, cpu = _env()
     env.update(PYTHONUNBUFFERED="1", TENPLEX_FAULT="memory.write@1#3", TENPLEX_FAULT_ONCE=str(tmp_path / "once"))
-    ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--nproc-per-node", "4", "--master-port",
-           str(_port_pair()), "--timeout", "600", RUNNER, script, *FLAGS, "--tenplex",
-           *(["--distributed-backend", "gloo"] if cpu else []), "--vocab-size", _vocab_flag(95),
-           "--tenplex-layout", str(table), "--inprocess-restart", "--inprocess-active-world-size", "2",
-           "--tenplex-inprocess-timeout", "10", "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1",
-           "--tenplex-memory", str(tmp_path / "mem")]
+    cmd = launcher_cmd(script, tmp_path / "layouts.json", {"2": {"tp": 2, "pp": 1, "dp": 1, "micro_batch_size": 2}},
+                       tmp_path / "ckpt", tmp_path / "mem", _port_pair(), cpu, ["--nproc-per-node", "4"],
+                       ["--inprocess-active-world-size", "2"])
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, timeout=660)
     log = p.stdout
     assert p.returncode == 0, log[-6000:]
