@@ -7,10 +7,14 @@ with it are an independent oracle.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,16 +63,54 @@ def torchrun_cmd(nproc: int, script: str, args: list[str], python: str | None = 
             str(nproc), *rdzv, script, *args]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process under ``pid`` (its children, theirs, ...), read from /proc."""
+    parent: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parent.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        kids = parent.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def run_logged(cmd: list[str], env: dict[str, str], timeout: float) -> Run:
+    """Run ``cmd``; its log is its stdout, then its stderr. Past ``timeout``: every Python process under it prints
+    its threads' stacks into the log (tests/site/sitecustomize.py registers faulthandler on SIGUSR1), then the whole
+    tree is killed, so that a hang names where it waits and leaves no rank behind."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            tree = [p.pid, *descendants(p.pid)]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR1)
+            time.sleep(3)
+            for pid in [p.pid, *descendants(p.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            p.wait()
+            rc = 124
+        out.seek(0)
+        err.seek(0)
+        return Run(rc, out.read() + err.read() + ("\nTIMEOUT" if rc == 124 else ""))
+
+
 def torchrun(nproc: int, args: list[str], timeout: float = 240, script: str = PRETRAIN,
              python: str | None = None, rdzv: Sequence[str] = ("--standalone",)) -> Run:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
-    try:
-        p = subprocess.run(torchrun_cmd(nproc, script, args, python, rdzv), env=env, capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return Run(124, out + "\nTIMEOUT")
-    return Run(p.returncode, p.stdout + p.stderr)
+    return run_logged(torchrun_cmd(nproc, script, args, python, rdzv), env, timeout)
 
 
 def layout_flags(tp: int, pp: int, vpp: int = 1) -> list[str]:

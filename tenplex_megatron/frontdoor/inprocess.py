@@ -7,6 +7,8 @@ function again in the same process, the dead or hung ranks excluded. What this m
   every rank is a client), so that any rank, rank 0 included, may die;
 - layout admission: of the ranks left, only as many are activated as the largest world size with a legal layout
   (:func:`admitted`); the rest wait as spares (NVRx's ``Tree`` rank assignment with a ``world_size_filter``);
+- a survivor's pending gloo operations ended at the fault (:mod:`~tenplex_megatron.frontdoor.gloo_abort`), not
+  at the gloo timeout;
 - the timeouts, in one frozen :class:`InprocessSettings`;
 - the refusals: NVRx missing (the ``[inprocess]`` extra named), or a launcher that kills every worker when one
   exits (plain torchrun: the command to use instead).
@@ -24,6 +26,7 @@ import psutil
 
 from tenplex_megatron import _optional
 from tenplex_megatron import log as tlog
+from tenplex_megatron.frontdoor import gloo_abort
 from tenplex_megatron.memory import peers
 
 log = tlog.get("inprocess")
@@ -183,6 +186,11 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
                         "%d waiting as spare(s)", n, m, n - m)
         return m
 
+    class EndPendingGloo(inprocess.abort.Abort):  # type: ignore[misc, name-defined]
+        def __call__(self, state: Any) -> Any:
+            gloo_abort.end_pending_gloo((port, port + NVRX_STORE_OFFSET))  # NCCL's own abort ends its waits
+            return state
+
     class Finalize(inprocess.finalize.Finalize):  # type: ignore[misc, name-defined]
         def __call__(self, state: Any) -> Any:
             if finalize is not None:
@@ -195,6 +203,8 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
         store_kwargs={"port": port + NVRX_STORE_OFFSET, "timeout": timedelta(seconds=settings.barrier)},
         initialize=inprocess.initialize.RetryController(min_world_size=1),
         finalize=Finalize(),
+        # run right to left: the pending gloo operations ended first, then the process groups destroyed
+        abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), EndPendingGloo()),
         health_check=None,
         rank_assignment=ra.Tree([ra.Layer(min_ranks=1, max_ranks=active, flag=ra.LayerFlag.RESERVE)],
                                 world_size_filter=world_size_filter),

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron import log as tlog
 from tenplex_megatron.memory.direct_copy import copy_direct
 from tenplex_megatron.memory.protocol import (
     Hurry,
@@ -55,6 +56,7 @@ from tenplex_megatron.storage.faults import log_open, maybe_fail
 from tenplex_megatron.storage.files import fsync_dir
 from tenplex_megatron.storage.lease import fence_generation
 
+log = tlog.get("memory")
 CHUNK = 64 << 20
 SLICE = 8 << 20  # bytes of each message per round of a paced replication (``rate``)
 REPLICA_TMP = ".replica-tmp"
@@ -354,8 +356,8 @@ def serve(argv: list[str] | None = None) -> None:
     p.add_argument("--world", type=int, default=1)
     a = p.parse_args(argv)
     bound_to_parent()
+    group = _group(a)  # its start-up (torch imported, the helpers' rendezvous) at the job's priority: once, brief
     background_priority()
-    group = _group(a)
     for req in INBOX.requests():
         sys.stdout.buffer.write(encode(answer(req, group)))
         sys.stdout.flush()
@@ -393,6 +395,7 @@ class Helper:
                                      env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
         self._buf = b""
         self.answers: dict[tuple[str, int], Reply] = {}
+        self.hurried = False  # told to hurry: at the job's priority from then on
 
     @property
     def alive(self) -> bool:
@@ -411,8 +414,42 @@ class Helper:
         self.proc.stdin.write(encode(req))
         self.proc.stdin.flush()
 
+    def priority(self, waited_on: bool) -> None:
+        """The helper's threads at this process's priority while the job waits on it (``waited_on``: a stop, a
+        blocking poll, a close), else back in the background (:func:`background_priority`). An idle-class
+        process gets no CPU while the cores are busy; a job that waits on one that others starve would wait
+        indefinitely. Raising it needs ``CAP_SYS_NICE``: without it the helper stays where it is (logged once)."""
+        if not self.alive:
+            return
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
+        except OSError:  # not Linux, or it has just exited
+            return
+        nice = os.getpriority(os.PRIO_PROCESS, 0) if waited_on else 19
+        idle = not waited_on and os.environ.get("TENPLEX_HELPER_SCHED_IDLE", "1") != "0"
+        for tid in tids:
+            try:
+                if waited_on:
+                    os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                if idle:
+                    os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                continue
+            except (PermissionError, AttributeError) as e:
+                if not Helper._refused_logged:
+                    Helper._refused_logged = True
+                    log.info("the host-memory helper stays in the background while the job waits on it (%s: "
+                             "raising it needs CAP_SYS_NICE)", e)
+                return
+
+    _refused_logged = False
+
     def hurry(self) -> None:
-        """Tell the helper to stop pacing (the job is stopping); no answer comes."""
+        """Tell the helper to stop pacing (the job is stopping) and raise it to the job's priority for the rest
+        of its work (:meth:`priority`); no answer comes."""
+        self.hurried = True
+        self.priority(waited_on=True)
         if self.alive and self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.request(Hurry())
@@ -423,6 +460,17 @@ class Helper:
         """The reply to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
         helper died. A reply stays until the next request of the same kind and iteration: the job polls every
         node until all have answered, so a node that answered early answers the same again."""
+        assert self.proc.stdout is not None
+        if timeout > 0 and (op, iteration) not in self.answers:  # the job waits on the helper meanwhile
+            self.priority(waited_on=True)
+            try:
+                return self._poll(op, iteration, timeout)
+            finally:
+                if not self.hurried:
+                    self.priority(waited_on=False)
+        return self._poll(op, iteration, timeout)
+
+    def _poll(self, op: str, iteration: int, timeout: float) -> Reply | None:
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while (op, iteration) not in self.answers:
@@ -441,6 +489,9 @@ class Helper:
         return self.answers[(op, iteration)]
 
     def close(self) -> None:
+        """End the helper: its stdin closed, it finishes what it has under way (at the job's priority) and exits;
+        killed if it has not within a minute."""
+        self.priority(waited_on=True)
         if self.proc.stdin is not None and not self.proc.stdin.closed:
             try:
                 self.proc.stdin.close()

@@ -20,6 +20,7 @@ import torch
 from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.storage.checksum import crc32
+from tenplex_megatron.storage.cpus import usable_cpus
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.prefetch import willneed
 
@@ -66,7 +67,7 @@ def default_threads() -> int:
     env = os.environ.get("TENPLEX_VERIFY_THREADS")
     if env:
         return max(1, int(env))
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     return max(1, min(8, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 

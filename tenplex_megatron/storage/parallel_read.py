@@ -32,6 +32,7 @@ from tenplex_megatron import log as tlog
 from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.storage.block_verify import piece_runs, touched_blocks
 from tenplex_megatron.storage.checksum import crc32
+from tenplex_megatron.storage.cpus import usable_cpus
 from tenplex_megatron.storage.faults import fail, fault_kind
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.staging import StagingRing, staging_bytes
@@ -55,7 +56,7 @@ def default_threads() -> int:
         if n < 1:
             raise ValueError(f"TENPLEX_READ_THREADS={env!r}: expected an integer >= 1")
         return n
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = usable_cpus()
     return max(1, min(MAX_THREADS, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
 
 

@@ -33,6 +33,7 @@ from tenplex_megatron.plan.ptc import PTCError, StoredChunk, dtype_size
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.checksum import crc32
 from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.cpus import usable_cpus
 from tenplex_megatron.storage.directory import (
     FORMAT_NAME,
     METADATA_FILE,
@@ -285,8 +286,9 @@ def _holding(chunks: list[StoredChunk]) -> str:
 
 
 def default_workers() -> int:
-    """The CPUs this process may run on: the reads and checksums use them all."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPUs this process may use (its affinity, capped by its cgroup's quota): the reads and checksums use them
+    all."""
+    return usable_cpus()
 
 
 def verify_checkpoint(path: str, workers: int | None = None,

@@ -8,13 +8,17 @@ called. Here the decoration is deferred: a decorated function is handed to ``tor
 arguments on its first call, so what runs is what ``torch.compile`` would have run (it compiles on the first
 call too). Nothing else changes; torch is not imported by this hook (a process that never imports
 megatron.core, the CLI for one, is untouched).
+
+Also: SIGUSR1 prints every thread's stack (faulthandler), which tests/harness.py asks of a launch past its timeout.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib.abc
 import importlib.machinery
+import signal
 import sys
 from typing import Any
 
@@ -60,3 +64,6 @@ class _DeferJitFuser(importlib.abc.MetaPathFinder):
 
 
 sys.meta_path.insert(0, _DeferJitFuser())
+
+# a hung test launch's stacks: tests/harness.py sends SIGUSR1 to every process of a launch past its timeout
+faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -169,6 +169,14 @@ def test_retention_protects_the_snapshot_being_persisted_and_clean_memory_remove
     assert cli_main(["clean-memory", str(tmp_path)]) == 2  # not a memory directory: nothing removed
 
 
+def _can_raise_priority() -> bool:
+    """Whether this process holds CAP_SYS_NICE (bit 23 of its effective capabilities), which raising a helper out of
+    the idle class takes."""
+    with open("/proc/self/status") as f:
+        caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    return bool(caps >> 23 & 1)
+
+
 def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path) -> None:
     src, dst = tmp_path / "a.bin", tmp_path / "out" / "a.bin"
     src.write_bytes(os.urandom(3 << 20))
@@ -179,6 +187,15 @@ def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path)
         helper.request(Remove((), 1))  # answered once the helper is up, its priority set
         assert helper.poll("remove", 1, 60.0) == Reply("remove", 1, 0)
         # a background citizen: the idle CPU class (a training thread that wakes takes the core at once), nice 19
+        assert os.sched_getscheduler(helper.proc.pid) == os.SCHED_IDLE
+        assert os.getpriority(os.PRIO_PROCESS, helper.proc.pid) == 19
+        # while the job waits on it, at the job's priority (raising it takes CAP_SYS_NICE: else it stays put)
+        helper.priority(waited_on=True)
+        raised = _can_raise_priority()
+        assert os.sched_getscheduler(helper.proc.pid) == (os.SCHED_OTHER if raised else os.SCHED_IDLE)
+        assert os.getpriority(os.PRIO_PROCESS, helper.proc.pid) == (os.getpriority(os.PRIO_PROCESS, 0) if raised
+                                                                   else 19)
+        helper.priority(waited_on=False)
         assert os.sched_getscheduler(helper.proc.pid) == os.SCHED_IDLE
         assert os.getpriority(os.PRIO_PROCESS, helper.proc.pid) == 19
         helper.request(Persist(5, (Copy(str(src), str(dst)),)))
