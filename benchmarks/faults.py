@@ -3,6 +3,7 @@
 
     python -m benchmarks.faults [--iters 60] [--save-interval 10] [--faults NAME,...] [--out r.json]
     python -m benchmarks.faults --quick          # fewer iterations (the smoke test runs it with --faults)
+    python -m benchmarks.faults --megatron-lm DIR --faults mlm-restart@rank3   # Megatron-LM's rows alone
 
 Every fault hits a fresh run of ``scripts/pretrain_gpt.py --tenplex`` (a tiny GPT, CPU and gloo, or the GPUs where
 present) under real torchrun agents on this machine, and the job must carry on by itself:
@@ -27,7 +28,9 @@ present) under real torchrun agents on this machine, and the job must carry on b
 * ``inprocess@node1``: two in-process launchers of 2 ranks each (``--nnodes 2``, a memory directory each) at DP4,
   8 x --iters; once node 1's part of a snapshot from iteration 2 x S on is in node 0's memory, node 1's process
   group (launcher, ranks, helper) is SIGKILLed and its memory removed; node 0's ranks continue in place at DP2;
-* ``inprocess-stop@rank1``: as ``inprocess@rank1`` but the rank SIGSTOPped (hung): NVRx's progress timeouts end it.
+* ``inprocess-stop@rank1``: as ``inprocess@rank1`` but the rank SIGSTOPped (hung): NVRx's progress timeouts end it;
+* with ``--megatron-lm DIR``, Megatron-LM's own ``pretrain_gpt.py`` (``benchmarks/faults_mlm.py``): its process
+  restart and its in-place rows (``mlm-restart@rank3``, ``mlm-inprocess@rank3``, ``mlm-inprocess@rank0``).
 
 The in-place rows' note says whether the survivors' process ids stayed the same and the timeouts used; their
 seconds run to the first iteration at the new layout, and each is divided by the ``restart@rank1`` row's when that
@@ -57,6 +60,7 @@ from dataclasses import asdict, dataclass, replace
 
 import psutil
 
+from benchmarks import faults_mlm
 from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
 from benchmarks.kit.etcd import EtcdError, start_etcd
 from benchmarks.kit.launch import ROOT, env, write_json
@@ -477,17 +481,18 @@ def process_restart(run: Run) -> Row:
 
 
 def with_ratios(rows: list[Row]) -> tuple[list[Row], list[str]]:
-    """Each in-place row's seconds to its first iteration over the process restart's in the same run (the issue's
-    target: at most 0.25); the RATIO lines."""
-    restart = next((r for r in rows if r.fault == "SIGKILL rank 1, process restart"), None)
-    if restart is None or not restart.seconds_to_first_iteration:
-        return rows, []
+    """Each in-place row's seconds to its first iteration over the process restart's of the same trainer in the same
+    run (the reference trainer's, or Megatron-LM's; the issue's target: at most 0.25); the RATIO lines."""
+    restarts = {mlm: next((r for r in rows if r.fault == name and r.seconds_to_first_iteration), None)
+                for mlm, name in ((False, "SIGKILL rank 1, process restart"), (True, faults_mlm.RESTART))}
     out, lines = [], []
     for r in rows:
-        if r.in_place and r.seconds_to_first_iteration is not None:
+        restart = restarts["Megatron-LM" in r.fault]
+        if r.in_place and r.seconds_to_first_iteration is not None and restart is not None:
             x = r.seconds_to_first_iteration / restart.seconds_to_first_iteration
             r = replace(r, ratio_to_restart=x)
-            lines.append(ratio_line(f"in_place_over_restart {r.fault.split(',')[0].replace(' ', '_')}", x) +
+            who = "mlm_" if "Megatron-LM" in r.fault else ""
+            lines.append(ratio_line(f"in_place_over_restart {who}{r.fault.split(',')[0].replace(' ', '_')}", x) +
                          " (target <= 0.25)")
         out.append(r)
     return out, lines
@@ -528,22 +533,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of: {', '.join(FAULTS)}")
     p.add_argument("--out", default=None, help="write the rows and the machine as JSON here")
     p.add_argument("--keep", default=None, metavar="DIR", help="keep each run's directory under DIR")
+    p.add_argument("--megatron-lm", default=None, metavar="DIR",
+                   help=f"a Megatron-LM checkout (core_v0.15-0.17): also its own pretrain_gpt.py's rows "
+                        f"({', '.join(faults_mlm.NAMES)}); alone with --faults naming only those")
     a = p.parse_args(argv)
     iters, every = (30, 5) if a.quick else (a.iters, a.save_interval)
     names = [x for x in a.faults.split(",") if x]
-    unknown = [x for x in names if x not in FAULTS]
+    if a.megatron_lm:
+        names += [n for n in faults_mlm.NAMES if n not in names]
+    known = {**FAULTS, **dict.fromkeys(faults_mlm.NAMES)} if a.megatron_lm else FAULTS
+    unknown = [x for x in names if x not in known]
     if unknown:
-        p.error(f"unknown fault(s) {', '.join(unknown)}: choose from {', '.join(FAULTS)}")
+        p.error(f"unknown fault(s) {', '.join(unknown)}: choose from {', '.join(known)}"
+                + ("" if a.megatron_lm else f" ({', '.join(faults_mlm.NAMES)} with --megatron-lm DIR)"))
     if iters < 4 * every:
         p.error(f"--iters {iters} must be at least 4 x --save-interval ({4 * every}): faults strike at 2 x and 3 x S")
     base = a.keep or tempfile.mkdtemp(prefix="bench_faults.")
+    table = dict(FAULTS)
+    if a.megatron_lm:
+        table.update(faults_mlm.faults(faults_mlm.setup(a.megatron_lm, base)))
     rows = []
     for name in names:
         root = os.path.join(base, name.replace("@", "_"))
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         t0 = time.time()
-        row = FAULTS[name](Run(root, iters, every))
+        row = table[name](Run(root, iters, every))
         rows.append(row)
         print(f"> bench_faults: {name}: {time.time() - t0:.0f} s", flush=True)
     if a.keep is None:

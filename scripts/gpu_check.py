@@ -568,6 +568,20 @@ def mlm_release(checkout: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def mlm_patched_copy(checkout: str, release: tuple[int, int] | None, script_dir: str) -> str | None:
+    """The checkout's top-level scripts copied into ``script_dir`` with our patch for its release applied; the path
+    of the copy's ``pretrain_gpt.py``, or None where patches/ has none for that release."""
+    patch = os.path.join(ROOT, "patches", f"megatron-lm-core_v{release[0]}.{release[1]}.x.patch") if release else ""
+    if not os.path.isfile(patch):
+        return None
+    os.makedirs(script_dir, exist_ok=True)
+    for name in os.listdir(checkout):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(checkout, name), script_dir)
+    subprocess.run(["git", "apply", patch], cwd=script_dir, check=True)
+    return os.path.join(script_dir, "pretrain_gpt.py")
+
+
 def mlm_losses(log: str, release: tuple[int, int]) -> dict[int, float]:
     """Each iteration's own loss from a launch's log. From core_v0.16 the second line of a launch prints the mean
     of its first two iterations (Megatron-LM's training_log): undone here, as the opt-in suite does."""
@@ -586,17 +600,11 @@ def step_mlm(opts: argparse.Namespace, clock: Clock) -> dict[str, Any]:
     if checkout is None:
         return {"status": "skip", "why": why}
     release = mlm_release(checkout)
-    patch = os.path.join(ROOT, "patches", f"megatron-lm-core_v{release[0]}.{release[1]}.x.patch") if release else ""
-    if not os.path.isfile(patch):
-        return {"status": "skip", "why": f"no patch in patches/ for megatron-core {release} ({checkout})"}
-    limit = clock.limit("mlm")
     base = os.path.join(opts.work, "mlm")
     script_dir = os.path.join(base, "script")
-    os.makedirs(script_dir, exist_ok=True)
-    for name in os.listdir(checkout):
-        if name.endswith(".py"):
-            shutil.copy(os.path.join(checkout, name), script_dir)
-    subprocess.run(["git", "apply", patch], cwd=script_dir, check=True)
+    if mlm_patched_copy(checkout, release, script_dir) is None:
+        return {"status": "skip", "why": f"no patch in patches/ for megatron-core {release} ({checkout})"}
+    limit = clock.limit("mlm")
     vocab = ["--vocab-size", "96" if release >= (0, 18) else "95"]  # NullTokenizer's EOD: 96 rows either way
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 

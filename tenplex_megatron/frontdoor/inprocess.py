@@ -39,8 +39,9 @@ LAUNCH = "python -m tenplex_megatron.frontdoor.launch"
 @dataclass(frozen=True)
 class InprocessSettings:
     """The in-process restart's timeouts (seconds). ``timeout`` bounds a collective's wait on a peer (the gloo or
-    NCCL timeout): a receive from a dead peer may return only then, so it is the slowest detection; NVRx's soft
-    timeout (no progress) is set above it and its hard timeout (the rank is ended) above that."""
+    NCCL timeout): a wait on a hung peer returns only then (one on a dead peer ends at the abort), so it is the
+    slowest detection; NVRx's soft timeout (no progress) is set above it and its hard timeout (the rank is ended)
+    above that."""
 
     timeout: float = 60.0
     interval: float = 0.25  # NVRx's monitoring and heartbeat intervals
