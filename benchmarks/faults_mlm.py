@@ -124,7 +124,7 @@ def _run(run: Run, mlm: tuple[str, str, list[str]], victim: int, in_place: bool)
     return text, (os.path.getmtime(once) if os.path.exists(once) else None)
 
 
-def _row(run: Run, fault: str, log: str, t_fault: float | None, note: str, in_place: bool) -> Row:
+def _row(run: Run, fault: str, log: str, t_fault: float | None, note: str, in_place: bool, victim: int) -> Row:
     from benchmarks.faults import Row, _survivors, _timeouts
 
     reported = {int(a or b) for a, b in SAVED_RE.findall(log)}
@@ -142,7 +142,7 @@ def _row(run: Run, fault: str, log: str, t_fault: float | None, note: str, in_pl
     resumed = after[0][1] - 1
     loads = LOADED_RE.findall(log)
     mb = float(loads[-1]) / 1e6 if loads else None
-    kept, ended = _survivors(log, set()) if in_place else (None, ())
+    kept, ended = _survivors(log, {victim}) if in_place else (None, ())
     if in_place:
         also = f"; also ended by NVRx (stuck in a collective): rank {', '.join(map(str, ended))}" if ended else ""
         note = f"survivors' processes {'kept' if kept else 'NOT kept'}{also}; {_timeouts(INPROCESS_TIMEOUT)}; {note}"
@@ -154,7 +154,7 @@ def restart(mlm: tuple[str, str, list[str]]) -> Callable[[Run], Row]:
     def go(run: Run) -> Row:
         log, fired = _run(run, mlm, 3, in_place=False)
         return _row(run, RESTART, log, fired, "4 workers restarted by torchrun's agent, TP2 x DP2 from host memory",
-                    in_place=False)
+                    in_place=False, victim=3)
     return go
 
 
@@ -162,7 +162,7 @@ def in_place(mlm: tuple[str, str, list[str]], victim: int) -> Callable[[Run], Ro
     def go(run: Run) -> Row:
         log, fired = _run(run, mlm, victim, in_place=True)
         return _row(run, f"SIGKILL rank {victim}, Megatron-LM in place (NVRx)", log, fired, "TP1 x DP2 after",
-                    in_place=True)
+                    in_place=True, victim=victim)
     return go
 
 

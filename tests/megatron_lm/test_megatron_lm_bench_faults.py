@@ -40,6 +40,7 @@ def test_bench_faults_megatron_lm_rows(tmp_path) -> None:
         assert "did not reach" not in r["note"], r
     for r in inplace:
         assert r["survivors_kept"] and "survivors' processes kept" in r["note"] and "TP1 x DP2" in r["note"], r
+        assert not r["survivors_ended"], r  # no survivor stuck in a gloo operation: the abort ended them all
         assert r["ratio_to_restart"] == pytest.approx(r["seconds_to_first_iteration"] /
                                                       restart["seconds_to_first_iteration"]), r
         name = r["fault"].split(",")[0].replace(" ", "_")
