@@ -29,7 +29,7 @@ present) under real torchrun agents on this machine, and the job must carry on b
   8 x --iters; once node 1's part of a snapshot from iteration 2 x S on is in node 0's memory, node 1's process
   group (launcher, ranks, helper) is SIGKILLed and its memory removed; node 0's ranks continue in place at DP2;
 * ``inprocess-stop@rank1``: as ``inprocess@rank1`` but the rank SIGSTOPped (hung): NVRx's progress timeouts end it;
-* with ``--megatron-lm DIR``, Megatron-LM's own ``pretrain_gpt.py`` (``benchmarks/faults_mlm.py``): its process
+* with ``--megatron-lm DIR``, Megatron-LM's own ``pretrain_gpt.py`` (``benchmarks/kit/faults_mlm.py``): its process
   restart and its in-place rows (``mlm-restart@rank3``, ``mlm-inprocess@rank3``, ``mlm-inprocess@rank0``).
 
 The in-place rows' note says whether the survivors' process ids stayed the same and the timeouts used; their
@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, replace
 
 import psutil
 
-from benchmarks import faults_mlm
+from benchmarks.kit import faults_mlm
 from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
 from benchmarks.kit.etcd import EtcdError, start_etcd
 from benchmarks.kit.launch import ROOT, env, write_json

@@ -32,7 +32,7 @@ from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 if TYPE_CHECKING:
     from benchmarks.faults import Row, Run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
 ITERS = 8
 FAULT_AT = 3  # the victim dies writing its snapshot of this iteration
