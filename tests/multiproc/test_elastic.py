@@ -125,7 +125,10 @@ def _wait_replicated(mem: str, timeout: float = 120) -> int:
     raise AssertionError(f"{mem}: no replicated 2-process snapshot after {timeout} s")
 
 
-@pytest.mark.parametrize("memory", [False, True], ids=["durable", "host_memory"])
+# the durable case (the longest of make test, about 3 minutes) runs in make test-bench: make test keeps the path
+# with host memory, which is the same loss and layout oracle through the same lost and returning node
+@pytest.mark.parametrize("memory", [pytest.param(False, id="durable", marks=pytest.mark.slow),
+                                    pytest.param(True, id="host_memory")])
 def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path, memory: bool) -> None:
     """With ``memory`` each node keeps snapshots in its own memory directory (K=2): both restarts load from the
     live nodes' memory, none from the durable checkpoint."""
