@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import psutil
 import torch
 
 from tenplex_megatron.storage.safetensors_io import SafetensorsReader, crc32
@@ -63,24 +64,12 @@ def torchrun_cmd(nproc: int, script: str, args: list[str], python: str | None = 
             str(nproc), *rdzv, script, *args]
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process under ``pid`` (its children, theirs, ...), read from /proc."""
-    parent: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        parent.setdefault(ppid, []).append(int(name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parent.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
+def _signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid`` and every process under it now (the tree read at the call)."""
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(sig)
 
 
 def run_logged(cmd: list[str], env: dict[str, str], timeout: float) -> Run:
@@ -92,14 +81,9 @@ def run_logged(cmd: list[str], env: dict[str, str], timeout: float) -> Run:
         try:
             rc = p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            tree = [p.pid, *descendants(p.pid)]
-            for pid in tree:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGUSR1)
-            time.sleep(3)
-            for pid in [p.pid, *descendants(p.pid)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            _signal_tree(p.pid, signal.SIGUSR1)
+            time.sleep(3)  # the stacks written
+            _signal_tree(p.pid, signal.SIGKILL)
             p.wait()
             rc = 124
         out.seek(0)

@@ -64,6 +64,14 @@ IOPRIO_CLASS_IDLE = 3  # linux/ioprio.h: I/O only when no other process wants th
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
 
 
+BACKGROUND_NICE = 19
+
+
+def idle_class() -> bool:
+    """Whether the helper runs in the idle CPU class in the background (``TENPLEX_HELPER_SCHED_IDLE``, default 1)."""
+    return os.environ.get("TENPLEX_HELPER_SCHED_IDLE", "1") != "0"
+
+
 def background_priority() -> list[str]:
     """Make this process a background citizen: nice 19 and then the idle CPU class (``SCHED_IDLE``: a training
     thread that wakes up takes the core from it at once, where nice 19 alone can make it wait out the helper's
@@ -71,10 +79,10 @@ def background_priority() -> list[str]:
     what could not be set (never fatal)."""
     missed = []
     try:
-        os.nice(19 - os.nice(0))
+        os.nice(BACKGROUND_NICE - os.nice(0))
     except OSError as e:
         missed.append(f"nice: {e}")
-    if os.environ.get("TENPLEX_HELPER_SCHED_IDLE", "1") != "0":
+    if idle_class():
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (OSError, AttributeError) as e:  # not Linux, or a seccomp profile that refuses it
@@ -425,8 +433,8 @@ class Helper:
             tids = [int(t) for t in os.listdir(f"/proc/{self.proc.pid}/task")]
         except OSError:  # not Linux, or it has just exited
             return
-        nice = os.getpriority(os.PRIO_PROCESS, 0) if waited_on else 19
-        idle = not waited_on and os.environ.get("TENPLEX_HELPER_SCHED_IDLE", "1") != "0"
+        nice = os.getpriority(os.PRIO_PROCESS, 0) if waited_on else BACKGROUND_NICE
+        idle = not waited_on and idle_class()
         for tid in tids:
             try:
                 if waited_on:
@@ -460,7 +468,6 @@ class Helper:
         """The reply to ``op`` of ``iteration`` if there is one (waiting at most ``timeout`` s); an error if the
         helper died. A reply stays until the next request of the same kind and iteration: the job polls every
         node until all have answered, so a node that answered early answers the same again."""
-        assert self.proc.stdout is not None
         if timeout > 0 and (op, iteration) not in self.answers:  # the job waits on the helper meanwhile
             self.priority(waited_on=True)
             try:
