@@ -5,22 +5,26 @@ For each model (``plan/sim/models.json``) it writes, with the real writer, the
 source chunks that destination rank ``--rank`` of ``--dst`` reads from a
 checkpoint at ``--src`` (bf16 weights, fp32 main weights, Adam moments;
 megatron-core's N-D optimizer layout), then loads that share into tensors on
-``--device``, each system ``--reps`` times (round-robin), from the page cache
-(warm) and after evicting the files from it (cold: from storage):
+``--device`` (each system its own, written once before: a model's tensors
+exist before a load fills them), each system ``--reps`` times (round-robin),
+from the page cache (warm) and after evicting the files from it (cold: from
+storage):
   parallel  tenplex's parallel reader (TENPLEX_STAGING=parallel, the default: reader threads, preadv into one ring);
   staged    tenplex through staging buffers on one host thread (TENPLEX_STAGING=copy);
   direct    tenplex's per-piece copies from the file's map (TENPLEX_STAGING=direct);
   mcore     megatron-core dist_checkpointing (torch_dist) saving the same source chunks, loading the same share.
 The limits, measured in the same run: a sequential read of the files from
-storage; the reader threads' ``preadv`` of the files from storage (cold) and
-from the page cache (warm); pinned host-to-device and device-to-host copies
+storage; the reader threads' ``preadv`` of as many bytes of the files as the
+destination holds, into one buffer of that size, from storage (cold) and from
+the page cache (warm); pinned host-to-device and device-to-host copies
 (on the CPU: host memory copies); write + fsync and a copy into /dev/shm by
 the same threads. Then the loaded share is saved (safetensors, fsync) and
 snapshotted into /dev/shm by each tenplex writer (``--no-writes``: not).
 GB/s are destination bytes over the median time. Checksums are verified (as a
 load does by default). Prints a table and ``RATIO`` lines: ``load_bandwidth_{warm,cold} <model>:<transition>
 <system>/limit`` (warm: against the lower of the parallel page-cache read and host-to-device; cold: of the
-parallel cold read and host-to-device), ``load_time_... parallel/<peer>`` (below 1: parallel is faster) and
+parallel cold read and host-to-device; on the CPU, where nothing crosses to a device, the reads alone),
+``load_time_... parallel/<peer>`` (below 1: parallel is faster) and
 ``{save,snapshot}_bandwidth ... <system>/limit`` (against write + fsync, and the copy into /dev/shm).
 
     python -m benchmarks.gpu_reshard                                  # GPU 0: gpt3-1.3b, 2.7b, 6.7b, TP2 -> TP4
@@ -36,6 +40,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -46,6 +51,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.kit.disk import evict_page_cache
@@ -150,11 +156,19 @@ def write_share(root: str, model: str, src: ParallelLayout, dst: ParallelLayout,
     return Share(root, dst_tensors, source, rp, plan.sources, dst_bytes, files)
 
 
+def destination(share: Share, device: torch.device) -> list[torch.Tensor]:
+    """One flat tensor per destination chunk, its memory written once (a model's tensors exist before a load
+    fills them: no load is timed faulting in fresh pages)."""
+    return [torch.zeros(c.numel, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device)
+            for c in share.plan.chunks]
+
+
 def tenplex_load(share: Share, device: torch.device, mode: str) -> Callable[[], list[torch.Tensor]]:
+    """The timed load of the share through ``TENPLEX_STAGING=mode`` into the system's own destination tensors."""
+    out = destination(share, device)
+
     def run() -> list[torch.Tensor]:
         os.environ["TENPLEX_STAGING"] = mode
-        out = [torch.empty(c.numel, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device)
-               for c in share.plan.chunks]
         files = SourceFiles(share.root, {k: m.dtype for k, m in share.tensors.items()}, verify=True)
         try:
             prepare_sources(share.plan, share.sources, files)  # checksums first, as engine.load does
@@ -200,10 +214,12 @@ def mcore_setup(share: Share, root: str, device: torch.device) -> Callable[[], l
         dist_checkpointing.save(sd, root, validate_access_integrity=False)
     files.close()
 
+    chunks = list(share.plan.chunks)
+    mine = [t.view(c.shape) for t, c in zip(destination(share, device), chunks)]
+
     def run() -> list[torch.Tensor]:
-        chunks = list(share.plan.chunks)
-        want = _sharded(chunks, share.tensors, lambda c: torch.empty(
-            c.shape, dtype=TORCH_DTYPES[share.tensors[c.key].dtype], device=device))
+        dst = iter(mine)  # _sharded makes the chunks' tensors in order
+        want = _sharded(chunks, share.tensors, lambda c: next(dst))
         with _no_cuda_sync(device):
             got = dist_checkpointing.load(want, root, validate_access_integrity=False)
         _sync(device)
@@ -255,22 +271,28 @@ def h2d(device: torch.device, nbytes: int, reps: int = 5) -> float:
     return reps * nbytes / (time.perf_counter() - t0) / GB
 
 
-def parallel_read_gbps(root: str, threads: int, cold: bool, chunk: int = RUN_BYTES) -> float:
-    """GB/s of every file under ``root`` read by ``threads`` threads with ``os.preadv`` of ``chunk`` bytes into
-    reused host buffers (pinned where a GPU is present), from storage (``cold``: page cache evicted) or the page
-    cache (after one untimed read): the machine's limit for the parallel reader."""
+def parallel_read_gbps(root: str, threads: int, cold: bool, nbytes: int, chunk: int = RUN_BYTES) -> float:
+    """GB/s of the first ``nbytes`` of the files under ``root`` (the destination's size: the bytes a load must
+    move) read by ``threads`` threads with ``os.preadv`` of ``chunk`` bytes into one host buffer of that size,
+    written once before (memory, not a few buffers the CPU's caches hold), from storage (``cold``: page cache
+    evicted) or the page cache (after one untimed read): the machine's limit for the parallel reader."""
     paths = sorted(os.path.join(root, n) for n in os.listdir(root) if os.path.isfile(os.path.join(root, n)))
-    tasks = [(p, off, min(chunk, os.path.getsize(p) - off)) for p in paths for off in range(0, os.path.getsize(p), chunk)]
-    pin = torch.cuda.is_available()
-    bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(threads)]
+    tasks, at = [], 0  # (file, offset in it, bytes, offset in the buffer)
+    for p in paths:
+        for off in range(0, os.path.getsize(p), chunk):
+            n = min(chunk, os.path.getsize(p) - off, nbytes - at)
+            if n > 0:
+                tasks.append((p, off, n, at))
+                at += n
+    buf = np.ones(at, dtype=np.uint8)
     fds = {p: os.open(p, os.O_RDONLY) for p in paths}
 
     def worker(k: int) -> None:
-        view = memoryview(bufs[k].numpy())
-        for path, off, n in tasks[k::threads]:
+        view = memoryview(buf)
+        for path, off, n, to in tasks[k::threads]:
             got = 0
             while got < n:
-                r = os.preadv(fds[path], [view[got:n]], off + got)
+                r = os.preadv(fds[path], [view[to + got : to + n]], off + got)
                 if r == 0:
                     break
                 got += r
@@ -289,7 +311,7 @@ def parallel_read_gbps(root: str, threads: int, cold: bool, chunk: int = RUN_BYT
     finally:
         for fd in fds.values():
             os.close(fd)
-    return sum(n for _, _, n in tasks) / secs / GB
+    return at / secs / GB
 
 
 def write_limit(root: str, nbytes: int, threads: int, fsync: bool) -> float:
@@ -439,8 +461,8 @@ def bench_model(model: str, args: argparse.Namespace, device: torch.device) -> d
         row["storage_read_gbps"] = nbytes / secs / GB
         threads = default_threads()
         row["read_threads"] = threads
-        row["parallel_cold_read_gbps"] = parallel_read_gbps(root, threads, cold=True)
-        row["parallel_warm_read_gbps"] = parallel_read_gbps(root, threads, cold=False)
+        row["parallel_cold_read_gbps"] = parallel_read_gbps(root, threads, cold=True, nbytes=share.dst_bytes)
+        row["parallel_warm_read_gbps"] = parallel_read_gbps(root, threads, cold=False, nbytes=share.dst_bytes)
         size = min(256 << 20, max(share.dst_bytes, 1 << 20))
         row["h2d_gbps"] = h2d(device, size)
         row["d2h_gbps"] = d2h(device, size)
@@ -501,8 +523,9 @@ def report(rows: list[dict[str, Any]], device: str) -> None:
             print(f"  check {r['model']}: {k}: {'identical bytes' if same else 'DIFFERENT BYTES'}")
     for r in rows:
         target = f"{r['model']}:{r['transition']}"
-        limits = {"warm": min(r.get("parallel_warm_read_gbps", r["h2d_gbps"]), r["h2d_gbps"]),
-                  "cold": min(r.get("parallel_cold_read_gbps", r["storage_read_gbps"]), r["h2d_gbps"])}
+        h2d = math.inf if device == "cpu" else r["h2d_gbps"]  # on the CPU nothing crosses to a device
+        limits = {"warm": min(r.get("parallel_warm_read_gbps", r["h2d_gbps"]), h2d),
+                  "cold": min(r.get("parallel_cold_read_gbps", r["storage_read_gbps"]), h2d)}
         for temp, limit in limits.items():
             for system in ("parallel", "staged"):
                 got = r.get(f"{system}_{temp}_gbps")

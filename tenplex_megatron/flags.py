@@ -236,7 +236,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_VERIFY_THREADS", "an integer >= 1", "the CPUs available / local ranks, 1-8",
            "threads that check block checksums at load (`copy` and `direct` modes)", "user"),
     EnvVar("TENPLEX_PREFETCH", "`0`, `1`", "`1`",
-           "`0` turns off the read-ahead hints (`MADV_WILLNEED`) for the byte ranges a load reads", "user"),
+           "`0` turns off the read-ahead hints (`MADV_WILLNEED`, `POSIX_FADV_WILLNEED`) for the byte ranges a load reads", "user"),
     EnvVar("TENPLEX_PERSIST_DIRECT", "`0`, `1`", "`1`",
            "`0`: the host-memory helper copies snapshots to `--save` through the page cache instead of with "
            "`O_DIRECT`", "user"),

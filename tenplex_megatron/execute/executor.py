@@ -191,6 +191,6 @@ def _read_parallel(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sour
     verifier = getattr(files, "verifier", None)
     rp = plan_runs(mine, extents, slot_size(),
                    verifier.verified if verifier is not None else None)
-    read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device)
+    read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device, dst=dst)
     files.read_done(rp)
     return rest, rp.bytes_read, rp.bytes_unverified, len({e.path for e in extents})

@@ -1,14 +1,15 @@
-"""Ask the kernel to start reading mapped file ranges now (``madvise(MADV_WILLNEED)``), before they are touched.
+"""Ask the kernel to start reading file ranges now (``MADV_WILLNEED``, ``POSIX_FADV_WILLNEED``), before they are read.
 
-A load reads its shards through memory maps; left alone, the kernel reads a
-cold file a fault and a readahead window at a time. Announcing every range a
-rank will read at once lets the storage work on all of them while the rank
-checks and copies the first ones. A hint only: errors are ignored, and it does
-nothing where ``madvise`` is missing or ``TENPLEX_PREFETCH=0`` is set.
+Left alone, the kernel reads a cold file a fault (a memory map) or a read (the
+parallel reader's ``preadv``) and a readahead window at a time. Announcing the
+ranges a rank will read soon lets the storage work on many of them while the
+rank checks and copies the first ones. A hint only: errors are ignored, and it
+does nothing where the call is missing or ``TENPLEX_PREFETCH=0`` is set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -38,9 +39,21 @@ def merge_ranges(ranges: Iterable[tuple[int, int]], gap: int = _GAP) -> list[tup
     return [(a, b) for a, b in out]
 
 
+def enabled() -> bool:
+    """Whether read-ahead hints are given (``TENPLEX_PREFETCH``, on by default)."""
+    return os.environ.get("TENPLEX_PREFETCH", "1") != "0"
+
+
+def advise(fd: int, offset: int, nbytes: int) -> None:
+    """Announce bytes ``[offset, offset + nbytes)`` of the open file ``fd`` as needed soon (ignored where unsupported)."""
+    if hasattr(os, "posix_fadvise") and nbytes > 0:
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+
 def willneed(ranges: Iterable[tuple[int, int]]) -> int:
     """Announce the address ranges ``[start, stop)`` (of mapped files) as needed soon; returns the calls made."""
-    if _madvise is None or os.environ.get("TENPLEX_PREFETCH", "1") == "0":
+    if _madvise is None or not enabled():
         return 0
     page = mmap.PAGESIZE
     calls = 0
