@@ -165,7 +165,7 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
                 raise RuntimeError(f"{a.memdir}: no snapshot in the nodes' memory")
             got = mres.result
             loaded.update(iteration=got.iteration, source_layout=got.source_layout, source_format=got.source_format)
-            return {"bytes_read": got.bytes_verified + got.bytes_unverified, "bytes_needed": got.bytes_read,
+            return {"bytes_read": got.bytes_fetched, "bytes_needed": got.bytes_read,
                     "own_seconds": got.seconds, "received": mres.bytes_received,
                     "from_durable": mres.bytes_from_durable}
         if a.method == "ds_universal":
@@ -175,8 +175,8 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
             return {}
         res = tds.load_checkpoint(engine, ds_dir if a.method == "tenplex_direct" else tp_dir)
         loaded.update(iteration=res.iteration, source_layout=res.source_layout, source_format=res.source_format)
-        # read from storage (memory-mapped: not in read()): checked blocks + the rest; next to what was copied
-        return {"bytes_read": res.bytes_verified + res.bytes_unverified, "bytes_needed": res.bytes_read,
+        # read out of the files (checked here, by a peer of the host, or not at all); next to what was copied
+        return {"bytes_read": res.bytes_fetched, "bytes_needed": res.bytes_read,
                 "own_seconds": res.seconds}
 
     reps = []

@@ -282,7 +282,7 @@ def _from_memory(w: Worker) -> dict[str, Any]:
 def _from_durable(w: Worker) -> dict[str, Any]:
     """tenplex's load of the durable checkpoint."""
     res = load_job(w.job, w.durable)
-    return {"from_durable": res.bytes_verified + res.bytes_unverified, "received": 0}
+    return {"from_durable": res.bytes_fetched, "received": 0}
 
 
 def _from_mcore(w: Worker) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from tenplex_megatron.execute.executor import (
     ExecStats,
     block_intervals,
     execute_plan,
+    parallel_blocks,
     plain_ops,
     prepare_sources,
     verify_blocks,
@@ -35,7 +36,7 @@ from tenplex_megatron.plan.gc_pause import gc_paused
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope
 from tenplex_megatron.plan.planner import PlanError, plan_reshard
 from tenplex_megatron.plan.ptc import PTC
-from tenplex_megatron.plan.verify_share import Interval, share_blocks
+from tenplex_megatron.plan.verify_share import Interval, blocks, share_blocks
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.faults import maybe_fail
@@ -56,8 +57,9 @@ class LoadResult:
     tensors: int
     seconds: float
     rng_exact: bool  # the saved RNG streams came back (same layout); else re-seeded from (seed, iteration)
-    bytes_verified: int = 0  # stored bytes whose block checksums this rank checked (read for that)
+    bytes_verified: int = 0  # stored bytes whose block checksums this rank checked
     bytes_unverified: int = 0  # bytes copied that no checksum covered (``verify=False``, foreign formats)
+    bytes_fetched: int = 0  # read out of files by this rank, checked here, by a peer of its host or not at all
     source_format: str = "tenplex"  # or the foreign format read in place ("deepspeed")
     consumed_samples: int = 0  # the data position to resume from (DeepSpeed: global samples)
     metadata: dict[str, Any] | None = None  # the checkpoint's metadata document as read (its framework's fields: extra)
@@ -132,6 +134,8 @@ class _Prepared:
     todo: list
     dst: list[torch.Tensor]
     back: list[tuple[torch.Tensor, torch.Tensor]]  # non-contiguous destinations: (live tensor, contiguous copy)
+    parallel: list[Interval]  # the blocks the parallel reader would check (ranks of a host split them)
+    peer_checked: frozenset[tuple[int, int]] = frozenset()  # of those, the (source, block) another rank checks
 
 
 def load_chunks(
@@ -183,6 +187,7 @@ def load_chunks(
         maybe_fail("load.read", me)
         with plain_ops():
             todo = prepare_sources(mine, sources, opened.files, check=False)  # open every file it will read
+            parallel = parallel_blocks(mine, sources, opened.files)
         dst, back = [], []
         for lc in chunks:
             view = lc.flat_view()
@@ -191,13 +196,14 @@ def load_chunks(
                 back.append((lc.data, tmp))
                 view = tmp
             dst.append(view)
-        return _Prepared(opened, chunks, mine, sources, todo, dst, back)
+        return _Prepared(opened, chunks, mine, sources, todo, dst, back, parallel)
 
     p = run_phase(f"load from {load_dir}: opening sources", open_sources)
     path = p.opened.path
     tensors = sorted({lc.meta.key for lc in p.chunks})
     ranks = gather_records(f"load from {path}: gathering what each rank reads",
-                           lambda: RankReads(tuple(tensors), host, tuple(block_intervals(p.todo))), RankReads)
+                           lambda: RankReads(tuple(tensors), host, tuple(block_intervals(p.todo) + p.parallel)),
+                           RankReads)
 
     def check_and_verify() -> None:
         needed = {k for r in ranks for k in r.tensors}
@@ -210,6 +216,7 @@ def load_chunks(
         share = share_blocks(needs, {r: x.host for r, x in enumerate(ranks)}, me)
         with plain_ops():
             verify_blocks(p.opened.files, p.todo, share)
+        p.peer_checked = frozenset(blocks(p.parallel)) - frozenset(blocks(share))  # the reader checks the rest
         if local is None:
             return None
         files = p.opened.files  # tenplex's own files (a memory snapshot's included) read through their source
@@ -221,7 +228,7 @@ def load_chunks(
     def copy() -> ExecStats:
         maybe_fail("load.copy", me)
         with plain_ops(), torch.no_grad():
-            stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst)
+            stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst, p.peer_checked)
             for data, tmp in p.back:
                 data.copy_(tmp.view(data.shape))
         p.opened.files.close()
@@ -283,6 +290,7 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
         rng_exact=exact,
         bytes_verified=stats.bytes_verified,
         bytes_unverified=stats.bytes_unverified,
+        bytes_fetched=stats.bytes_fetched,
         source_format=source_format,
         consumed_samples=meta.data_position,
         metadata=dict(meta.raw),

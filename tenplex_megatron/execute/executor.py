@@ -22,7 +22,7 @@ from tenplex_megatron.plan.planner import Piece, RankPlan
 from tenplex_megatron.plan.ptc import StoredChunk
 from tenplex_megatron.plan.verify_share import Interval, to_intervals
 from tenplex_megatron.storage.block_verify import Block, piece_runs
-from tenplex_megatron.storage.parallel_read import Extent, plan_runs, read_runs, slot_size
+from tenplex_megatron.storage.parallel_read import Extent, ReadPlan, checked_blocks, plan_runs, read_runs, slot_size
 from tenplex_megatron.storage.prefetch import willneed
 from tenplex_megatron.storage.source import Source
 from tenplex_megatron.storage.staging import staging_mode
@@ -33,10 +33,12 @@ class ExecStats:
     """What one rank did: bytes copied from sources, zero-filled, files opened, seconds, and how much was verified.
 
     ``bytes_verified``: stored bytes whose checksum this rank checked (the
-    blocks its pieces overlap; whole chunks for format-1 single CRCs), read
-    from storage for that. ``bytes_unverified``: bytes it copied that no
-    checksum covered (verification off, or none recorded). Bytes read from
-    storage are about ``bytes_verified + bytes_unverified``.
+    blocks its pieces overlap, less those another rank of its host checks;
+    whole chunks for format-1 single CRCs). ``bytes_unverified``: bytes it
+    copied that no checksum covered (verification off, or none recorded).
+    ``bytes_fetched``: bytes it read out of files: the parallel reader's runs
+    (whole blocks and the small gaps between pieces), else about
+    ``bytes_verified + bytes_unverified``.
     """
 
     bytes_read: int
@@ -45,6 +47,7 @@ class ExecStats:
     seconds: float
     bytes_verified: int = 0
     bytes_unverified: int = 0
+    bytes_fetched: int = 0  # read out of files (storage or the page cache) by this rank, checked or not
 
 
 def plain_ops() -> Any:
@@ -88,6 +91,26 @@ def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sou
     return todo
 
 
+def parallel_blocks(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source) -> list[Interval]:
+    """The checksum blocks the parallel reader checks for ``plan`` (chunks in files with per-block checksums), as
+    (source, first, last) intervals: ranks of a host split them as they split :func:`block_intervals`' blocks."""
+    if not _parallel() or not files.verifying:
+        return []
+    extents: list[Extent] = []
+    local: dict[int, int] = {}
+    mine: list[Piece] = []
+    for p in plan.pieces:
+        if p.source not in local:
+            e = files.extent(sources[p.source])
+            if e is None:
+                continue
+            local[p.source] = len(extents)
+            extents.append(e)
+        mine.append(replace(p, source=local[p.source]))
+    back = {j: s for s, j in local.items()}
+    return to_intervals((back[j], b) for j, blocks in checked_blocks(mine, extents).items() for b in blocks)
+
+
 def block_intervals(todo: list[Block]) -> list[Interval]:
     """The queued blocks that ranks of a host may split among themselves, as (source, first, last) intervals."""
     return to_intervals((b.source, b.key[2]) for b in todo if b.shareable)
@@ -117,21 +140,26 @@ def _piece_ranges(p: Piece, src: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def execute_plan(
-    plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, dst: list[torch.Tensor]
+    plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, dst: list[torch.Tensor],
+    peer_checked: frozenset[tuple[int, int]] = frozenset(),
 ) -> ExecStats:
     """Fill ``dst`` (one flat tensor per destination chunk, in plan order) from the sources, verifying what it reads.
 
     Blocks already verified (by :func:`prepare_sources`) are not read again for their checksum. Pieces go
-    through staging buffers (``execute/staged.py``) or are copied one by one from the file's map
-    (``TENPLEX_STAGING``: ``storage/staging.py``).
+    through the parallel reader, through staging buffers (``execute/staged.py``) or are copied one by one from
+    the file's map (``TENPLEX_STAGING``: ``storage/staging.py``). ``peer_checked``: (source, block) pairs of
+    :func:`parallel_blocks` that another rank of this host checks (the same page-cache bytes): not checked here.
     """
     t0 = time.perf_counter()
     read = filled = unverified = 0
     device = dst[plan.pieces[0].dst].device if plan.pieces else torch.device("cpu")
     pieces = list(plan.pieces)
     opened = 0
+    runs = None
     if _parallel():
-        pieces, read, unverified, opened = _read_parallel(plan, sources, files, dst, device)
+        pieces, runs, opened = _read_parallel(plan, sources, files, dst, device, peer_checked)
+        if runs is not None:
+            read, unverified = runs.bytes_read, runs.bytes_unverified
     flats: dict[int, torch.Tensor] = {}
     if not files.verifying:  # verified blocks were announced before their checksums were computed
         ranges: list[tuple[int, int]] = []
@@ -163,14 +191,18 @@ def execute_plan(
             d = box_view(dst[f.dst], f.dst_start, f.dst_rect, f.dst_sel, f.shape)
             d.zero_()
             filled += d.numel() * d.element_size()
+    fetched = files.bytes_verified + unverified
+    if runs is not None:  # its runs instead of its checked blocks and unverified bytes
+        fetched += sum(r.nbytes for r in runs.runs) - runs.bytes_verified - runs.bytes_unverified
     return ExecStats(read, filled, len(files.readers) + opened, time.perf_counter() - t0, files.bytes_verified,
-                     unverified)
+                     unverified, fetched)
 
 
 def _read_parallel(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source, dst: list[torch.Tensor],
-                   device: torch.device) -> tuple[list[Piece], int, int, int]:
+                   device: torch.device, peer_checked: frozenset[tuple[int, int]] = frozenset(),
+                   ) -> tuple[list[Piece], ReadPlan | None, int]:
     """The pieces whose chunks lie in files, through the parallel reader; returns the other pieces (received
-    bytes, formats without byte offsets), the bytes read and unverified, and the files read."""
+    bytes, formats without byte offsets), what it read (None: nothing) and the files read."""
     extents: list[Extent] = []
     local: dict[int, int] = {}
     mine: list[Piece] = []
@@ -187,10 +219,11 @@ def _read_parallel(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sour
         else:
             mine.append(replace(p, source=j))
     if not mine:
-        return rest, 0, 0, 0
+        return rest, None, 0
     verifier = getattr(files, "verifier", None)
-    rp = plan_runs(mine, extents, slot_size(),
-                   verifier.verified if verifier is not None else None)
-    read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device, dst=dst)
+    skip = set(verifier.verified) if verifier is not None else set()
+    skip.update((*extents[local[s]].key, b) for s, b in peer_checked if local.get(s) is not None)
+    rp = plan_runs(mine, extents, slot_size(), skip)
+    read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device)
     files.read_done(rp)
-    return rest, rp.bytes_read, rp.bytes_unverified, len({e.path for e in extents})
+    return rest, rp, len({e.path for e in extents})

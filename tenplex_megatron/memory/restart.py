@@ -202,7 +202,7 @@ class MemorySource(SourceFiles):
         self.ptc = ptc
         self.local = set(local)
         self.durable = set(durable)
-        self.bytes_from_durable = 0  # of the checksum blocks this rank's pieces read in durable files
+        self.bytes_from_durable = 0  # read in durable files by this rank (the parallel reader's runs, or checked blocks)
         self.received: dict[tuple[str, str], torch.Tensor] = {}  # (file, tensor) -> its bytes (the parts received)
         self.local_sizes = rank_local.entry_sizes(meta.rank_local)  # (file, rank-local entry) -> its byte count
 
@@ -249,9 +249,9 @@ class MemorySource(SourceFiles):
         return super().extent(sc)
 
     def read_done(self, plan: ReadPlan) -> None:
-        super().read_done(plan)
-        self.bytes_from_durable += sum(blk.nbytes for run in plan.runs for blk in run.blocks
-                                       if plan.extents[blk.extent].key[0] in self.durable)
+        super().read_done(plan)  # every byte this rank read of a durable file (its blocks checked here or by a peer)
+        durable = {e.path for e in plan.extents if e.key[0] in self.durable}
+        self.bytes_from_durable += sum(run.nbytes for run in plan.runs if run.path in durable)
 
     def queue(self, sc: StoredChunk, flat: torch.Tensor, piece: Any, todo: list, source: int = -1) -> None:
         # received bytes are this rank's own: their blocks are not shared with other ranks of the node

@@ -12,7 +12,7 @@ is a pure function of what every rank needs, so each rank computes it alone.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 Interval = tuple[int, int, int]  # (source chunk index, first block, last block), inclusive
 
@@ -20,6 +20,13 @@ Interval = tuple[int, int, int]  # (source chunk index, first block, last block)
 def to_intervals(blocks: Iterable[tuple[int, int]]) -> list[Interval]:
     """(source, block) pairs as sorted, merged intervals of consecutive blocks of one source."""
     return merge((s, b, b) for s, b in blocks)
+
+
+def blocks(intervals: Iterable[Interval]) -> Iterator[tuple[int, int]]:
+    """Every (source, block) pair the intervals cover (the inverse of :func:`to_intervals`)."""
+    for s, lo, hi in intervals:
+        for b in range(lo, hi + 1):
+            yield s, b
 
 
 def merge(intervals: Iterable[Interval]) -> list[Interval]:

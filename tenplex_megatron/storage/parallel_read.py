@@ -18,7 +18,6 @@ The index arithmetic (:func:`plan_runs`) is pure; :func:`read_runs` does the I/O
 from __future__ import annotations
 
 import bisect
-import ctypes
 import math
 import os
 from collections import deque
@@ -106,14 +105,12 @@ class Block:
 @dataclass(frozen=True)
 class Box:
     """A piece (or part of one) read from a run: the sub-box ``piece`` of extent ``extent`` at ``at`` bytes of the slot
-    (where that chunk's element ``first`` lies). ``dst_first``: the element of its flat destination where it starts,
-    when the box is one contiguous range both in its chunk and in its destination (a read can put it there)."""
+    (where that chunk's byte ``first`` lies)."""
 
     piece: Piece
     extent: int
     at: int
     first: int
-    dst_first: int | None = None  # where it starts in its destination, when contiguous there and in its chunk
 
 
 @dataclass(frozen=True)
@@ -147,25 +144,11 @@ def _strides(rect: Sequence[int]) -> list[int]:
     return [math.prod(rect[i + 1 :]) for i in range(len(rect))]
 
 
-def _span(start: int, rect: Sequence[int], sel: Sequence[int], shape: Sequence[int]) -> tuple[int, int]:
-    st = _strides(rect)
-    first = start + sum(o * s for o, s in zip(sel, st))
-    return first, first + sum((n - 1) * s for n, s in zip(shape, st)) + 1
-
-
 def span(p: Piece) -> tuple[int, int]:
     """The first and one past the last element (in its source chunk) that piece ``p`` reads."""
-    return _span(p.src_start, p.src_rect, p.src_sel, p.shape)
-
-
-def dst_first(p: Piece) -> int | None:
-    """The first element of its flat destination that piece ``p`` writes, when the piece is one contiguous range both
-    there and in its source chunk; else None."""
-    a, b = span(p)
-    if b - a != p.numel or p.numel == 0:
-        return None
-    c, d = _span(p.dst_start, p.dst_rect, p.dst_sel, p.shape)
-    return c if d - c == p.numel else None
+    st = _strides(p.src_rect)
+    first = p.src_start + sum(o * s for o, s in zip(p.src_sel, st))
+    return first, first + sum((n - 1) * s for n, s in zip(p.shape, st)) + 1
 
 
 def _sub(p: Piece, d: int, a: int, n: int) -> Piece:
@@ -223,6 +206,18 @@ def _needed(e: Extent, pieces: list[Piece]) -> tuple[list[tuple[int, int]], list
     lo, hi = np.concatenate(los), np.concatenate(his)
     order = np.argsort(lo, kind="stable")
     return _merge(lo[order], hi[order], GAP), []
+
+
+def checked_blocks(pieces: Sequence[Piece], extents: Sequence[Extent]) -> dict[int, list[int]]:
+    """The checksum blocks, by extent, that a read of ``pieces`` checks: the blocks their bytes touch, in extents
+    with per-block checksums (ranks of a host split these: ``plan/verify_share.py``; a format-1 whole-chunk checksum
+    is left out: each rank reading it checks it)."""
+    per_extent: dict[int, list[Piece]] = {}
+    for p in pieces:
+        e = extents[p.source]
+        if p.numel and e.block_bytes is not None and e.crcs is not None and not e.whole:
+            per_extent.setdefault(p.source, []).append(p)
+    return {i: _needed(extents[i], ps)[1] for i, ps in per_extent.items()}
 
 
 def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: int,
@@ -295,7 +290,7 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
             if k is None:
                 todo.extend(_halves(box))
                 continue
-            boxes[k].append(Box(box, p.source, e.offset + a * e.itemsize - spans[k][1], a, dst_first(box)))
+            boxes[k].append(Box(box, p.source, e.offset + a * e.itemsize - spans[k][1], a))
     done: set[tuple[str, str, int]] = set(verified)
     bytes_verified = 0
     for i, (_, touched) in needed.items():
@@ -352,90 +347,8 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-IOV_MAX = 1024  # iovecs one preadv takes (POSIX's minimum for IOV_MAX is 16; Linux and the BSDs take 1024)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Bytes ``[lo, hi)`` of a run (relative to its start) and where a read puts them: a destination tensor's own
-    memory (``into``) or, with ``into`` None, the same offsets of the slot."""
-
-    lo: int
-    hi: int
-    into: memoryview | None
-
-
-def host_bytes(address: int, nbytes: int) -> memoryview:
-    """``nbytes`` of host memory at ``address`` (a CPU tensor's data), writable, without numpy or a torch op."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B") if nbytes else memoryview(b"")
-
-
-def homes(dst: Sequence[torch.Tensor]) -> dict[int, tuple[int, torch.dtype]]:
-    """The destinations a read can fill in place: index -> (address, dtype) of each contiguous CPU tensor."""
-    return {i: (t.data_ptr(), t.dtype) for i, t in enumerate(dst) if t.device.type == "cpu" and t.is_contiguous()}
-
-
-def direct_segments(run: Run, extents: Sequence[Extent],
-                    home: dict[int, tuple[int, torch.dtype]]) -> tuple[list[Segment], list[Box]]:
-    """How one read of ``run`` places its bytes: each box contiguous both in its file and in its destination (of the
-    same dtype, in ``home``: :func:`homes`) is read straight into the destination's memory (no slot, no copy
-    after); the rest of the run (the other boxes, the bytes between them that checksums cover) into the slot.
-    Returns the segments in order and the boxes still to copy from the slot; a single slot segment where nothing
-    can go straight, where two boxes read the same bytes, or where the read would take over :data:`IOV_MAX`."""
-    whole = [Segment(0, run.nbytes, None)]
-    direct: list[tuple[int, int, int]] = []  # (lo, hi, destination address)
-    rest: list[Box] = []
-    for box in run.boxes:
-        e = extents[box.extent]
-        h = home.get(box.piece.dst) if box.dst_first is not None else None
-        if h is not None and h[1] == e.dtype:
-            direct.append((box.at, box.at + box.piece.numel * e.itemsize, h[0] + box.dst_first * e.itemsize))
-        else:
-            rest.append(box)
-    if not direct:
-        return whole, list(run.boxes)
-    direct.sort()
-    taken = [(lo, hi) for lo, hi, _ in direct]
-    for box in rest:  # a box copied from the slot needs its bytes there
-        a, b = span(box.piece)
-        taken.append((box.at, box.at + (b - a) * extents[box.extent].itemsize))
-    taken.sort()
-    if any(lo < hi for (_, hi), (lo, _) in zip(taken, taken[1:])):
-        return whole, list(run.boxes)
-    segs: list[Segment] = []
-    at = 0
-    for lo, hi, address in direct:
-        if lo > at:
-            segs.append(Segment(at, lo, None))
-        segs.append(Segment(lo, hi, host_bytes(address, hi - lo)))
-        at = hi
-    if at < run.nbytes:
-        segs.append(Segment(at, run.nbytes, None))
-    if len(segs) > IOV_MAX:
-        return whole, list(run.boxes)
-    return segs, rest
-
-
-def _iovecs(segs: Sequence[Segment], slot: memoryview, got: int, want: int) -> list[memoryview]:
-    """The buffers for bytes ``[got, want)`` of a run laid out as ``segs``."""
-    out = []
-    for s in segs:
-        lo, hi = max(s.lo, got), min(s.hi, want)
-        if lo < hi:
-            out.append(slot[lo:hi] if s.into is None else s.into[lo - s.lo : hi - s.lo])
-    return out
-
-
-def _crc_over(segs: Sequence[Segment], slot: memoryview, lo: int, hi: int) -> int:
-    """CRC-32 of bytes ``[lo, hi)`` of a run, wherever its segments put them."""
-    crc = 0
-    for buf in _iovecs(segs, slot, lo, hi):
-        crc = crc32(buf, crc)
-    return crc
-
-
 def read_runs(plan: ReadPlan, dst_view: Callable[[Piece], torch.Tensor], device: torch.device,
-              threads: int | None = None, budget: int | None = None, dst: Sequence[torch.Tensor] = ()) -> None:
+              threads: int | None = None, budget: int | None = None) -> None:
     """Carry out ``plan``: reads in ``threads`` threads into a ring of slots within ``budget`` bytes (default
     ``TENPLEX_STAGING_MB``; at least two slots), checks, copies into ``dst_view(piece)`` (the destination box)."""
     if not plan.runs:
@@ -447,20 +360,18 @@ def read_runs(plan: ReadPlan, dst_view: Callable[[Piece], torch.Tensor], device:
     on_host = device.type != "cuda"
     fds: dict[str, int] = {}
     rank = _rank()
-    home = homes(dst) if on_host else {}
 
     def work(run: Run, slot: torch.Tensor) -> None:
         kind = fault_kind("load.preadv", rank)
-        view = memoryview(slot[: run.nbytes].numpy())
-        segs, boxes = direct_segments(run, plan.extents, home) if on_host else ([Segment(0, run.nbytes, None)],
-                                                                                list(run.boxes))
+        buf = slot[: run.nbytes].numpy()
+        view = memoryview(buf)
         want = run.nbytes // 2 if kind == "short" else run.nbytes
         got = 0
         try:
             if kind != "short":
                 fail("load.preadv", rank, kind)
             while got < want:
-                n = os.preadv(fds[run.path], _iovecs(segs, view, got, want), run.start + got)
+                n = os.preadv(fds[run.path], [view[got:want]], run.start + got)
                 if n == 0:
                     break
                 got += n
@@ -470,7 +381,7 @@ def read_runs(plan: ReadPlan, dst_view: Callable[[Piece], torch.Tensor], device:
             raise CheckpointFileError(f"{run.path}: short read: {got} of bytes {run.start}-{run.stop} "
                                       "(truncated or damaged)")
         for blk in run.blocks:
-            crc = _crc_over(segs, view, blk.at, blk.at + blk.nbytes)
+            crc = crc32(view[blk.at : blk.at + blk.nbytes])
             if crc != blk.expected:
                 e = plan.extents[blk.extent]
                 start = blk.index * (e.block_bytes or 0)
@@ -482,7 +393,7 @@ def read_runs(plan: ReadPlan, dst_view: Callable[[Piece], torch.Tensor], device:
                     f"crc32 {crc:#010x}, recorded {blk.expected:#010x}): the file is damaged")
         if on_host:
             with torch.no_grad():
-                for box in boxes:
+                for box in run.boxes:
                     dst_view(box.piece).copy_(src_view(slot, box, plan.extents[box.extent]))
 
     try:

@@ -59,6 +59,23 @@ def one_rank_damaged(out: str, me: int) -> dict[str, Any]:
     return {**report(back, got), "restored": back.restored}
 
 
+def shared_blocks(out: str, me: int) -> dict[str, Any]:
+    """Saved by rows, read by columns: both ranks read every block of both files, and each block is checked by one
+    of them (one host); damage in rank 1's file is still found, by whichever rank checks that block."""
+    ckpt = os.path.join(out, "shared")
+    for value in (6.0, 7.0):
+        a = Tiny(value)
+        a.it = int(value)
+        save(a, ckpt)
+    back = Tiny(0.0, axis=1)
+    got = load(back, os.path.join(ckpt, "iter_0000007"))
+    res = {"verified": got.bytes_verified, "equal": back.matches(7.0)}
+    barrier_then(me, lambda: flip(os.path.join(ckpt, "iter_0000007", directory.rank_file_name(1))))
+    back = Tiny(0.0, axis=1)
+    fell = fallback.restart(lambda c: None, lambda p: load(back, p), None, None, ckpt, directory.find_checkpoint(ckpt))
+    return {**res, "damaged": report(back, fell)}
+
+
 def report(back: Tiny, got: fallback.Restart | str) -> dict[str, Any]:
     if isinstance(got, str):
         return {"error": got}
@@ -104,6 +121,7 @@ def cases(out: str) -> dict[str, Any]:
     barrier_then(me, lambda: flip(os.path.join(ckpt, "iter_0000002", directory.rank_file_name(1))))
     res["none_left"] = report(*restart(None, ckpt))
     res["one_rank_damaged"] = one_rank_damaged(out, me)
+    res["shared_blocks"] = shared_blocks(out, me)
     return res
 
 

@@ -1,5 +1,6 @@
 """Fall back, never fail, while a good copy exists (memory/fallback.py): a bad replica, a bad snapshot file, a bad
-durable checkpoint, and none left; real processes, real files, one torchrun launch (fallback_run.py)."""
+durable checkpoint, and none left; the checksum blocks two ranks of a host both read checked once, damage there
+still found; real processes, real files, one torchrun launch (fallback_run.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import pytest
 
 from tests.harness import ROOT, torchrun
+from tests.multiproc.memory_run import COLS, ROWS
 
 pytestmark = pytest.mark.dist
 RUNNER = os.path.join(ROOT, "tests", "multiproc", "fallback_run.py")
@@ -41,5 +43,14 @@ def test_damaged_copies_are_skipped_in_order(tmp_path) -> None:
         o = g["one_rank_damaged"]
         assert o["iteration"] == 4 and o["equal"] and o["restored"] == [4], o
         assert len(o["skipped"]) == 1 and "iter_0000005" in o["skipped"][0], o["skipped"]
+    # read by columns what was saved by rows: every block of both files is read by both ranks and checked by one
+    # (the same host), the checked bytes are each file's once; damage in rank 1's file still makes both fall back
+    sh = [g["shared_blocks"] for g in got]
+    assert all(x["equal"] for x in sh), sh
+    assert sum(x["verified"] for x in sh) == 2 * (ROWS // 2) * COLS * 4 + COLS * 4, sh  # w's two chunks and b, once
+    for x in sh:
+        d = x["damaged"]
+        assert d["iteration"] == 6 and d["equal"] and len(d["skipped"]) == 1, d
+        assert "rank_00001.safetensors" in d["skipped"][0] and "fails its checksum" in d["skipped"][0], d
     assert got[0]["bad_replica"]["received"] > 0  # node 0's rank received rank 1's file from node 1
     assert r.log.count("skipping a damaged copy") >= 1  # the warning, once per copy (rank 0)

@@ -18,10 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tenplex_megatron.storage.parallel_read as parallel_read
-from tenplex_megatron.execute.executor import execute_plan, prepare_sources
+from tenplex_megatron.execute.executor import execute_plan, parallel_blocks, prepare_sources
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import Piece, plan_reshard
 from tenplex_megatron.plan.sim.sharding import layout_chunks
+from tenplex_megatron.plan.verify_share import blocks
 from tenplex_megatron.storage.parallel_read import ALIGN, default_threads, plan_runs, span, split_span
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, read_header
 from tenplex_megatron.storage.source_files import SourceFiles
@@ -230,90 +231,6 @@ def test_default_threads_share_the_cpus_among_local_ranks(monkeypatch) -> None:
     assert default_threads() == 1
 
 
-def _recording_segments(monkeypatch) -> list[tuple[int, int]]:
-    """Record, for each run read, how many of its bytes went straight into a destination and how many in all."""
-    seen: list[tuple[int, int]] = []
-    real = parallel_read.direct_segments
-
-    def recording(run, extents, home):
-        segs, rest = real(run, extents, home)
-        seen.append((sum(s.hi - s.lo for s in segs if s.into is not None), run.nbytes))
-        return segs, rest
-
-    monkeypatch.setattr(parallel_read, "direct_segments", recording)
-    return seen
-
-
-@pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("src", [(1, 2, 1, False), (2, 1, 1, False)])
-def test_contiguous_pieces_are_read_straight_into_the_destination(tmp_path, monkeypatch, threads: int, src) -> None:
-    # read at TP1: from PP2 every piece is a whole chunk; from TP2 a weight split on its last axis lands in part
-    # rows of the destination (copied from the slot), the rest is contiguous on both sides
-    tensors, source = _source(str(tmp_path), src, d=16, layers=2)
-    plan = plan_reshard(source, tensors, layout_chunks(tensors, ParallelLayout(1, 1, 1), False), strict=False)
-    rp = plan.ranks[0]
-    direct, _ = _load(str(tmp_path), tensors, rp, plan.sources, "direct")
-    seen = _recording_segments(monkeypatch)
-    par, stats = _load(str(tmp_path), tensors, rp, plan.sources, "parallel", threads=threads, mb=0.01)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(direct, par))
-    straight = sum(n for n, _ in seen)
-    assert straight == stats.bytes_read if src[1] == 2 else 0 < straight < stats.bytes_read
-
-
-def test_a_destination_that_is_not_contiguous_is_filled_from_the_slot(tmp_path, monkeypatch) -> None:
-    tensors, source = _source(str(tmp_path), d=16, layers=2)
-    plan = plan_reshard(source, tensors, layout_chunks(tensors, ParallelLayout(1, 1, 1), False), strict=False)
-    rp = plan.ranks[0]
-    direct, _ = _load(str(tmp_path), tensors, rp, plan.sources, "direct")
-    seen = _recording_segments(monkeypatch)
-    strided = [torch.full((2 * c.numel,), 7, dtype=getattr(torch, tensors[c.key].dtype))[::2] for c in rp.chunks]
-    files = SourceFiles(str(tmp_path), {k: m.dtype for k, m in tensors.items()})
-    with mock.patch.dict(os.environ, {"TENPLEX_STAGING": "parallel", "TENPLEX_STAGING_MB": "0.01"}):
-        try:
-            prepare_sources(rp, plan.sources, files)
-            execute_plan(rp, plan.sources, files, strided)
-        finally:
-            files.close()
-    assert seen and all(n == 0 for n, _ in seen)
-    assert all(torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)) for a, b in zip(direct, strided))
-
-
-def _run(nbytes: int, *boxes: tuple[int, int, int | None]) -> parallel_read.Run:
-    """A run of ``nbytes`` whose boxes are (slot offset, elements, destination element or None) of float32 chunk 0."""
-    out = []
-    for at, n, first in boxes:
-        p = Piece(0, 0, (n,), (0,), 0, 0, (n,), (0,), (n,))
-        out.append(parallel_read.Box(p, 0, at, 0, first))
-    return parallel_read.Run("f", 0, nbytes, (), tuple(out))
-
-
-EXTENT = parallel_read.Extent("f", 0, 1 << 20, 4, torch.float32, None, None, "f: t", ("f", "t"))
-
-
-def test_direct_segments_fill_the_gaps_from_the_slot_and_refuse_shared_bytes() -> None:
-    home = {0: (1 << 20, torch.float32)}
-    segs, rest = parallel_read.direct_segments(_run(400, (64, 10, 5), (200, 20, 100)), [EXTENT], home)
-    assert [(s.lo, s.hi, s.into is not None) for s in segs] == [
-        (0, 64, False), (64, 104, True), (104, 200, False), (200, 280, True), (280, 400, False)]
-    assert rest == [] and len(segs[1].into) == 40
-    # a box copied from the slot keeps the run in the slot where it shares bytes with a direct one
-    whole, rest = parallel_read.direct_segments(_run(400, (64, 10, 5), (80, 10, None)), [EXTENT], home)
-    assert [(s.lo, s.hi, s.into) for s in whole] == [(0, 400, None)] and len(rest) == 2
-    # no destination in place (another dtype, or not a contiguous CPU tensor): all from the slot
-    for other in ({0: (1 << 20, torch.bfloat16)}, {}):
-        whole, rest = parallel_read.direct_segments(_run(400, (64, 10, 5)), [EXTENT], other)
-        assert [(s.lo, s.hi, s.into) for s in whole] == [(0, 400, None)] and len(rest) == 1
-
-
-def test_dst_first_is_the_destination_start_of_a_box_contiguous_on_both_sides() -> None:
-    row = Piece(0, 0, (4, 8), (1, 0), 0, 3, (6, 8), (2, 0), (2, 8))  # two whole rows: contiguous on both sides
-    assert parallel_read.dst_first(row) == 3 + 2 * 8
-    half = Piece(0, 0, (4, 8), (1, 0), 0, 0, (6, 4), (0, 0), (2, 4))  # half rows of the source: strided there
-    assert parallel_read.dst_first(half) is None
-    into = Piece(0, 0, (4, 4), (0, 0), 0, 0, (4, 8), (0, 0), (2, 4))  # contiguous source, half rows of the dst
-    assert parallel_read.dst_first(into) is None
-
-
 def test_reads_are_announced_ahead_within_the_window(tmp_path, monkeypatch) -> None:
     tensors, source = _source(str(tmp_path), d=16, layers=3)
     plan = plan_reshard(source, tensors, layout_chunks(tensors, ParallelLayout(1, 1, 1), False), strict=False)
@@ -341,3 +258,37 @@ def test_reads_are_announced_ahead_within_the_window(tmp_path, monkeypatch) -> N
     monkeypatch.setenv("TENPLEX_PREFETCH", "0")
     _load(str(tmp_path), tensors, rp, plan.sources, "parallel", threads=1, mb=0.01)
     assert events and not [e for e in events if e[0] == "advise"]
+
+
+def test_blocks_a_peer_checks_are_read_but_not_checked_here(tmp_path) -> None:
+    # TP2 -> TP1: the plan's blocks split in two; a flipped byte in the half left to a peer is not this rank's to
+    # find, one in its own half is
+    tensors, source = _source(str(tmp_path), d=16, layers=3)
+    plan = plan_reshard(source, tensors, layout_chunks(tensors, ParallelLayout(1, 1, 1), False), strict=False)
+    rp = plan.ranks[0]
+    with mock.patch.dict(os.environ, {"TENPLEX_STAGING": "parallel", "TENPLEX_STAGING_MB": "0.01"}):
+        files = SourceFiles(str(tmp_path), {k: m.dtype for k, m in tensors.items()})
+        every = list(blocks(parallel_blocks(rp, plan.sources, files)))
+        size = {(s, b): min(BLOCK, files.extent(plan.sources[s]).nbytes - b * BLOCK) for s, b in every}
+        files.close()
+    assert len(every) > 4
+    peer = frozenset(every[::2])
+    sc = plan.sources[every[0][0]]
+    path = os.path.join(str(tmp_path), sc.location.file)
+    entry = read_header(path)[0][sc.location.name]
+    _flip(path, entry.begin + every[0][1] * BLOCK + 3)  # a block the peer checks: every[0] is in every[::2]
+
+    def load(peer_checked):
+        out = [torch.full((c.numel,), 7, dtype=getattr(torch, tensors[c.key].dtype)) for c in rp.chunks]
+        with mock.patch.dict(os.environ, {"TENPLEX_STAGING": "parallel", "TENPLEX_STAGING_MB": "0.01"}):
+            files = SourceFiles(str(tmp_path), {k: m.dtype for k, m in tensors.items()})
+            try:
+                prepare_sources(rp, plan.sources, files)
+                return execute_plan(rp, plan.sources, files, out, peer_checked)
+            finally:
+                files.close()
+
+    stats = load(peer)
+    assert stats.bytes_verified == sum(n for k, n in size.items() if k not in peer) < sum(size.values())
+    with pytest.raises(CheckpointFileError, match=rf"fails its checksum in block {every[0][1]} "):
+        load(frozenset(every[1::2]))  # the damaged block is this rank's own

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tenplex_megatron.plan.verify_share import merge, share_blocks, to_intervals
+from tenplex_megatron.plan.verify_share import blocks, merge, share_blocks, to_intervals
 
 
 def _blocks(intervals):
@@ -60,3 +60,8 @@ def test_random_needs_are_covered_exactly_once_per_host(seed: int) -> None:
         assert sum(len(g) for g in got) == len(wanted)  # no block twice on a host
         for r, g in zip(ranks, got):
             assert g <= _blocks(needs[r])  # only blocks the rank reads itself (it has them open)
+
+
+def test_blocks_lists_what_to_intervals_merged() -> None:
+    pairs = [(0, 3), (0, 4), (0, 5), (2, 0), (0, 9)]
+    assert sorted(blocks(to_intervals(pairs))) == sorted(pairs)
