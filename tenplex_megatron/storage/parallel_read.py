@@ -172,10 +172,17 @@ def split_span(p: Piece, cap: int) -> list[Piece]:
     return [_sub(p, d, a, min(k, p.shape[d] - a)) for a in range(0, p.shape[d], k)]
 
 
-def _halves(p: Piece) -> list[Piece]:
+def split_at(p: Piece, limit: int) -> list[Piece]:
+    """``p`` (whose first element lies before element ``limit`` of its chunk) cut into a first box that ends at or
+    before ``limit`` and the boxes of the rest: along its outermost dimension of more than one index, as many whole
+    indices as end there, else the first index's own box cut the same way one dimension further in."""
     d = next(i for i, n in enumerate(p.shape) if n > 1)
-    h = p.shape[d] // 2
-    return [_sub(p, d, 0, h), _sub(p, d, h, p.shape[d] - h)]
+    first, _ = span(p)
+    one = span(_sub(p, d, 0, 1))
+    i = min(p.shape[d] - 1, (limit - one[1]) // _strides(p.src_rect)[d] + 1) if one[1] <= limit else 0
+    if i >= 1:
+        return [_sub(p, d, 0, i), _sub(p, d, i, p.shape[d] - i)]
+    return [*split_at(_sub(p, d, 0, 1), limit), _sub(p, d, 1, p.shape[d] - 1)]
 
 
 def _merge(lo: np.ndarray, hi: np.ndarray, gap: int) -> list[tuple[int, int]]:
@@ -194,6 +201,11 @@ def _needed(e: Extent, pieces: list[Piece]) -> tuple[list[tuple[int, int]], list
     blocks whose checksums cover the bytes they copy."""
     los, his, blocks = [], [], set()
     for p in pieces:
+        if e.block_bytes is not None:
+            a, b = span(p)
+            if b - a == p.numel:  # one contiguous range: its blocks without numpy
+                blocks.update(range(a * e.itemsize // e.block_bytes, (b * e.itemsize - 1) // e.block_bytes + 1))
+                continue
         starts, run = piece_runs(p)
         if e.block_bytes is not None:
             blocks.update(touched_blocks(starts, run, e.itemsize, e.block_bytes))
@@ -201,8 +213,15 @@ def _needed(e: Extent, pieces: list[Piece]) -> tuple[list[tuple[int, int]], list
             los.append(starts * e.itemsize)
             his.append((starts + run) * e.itemsize)
     if e.block_bytes is not None:
-        b = np.array(sorted(blocks), dtype=np.int64)
-        return _merge(b * e.block_bytes, np.minimum((b + 1) * e.block_bytes, e.nbytes), GAP), b.tolist()
+        b = sorted(blocks)
+        ranges: list[list[int]] = []
+        for x in b:  # whole blocks, merged as _merge would (a few per chunk: no numpy)
+            lo, hi = x * e.block_bytes, min((x + 1) * e.block_bytes, e.nbytes)
+            if ranges and lo <= ranges[-1][1] + GAP:
+                ranges[-1][1] = max(ranges[-1][1], hi)
+            else:
+                ranges.append([lo, hi])
+        return [(lo, hi) for lo, hi in ranges], b
     lo, hi = np.concatenate(los), np.concatenate(his)
     order = np.argsort(lo, kind="stable")
     return _merge(lo[order], hi[order], GAP), []
@@ -287,8 +306,11 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
             box = todo.pop()
             a, b = span(box)
             k = run_of(e.path, e.offset + a * e.itemsize, e.offset + b * e.itemsize)
-            if k is None:
-                todo.extend(_halves(box))
+            if k is None:  # it runs past the end of the run holding its first element: cut it there
+                j = run_of(e.path, e.offset + a * e.itemsize, e.offset + (a + 1) * e.itemsize)
+                if j is None:  # cannot happen: every byte a piece reads lies in a run
+                    raise AssertionError(f"{e.where}: element {a} lies in no read")
+                todo.extend(split_at(box, (spans[j][2] - e.offset) // e.itemsize))
                 continue
             boxes[k].append(Box(box, p.source, e.offset + a * e.itemsize - spans[k][1], a))
     done: set[tuple[str, str, int]] = set(verified)

@@ -23,7 +23,7 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.planner import Piece, plan_reshard
 from tenplex_megatron.plan.sim.sharding import layout_chunks
 from tenplex_megatron.plan.verify_share import blocks
-from tenplex_megatron.storage.parallel_read import ALIGN, default_threads, plan_runs, span, split_span
+from tenplex_megatron.storage.parallel_read import ALIGN, default_threads, plan_runs, span, split_at, split_span
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, read_header
 from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.staging import StagingRing
@@ -108,6 +108,19 @@ def test_split_span_covers_each_element_once_within_the_cap(p: Piece, cap: int) 
     boxes = split_span(p, cap)
     assert sorted(e for b in boxes for e in _elements(b)) == sorted(_elements(p))
     assert all(b.numel == 1 or span(b)[1] - span(b)[0] <= cap for b in boxes)
+
+
+@SETTINGS
+@given(pieces(), st.data())
+def test_split_at_ends_the_first_box_by_the_limit_and_covers_each_element_once(p: Piece, data) -> None:
+    first, stop = span(p)
+    if stop - first < 2:
+        return
+    limit = data.draw(st.integers(first + 1, stop - 1))
+    boxes = split_at(p, limit)
+    assert span(boxes[0])[0] == first and span(boxes[0])[1] <= limit
+    assert sorted(e for b in boxes for e in _elements(b)) == sorted(_elements(p))
+    assert len(boxes) <= 2 * len(p.shape)  # one cut per dimension at most, not halves of halves
 
 
 @SETTINGS
