@@ -314,17 +314,16 @@ def parallel_read_gbps(root: str, threads: int, cold: bool, nbytes: int, chunk: 
     return at / secs / GB
 
 
-def write_limit(root: str, nbytes: int, threads: int, fsync: bool) -> float:
+def write_limit(root: str, nbytes: int, threads: int, fsync: bool, reps: int = 3) -> float:
     """GB/s of ``nbytes`` from a host buffer written into a new file under ``root`` by ``threads`` threads with
-    ``os.pwrite`` of :data:`RUN_BYTES` and, with ``fsync``, one fsync: the machine's limit for a save (storage)
-    or a snapshot (``root`` in node memory)."""
+    ``os.pwrite`` of :data:`RUN_BYTES` and, with ``fsync``, one fsync, the median of ``reps`` (timed as the
+    writers are): the machine's limit for a save (storage) or a snapshot (``root`` in node memory)."""
     buf = torch.ones(min(nbytes, 256 << 20), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
     view = memoryview(buf.numpy())
     path = os.path.join(root, f"limit-{os.getpid()}.bin")
     tasks = [(off, min(RUN_BYTES, nbytes - off)) for off in range(0, nbytes, RUN_BYTES)]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
-    def worker(k: int) -> None:
+    def worker(fd: int, k: int) -> None:
         for off, n in tasks[k::threads]:
             src = off % len(view)
             n = min(n, len(view) - src)
@@ -332,17 +331,23 @@ def write_limit(root: str, nbytes: int, threads: int, fsync: bool) -> float:
             while done < n:
                 done += os.pwrite(fd, view[src + done : src + n], off + done)
 
+    times = []
     try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(worker, range(threads)))
-        if fsync:
-            os.fsync(fd)
-        secs = time.perf_counter() - t0
+        for _ in range(max(1, reps)):
+            t0 = time.perf_counter()
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(worker, [fd] * threads, range(threads)))
+                if fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            times.append(time.perf_counter() - t0)
     finally:
-        os.close(fd)
-        os.unlink(path)
-    return nbytes / secs / GB
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return nbytes / statistics.median(times) / GB
 
 
 def bench_writes(out: list[torch.Tensor], root: str, device: torch.device, systems: list[str], reps: int,
@@ -354,8 +359,8 @@ def bench_writes(out: list[torch.Tensor], root: str, device: torch.device, syste
     nbytes = sum(t.numel() * t.element_size() for t in out)
     threads = default_threads()
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else root
-    row["write_fsync_gbps"] = write_limit(root, nbytes, threads, fsync=True)
-    row["shm_copy_gbps"] = write_limit(shm, nbytes, threads, fsync=False)
+    row["write_fsync_gbps"] = write_limit(root, nbytes, threads, fsync=True, reps=reps)
+    row["shm_copy_gbps"] = write_limit(shm, nbytes, threads, fsync=False, reps=reps)
     row["save_bytes"] = nbytes
     digests: dict[str, dict[str, Any]] = {"save": {}, "snapshot": {}}
     for system in [s for s in systems if s in ("parallel", "staged", "direct")]:
