@@ -9,7 +9,9 @@ a GPU). The thread that read a run checks the CRC-32 of every block in it
 destination, copies the pieces into the destination tensors; for a GPU the
 main thread sends the slot to the device on the ring's side stream and
 scatters the pieces there. A slot is reused once its pieces are placed (a CUDA
-event). No memory map, no whole-shard staging. Any error (a short read, a
+event). No memory map, no whole-shard staging; the kernel is told of the next
+:data:`PREFETCH_BYTES` of reads ahead of them (``POSIX_FADV_WILLNEED``), so a cold
+load keeps the storage busy. Any error (a short read, a
 damaged block, an I/O error in one thread) names the file (and the block),
 cancels the reads not started, waits for those running and frees the ring.
 The index arithmetic (:func:`plan_runs`) is pure; :func:`read_runs` does the I/O.
@@ -177,7 +179,6 @@ def split_at(p: Piece, limit: int) -> list[Piece]:
     before ``limit`` and the boxes of the rest: along its outermost dimension of more than one index, as many whole
     indices as end there, else the first index's own box cut the same way one dimension further in."""
     d = next(i for i, n in enumerate(p.shape) if n > 1)
-    first, _ = span(p)
     one = span(_sub(p, d, 0, 1))
     i = min(p.shape[d] - 1, (limit - one[1]) // _strides(p.src_rect)[d] + 1) if one[1] <= limit else 0
     if i >= 1:
