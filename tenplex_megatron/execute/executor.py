@@ -91,23 +91,36 @@ def prepare_sources(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sou
     return todo
 
 
+def _in_files(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source,
+              ) -> tuple[list[Extent], dict[int, int | None], list[Piece], list[Piece]]:
+    """The plan's pieces split by where their chunks lie: in a file the parallel reader can read (re-indexed into
+    the returned extents) or not (received bytes, formats without byte offsets); and each source's extent index
+    (None: not in a file)."""
+    extents: list[Extent] = []
+    local: dict[int, int | None] = {}
+    mine: list[Piece] = []
+    rest: list[Piece] = []
+    for p in plan.pieces:
+        if p.source not in local:
+            e = files.extent(sources[p.source])
+            local[p.source] = len(extents) if e is not None else None
+            if e is not None:
+                extents.append(e)
+        j = local[p.source]
+        if j is None:
+            rest.append(p)
+        else:
+            mine.append(replace(p, source=j))
+    return extents, local, mine, rest
+
+
 def parallel_blocks(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Source) -> list[Interval]:
     """The checksum blocks the parallel reader checks for ``plan`` (chunks in files with per-block checksums), as
     (source, first, last) intervals: ranks of a host split them as they split :func:`block_intervals`' blocks."""
     if not _parallel() or not files.verifying:
         return []
-    extents: list[Extent] = []
-    local: dict[int, int] = {}
-    mine: list[Piece] = []
-    for p in plan.pieces:
-        if p.source not in local:
-            e = files.extent(sources[p.source])
-            if e is None:
-                continue
-            local[p.source] = len(extents)
-            extents.append(e)
-        mine.append(replace(p, source=local[p.source]))
-    back = {j: s for s, j in local.items()}
+    extents, local, mine, _ = _in_files(plan, sources, files)
+    back = {j: s for s, j in local.items() if j is not None}
     return to_intervals((back[j], b) for j, blocks in checked_blocks(mine, extents).items() for b in blocks)
 
 
@@ -203,26 +216,12 @@ def _read_parallel(plan: RankPlan, sources: tuple[StoredChunk, ...], files: Sour
                    ) -> tuple[list[Piece], ReadPlan | None, int]:
     """The pieces whose chunks lie in files, through the parallel reader; returns the other pieces (received
     bytes, formats without byte offsets), what it read (None: nothing) and the files read."""
-    extents: list[Extent] = []
-    local: dict[int, int] = {}
-    mine: list[Piece] = []
-    rest: list[Piece] = []
-    for p in plan.pieces:
-        j = local.get(p.source)
-        if j is None and p.source not in local:
-            e = files.extent(sources[p.source])
-            j = local[p.source] = len(extents) if e is not None else None  # type: ignore[assignment]
-            if e is not None:
-                extents.append(e)
-        if j is None:
-            rest.append(p)
-        else:
-            mine.append(replace(p, source=j))
+    extents, local, mine, rest = _in_files(plan, sources, files)
     if not mine:
         return rest, None, 0
     verifier = getattr(files, "verifier", None)
     skip = set(verifier.verified) if verifier is not None else set()
-    skip.update((*extents[local[s]].key, b) for s, b in peer_checked if local.get(s) is not None)
+    skip.update((*extents[j].key, b) for s, b in peer_checked if (j := local.get(s)) is not None)
     rp = plan_runs(mine, extents, slot_size(), skip)
     read_runs(rp, lambda p: box_view(dst[p.dst], p.dst_start, p.dst_rect, p.dst_sel, p.shape), device)
     files.read_done(rp)
