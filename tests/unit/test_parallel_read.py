@@ -42,7 +42,7 @@ def _source(root: str, src=(2, 1, 1, False), seed: int = 0, d: int = 2, layers: 
 
 
 def _load(root: str, tensors, rp, sources, mode: str, threads: int = 2, mb: float = 256,
-          verify: bool = True) -> tuple[list[torch.Tensor], object]:
+          verify: bool = True, peer_checked: frozenset = frozenset()) -> tuple[list[torch.Tensor], object]:
     """One rank's load as ``engine.load`` does it (open and verify, then copy), through ``TENPLEX_STAGING=mode``
     (set and restored here: hypothesis examples cannot use a function-scoped monkeypatch)."""
     env = {"TENPLEX_STAGING": mode, "TENPLEX_READ_THREADS": str(threads), "TENPLEX_STAGING_MB": str(mb)}
@@ -51,7 +51,7 @@ def _load(root: str, tensors, rp, sources, mode: str, threads: int = 2, mb: floa
         out = [torch.full((c.numel,), 7, dtype=getattr(torch, tensors[c.key].dtype)) for c in rp.chunks]
         try:
             prepare_sources(rp, sources, files)
-            stats = execute_plan(rp, sources, files, out)
+            stats = execute_plan(rp, sources, files, out, peer_checked)
         finally:
             files.close()
     return out, stats
@@ -291,17 +291,8 @@ def test_blocks_a_peer_checks_are_read_but_not_checked_here(tmp_path) -> None:
     entry = read_header(path)[0][sc.location.name]
     _flip(path, entry.begin + every[0][1] * BLOCK + 3)  # a block the peer checks: every[0] is in every[::2]
 
-    def load(peer_checked):
-        out = [torch.full((c.numel,), 7, dtype=getattr(torch, tensors[c.key].dtype)) for c in rp.chunks]
-        with mock.patch.dict(os.environ, {"TENPLEX_STAGING": "parallel", "TENPLEX_STAGING_MB": "0.01"}):
-            files = SourceFiles(str(tmp_path), {k: m.dtype for k, m in tensors.items()})
-            try:
-                prepare_sources(rp, plan.sources, files)
-                return execute_plan(rp, plan.sources, files, out, peer_checked)
-            finally:
-                files.close()
-
-    stats = load(peer)
+    _, stats = _load(str(tmp_path), tensors, rp, plan.sources, "parallel", mb=0.01, peer_checked=peer)
     assert stats.bytes_verified == sum(n for k, n in size.items() if k not in peer) < sum(size.values())
     with pytest.raises(CheckpointFileError, match=rf"fails its checksum in block {every[0][1]} "):
-        load(frozenset(every[1::2]))  # the damaged block is this rank's own
+        # the damaged block is this rank's own
+        _load(str(tmp_path), tensors, rp, plan.sources, "parallel", mb=0.01, peer_checked=frozenset(every[1::2]))
