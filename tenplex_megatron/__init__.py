@@ -24,13 +24,14 @@ from typing import Any
 from tenplex_megatron.errors import TenplexError
 
 __version__ = "0.2.0"
-__all__ = ["LoadResult", "SaveResult", "TenplexError", "__version__", "load_checkpoint", "save_checkpoint"]
+__all__ = ["LoadResult", "SaveResult", "TenplexError", "__version__", "load_checkpoint", "open_checkpointer",
+           "save_checkpoint"]
 
 
 def __getattr__(name: str) -> Any:
     """The megatron-core API on first use (PEP 562): ``import tenplex_megatron.plan`` must not import torch."""
-    if name in ("save_checkpoint", "load_checkpoint", "LoadResult", "SaveResult"):
-        from tenplex_megatron.integrations.megatron_core import adapter
+    if name in ("save_checkpoint", "load_checkpoint", "open_checkpointer", "LoadResult", "SaveResult"):
+        from tenplex_megatron.frontdoor import api
 
-        return getattr(adapter, name)
+        return getattr(api, name)
     raise AttributeError(f"module 'tenplex_megatron' has no attribute {name!r}")

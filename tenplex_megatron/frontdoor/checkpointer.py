@@ -1,24 +1,24 @@
-"""One job's checkpointing, owned by one object: the leases, the host-memory tier, the restart sources and the
-save/load sequence, in the one order every front door follows; :meth:`Checkpointer.close` gives all of it back, so
-that a job restarted in the same process (an in-process restart at a new world size) builds a new one.
+"""One job's checkpointing, owned by one object: the leases, the host-memory tier, the resume sequence and the
+save, in the one order every front door follows; :meth:`Checkpointer.close` gives all of it back, so that a job
+restarted in the same process (an in-process restart at a new world size) builds a new one.
 
-The sequence: build (claim the leases, before any process group), :meth:`~Checkpointer.memory` (collective: open
-the ``--tenplex-memory`` tier, its helper processes started), :meth:`~Checkpointer.sources` (where a restart loads
-from), :meth:`~Checkpointer.restart` (collective: load, re-sharded, a damaged copy falling back to the next),
-:meth:`~Checkpointer.save` (collective: a snapshot into host memory, else a durable save with ``keep``, under the
-lease's fence), :meth:`~Checkpointer.finish` (collective: the last snapshot replicated and persisted), then
-:meth:`~Checkpointer.close` (local: the helpers stopped, the leases released, the heartbeat thread ended). The
-engine comes in as an :class:`~tenplex_megatron.engine.adapter.Adapter` factory and its loaders, so that the
-trainer, the Megatron-LM hook and the DeepSpeed calls share it.
+The sequence: build from the job's :class:`~tenplex_megatron.frontdoor.job_config.JobConfig` (claim the leases,
+before any process group), :meth:`~Checkpointer.memory` (collective: open the host-memory tier, its helper processes
+started), :meth:`~Checkpointer.sources` (a query: where a restart would load from; nothing changes),
+:meth:`~Checkpointer.resume` (collective: the one resume order of ``frontdoor/resume.py``, a damaged copy falling
+back to the next, then ``--tenplex-resave``), :meth:`~Checkpointer.save` (collective: a snapshot into host memory,
+else a durable save with the job's retention and scope, under the lease's fence), :meth:`~Checkpointer.finish`
+(collective: the last snapshot replicated and persisted), then :meth:`~Checkpointer.close` (local: the helpers
+stopped, the leases released, the heartbeat thread ended). The framework comes in as an
+:class:`~tenplex_megatron.frontdoor.resume.Engine`, so that the trainer, the Megatron-LM hook, the public API and the
+DeepSpeed calls share it.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from tenplex_megatron import log
 from tenplex_megatron.engine.adapter import Adapter
@@ -26,12 +26,14 @@ from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.engine.save import SaveResult
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import rank, run_phase
-from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources, resume
+from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.frontdoor.resume import Engine, Resumed
 from tenplex_megatron.memory import fallback, state
-from tenplex_megatron.memory.restart import discard_after
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
 from tenplex_megatron.memory.state import MemoryTier
+from tenplex_megatron.plan.megatron_ckpt_flags import SaveScope
 from tenplex_megatron.storage import job_identity, lease
 
 _log = log.get("checkpointer")
@@ -42,26 +44,32 @@ class CheckpointerClosedError(TenplexError, RuntimeError):
 
 
 class Checkpointer:
-    """One job's leases, host-memory tier, restart sources and save/load sequence, built from its parsed flags
-    (``args``: the ``--tenplex*`` flags of ``tenplex_megatron/flags.py``, with ``save`` and ``load``); ``prog``
-    names the program in refusals. Building it claims the leases (before any process group: another live job's
-    directory is refused with SystemExit naming it)."""
+    """One job's leases, host-memory tier, resume sequence and save, built from its :class:`JobConfig`. Building
+    it claims the leases (before any process group: another live job's directory is refused with SystemExit
+    naming it), unless the configuration says a launcher holds them for the process."""
 
-    def __init__(self, args: Any, prog: str, memory: MemorySettings | None = None) -> None:
-        self.args, self.prog = args, prog
-        self.leases: tuple[str, ...] = tuple(lease_flags.claim(args, prog))
-        self._settings = memory  # the tier's settings given by an API caller (else the flags say)
+    def __init__(self, config: JobConfig) -> None:
+        self.config = config
+        self.prog = config.prog
+        self._leases: tuple[str, ...] = tuple(lease_flags.claim(config)) if config.leases.claim else ()
         self._tier: MemoryTier | None = None
         self._opened = False
         self._closed = False
         self._claimed: set[str] = set()
+        self._sources: dict[tuple[str | None, bool], restart_sources.Sources] = {}
+        self._resumed = False  # the resume sequence ran (else the first save starts a new timeline)
 
     @classmethod
     def for_api(cls, prog: str, memory: MemorySettings | None = None) -> Checkpointer:
-        """A job driven through API calls rather than flags (the DeepSpeed front door): no lease claimed at start-up
-        (each save directory is claimed at its first save, :meth:`claim_dir`); the host-memory tier of ``memory``
-        (DeepSpeed's ``open_memory``), opened by :meth:`memory`, or none."""
-        return cls(argparse.Namespace(tenplex=False, save=None, load=None, tenplex_memory=None), prog, memory)
+        """A job driven through API calls rather than flags (the public megatron-core calls, DeepSpeed's): no
+        lease claimed at start-up (each save directory is claimed at its first save, :meth:`claim_dir`); the
+        host-memory tier of ``memory`` (DeepSpeed's ``open_memory``), opened by :meth:`memory`, or none."""
+        return cls(JobConfig.for_api(prog, memory))
+
+    @property
+    def leases(self) -> tuple[str, ...]:
+        """The directories whose leases this process holds for the job (released by :meth:`close`)."""
+        return self._leases
 
     def claim_dir(self, save_dir: str, job_id: str | None = None, take_over: bool = False,
                   ttl: float = lease.DEFAULT_TTL) -> None:
@@ -84,16 +92,14 @@ class Checkpointer:
         run_phase(f"lease of {save_dir}", claim)
         self._claimed.add(key)
         if rank() == 0:
-            self.args.tenplex_leases = [*(self.args.tenplex_leases or ()), save_dir]
-        self.leases = tuple(self.args.tenplex_leases or ())
+            self._leases = (*self._leases, save_dir)
 
-    # -- the sequence ------------------------------------------------------------------------------------------
+    # -- the host-memory tier ----------------------------------------------------------------------------------
 
     @property
     def wants_memory(self) -> bool:
         """Whether the job runs the host-memory tier (``--tenplex --tenplex-memory DIR``, or an API caller's)."""
-        return self._settings is not None or bool(getattr(self.args, "tenplex", False)
-                                                  and getattr(self.args, "tenplex_memory", None))
+        return self.config.memory is not None
 
     @property
     def memory_opened(self) -> bool:
@@ -101,56 +107,86 @@ class Checkpointer:
         return self._opened
 
     def memory(self) -> MemoryTier | None:
-        """Collective at the first call (every rank reaches it): the ``--tenplex-memory`` tier (or the API caller's),
-        its helper processes started; None without one. Later calls return the same tier."""
+        """Collective at the first call (every rank reaches it): the job's host-memory tier, its helper processes
+        started; None without one. Later calls return the same tier."""
         self._check_open()
         if not self._opened:
-            self._tier = (memory_flags.open_settings(self._settings) if self._settings is not None
-                          else memory_flags.open_memory(self.args) if self.wants_memory else None)
+            self._tier = memory_flags.open_settings(self.config.memory) if self.wants_memory else None
             self._opened = True
         return self._tier
 
-    def sources(self, load_dir: str | None, *, tenplex: bool | None = None,
-                memory: bool = True) -> restart_sources.Sources:
-        """Where a restart loads from (``restart_sources.py``'s order) under ``load_dir``, the tier opened first;
-        ``memory=False`` leaves host memory out (a load of another directory than the job's)."""
-        tier = self.memory() if memory else None
-        return restart_sources.find_sources(tier, load_dir, tenplex=bool(
-            getattr(self.args, "tenplex", False) if tenplex is None else tenplex))
+    @property
+    def tier(self) -> MemoryTier | None:
+        """The host-memory tier, when :meth:`memory` opened one."""
+        return self._tier
+
+    # -- the resume sequence -----------------------------------------------------------------------------------
+
+    def sources(self, load_dir: str | None = None, *, memory: bool = True) -> restart_sources.Sources:
+        """A query (collective where the tier is open, else local): where a restart under ``load_dir`` (default:
+        the job's ``--load``) would load from, in ``restart_sources.py``'s order, the tier opened first;
+        ``memory=False`` leaves host memory out (a load of another directory than the job's). Found once per
+        directory: :meth:`resume` takes what this found; nothing is discarded or changed."""
+        load_dir = self.config.load if load_dir is None else load_dir
+        key = (load_dir, memory)
+        if key not in self._sources:
+            tier = self.memory() if memory else None
+            self._sources[key] = restart_sources.find_sources(tier, load_dir, tenplex=self.config.tenplex)
+        return self._sources[key]
+
+    def resume(self, engine: Engine, load_dir: str | None = None, *, own: bool = True) -> Resumed:
+        """Collective: the job's state from the first source that has one, in the one resume order
+        (``frontdoor/resume.py``), under ``load_dir`` (default: the job's ``--load``); snapshots of a timeline the
+        job left discarded; then ``--tenplex-resave``. ``own``: the job's own load directory (host memory and the
+        checkpoint flags' scope apply; not to another directory a front door loads)."""
+        self._check_open()
+        load_dir = self.config.load if load_dir is None else load_dir
+        got = resume.scoped(self.config, engine, load_dir) if own else None
+        if got is None:
+            sources = self.sources(load_dir, memory=own)
+            got = resume.from_sources(self.config, engine, self._tier if own else None, sources, load_dir)
+        self._sources.clear()  # what the sequence found is spent: a later query looks again
+        resume.forget_other_timelines(self.memory() if own else None, got)
+        self._resumed = True
+        if self.config.resave and got.kind in ("scoped", "memory", "durable", "adopted"):
+            engine.save(self.config.resave, None, SaveScope())
+        return got
 
     def restart(self, adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult],
                 sources: restart_sources.Sources, load_dir: str | None, *,
                 memory: bool = True, verify: bool | None = None) -> fallback.Restart:
-        """Collective: load ``sources``' snapshot or durable checkpoint, re-sharded (``verify``, by default unless
-        ``--tenplex-no-verify``: check the checksums); a damaged copy falls back to the next (``memory/fallback.py``)."""
+        """Collective: load ``sources``' snapshot or durable checkpoint, re-sharded (``verify``, by default as the
+        job's configuration says); a damaged copy falls back to the next (``memory/fallback.py``). The step of
+        :meth:`resume` a front door without a whole :class:`Engine` takes (DeepSpeed's own calls)."""
         self._check_open()
-        if verify is None:
-            verify = not getattr(self.args, "tenplex_no_verify", False)
         tier = self._tier if memory else None
-        return restart_sources.restart(adapter, load_durable, tier, sources, load_dir, verify=verify)
+        return restart_sources.restart(adapter, load_durable, tier, sources, load_dir,
+                                       verify=self.config.verify if verify is None else verify)
 
-    def forget_older_snapshots(self) -> None:
-        """A job that starts afresh (nothing loaded): the snapshots older runs left in the tier are discarded."""
-        tier = self.memory()
-        if tier is not None:
-            discard_after(tier, None)
+    # -- the save ----------------------------------------------------------------------------------------------
 
-    def save(self, adapter: Callable[[], Adapter], save_durable: Callable[[], SaveResult], *,
-             persist: bool | None = None) -> SnapshotResult | SaveResult:
-        """Collective: a snapshot into host memory through ``adapter()`` when the tier is open (``persist`` as
-        :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it), else ``save_durable()`` (which applies
-        ``--tenplex-keep``); a writer fenced by a newer generation of its directory stops (:meth:`fenced`)."""
+    def save(self, engine: Engine, *, persist: bool | None = None) -> SnapshotResult | SaveResult:
+        """Collective: a snapshot into host memory through ``engine.adapter()`` when the tier is open
+        (``persist`` as :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it), else a durable save under
+        ``--save`` with the job's retention and scope; a writer fenced by a newer generation of its directory stops
+        (:meth:`fenced`)."""
+        if self.config.save is None:
+            raise NoSaveDirError(f"{self.prog}: a save needs a save directory (--save)")
         with self.fenced():
             if self.memory() is not None:
-                return self.snapshot(adapter(), persist=persist)
-            return save_durable()
+                if not self._resumed:  # nothing was loaded (no --load): the snapshots older runs left are discarded
+                    resume.forget_other_timelines(self._tier, Resumed("scratch"))
+                    self._resumed = True
+                return self.snapshot(engine.adapter(), persist=persist)
+            return engine.save(self.config.save, self.config.retention, self.config.save_scope)
 
     def snapshot(self, adapter: Adapter, *, persist: bool | None = None) -> SnapshotResult:
         """Collective: a snapshot of ``adapter``'s state into the host-memory tier (``persist`` as
         :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it); a job without the tier is refused."""
         tier = self.memory()
         if tier is None:
-            raise ValueError(f"{self.prog}: a host-memory snapshot needs the host-memory tier (--tenplex-memory)")
+            raise NoMemoryTierError(f"{self.prog}: a host-memory snapshot needs the host-memory tier "
+                                    "(--tenplex-memory)")
         return snapshot(adapter, tier, persist=persist)
 
     @contextlib.contextmanager
@@ -168,17 +204,12 @@ class Checkpointer:
             return memory_flags.finish(self._tier, over=over, say=say)
         return ()
 
+    # -- the end -----------------------------------------------------------------------------------------------
+
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` has run."""
         return self._closed
-
-    @property
-    def tier(self) -> MemoryTier | None:
-        """The host-memory tier, when :meth:`memory` opened one."""
-        return self._tier
-
-    # -- the end -----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Local and idempotent: stop this node's helper process and close its shared-memory handles, release the
@@ -192,7 +223,8 @@ class Checkpointer:
                 state.close(self._tier)
         finally:
             self._tier = None
-            lease_flags.release(self.args)
+            lease_flags.release(self._leases)
+            self._leases = ()
             lease.stop_heartbeat_when_idle()
 
     def __enter__(self) -> Checkpointer:
@@ -204,3 +236,11 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointerClosedError(f"{self.prog}: this job's Checkpointer is closed: build a new one")
+
+
+class NoSaveDirError(TenplexError, ValueError):
+    """A save was asked of a job with no save directory (``--save``)."""
+
+
+class NoMemoryTierError(TenplexError, ValueError):
+    """A host-memory snapshot was asked of a job without the host-memory tier (``--tenplex-memory``)."""

@@ -13,7 +13,6 @@ import os
 from typing import Any
 
 from tenplex_megatron.engine.load import LoadResult
-from tenplex_megatron.integrations.megatron_core.adapter import adopt_megatron_checkpoint, load_job
 from tenplex_megatron.plan import megatron_ckpt_flags as table
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope
 from tenplex_megatron.storage.directory import (
@@ -50,20 +49,19 @@ def megatron_or_tenplex_at(load: str, step: int) -> tuple[str, bool]:
     return checkpoint_at(load, step), True
 
 
-def pretrained(args: Any, load_dir: str | None) -> tuple[str | None, LoadScope]:
-    """The directory and scope of a load: ``--load``'s with the flags' scope, or, when ``--load`` holds no
+def pretrained(load_dir: str | None, scope: LoadScope, pretrained_dir: str | None,
+               finetune_scope: LoadScope) -> tuple[str | None, LoadScope]:
+    """The directory and scope of a load: ``--load``'s with the flags' ``scope``, or, when ``--load`` holds no
     checkpoint, ``--pretrained-checkpoint``'s as a fine-tune (Megatron-LM's rule)."""
-    scope = table.load_scope(args)
-    source = getattr(args, "pretrained_checkpoint", None)
-    if source and not (load_dir and (find_checkpoint(load_dir) or find_megatron_checkpoint(load_dir))):
-        return source, table.load_scope(args, finetune=True)
+    if pretrained_dir and not (load_dir and (find_checkpoint(load_dir) or find_megatron_checkpoint(load_dir))):
+        return pretrained_dir, finetune_scope
     return load_dir, scope
 
 
-def load_scoped(job: Any, load_dir: str, scope: LoadScope, *, verify: bool, trust_pickles: bool) -> LoadResult | None:
+def load_scoped(engine: Any, load_dir: str, scope: LoadScope) -> LoadResult | None:
     """Collective: the checkpoint ``scope`` names under ``load_dir`` (its iteration, else the newest: tenplex's,
-    else Megatron's own, adopted) into ``job`` at its layout, taking back what ``scope`` asks for; None when
-    ``load_dir`` holds no checkpoint."""
+    else Megatron's own, adopted) into the job through ``engine`` (``frontdoor/resume.py``'s ``Engine``) at its
+    layout, taking back what ``scope`` asks for; None when ``load_dir`` holds no checkpoint."""
     if scope.iteration is not None:
         path, ours = megatron_or_tenplex_at(load_dir, scope.iteration)
     else:
@@ -71,9 +69,7 @@ def load_scoped(job: Any, load_dir: str, scope: LoadScope, *, verify: bool, trus
         path, ours = (found, True) if found is not None else (find_megatron_checkpoint(load_dir), False)
     if path is None:
         return None
-    if ours:
-        return load_job(job, path, scope=scope, verify=verify)
-    return adopt_megatron_checkpoint(job, path, trust_pickles=trust_pickles, scope=scope)
+    return engine.load(path, scope) if ours else engine.adopt(path, scope)
 
 
 def describe_scope(scope: LoadScope) -> str:

@@ -21,38 +21,36 @@ from typing import Any
 
 from tenplex_megatron import log as tlog
 from tenplex_megatron.frontdoor import lease_flags
-from tenplex_megatron.storage import lease
+from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.storage import job_identity, lease
 
 log = tlog.get("lease")
 
 KEY = "tenplex-lease/{taker}/{directory}"  # in the job's store: the generation the taker took, as JSON
 
 
-def directories(args: Any) -> list[tuple[str, int]]:
+def directories(config: JobConfig) -> list[tuple[str, int]]:
     """The directories whose leases the job holds, each with the initial rank that takes it: ``--save`` (rank 0)
     and this node's ``--tenplex-memory`` directory (the node's first rank)."""
-    if not getattr(args, "tenplex", False):
-        return []
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    out = [(args.save, 0)] if getattr(args, "save", None) else []
-    if getattr(args, "tenplex_memory", None):
-        out.append((args.tenplex_memory, rank - local))
+    out = [(config.leases.save, 0)] if config.leases.save else []
+    if config.leases.memory:
+        out.append((config.leases.memory, rank - local))
     return out
 
 
-def claim(args: Any, prog: str, store: Any, timeout: float) -> list[str]:
+def claim(config: JobConfig, store: Any, timeout: float) -> list[str]:
     """Every rank, before NVRx's wrapper: take (the taker, for the launcher) or adopt (the others) each directory's
     lease; SystemExit naming the directory and its holder when another live job holds it, or naming the taker when
     its generation does not come within ``timeout`` seconds. Returns the directories this process holds."""
-    ttl = float(getattr(args, "tenplex_lease_ttl", lease.DEFAULT_TTL))
+    prog, ttl, take_over = config.prog, config.leases.ttl, config.leases.take_over
     if ttl <= 0:
         raise SystemExit(f"{prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
-    take_over = bool(getattr(args, "tenplex_take_over", False))
     rank = int(os.environ.get("RANK", "0"))
     held: list[str] = []
     try:
-        dirs = directories(args)
-        job = lease_flags.job_id(args) if dirs else ""
+        dirs = directories(config)
+        job = job_identity.job_id(config.leases.job_id) if dirs else ""
         for d, taker in dirs:
             key = KEY.format(taker=taker, directory=os.path.abspath(d))
             if rank == taker:

@@ -4,13 +4,12 @@ lease and each node's first local rank its ``--tenplex-memory`` directory's (``s
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 from tenplex_megatron import log
 from tenplex_megatron.frontdoor import elastic
+from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.storage import job_identity, lease
 
 _log = log.get("lease")
@@ -18,37 +17,24 @@ _log = log.get("lease")
 FENCED_EXIT = 3  # the exit status of a writer fenced by a newer generation (the in-process launcher ends the rest)
 
 
-def job_id(args: Any) -> str:
-    """The job's identity, the same on every rank and elastic round of one launch (``storage/job_identity.py``)."""
-    return job_identity.job_id(getattr(args, "tenplex_job_id", None))
-
-
-def claim(args: Any, prog: str) -> list[str]:
-    """Before any process group: check every lease, take this process's (idempotent); SystemExit naming the
-    directory and its holder when refused. Returns the directories this process holds."""
-    if getattr(args, "tenplex_leases", None) is not None:
-        return args.tenplex_leases
-    dirs = []
-    if getattr(args, "tenplex", False) and getattr(args, "save", None):
-        dirs.append((args.save, int(os.environ.get("RANK", "0")) == 0))
-    if getattr(args, "tenplex", False) and getattr(args, "tenplex_memory", None):
-        dirs.append((args.tenplex_memory, int(os.environ.get("LOCAL_RANK", "0")) == 0))
-    take_over = bool(getattr(args, "tenplex_take_over", False))
-    ttl = float(getattr(args, "tenplex_lease_ttl", lease.DEFAULT_TTL))
+def claim(config: JobConfig) -> list[str]:
+    """Before any process group: check every lease of the job (``config.lease_dirs()``), take this process's;
+    SystemExit naming the directory and its holder when refused. Returns the directories this process holds."""
+    dirs = config.lease_dirs()
+    ttl = config.leases.ttl
     if ttl <= 0:
-        raise SystemExit(f"{prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
+        raise SystemExit(f"{config.prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
     mine = []
     try:
-        job = job_id(args) if dirs else ""
+        job = job_identity.job_id(config.leases.job_id) if dirs else ""
         for d, take in dirs:
             if take:
-                lease.acquire(d, job, ttl, take_over)
+                lease.acquire(d, job, ttl, config.leases.take_over)
                 mine.append(d)
             else:
-                lease.check(d, job, take_over)
+                lease.check(d, job, config.leases.take_over)
     except lease.LeaseError as e:
-        raise SystemExit(f"{prog}: error: {e}") from None
-    args.tenplex_leases = mine
+        raise SystemExit(f"{config.prog}: error: {e}") from None
     return mine
 
 
@@ -74,9 +60,7 @@ def stop_when_fenced(prog: str) -> Iterator[None]:
         elastic.stop_agent_and_exit(FENCED_EXIT)  # every node's agent
 
 
-def release(args: Any) -> None:
-    """A clean end: give back the leases this process holds (the next job takes them at once); a later
-    :func:`claim` with the same flags claims them again (a job rebuilt in the same process)."""
-    for d in getattr(args, "tenplex_leases", None) or ():
+def release(dirs: Iterable[str]) -> None:
+    """A clean end: give back the leases of ``dirs`` this process holds (the next job takes them at once)."""
+    for d in dirs:
         lease.release(d)
-    args.tenplex_leases = None

@@ -47,23 +47,20 @@ from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import ckpt_flags, elastic, megatron_lm_inprocess, memory_flags, restart_sources
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
-from tenplex_megatron.integrations.hf.load import init_from_hf
+from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
+from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.frontdoor.resume import MissingCheckpointError
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
     LiveSpec,
-    MegatronCoreAdapter,
-    adopt_megatron_checkpoint,
     current_layout,
-    load_job,
-    save_job,
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
-from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
-from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, LoadScope, refusals, retention, save_scope
+from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, refusals
 from tenplex_megatron.plan.unsupported import missing_transformer_engine, unsupported_flags, unsupported_job_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -74,6 +71,7 @@ from tenplex_megatron.storage.directory import (
 from tenplex_megatron.storage.files import CheckpointFileError
 
 _log = log.get("megatron_lm")
+PROG = "pretrain_gpt.py"
 #: where :func:`install` keeps the hook's state: on the module it patches (``megatron.training.training``)
 HOOK_ATTRIBUTE = "_tenplex_hook"
 
@@ -88,10 +86,12 @@ class Hook:
         self.in_place: megatron_lm_inprocess.InPlace | None = None  # Megatron-LM's --inprocess-restart, --tenplex
 
     def checkpointer_for(self, args: Any) -> Checkpointer:
-        """The job's Checkpointer, built from Megatron-LM's parsed ``args`` at the first call (the leases claimed:
-        before any process group when :func:`_validate_args` calls it), closed at exit."""
+        """The job's Checkpointer, built from Megatron-LM's parsed ``args`` at the first call (the leases claimed,
+        before any process group when :func:`_validate_args` calls it; in place, the launcher's claim is the
+        process's), closed at exit."""
         if self.checkpointer is None:
-            self.checkpointer = Checkpointer(args, "pretrain_gpt.py")
+            config = JobConfig.from_args(args, PROG, claim_leases=self.in_place is None)
+            self.checkpointer = Checkpointer(config)
             atexit.register(self.checkpointer.close)
         return self.checkpointer
 
@@ -214,8 +214,7 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
             _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
         raise SystemExit(2)
     hook = installed()
-    if hook.in_place is not None:  # in place: the leases are the process's (claimed once), the gloo/NCCL timeout ours
-        args.tenplex_leases = []
+    if hook.in_place is not None:  # in place: the gloo/NCCL timeout ours
         args.distributed_timeout_minutes = hook.in_place.settings.timeout / 60
     if hasattr(args, "tenplex_take_over"):  # before any process group: another live job's directory is refused
         try:
@@ -337,20 +336,21 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     job = _job(model, optimizer, opt_param_scheduler)
     job.iteration = iteration
     job.consumed_samples = int(args.consumed_train_samples)
-    extra = {"num_floating_point_operations_so_far": num_floating_point_operations_so_far}
     ckpt = installed().checkpointer_for(args)
-    opened = ckpt.memory_opened
-    if ckpt.memory() is not None and not opened:  # no --load: a fresh start, older runs' snapshots left behind
-        ckpt.forget_older_snapshots()
+    engine = _engine(job, ckpt, {"num_floating_point_operations_so_far": num_floating_point_operations_so_far})
     # a snapshot into node memory (replication and persist go on in the background), else a durable save; a newer
     # generation of this job owning the directory stops this one
-    res = ckpt.save(lambda: MegatronCoreAdapter(job, extra),
-                    lambda: save_job(job, args.save, extra=extra, keep=retention(args), scope=save_scope(args)))
+    res = ckpt.save(engine)
     if ckpt.tier is not None:
         for line in memory_flags.describe_snapshot(res, iteration):
             _log.info(line)
         return
     _log.info("saved iteration %d to %s in %.2f s", iteration, res.path, res.seconds)
+
+
+def _engine(job: LiveJob, ckpt: Checkpointer, extra: dict[str, Any] | None = None) -> MegatronCoreEngine:
+    """The live job seen by its Checkpointer (``extra``: what a save records beside the state)."""
+    return MegatronCoreEngine(job, ckpt.config.verify, ckpt.config.trust_pickles, dict(extra or {}))
 
 
 def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *a: Any, **kw: Any) -> Any:
@@ -370,67 +370,34 @@ def maybe_finalize_async_save(blocking: bool = False, terminate: bool = False, *
 
 def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
                     strict: bool = True, *a: Any, **kw: Any) -> tuple[int, float]:
-    """Megatron-LM's ``load_checkpoint`` signature; re-sharding tenplex load when ``--tenplex``."""
+    """Megatron-LM's ``load_checkpoint`` signature; with ``--tenplex`` the one resume sequence of the job's
+    Checkpointer (``frontdoor/resume.py``), re-sharding; Megatron's own loader where the sequence leaves it one."""
     from megatron.training import get_args
 
     args = get_args()
-    load_dir = getattr(args, load_arg, None)
-    if getattr(args, "tenplex", False) and load_arg == "load":  # Megatron-LM's checkpoint settings (ckpt_flags.py)
-        load_dir, scope = ckpt_flags.pretrained(args, load_dir)
-        if load_dir and scope != LoadScope():
-            job = _job(ddp_model, optimizer, opt_param_scheduler)
-            res = ckpt_flags.load_scoped(job, load_dir, scope, verify=not args.tenplex_no_verify,
-                                         trust_pickles=args.tenplex_trust_pickles)
-            if res is not None:
-                _log.info(restart_sources.loaded_line(res, job.layout) + ckpt_flags.describe_scope(scope))
-                return res.iteration, _resumed(args, job, res)
+    job = _job(ddp_model, optimizer, opt_param_scheduler)
     ckpt = installed().checkpointer_for(args)
-    memory = load_arg == "load"  # host memory holds the job's own state only
-    tenplex = bool(getattr(args, "tenplex", False) and load_dir)
-    try:
-        sources = ckpt.sources(load_dir, tenplex=tenplex, memory=memory)
+    try:  # host memory and the checkpoint flags' scope belong to the job's own --load
+        got = ckpt.resume(_engine(job, ckpt), getattr(args, load_arg, None), own=load_arg == "load")
     except restart_sources.TenplexCheckpointWithoutFlag as e:  # before Megatron's loader: no traceback, no fresh start
         raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
     except CheckpointFileError as e:  # every copy under --load damaged: never a fresh start over them
         raise SystemExit(f"pretrain_gpt.py: error: --{load_arg} {e}") from None
-    if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
-        return _restart(ddp_model, optimizer, opt_param_scheduler, ckpt, sources, load_dir, memory=memory)
-    mck = sources.megatron if tenplex else None
-    if getattr(args, "tenplex_init_from_hf", None) and sources.megatron is None:
-        job = _job(ddp_model, optimizer, opt_param_scheduler)
-        run = ModelFacts.from_model_json(job.spec.to_json())
-        hf = init_from_hf(job, args.tenplex_init_from_hf, run)
-        _log.info("initialised from Hugging Face checkpoint %s at layout %s: %d tensors, %.2f MB read on rank 0",
-                  args.tenplex_init_from_hf, job.layout, hf.tensors, hf.stats.bytes_read / 1e6)
-        return 0, 0.0
-    if mck is None:
+    except MissingCheckpointError:  # --exit-on-missing-checkpoint: Megatron's own loader says it and exits
         return _original("load_checkpoint")(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
-    job = _job(ddp_model, optimizer, opt_param_scheduler)
-    # Megatron's own checkpoint at any saving layout: adopted, later saves are tenplex checkpoints
-    res = adopt_megatron_checkpoint(job, mck, trust_pickles=args.tenplex_trust_pickles)
-    flops = _resumed(args, job, res)
-    _log.info(restart_sources.loaded_line(res, job.layout))
-    return res.iteration, flops
-
-
-def _restart(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: Any, ckpt: Checkpointer,
-             sources: restart_sources.Sources, load_dir: str, *, memory: bool) -> tuple[int, float]:
-    """Load the chosen host-memory snapshot (own node by mmap, the rest from peers' memory) or durable checkpoint,
-    re-sharded; a damaged copy falls back to the next (``memory/fallback.py``)."""
-    from megatron.training import get_args
-
-    args = get_args()
-    job = _job(ddp_model, optimizer, opt_param_scheduler)
-    got = ckpt.restart(lambda: MegatronCoreAdapter(job),
-                       lambda path: load_job(job, path, verify=not args.tenplex_no_verify), sources, load_dir,
-                       memory=memory)
-    res = got.result
-    flops = _resumed(args, job, res)
+    if got.kind == "hf":
+        _log.info("initialised from Hugging Face checkpoint %s at layout %s: %d tensors, %.2f MB read on rank 0",
+                  args.tenplex_init_from_hf, job.layout, got.hf.tensors, got.hf.stats.bytes_read / 1e6)
+        return 0, 0.0
+    if got.result is None:  # Megatron's own checkpoint without --tenplex, or nothing: Megatron's own loader
+        return _original("load_checkpoint")(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
+    flops = _resumed(args, job, got.result)
     if got.memory is not None:
         _log.info(memory_flags.describe_memory_load(got.memory, job.layout))
     else:
-        _log.info(restart_sources.loaded_line(res, job.layout))
-    return res.iteration, flops
+        _log.info(restart_sources.loaded_line(got.result, job.layout)
+                  + (ckpt_flags.describe_scope(got.scope) if got.kind == "scoped" else ""))
+    return got.result.iteration, flops
 
 
 def _resumed(args: Any, job: LiveJob, res: Any) -> float:

@@ -21,6 +21,7 @@ from typing import Any
 
 from tenplex_megatron import log as tlog
 from tenplex_megatron.frontdoor import inprocess, inprocess_lease
+from tenplex_megatron.frontdoor.job_config import JobConfig
 
 _log = tlog.get("megatron_lm")
 PROG = "pretrain_gpt.py"
@@ -81,7 +82,7 @@ def start(args: Any, argv: list[str]) -> tuple[InPlace, Any]:
         _log.warning("%s", inprocess.durable_only(args.save or args.load, args.save_interval).replace(
             "--tenplex-inprocess", f"{FLAG} with --tenplex"))
     store = inprocess.job_store(settings.barrier)
-    leases = inprocess_lease.claim(args, PROG, store, settings.barrier)
+    leases = inprocess_lease.claim(JobConfig.from_args(args, PROG), store, settings.barrier)
     return InPlace(settings, tuple(leases)), store
 
 

@@ -73,10 +73,10 @@ class NodeListing:
 
 def choose(tier: MemoryTier, load_dir: str | None,
            exclude: set[tuple[int, str, str]] | frozenset[tuple[int, str, str]] = frozenset()) -> Choice | None:
-    """Collective: the snapshot to restart from, or None (load the durable checkpoint, or start afresh). Every
-    node's snapshots newer than the restart point (incomplete on the live nodes: a node that held part of them was
-    lost) are discarded, so that the job never jumps back to that timeline when the node returns. ``exclude``:
-    (iteration, rank file, node) copies found damaged (:func:`damaged_copies`), counted as absent."""
+    """Collective, a query: the snapshot to restart from, or None (load the durable checkpoint, or start afresh).
+    Nothing is discarded here: the snapshots newer than where the job restarts are discarded (:func:`discard_after`)
+    once the resume sequence has decided (``frontdoor/resume.py``). ``exclude``: (iteration, rank file, node)
+    copies found damaged (:func:`damaged_copies`), counted as absent."""
     def local() -> NodeListing:
         held = node_dir.list_snapshots(tier.mem, tier.node) if tier.leader else []
         return NodeListing(tuple(held), durable_iteration(load_dir) if rank() == 0 else None)
@@ -104,7 +104,6 @@ def choose(tier: MemoryTier, load_dir: str | None,
         found = DurableListing.from_json(broadcast_json(run_phase("listing the durable checkpoint", listing), 0))
         picked = run_phase("choosing the snapshot to restart from",
                            lambda: _pick(held, tier.settings.job, newest_durable, found))
-    discard_after(tier, picked.iteration if picked is not None else newest_durable)  # None: from scratch
     if picked is None:
         return None
     src = min(tier.nodes[n][0] for n in {n for ns in picked.holders.values() for n in ns})

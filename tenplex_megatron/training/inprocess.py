@@ -25,7 +25,9 @@ import psutil
 import torch
 
 from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.elastic import world as launch_world
+from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.memory import peers
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.training import cpu_shim, layout_choice
@@ -69,7 +71,7 @@ def _say(msg: str) -> None:
 
 
 def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
-         parse: Callable[[list[str]], argparse.Namespace], run: Callable[[argparse.Namespace], None]) -> int:
+         parse: Callable[[list[str]], argparse.Namespace], run: Callable[..., None]) -> int:
     """Run the job in place: refused (naming the flag and the command) where it cannot be; else the wrapped
     training loop until the job is done. ``parse`` and ``run`` are the trainer's."""
     problem = inprocess.refusal(PROG, argv)
@@ -82,7 +84,7 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     if not torch.cuda.is_available():
         cpu_shim.install()
     store = inprocess.job_store(settings.barrier)
-    leases = inprocess_lease.claim(args, PROG, store, settings.barrier)  # kept through every call (no new generation)
+    leases = inprocess_lease.claim(JobConfig.from_args(args, PROG), store, settings.barrier)  # kept through every call (no new generation)
     initial, pid = int(os.environ["RANK"]), os.getpid()
     logfile = inprocess.monitor_logfile(PROG, initial)
     reason = why_not(parser, argv)
@@ -95,15 +97,14 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         _say(f"in place: call {it}: rank {rank} of {world} (initial rank {initial}, pid {pid})")
         inprocess_lease.check_kept(leases, PROG)  # another job took a directory over: this rank stops (exit 3)
         a = parse(argv)  # the layout for this world
-        a.tenplex_leases = []  # the job's leases are this process's across calls (claimed above), not the call's
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"tenplex-inprocess/{it}",
                                                                                           store),
                                              rank=rank, world_size=world, timeout=timedelta(seconds=settings.timeout))
         a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
                               "inprocess_call": it}
-        with lease_flags.stop_when_fenced(PROG):
-            run(a)
+        with lease_flags.stop_when_fenced(PROG):  # the job's leases are this process's across calls (claimed above)
+            run(a, Checkpointer(JobConfig.from_args(a, PROG, claim_leases=False)))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         peers.reset()

@@ -29,36 +29,19 @@ from megatron.core import parallel_state
 
 from tenplex_megatron import flags
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import ckpt_flags, lease_flags, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import ckpt_flags, memory_flags
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
-from tenplex_megatron.integrations.hf.load import init_from_hf
-from tenplex_megatron.integrations.hf.source import check_hf_dir
-from tenplex_megatron.integrations.megatron_core.adapter import (
-    MegatronCoreAdapter,
-    adopt_megatron_checkpoint,
-    load_job,
-    save_job,
-)
-from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
-from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
+from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
-from tenplex_megatron.plan.hf_map import ModelFacts
-from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
+from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.layout_choice import describe_layout
-from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, retention, save_scope
 from tenplex_megatron.plan.unsupported import UNSUPPORTED
-from tenplex_megatron.storage.directory import (
-    is_legacy_megatron_checkpoint,
-    read_checkpoint_metadata,
-)
-from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.training import (
+    checkpoints,
     gpt,
     inprocess,
     layout_choice,
-    legacy_ckpt,
-    mcore_dist_ckpt,
     measure,
 )
 from tenplex_megatron.training.console import print0 as _print0
@@ -74,6 +57,8 @@ from tenplex_megatron.training.tokenizer import (
     build_tokenizer,
     describe,
 )
+
+PROG = "pretrain_gpt.py"
 
 #: Megatron-LM flags the reference trainer refuses, with why (plan/unsupported.py: the Megatron-LM hook's list)
 MEGATRON_FLAGS_NOT_SUPPORTED = {flag: why for _, _, flag, why in UNSUPPORTED}
@@ -400,35 +385,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.tenplex_inprocess:  # in place under NVRx: re-entered after a fault (training/inprocess.py)
         return inprocess.main(argv, args, build_parser(), parse_args, run)
-    lease_flags.claim(args, "pretrain_gpt.py")  # before any process group: another live job's directory is refused
+    ckpt = Checkpointer(JobConfig.from_args(args, PROG))  # before any process group: another job's directory refused
     gpt.init_distributed()
     args.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time()}
-    with lease_flags.stop_when_fenced("pretrain_gpt.py"):  # a newer generation (or a job that took over) writes
-        run(args)
+    with ckpt.fenced():  # a newer generation (or a job that took over) writes
+        run(args, ckpt)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     return 0
 
 
-def run(args: argparse.Namespace) -> None:
-    """Collective: one job from parsed flags in an initialised process group: load, train, save, log.
+def run(args: argparse.Namespace, ckpt: Checkpointer | None = None) -> None:
+    """Collective: one job from parsed flags in an initialised process group: load, train, save, log; ``ckpt``: the
+    job's Checkpointer (built here from the flags, the leases claimed, when not given), closed at the end.
 
     Builds megatron-core's parallel state afresh, so one process group can run
     several jobs in turn (the multi-process tests share launches this way)."""
-    ckpt = Checkpointer(args, "pretrain_gpt.py")  # the leases: claimed by main() already, or here (several jobs)
+    ckpt = Checkpointer(JobConfig.from_args(args, PROG)) if ckpt is None else ckpt
     layout = layout_from_args(args)
     spec = spec_from_args(args)
-    try:
-        sources = ckpt.sources(args.load)  # the --tenplex-memory tier opened first
-    except CheckpointFileError as e:  # every copy under --load damaged: never a fresh start over them
-        raise SystemExit(f"pretrain_gpt.py: error: --load {e}") from None
-    except restart_sources.TenplexCheckpointWithoutFlag as e:
-        raise SystemExit(f"pretrain_gpt.py: error: {e}") from None
-    padded = _padded_vocab(args, spec, layout, sources)
-    from_hf = _hf_init_dir(args, spec, sources)
+    found = checkpoints.sources(ckpt)  # the --tenplex-memory tier opened first
+    padded = checkpoints.padded_vocab(args, spec, layout, found)
+    checkpoints.check_hf_start(args, spec, found)
     job = _build_job(args, spec, layout, padded)
     job.trust_pickles = bool(args.tenplex_trust_pickles)
-    _restore(args, job, ckpt, sources, from_hf)
+    checkpoints.restore(args, job, ckpt)
     _train(args, job, ckpt, _train_dataset(args, spec))
     # over: training is, and its last state goes to --save
     ckpt.finish(over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
@@ -458,38 +439,6 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
                           sp=bool(args.sequence_parallel and tp > 1), ep=ep, etp=etp)
 
 
-def _padded_vocab(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout,
-                  sources: restart_sources.Sources) -> int:
-    """The padded vocabulary: the restart source's (``--tenplex-vocab-padding keep``) where this TP allows it, else
-    Megatron's rule. A legacy Megatron-LM checkpoint without ``--tenplex`` is refused here, before anything is built."""
-    from_memory, ckpt, mck = sources.memory, sources.tenplex, sources.megatron
-    saved_meta = from_memory.metadata if from_memory else read_checkpoint_metadata(ckpt) if ckpt else None
-    saved_padded = saved_meta.padded_vocab_size if saved_meta is not None else None
-    legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
-    if legacy and not args.tenplex:
-        raise SystemExit(f"pretrain_gpt.py: error: {mck} is a legacy --ckpt-format torch checkpoint: load it with "
-                         "--tenplex")
-    if mck is not None and args.tenplex:
-        saved_padded = (legacy_padded_vocab if legacy else saved_padded_vocab)(mck, trust_pickles=args.tenplex_trust_pickles)
-    if args.tenplex_vocab_padding == "keep":
-        return restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp, saved_padded)
-    return padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
-
-
-def _hf_init_dir(args: argparse.Namespace, spec: GPTSpec, sources: restart_sources.Sources) -> str | None:
-    """``--tenplex-init-from-hf``'s directory when there is no checkpoint to restart from (None otherwise), checked
-    against the model flags before anything is built."""
-    if sources.tenplex is not None or sources.megatron is not None or sources.memory is not None:
-        return None
-    from_hf = args.tenplex_init_from_hf
-    if from_hf:
-        try:
-            check_hf_dir(from_hf, ModelFacts.from_model_json(spec.to_json()))
-        except (ValueError, CheckpointFileError) as e:
-            raise SystemExit(f"pretrain_gpt.py: error: --tenplex-init-from-hf {e}") from None
-    return from_hf
-
-
 def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, padded: int) -> gpt.GPTJob:
     """Collective: the megatron-core job at ``layout`` (a bad combination of flags exits naming it), announced."""
     try:
@@ -513,78 +462,6 @@ def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, 
     _print0(f" > padded vocab (size: {spec.vocab_size}) with {padded - spec.vocab_size} dummy tokens "
             f"(new size: {padded})")
     return job
-
-
-def _restore(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer,
-             sources: restart_sources.Sources, from_hf: str | None) -> None:
-    """Collective: the job's state from the first source that has one, in the shared load-source order
-    (``frontdoor/restart_sources.py``: host memory, a tenplex checkpoint, Megatron's own: adopted by tenplex with
-    ``--tenplex``, else through megatron-core's dist_checkpointing), else Hugging Face weights; else from scratch."""
-    layout, mck = job.layout, sources.megatron
-    if args.tenplex and _scoped_restore(args, job):
-        return
-    restarted = None
-    if sources.ours:  # a damaged copy: the next one (memory/fallback.py)
-        restarted = ckpt.restart(lambda: MegatronCoreAdapter(job),
-                                 lambda path: load_job(job, path, verify=not args.tenplex_no_verify), sources, args.load)
-    if restarted is not None and restarted.memory is not None:
-        _note_loaded(args, restarted.result.seconds)
-        print_tenplex(memory_flags.describe_memory_load(restarted.memory, layout) + _rng_note(restarted.result))
-        if args.tenplex_resave:
-            save_job(job, args.tenplex_resave)
-    elif restarted is not None or (mck is not None and args.tenplex):
-        # Megatron's own checkpoint, any optimizer format and saving layout: adopted by tenplex
-        res = restarted.result if restarted is not None else adopt_megatron_checkpoint(
-            job, mck, trust_pickles=args.tenplex_trust_pickles)
-        _note_loaded(args, res.seconds)
-        print_tenplex(restart_sources.loaded_line(res, layout) + _rng_note(res)
-                + (" (adopted Megatron's checkpoint: later saves are tenplex checkpoints)"
-                   if res.source_format == "megatron" else ""))
-        if args.tenplex_resave:
-            save_job(job, args.tenplex_resave)
-    elif from_hf:
-        hf = init_from_hf(job, from_hf, ModelFacts.from_model_json(job.spec.to_json()))
-        _print0(f"> tenplex: initialised from Hugging Face checkpoint {from_hf} at layout {layout}: {hf.tensors} "
-                f"tensors, {hf.stats.bytes_read / 1e6:.2f} MB read on rank 0 in {hf.stats.seconds:.2f} s")
-    elif mck is not None:
-        t0 = time.perf_counter()
-        mcore_dist_ckpt.load(job, mck)
-        job.consumed_samples = job.iteration * job.global_batch_size
-        _print0(f"> megatron-core dist_checkpointing: loaded iteration {job.iteration} from {mck} at layout {layout} "
-                f"in {time.perf_counter() - t0:.2f} s")
-    elif args.load and args.exit_on_missing_checkpoint:
-        raise SystemExit(f"pretrain_gpt.py: error: --exit-on-missing-checkpoint: no checkpoint under {args.load}")
-    elif args.load:
-        _print0(f"> no checkpoint under {args.load}; starting from scratch")
-
-
-def _scoped_restore(args: argparse.Namespace, job: gpt.GPTJob) -> bool:
-    """Collective: a load Megatron-LM's checkpoint flags narrow (``--ckpt-step``, ``--finetune``, ``--no-load-optim``,
-    ``--no-load-rng``, ``--pretrained-checkpoint``: ``frontdoor/ckpt_flags.py``); whether there was one to do."""
-    load_dir, scope = ckpt_flags.pretrained(args, args.load)
-    if not load_dir or scope == LoadScope():
-        return False
-    res = ckpt_flags.load_scoped(job, load_dir, scope, verify=not args.tenplex_no_verify,
-                                 trust_pickles=args.tenplex_trust_pickles)
-    if res is None:
-        return False
-    _note_loaded(args, res.seconds)
-    print_tenplex(restart_sources.loaded_line(res, job.layout) + ckpt_flags.describe_scope(scope)
-                  + (_rng_note(res) if scope.rng else ""))
-    if args.tenplex_resave:
-        save_job(job, args.tenplex_resave)
-    return True
-
-
-def _rng_note(res: Any) -> str:
-    """How a load treated the RNG states, for its line."""
-    return f" (rng {'restored exactly' if res.rng_exact else 're-seeded: layout changed'})"
-
-
-def _note_loaded(args: argparse.Namespace, seconds: float) -> None:
-    """Record when the load finished and how long it took in the restart's timeline (when one is kept)."""
-    if getattr(args, "tenplex_timeline", None) is not None:
-        args.tenplex_timeline.update(loaded=time.time(), load_seconds=seconds)
 
 
 def _train_dataset(args: argparse.Namespace, spec: GPTSpec) -> Any:
@@ -621,13 +498,13 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, datase
             if metrics is not None:  # skipped: the fp16 loss scaler skipped this step
                 _write_metrics(metrics, job, start, loss, skipped=job.skipped_iterations > skipped)
             if args.save and args.save_interval and job.iteration % args.save_interval == 0:
-                _save(job, args, ckpt)
+                checkpoints.save(job, args, ckpt)
             if stopper is not None and stopper.agreed():
                 _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                         + ("" if args.save else " (no --save: nothing is saved)"))
                 break
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        _save(job, args, ckpt)
+        checkpoints.save(job, args, ckpt)
 
 
 def _metrics_file(args: argparse.Namespace) -> contextlib.AbstractContextManager[TextIO | None]:
@@ -685,33 +562,6 @@ def _loss_scale(job: Any) -> float | None:
     """The fp16 loss scaler's current scale (None without one)."""
     scaler = next((o.grad_scaler for o in sub_optimizers(job.optimizer) if getattr(o, "grad_scaler", None)), None)
     return float(scaler.scale.item()) if scaler is not None else None
-
-
-def _save(job: Any, args: argparse.Namespace, ckpt: Checkpointer) -> None:
-    gpt.sync_params(job)
-    if ckpt.tier is not None:
-        snap = ckpt.save(lambda: MegatronCoreAdapter(job), lambda: save_job(job, args.save, keep=args.tenplex_keep))
-        for line in memory_flags.describe_snapshot(snap, job.iteration):
-            print_tenplex(line)
-        return
-    if not args.tenplex and args.ckpt_format == "torch":
-        t0 = time.perf_counter()
-        path = legacy_ckpt.save_checkpoint(job, args.save)
-        _print0(f"> Megatron-LM legacy checkpoint (--ckpt-format torch): saved iteration {job.iteration} to {path} "
-                f"in {time.perf_counter() - t0:.2f} s")
-        return
-    if not args.tenplex:
-        t0 = time.perf_counter()
-        sharding = "fully_reshardable" if args.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
-        path = mcore_dist_ckpt.save_checkpoint(job, args.save, sharding_type=sharding)
-        _print0(f"> megatron-core dist_checkpointing: saved iteration {job.iteration} to {path} "
-                f"in {time.perf_counter() - t0:.2f} s")
-        return
-    res = ckpt.save(lambda: MegatronCoreAdapter(job),
-                    lambda: save_job(job, args.save, keep=retention(args), scope=save_scope(args)))
-    _print0(f"> tenplex: saved iteration {job.iteration} to {res.path} in {res.seconds:.2f} s")
-    for path in res.removed:
-        _print0(f"> tenplex: removed {path}")
 
 
 def load_metrics(path: str) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.load import load
 from tenplex_megatron.execute.collective import RankFailure, gather_records
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.memory import background, node_dir, restart, state
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import snapshot
@@ -298,17 +300,14 @@ def checkpointer_rebuilt(out: str) -> list[dict[str, Any]]:
     threads = {t.ident for t in threading.enumerate()}
     rounds = []
     for value in (20.0, 21.0):
-        ckpt = Checkpointer(args, "memory_run.py")
+        ckpt = Checkpointer(JobConfig.from_args(args, "memory_run.py"))
         held = [d for d in (ckpt_dir, args.tenplex_memory) if lease.held(d) is not None]
-        sources = ckpt.sources(ckpt_dir)
         back = Tiny(0.0, axis=1)
-        loaded = None
-        if sources.ours:
-            r = ckpt.restart(lambda b=back: b, lambda path, b=back: load(b, path), sources, ckpt_dir)
-            loaded = [r.result.iteration, r.memory is not None, back.matches(r.result.iteration)]
+        r = ckpt.resume(SimpleNamespace(adapter=lambda b=back: b, load=lambda path, scope=None, b=back: load(b, path)))
+        loaded = [r.result.iteration, r.memory is not None, back.matches(r.result.iteration)] if r.loaded else None
         a = Tiny(value)
         a.it = int(value)
-        ckpt.save(lambda t=a: t, lambda: None)
+        ckpt.save(SimpleNamespace(adapter=lambda t=a: t))
         ckpt.finish(over=True, say=lambda line: None)
         helper = ckpt.tier.helper if ckpt.tier is not None else None
         ckpt.close()

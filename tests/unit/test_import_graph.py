@@ -14,7 +14,7 @@ PKG = "tenplex_megatron"
 #: (importing module, imported module): why the import waits for a call. An optional dependency (DeepSpeed,
 #: Megatron-LM, transformers) is imported inside functions freely; the package's own modules only here.
 FUNCTION_LEVEL_ALLOWED = {
-    ("tenplex_megatron", "tenplex_megatron.integrations.megatron_core.adapter"):
+    ("tenplex_megatron", "tenplex_megatron.frontdoor.api"):
         "PEP 562 lazy public API: `import tenplex_megatron` (and its pure plan/) must not import torch or megatron-core",
 }
 

@@ -17,7 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tenplex_megatron.frontdoor import lease_flags
+from tenplex_megatron.frontdoor.job_config import JobConfig, LeaseConfig
 from tenplex_megatron.storage import directory, job_identity, lease
+
+
+def _claim(args: Namespace) -> list[str]:
+    """The trainers' start-up claim of the leases the flags in ``args`` name."""
+    return lease_flags.claim(JobConfig("pretrain_gpt.py", leases=LeaseConfig.from_args(args)))
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # another process: takes the lease of argv[1] for job argv[2] (ttl argv[3]), says its generation, then waits
@@ -222,10 +229,10 @@ def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp
         args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id="job-b",
                          tenplex_take_over=False, tenplex_lease_ttl=15.0)
         with pytest.raises(SystemExit, match=f"pretrain_gpt.py: error: {save} is held by job 'job-a'"):
-            lease_flags.claim(args, "pretrain_gpt.py")
+            _claim(args)
         args.tenplex_take_over = True
-        assert lease_flags.claim(args, "pretrain_gpt.py") == [save] and lease.current(save).job == "job-b"
-        lease_flags.release(args)
+        assert _claim(args) == [save] and lease.current(save).job == "job-b"
+        lease_flags.release([save])
         assert lease.current(save).released
     finally:
         p.kill()
@@ -241,7 +248,7 @@ def test_a_filesystem_without_hard_links_is_refused_at_start(tmp_path, monkeypat
     args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id="job-a", tenplex_take_over=False,
                      tenplex_lease_ttl=15.0)
     with pytest.raises(SystemExit, match=f"pretrain_gpt.py: error: {save}: the filesystem refuses hard links"):
-        lease_flags.claim(args, "pretrain_gpt.py")
+        _claim(args)
     assert lease.generations(save) == [] and os.listdir(lease.lease_dir(save)) == []
     assert lease.held(save) is None
 
@@ -308,12 +315,12 @@ def test_claim_refuses_another_plain_torchrun_launch_and_lets_a_restart_round_ta
             monkeypatch.setenv(k, v)
         monkeypatch.delenv("SLURM_JOB_ID", raising=False)
         with pytest.raises(SystemExit) as e:
-            lease_flags.claim(args, "pretrain_gpt.py")
+            _claim(args)
         assert f"{save} is held by job {ida!r}" in str(e.value) and f":{p.pid})" in str(e.value)
         assert "--tenplex-take-over" in str(e.value) and lease.current(save).generation == gen
         for k, v in _worker_env(a, 0, restart=1).items():
             monkeypatch.setenv(k, v)
-        assert lease_flags.claim(Namespace(**vars(args)), "pretrain_gpt.py") == [save]
+        assert _claim(Namespace(**vars(args))) == [save]
         assert lease.current(save).generation == gen + 1 and lease.current(save).job == ida
     finally:
         p.kill()
@@ -331,14 +338,13 @@ def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, mon
     monkeypatch.setenv("LOCAL_RANK", "0")
     args = Namespace(tenplex=True, save=save, tenplex_memory=mem, tenplex_job_id="job-a", tenplex_take_over=False,
                      tenplex_lease_ttl=15.0)
-    assert lease_flags.claim(args, "pretrain_gpt.py") == [mem]  # rank 1: not --save's; local rank 0: the memory's
+    assert _claim(args) == [mem]  # rank 1: not --save's; local rank 0: the memory's
     assert lease.current(mem).job == "job-a" and lease.current(save) is None
     lease._HELD.clear()  # another process, of another job, on the same node
     monkeypatch.setenv("LOCAL_RANK", "1")
     other = Namespace(**{**vars(args), "tenplex_job_id": "job-b", "save": str(tmp_path / "other")})
-    del other.tenplex_leases
     with pytest.raises(SystemExit, match=f"{mem} is held by job 'job-a'"):
-        lease_flags.claim(other, "pretrain_gpt.py")
+        _claim(other)
 
 
 def test_a_fifo_or_giant_in_place_of_a_lease_file_is_refused_naming_it_without_blocking(tmp_path) -> None:

@@ -175,7 +175,7 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *,
     adapter = DeepSpeedAdapter(engine, seed, where=load_dir)
     if not native.is_deepspeed_checkpoint_dir(load_dir):
         ckpt = checkpointer(engine)
-        sources = ckpt.sources(load_dir, tenplex=True, memory=False) if iteration is None else None
+        sources = ckpt.sources(load_dir, memory=False) if iteration is None else None
         if sources is None or sources.tenplex is None:  # a given iteration (or nothing to load: the engine's error)
             return load(adapter, load_dir, iteration, strict=True, verify=verify)
         return ckpt.restart(lambda: adapter, lambda path: load(adapter, path, None, strict=True, verify=verify),

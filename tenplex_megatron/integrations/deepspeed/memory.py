@@ -64,11 +64,16 @@ def load_latest(engine: Any, memory: Checkpointer, load_dir: str | None, *, veri
     tier = _tier(memory)
     choice = restart.choose(tier, load_dir)
     if choice is not None:
-        return restart.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify=verify)
+        got = restart.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify=verify)
+        restart.discard_after(tier, choice.iteration)  # snapshots of a timeline the job left
+        return got
     if not load_dir or (restart.durable_iteration(load_dir) is None
                         and not native.is_deepspeed_checkpoint_dir(load_dir)):
+        restart.discard_after(tier, None)  # a fresh start: every older snapshot
         return None
-    return load_checkpoint(engine, load_dir, verify=verify, seed=seed)
+    res = load_checkpoint(engine, load_dir, verify=verify, seed=seed)
+    restart.discard_after(tier, res.iteration if res.source_format == "tenplex" else None)
+    return res
 
 
 def finish_memory(memory: Checkpointer, *, over: bool) -> tuple[str, ...]:

@@ -5,9 +5,8 @@ Tensors are described from megatron-core's own sharding metadata
 consumed samples, model spec, padded vocabulary, optimizer hyper-parameters
 and step, LR schedule. Two ways in:
 
-- :func:`save_checkpoint` / :func:`load_checkpoint` take a megatron-core model
-  (or list of model chunks), its optimizer and scheduler: for NeMo-style or
-  custom training loops (exported at the package top level).
+- :func:`live_job` sees a megatron-core model (or list of model chunks), its optimizer and scheduler as a job:
+  the public API's (``frontdoor/api.py``: NeMo-style or custom training loops, exported at the package top level).
 - :func:`save_job` / :func:`load_job` take a job object with those attributes
   (the reference trainer's ``GPTJob``, the Megatron-LM hook's :class:`LiveJob`).
 """
@@ -45,8 +44,7 @@ from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.source import Metadata
 
 __all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
-           "load_checkpoint", "load_job",
-           "save_checkpoint", "save_job"]
+           "live_job", "load_job", "save_job"]
 
 
 @dataclass(frozen=True)
@@ -253,32 +251,3 @@ def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None 
         raise ValueError(f"tenplex: vocab_size={real} must be between 1 and the model's padded vocabulary {padded}")
     distopt = any(is_distributed_optimizer(o) for o in sub_optimizers(optimizer))
     return LiveJob(chunks, optimizer, scheduler, layout, LiveSpec(real, int(seed), dict(args or {})), padded, distopt)
-
-
-def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *, iteration: int,
-                    consumed_samples: int = 0, vocab_size: int | None = None, seed: int = 1234,
-                    extra: dict[str, Any] | None = None, keep: int | None = None) -> SaveResult:
-    """Collective: save a megatron-core model, optimizer and scheduler as a tenplex checkpoint.
-
-    ``model``: the (DDP-wrapped) GPTModel, or the list of its model chunks (one per virtual pipeline stage). ``iteration``
-    names the checkpoint (``iter_NNNNNNN``); ``consumed_samples`` is the data
-    position a restart resumes from; ``vocab_size``: the tokenizer's real rows
-    (the rest of the embedding is padding). ``extra``: JSON your loop wants back.
-    """
-    job = live_job(model, optimizer, scheduler, vocab_size, seed)
-    job.iteration, job.consumed_samples = int(iteration), int(consumed_samples)
-    return save_job(job, save_dir, extra, keep)
-
-
-def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *, vocab_size: int | None = None,
-                    seed: int = 1234, iteration: int | None = None, strict: bool = True,
-                    verify: bool = True, trust_pickles: bool = False) -> LoadResult:
-    """Collective: load the newest complete checkpoint under ``load_dir`` into a model built at any layout.
-
-    Returns a :class:`LoadResult`: ``.iteration`` and ``.consumed_samples`` say where to resume,
-    ``.metadata["extra"]`` holds what was passed as ``extra`` at save. ``trust_pickles``: hand Transformer Engine's
-    extra state to its modules without checking its pickles (only for a checkpoint you trust).
-    """
-    job = live_job(model, optimizer, scheduler, vocab_size, seed)
-    job.trust_pickles = bool(trust_pickles)
-    return load_job(job, load_dir, iteration, strict=strict, verify=verify)

@@ -1,0 +1,87 @@
+"""The public megatron-core API (``tenplex_megatron.save_checkpoint`` / ``load_checkpoint``): a front door like the
+others, through a :class:`~tenplex_megatron.frontdoor.checkpointer.Checkpointer`.
+
+A save claims its directory's lease (another live job's directory is refused on every rank, naming it and its
+holder, before anything is written) and commits under the lease's fence; a load takes the newest complete
+checkpoint under its directory and falls back past a damaged one to the previous, naming it (Megatron's own
+checkpoint there is adopted). A training loop that saves again and again passes one ``checkpointer``
+(:func:`open_checkpointer`) and closes it at the end; without one each call builds its own and closes it after
+(the lease released at once, taken again by the next save).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tenplex_megatron.engine.load import LoadResult
+from tenplex_megatron.engine.save import SaveResult
+from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
+from tenplex_megatron.integrations.megatron_core.adapter import live_job
+from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, SaveScope
+from tenplex_megatron.storage import lease
+
+PROG = "tenplex_megatron"
+__all__ = ["LoadResult", "SaveResult", "load_checkpoint", "open_checkpointer", "save_checkpoint"]
+
+
+class NoCheckpointError(TenplexError, FileNotFoundError):
+    """``load_checkpoint``: the directory holds no complete checkpoint to load."""
+
+
+def open_checkpointer() -> Checkpointer:
+    """A Checkpointer for a training loop's calls (``checkpointer=``): each save directory claimed at its first save
+    and held until :meth:`~Checkpointer.close` (or the end of a ``with`` block)."""
+    return Checkpointer.for_api(PROG)
+
+
+def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *, iteration: int,
+                    consumed_samples: int = 0, vocab_size: int | None = None, seed: int = 1234,
+                    extra: dict[str, Any] | None = None, keep: int | None = None, job_id: str | None = None,
+                    take_over: bool = False, checkpointer: Checkpointer | None = None) -> SaveResult:
+    """Collective: save a megatron-core model, optimizer and scheduler as a tenplex checkpoint.
+
+    ``model``: the (DDP-wrapped) GPTModel, or the list of its model chunks (one per virtual pipeline stage). ``iteration``
+    names the checkpoint (``iter_NNNNNNN``); ``consumed_samples`` is the data
+    position a restart resumes from; ``vocab_size``: the tokenizer's real rows
+    (the rest of the embedding is padding). ``extra``: JSON your loop wants back. ``keep``: the newest complete
+    checkpoints kept. ``job_id`` (default: the launch's identity) and ``take_over`` (a lease whose holder may still
+    live): the directory's lease (module docstring).
+    """
+    job = live_job(model, optimizer, scheduler, vocab_size, seed)
+    job.iteration, job.consumed_samples = int(iteration), int(consumed_samples)
+    ckpt = checkpointer if checkpointer is not None else open_checkpointer()
+    try:
+        ckpt.claim_dir(save_dir, job_id, take_over, lease.DEFAULT_TTL)
+        return MegatronCoreEngine(job, extra=dict(extra or {})).save(save_dir, keep, SaveScope())
+    finally:
+        if checkpointer is None:
+            ckpt.close()
+
+
+def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *, vocab_size: int | None = None,
+                    seed: int = 1234, iteration: int | None = None, strict: bool = True,
+                    verify: bool = True, trust_pickles: bool = False,
+                    checkpointer: Checkpointer | None = None) -> LoadResult:
+    """Collective: load the newest complete checkpoint under ``load_dir`` into a model built at any layout; a
+    damaged one falls back to the previous, naming it (``iteration``: that one, no fallback).
+
+    Returns a :class:`LoadResult`: ``.iteration`` and ``.consumed_samples`` say where to resume,
+    ``.metadata["extra"]`` holds what was passed as ``extra`` at save. ``trust_pickles``: hand Transformer Engine's
+    extra state to its modules without checking its pickles (only for a checkpoint you trust).
+    """
+    job = live_job(model, optimizer, scheduler, vocab_size, seed)
+    job.trust_pickles = bool(trust_pickles)
+    engine = MegatronCoreEngine(job, verify, trust_pickles, strict=strict)
+    if iteration is not None:
+        return engine.load(load_dir, LoadScope(iteration=int(iteration)))
+    ckpt = checkpointer if checkpointer is not None else open_checkpointer()
+    try:
+        got = ckpt.resume(engine, load_dir, own=False)
+    finally:
+        if checkpointer is None:
+            ckpt.close()
+    if got.result is None:
+        raise NoCheckpointError(f"no complete tenplex checkpoint under {load_dir}")
+    return got.result
