@@ -27,7 +27,7 @@ from tenplex_megatron.execute.collective import gather_records, rank, run_phase
 from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.writers import Holding, assign_writers
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
 
@@ -128,6 +128,7 @@ def save_chunks(
     metadata: Any,
     keep: int | Retention | None = None,
     local: dict[str, torch.Tensor] | None = None,
+    fence: lease.Fence = lease.no_fence,
 ) -> SaveResult:
     """Collective: write every chunk once under ``save_dir/iter_NNNNNNN`` and commit it atomically.
 
@@ -135,7 +136,8 @@ def save_chunks(
     is called on rank 0 with every rank's and returns the framework's own part
     of metadata.json. ``keep``: after the commit, keep only the newest ``keep`` (or what a :class:`Retention` keeps).
     ``local``: this rank's rank-local entries (flat uint8, ``engine/rank_local.py``: :func:`local_tensors`),
-    written in its own file; ``rank_info["rank_local"]`` holds their records (:func:`local_records`).
+    written in its own file; ``rank_info["rank_local"]`` holds their records (:func:`local_records`). ``fence``:
+    the writer's lease, checked before every destructive step in ``save_dir`` (``storage/lease.py``).
     """
     t0 = time.perf_counter()
     me = rank()
@@ -152,12 +154,12 @@ def save_chunks(
         assigned = writer_assignment(gathered)  # the same on every rank: a pure function of the gathered lists
         if me == 0:
             for stale in directory.partial_dirs(save_dir):  # left by a save that crashed
-                if directory.remove_partial(stale):
+                if directory.remove_partial(stale, fence):
                     removed.append(stale)
                 else:
                     _log.warning("%s: left in place: named like a staging directory of a tenplex save but "
                                  "holding other files", stale)
-            directory.prepare_partial(save_dir, iteration)
+            directory.prepare_partial(save_dir, iteration, fence)
         return assigned
 
     holdings, writers, all_meta = run_phase(f"{what}: preparing the directory", prepare)
@@ -187,9 +189,9 @@ def save_chunks(
         maybe_fail("save.metadata_callback", me, iteration)
         meta = build_metadata(writers, infos, all_meta, layout, iteration, metadata)
         path = directory.commit(save_dir, iteration, meta, meta["files"],
-                                fault=lambda point: maybe_fail(point, me, iteration))
+                                fault=lambda point: maybe_fail(point, me, iteration), fence=fence)
         if keep is not None:
-            removed.extend(directory.apply_retention(save_dir, keep))
+            removed.extend(directory.apply_retention(save_dir, keep, fence))
         return path
 
     path = run_phase(f"{what}: commit", commit)
@@ -197,12 +199,13 @@ def save_chunks(
     return SaveResult(path, iteration, size, total, time.perf_counter() - t0, tuple(removed))
 
 
-def save(adapter: Adapter, save_dir: str, keep: int | Retention | None = None, *, rng_state: bool = True) -> SaveResult:
+def save(adapter: Adapter, save_dir: str, keep: int | Retention | None = None, *, rng_state: bool = True,
+         fence: lease.Fence = lease.no_fence) -> SaveResult:
     """Collective: write the adapter's full state under ``save_dir/iter_NNNNNNN`` and commit it.
 
     The engine adds what every framework shares: the layout and every rank's RNG
     streams (none without ``rng_state``: ``--no-save-rng``, a load then re-seeds); the adapter adds its own
-    non-tensor state (:meth:`Adapter.metadata`).
+    non-tensor state (:meth:`Adapter.metadata`). ``fence``: the writer's lease (:func:`save_chunks`).
     """
     chunks, local = run_phase(f"save to {save_dir}: describing the job", lambda: describe_for_save(adapter))
 
@@ -212,4 +215,4 @@ def save(adapter: Adapter, save_dir: str, keep: int | Retention | None = None, *
 
     info = {**({"rng": rng.capture(tracker=adapter.rng_tracker)} if rng_state else {}), **local_records(local)}
     return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(), info, metadata, keep,
-                       local_tensors(local))
+                       local_tensors(local), fence)

@@ -54,7 +54,7 @@ def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *
     ckpt = checkpointer if checkpointer is not None else open_checkpointer()
     try:
         ckpt.claim_dir(save_dir, job_id, take_over, lease.DEFAULT_TTL)
-        return MegatronCoreEngine(job, extra=dict(extra or {})).save(save_dir, keep, SaveScope())
+        return MegatronCoreEngine(job, extra=dict(extra or {})).save(save_dir, keep, SaveScope(), ckpt.fence)
     finally:
         if checkpointer is None:
             ckpt.close()

@@ -46,12 +46,17 @@ class CheckpointerClosedError(TenplexError, RuntimeError):
 class Checkpointer:
     """One job's leases, host-memory tier, resume sequence and save, built from its :class:`JobConfig`. Building
     it claims the leases (before any process group: another live job's directory is refused with SystemExit
-    naming it), unless the configuration says a launcher holds them for the process."""
+    naming it) into a :class:`~tenplex_megatron.storage.lease.LeaseSet` of its own, released by :meth:`close`;
+    ``leases``: a set a launcher claimed for the process once instead (a job continuing in place keeps it through
+    every call: used for the fence, left held at close)."""
 
-    def __init__(self, config: JobConfig) -> None:
+    def __init__(self, config: JobConfig, leases: lease.LeaseSet | None = None) -> None:
         self.config = config
         self.prog = config.prog
-        self._leases: tuple[str, ...] = tuple(lease_flags.claim(config)) if config.leases.claim else ()
+        self._owns_leases = leases is None
+        self._lease_set = lease.LeaseSet() if leases is None else leases
+        if self._owns_leases:
+            lease_flags.claim(config, self._lease_set)
         self._tier: MemoryTier | None = None
         self._opened = False
         self._closed = False
@@ -69,7 +74,12 @@ class Checkpointer:
     @property
     def leases(self) -> tuple[str, ...]:
         """The directories whose leases this process holds for the job (released by :meth:`close`)."""
-        return self._leases
+        return self._lease_set.directories
+
+    def fence(self, directory: str) -> None:
+        """The job's writers' fence (``storage/lease.py``): before a destructive step in ``directory``, stop when a
+        newer generation of its lease owns it."""
+        self._lease_set.fence(directory)
 
     def claim_dir(self, save_dir: str, job_id: str | None = None, take_over: bool = False,
                   ttl: float = lease.DEFAULT_TTL) -> None:
@@ -85,14 +95,12 @@ class Checkpointer:
         def claim() -> None:  # the launch's id read on every rank inside the phase: a failure there is raised on all
             job = job_identity.job_id(job_id)
             if rank() == 0:
-                lease.acquire(save_dir, job, ttl, take_over, remedy=lease.API_REMEDY)
+                self._lease_set.acquire(save_dir, job, ttl, take_over, remedy=lease.API_REMEDY)
             else:
                 lease.check(save_dir, job, take_over, remedy=lease.API_REMEDY)
 
         run_phase(f"lease of {save_dir}", claim)
         self._claimed.add(key)
-        if rank() == 0:
-            self._leases = (*self._leases, save_dir)
 
     # -- the host-memory tier ----------------------------------------------------------------------------------
 
@@ -111,7 +119,8 @@ class Checkpointer:
         started; None without one. Later calls return the same tier."""
         self._check_open()
         if not self._opened:
-            self._tier = memory_flags.open_settings(self.config.memory) if self.wants_memory else None
+            self._tier = (memory_flags.open_settings(self.config.memory, self._lease_set) if self.wants_memory
+                          else None)
             self._opened = True
         return self._tier
 
@@ -149,7 +158,7 @@ class Checkpointer:
         resume.forget_other_timelines(self.memory() if own else None, got)
         self._resumed = True
         if self.config.resave and got.kind in ("scoped", "memory", "durable", "adopted"):
-            engine.save(self.config.resave, None, SaveScope())
+            engine.save(self.config.resave, None, SaveScope(), self.fence)
         return got
 
     def restart(self, adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult],
@@ -178,7 +187,7 @@ class Checkpointer:
                     resume.forget_other_timelines(self._tier, Resumed("scratch"))
                     self._resumed = True
                 return self.snapshot(engine.adapter(), persist=persist)
-            return engine.save(self.config.save, self.config.retention, self.config.save_scope)
+            return engine.save(self.config.save, self.config.retention, self.config.save_scope, self.fence)
 
     def snapshot(self, adapter: Adapter, *, persist: bool | None = None) -> SnapshotResult:
         """Collective: a snapshot of ``adapter``'s state into the host-memory tier (``persist`` as
@@ -223,9 +232,8 @@ class Checkpointer:
                 state.close(self._tier)
         finally:
             self._tier = None
-            lease_flags.release(self._leases)
-            self._leases = ()
-            lease.stop_heartbeat_when_idle()
+            if self._owns_leases:
+                self._lease_set.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -17,6 +17,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 )
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
+from tenplex_megatron.storage import lease
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ class MegatronCoreEngine:
         model)."""
         return init_from_hf(self.job, hf_dir, ModelFacts.from_model_json(self.job.spec.to_json()))
 
-    def save(self, save_dir: str, keep: int | Retention | None, scope: SaveScope) -> SaveResult:
-        """Collective: a durable tenplex checkpoint of the job under ``save_dir``, ``extra`` recorded."""
-        return save_job(self.job, save_dir, dict(self.extra) or None, keep, scope=scope)
+    def save(self, save_dir: str, keep: int | Retention | None, scope: SaveScope,
+             fence: lease.Fence = lease.no_fence) -> SaveResult:
+        """Collective: a durable tenplex checkpoint of the job under ``save_dir``, ``extra`` recorded, under the
+        writer's ``fence``."""
+        return save_job(self.job, save_dir, dict(self.extra) or None, keep, scope=scope, fence=fence)
 

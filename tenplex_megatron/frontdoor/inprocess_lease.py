@@ -39,15 +39,16 @@ def directories(config: JobConfig) -> list[tuple[str, int]]:
     return out
 
 
-def claim(config: JobConfig, store: Any, timeout: float) -> list[str]:
+def claim(config: JobConfig, store: Any, timeout: float) -> lease.LeaseSet:
     """Every rank, before NVRx's wrapper: take (the taker, for the launcher) or adopt (the others) each directory's
     lease; SystemExit naming the directory and its holder when another live job holds it, or naming the taker when
-    its generation does not come within ``timeout`` seconds. Returns the directories this process holds."""
+    its generation does not come within ``timeout`` seconds. Returns the leases this process holds, kept through
+    every call (each call's Checkpointer fences its writers with them)."""
     prog, ttl, take_over = config.prog, config.leases.ttl, config.leases.take_over
     if ttl <= 0:
         raise SystemExit(f"{prog}: error: --tenplex-lease-ttl must be > 0 seconds, got {ttl:g}")
     rank = int(os.environ.get("RANK", "0"))
-    held: list[str] = []
+    held = lease.LeaseSet()
     try:
         dirs = directories(config)
         job = job_identity.job_id(config.leases.job_id) if dirs else ""
@@ -55,7 +56,7 @@ def claim(config: JobConfig, store: Any, timeout: float) -> list[str]:
             key = KEY.format(taker=taker, directory=os.path.abspath(d))
             if rank == taker:
                 try:
-                    got = lease.acquire(d, job, ttl, take_over, holder_pid=os.getppid())
+                    got = held.acquire(d, job, ttl, take_over, holder_pid=os.getppid())
                 except lease.LeaseError as e:
                     store.set(key, json.dumps({"error": str(e)}))
                     raise
@@ -65,8 +66,7 @@ def claim(config: JobConfig, store: Any, timeout: float) -> list[str]:
                 taken = _taken(store, key, d, taker, timeout, prog)
                 if "error" in taken:
                     raise lease.LeaseError(taken["error"])
-                lease.adopt(d, int(taken["generation"]), str(taken["token"]))
-            held.append(d)
+                held.adopt(d, int(taken["generation"]), str(taken["token"]))
     except lease.LeaseError as e:
         raise SystemExit(f"{prog}: error: {e}") from None
     return held
@@ -82,16 +82,14 @@ def _taken(store: Any, key: str, directory: str, taker: int, timeout: float, pro
                          f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
-def check_kept(held: list[str], prog: str) -> None:
+def check_kept(held: lease.LeaseSet, prog: str) -> None:
     """At each call's start: every directory's generation is still this job's, else the rank stops (logged, exit
     status 3: ``lease_flags.stop_when_fenced``)."""
     with lease_flags.stop_when_fenced(prog):
-        for d in held:
-            lease.fence(d)
+        for d in held.directories:
+            held.fence(d)
 
 
-def release(held: list[str]) -> None:
+def release(held: lease.LeaseSet) -> None:
     """The job's clean end, in every survivor: give the leases back and end the heartbeat."""
-    for d in held:
-        lease.release(d)
-    lease.stop_heartbeat_when_idle()
+    held.close()

@@ -17,19 +17,16 @@ from tenplex_megatron.storage import lease
 
 @dataclass(frozen=True)
 class LeaseConfig:
-    """Which directories the job's process holds, and how: the job's identity, take-over and the lease's ttl.
-    ``claim``: whether the Checkpointer claims them (False where a launcher claimed them for the process once:
-    a job continuing in place keeps its leases through every call)."""
+    """Which directories the job's process holds, and how: the job's identity, take-over and the lease's ttl."""
 
     save: str | None = None  # --save, rank 0's lease
     memory: str | None = None  # --tenplex-memory, each node's first local rank's lease
     job_id: str | None = None  # --tenplex-job-id (None: the launch's identity, storage/job_identity.py)
     take_over: bool = False
     ttl: float = lease.DEFAULT_TTL
-    claim: bool = True
 
     @classmethod
-    def from_args(cls, args: Any, *, claim: bool = True) -> LeaseConfig:
+    def from_args(cls, args: Any) -> LeaseConfig:
         """The leases of a job from its parsed flags: none without ``--tenplex``."""
         tenplex = bool(getattr(args, "tenplex", False))
         ttl = getattr(args, "tenplex_lease_ttl", None)
@@ -37,7 +34,7 @@ class LeaseConfig:
                    memory=getattr(args, "tenplex_memory", None) if tenplex else None,
                    job_id=getattr(args, "tenplex_job_id", None),
                    take_over=bool(getattr(args, "tenplex_take_over", False)),
-                   ttl=lease.DEFAULT_TTL if ttl is None else float(ttl), claim=claim)
+                   ttl=lease.DEFAULT_TTL if ttl is None else float(ttl))
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ class JobConfig:
     exit_on_missing: bool = False  # --exit-on-missing-checkpoint
 
     @classmethod
-    def from_args(cls, args: Any, prog: str, *, claim_leases: bool = True) -> JobConfig:
+    def from_args(cls, args: Any, prog: str) -> JobConfig:
         """The configuration of a job from its parsed flags (the trainer's, or Megatron-LM's with the hook's
         ``--tenplex*`` rows); flags a parser lacks read as their defaults."""
         def flag(name: str, default: Any = None) -> Any:
@@ -73,7 +70,7 @@ class JobConfig:
 
         tenplex = bool(flag("tenplex", False))
         mem = flag("tenplex_memory") if tenplex else None
-        leases = LeaseConfig.from_args(args, claim=claim_leases)
+        leases = LeaseConfig.from_args(args)
         return cls(prog, tenplex, flag("save"), flag("load"),
                    memory_flags.memory_settings(args) if mem else None, leases,
                    verify=not flag("tenplex_no_verify", False), trust_pickles=bool(flag("tenplex_trust_pickles", False)),

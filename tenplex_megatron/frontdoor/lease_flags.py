@@ -4,7 +4,7 @@ lease and each node's first local rank its ``--tenplex-memory`` directory's (``s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tenplex_megatron import log
@@ -17,9 +17,9 @@ _log = log.get("lease")
 FENCED_EXIT = 3  # the exit status of a writer fenced by a newer generation (the in-process launcher ends the rest)
 
 
-def claim(config: JobConfig) -> list[str]:
-    """Before any process group: check every lease of the job (``config.lease_dirs()``), take this process's;
-    SystemExit naming the directory and its holder when refused. Returns the directories this process holds."""
+def claim(config: JobConfig, leases: lease.LeaseSet) -> list[str]:
+    """Before any process group: check every lease of the job (``config.lease_dirs()``), take this process's into
+    ``leases``; SystemExit naming the directory and its holder when refused. Returns the directories taken."""
     dirs = config.lease_dirs()
     ttl = config.leases.ttl
     if ttl <= 0:
@@ -29,7 +29,7 @@ def claim(config: JobConfig) -> list[str]:
         job = job_identity.job_id(config.leases.job_id) if dirs else ""
         for d, take in dirs:
             if take:
-                lease.acquire(d, job, ttl, config.leases.take_over)
+                leases.acquire(d, job, ttl, config.leases.take_over)
                 mine.append(d)
             else:
                 lease.check(d, job, config.leases.take_over)
@@ -58,9 +58,3 @@ def stop_when_fenced(prog: str) -> Iterator[None]:
             raise
         _log.error("%s: %s", prog, why)
         elastic.stop_agent_and_exit(FENCED_EXIT)  # every node's agent
-
-
-def release(dirs: Iterable[str]) -> None:
-    """A clean end: give back the leases of ``dirs`` this process holds (the next job takes them at once)."""
-    for d in dirs:
-        lease.release(d)

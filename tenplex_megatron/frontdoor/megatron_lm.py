@@ -90,8 +90,8 @@ class Hook:
         before any process group when :func:`_validate_args` calls it; in place, the launcher's claim is the
         process's), closed at exit."""
         if self.checkpointer is None:
-            config = JobConfig.from_args(args, PROG, claim_leases=self.in_place is None)
-            self.checkpointer = Checkpointer(config)
+            held = self.in_place.leases if self.in_place is not None else None
+            self.checkpointer = Checkpointer(JobConfig.from_args(args, PROG), held)
             atexit.register(self.checkpointer.close)
         return self.checkpointer
 

@@ -22,6 +22,7 @@ from typing import Any
 from tenplex_megatron import log as tlog
 from tenplex_megatron.frontdoor import inprocess, inprocess_lease
 from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.storage.lease import LeaseSet
 
 _log = tlog.get("megatron_lm")
 PROG = "pretrain_gpt.py"
@@ -39,7 +40,7 @@ class InPlace:
     """A job running in place: its timeouts and the checkpoint directories whose leases it holds across calls."""
 
     settings: inprocess.InprocessSettings
-    leases: tuple[str, ...]
+    leases: LeaseSet  # held across calls: each call's Checkpointer fences its writers with them
 
 
 def wanted(argv: list[str]) -> bool:
@@ -83,7 +84,7 @@ def start(args: Any, argv: list[str]) -> tuple[InPlace, Any]:
             "--tenplex-inprocess", f"{FLAG} with --tenplex"))
     store = inprocess.job_store(settings.barrier)
     leases = inprocess_lease.claim(JobConfig.from_args(args, PROG), store, settings.barrier)
-    return InPlace(settings, tuple(leases)), store
+    return InPlace(settings, leases), store
 
 
 def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Callable[[int], str],
@@ -110,7 +111,7 @@ def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Calla
         it = call_wrapper.iteration  # a call after a fault is a warning, so that every survivor says it
         (_log.warning if it else _log.info)("in place: call %d: rank %d of %d (initial rank %d, pid %d)", it, rank,
                                             world, initial, pid)
-        inprocess_lease.check_kept(list(state.leases), PROG)  # another job took a directory over: exit 3
+        inprocess_lease.check_kept(state.leases, PROG)  # another job took a directory over: exit 3
         out = pretrain(*a, **{**kw, "inprocess_call_wrapper": call_wrapper})
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
@@ -129,7 +130,7 @@ def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Calla
                 raise
             _log.error("%s: %s with --tenplex: no legal layout for the ranks left; exiting", PROG, FLAG)
             raise SystemExit(2) from None
-        inprocess_lease.release(list(state.leases))
+        inprocess_lease.release(state.leases)
         return out
 
     return run, store, state

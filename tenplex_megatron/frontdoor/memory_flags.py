@@ -19,6 +19,7 @@ from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import SnapshotResult
 from tenplex_megatron.memory.state import MemoryTier, open_tier
 from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.storage.lease import LeaseSet
 
 
 def add_memory_args(g: Any) -> None:
@@ -56,11 +57,12 @@ def open_memory(args: argparse.Namespace | Any) -> MemoryTier | None:
     return open_settings(memory_settings(args))
 
 
-def open_settings(settings: MemorySettings) -> MemoryTier:
+def open_settings(settings: MemorySettings, leases: LeaseSet | None = None) -> MemoryTier:
     """Collective: the host-memory tier of ``settings`` (the flags', or DeepSpeed's ``open_memory``'s), its helper
-    processes started; the node's huge-pages hint said first."""
+    processes started, its destructive steps fenced by the job's ``leases``; the node's huge-pages hint said
+    first."""
     mounts.say_huge_pages_hint(settings.mem)
-    return open_tier(settings, start_helpers_now=True)
+    return open_tier(settings, start_helpers_now=True, leases=leases)
 
 
 def finish(tier: MemoryTier, *, over: bool, say: Callable[[str], None] | None = None) -> tuple[str, ...]:

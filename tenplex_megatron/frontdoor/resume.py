@@ -29,6 +29,7 @@ from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.memory.restart import MemoryLoadResult, discard_after
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
+from tenplex_megatron.storage import lease
 
 KINDS = ("scoped", "memory", "durable", "adopted", "hf", "native", "scratch")
 
@@ -52,8 +53,9 @@ class Engine(Protocol):
         """Collective: the model's weights from a Hugging Face checkpoint (returns what it read)."""
         ...
 
-    def save(self, save_dir: str, keep: int | Retention | None, scope: SaveScope) -> SaveResult:
-        """Collective: a durable tenplex checkpoint of the job under ``save_dir``, retention applied after."""
+    def save(self, save_dir: str, keep: int | Retention | None, scope: SaveScope, fence: lease.Fence) -> SaveResult:
+        """Collective: a durable tenplex checkpoint of the job under ``save_dir``, retention applied after, every
+        destructive step under the writer's ``fence``."""
         ...
 
 

@@ -134,7 +134,7 @@ def resolve(tier: MemoryTier, answers: list[NodeProgress], what: str) -> bool:
 
     def local() -> HelperCheck:
         if done and tier.leader:  # the older snapshot the replicated one protected can go now
-            node_dir.retain(tier.mem, tier.settings.keep, tier.protected(), tier.dispose)
+            node_dir.retain(tier.mem, tier.settings.keep, tier.protected(), tier.dispose, tier.fence)
         exited = tier.helper.exited() if tier.leader and tier.helper is not None else None
         return HelperCheck(restart or exited is not None, exited)
 
@@ -160,9 +160,10 @@ def commit_durable(tier: MemoryTier, removed: list[str]) -> str:
     """Rank 0: commit the pending durable checkpoint (every node's files are in its staging directory)."""
     save_dir, it, meta = tier.settings.save_dir, tier.pending, tier.pending_meta
     assert save_dir is not None and meta is not None and it is not None
-    path = directory.commit(save_dir, it, meta, meta["files"], fault=lambda point: maybe_fail(point, 0, it))
+    path = directory.commit(save_dir, it, meta, meta["files"], fault=lambda point: maybe_fail(point, 0, it),
+                            fence=tier.fence)
     if tier.settings.durable_keep is not None:
-        removed.extend(directory.apply_retention(save_dir, tier.settings.durable_keep))
+        removed.extend(directory.apply_retention(save_dir, tier.settings.durable_keep, tier.fence))
     return path
 
 
@@ -177,7 +178,7 @@ def start_persist(tier: MemoryTier, what: str) -> None:
     if rank() == 0:
         tier.pending_meta = meta
     if tier.save_lease is None:  # every node's helper writes for the lease rank 0 holds: fenced by a newer one
-        mine = lease.held(save_dir) if rank() == 0 else None
+        mine = tier.leases.held(save_dir) if rank() == 0 and tier.leases is not None else None
         tier.save_lease = int(broadcast_json(mine.generation if mine is not None else 0, 0))
 
     def start() -> None:
@@ -235,8 +236,8 @@ def persist_last(tier: MemoryTier) -> tuple[str, ...]:
         already = directory.find_checkpoint(save_dir) is not None and directory.tracker_iteration(save_dir) == it
         if rank() == 0 and not already:
             for stale in directory.partial_dirs(save_dir):
-                directory.remove_partial(stale)
-            directory.prepare_partial(save_dir, it)
+                directory.remove_partial(stale, tier.fence)
+            directory.prepare_partial(save_dir, it, tier.fence)
         return already
 
     if broadcast_json(run_phase(f"persisting iteration {it}: preparing", prepare), 0):

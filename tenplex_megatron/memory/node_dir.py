@@ -123,15 +123,16 @@ def used_bytes(mem: str, iterations: list[int]) -> int:
 
 
 def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
-           dispose: Callable[[str], None] | None = None) -> list[str]:
+           dispose: Callable[[str], None] | None = None, fence: lease.Fence = lease.no_fence) -> list[str]:
     """Retire all but the newest ``keep`` committed snapshots (and those in ``protect``); returns what went.
 
     ``dispose``: each retired snapshot is renamed ``iter_NNNNNNN.tenplex-old`` (no longer listed) and handed to it,
     to be deleted off the training path (freeing a GB of tmpfs pages takes a while); None: deleted here.
+    ``fence``: the job's lease on ``mem``, checked first.
     """
     if keep < 1:
         raise ValueError(f"--tenplex-memory-keep must be >= 1, got {keep}")
-    lease.fence(mem)
+    fence(mem)
     removed = []
     for it in directory.committed_iterations(mem)[:-keep]:
         if it in protect:
@@ -156,11 +157,12 @@ def _retire(path: str, dispose: Callable[[str], None]) -> bool:
     return True
 
 
-def discard_newer(mem: str, iteration: int | None, dispose: Callable[[str], None]) -> list[str]:
-    """Retire the committed snapshots after ``iteration`` (every one for None) as :func:`retain` does: the
-    snapshots of a timeline a restart left (it went back to ``iteration``), which must never complete later,
-    when a lost node returns with its part of them. Returns what went."""
-    lease.fence(mem)
+def discard_newer(mem: str, iteration: int | None, dispose: Callable[[str], None],
+                  fence: lease.Fence = lease.no_fence) -> list[str]:
+    """Retire the committed snapshots after ``iteration`` (every one for None) as :func:`retain` does, under the
+    job's ``fence``: the snapshots of a timeline a restart left (it went back to ``iteration``), which must never
+    complete later, when a lost node returns with its part of them. Returns what went."""
+    fence(mem)
     newer = [snapshot_dir(mem, it) for it in directory.committed_iterations(mem) if iteration is None or it > iteration]
     return [path for path in newer if _retire(path, dispose)]
 

@@ -175,7 +175,7 @@ def discard_after(tier: MemoryTier, start: int | None) -> list[str]:
     """Collective: retire every node's snapshots newer than ``start``, the iteration the job (re)started from
     (every one for None: it started afresh), a timeline it left; returns this node's."""
     return run_phase("discarding the snapshots newer than the restart point",
-                     lambda: node_dir.discard_newer(tier.mem, start, tier.dispose) if tier.leader else [])
+                     lambda: node_dir.discard_newer(tier.mem, start, tier.dispose, tier.fence) if tier.leader else [])
 
 
 class MemorySource(SourceFiles):

@@ -192,7 +192,7 @@ def _save_durable_instead(adapter: Adapter, tier: MemoryTier, it: int, why: str)
     assert save_dir is not None
     if rank() == 0:
         log.warning("%s: saving to %s instead", why, save_dir)
-    res = save(adapter, save_dir, tier.settings.durable_keep)
+    res = save(adapter, save_dir, tier.settings.durable_keep, fence=tier.fence)
     return SnapshotResult(res.path, it, res.seconds, res.bytes_written, 0, False, (res.path,), res.removed, res)
 
 
@@ -216,20 +216,20 @@ def _prepare(tier: MemoryTier, it: int, what: str, short: list[str], removed: li
             "or pass --tenplex-memory-fallback to save to --save instead")
     if tier.leader:
         removed.extend(_clear_stale(tier))
-        directory.prepare_partial(tier.mem, it)
+        directory.prepare_partial(tier.mem, it, tier.fence)
     if rank() == 0 and commit:
         persisted.append(background.commit_durable(tier, removed))
     if rank() == 0 and persist:
         save_dir = tier.settings.save_dir
         assert save_dir is not None
-        removed.extend(p for p in directory.partial_dirs(save_dir) if directory.remove_partial(p))  # killed persists
-        directory.prepare_partial(save_dir, it)
+        removed.extend(p for p in directory.partial_dirs(save_dir) if directory.remove_partial(p, tier.fence))  # killed persists
+        directory.prepare_partial(save_dir, it, tier.fence)
 
 
 def _clear_stale(tier: MemoryTier) -> list[str]:
     """What earlier snapshots left in the node's memory: half-written ones (killed), retired ones whose deleter
     died, and spare files of another job's or layout's ranks; returns what went."""
-    removed = [p for p in directory.partial_dirs(tier.mem) if directory.remove_partial(p)]
+    removed = [p for p in directory.partial_dirs(tier.mem) if directory.remove_partial(p, tier.fence)]
     removed += [p for p in node_dir.retired(tier.mem)
                 if p not in tier.disposing and directory.remove_own(p, directory.is_tenplex_checkpoint)]
     removed += node_dir.drop_spares(tier.mem, tier.held_ranks())
@@ -283,8 +283,9 @@ def _commit(tier: MemoryTier, it: int, meta: dict[str, Any], removed: list[str])
         maybe_fail("memory.commit", rank(), it)
         staging = directory.partial_dir(tier.mem, it)
         here = {n: s for n, s in meta["files"].items() if os.path.isfile(os.path.join(staging, n))}
-        path = directory.commit(tier.mem, it, meta, here, dispose=tier.dispose)
-        removed.extend(node_dir.retain(tier.mem, tier.settings.keep, (*tier.protected(), it), tier.dispose))
+        path = directory.commit(tier.mem, it, meta, here, dispose=tier.dispose, fence=tier.fence)
+        removed.extend(node_dir.retain(tier.mem, tier.settings.keep, (*tier.protected(), it), tier.dispose,
+                                       tier.fence))
     return path
 
 

@@ -18,6 +18,7 @@ from tenplex_megatron.memory.helper import Helper
 from tenplex_megatron.memory.peers import cpu_group
 from tenplex_megatron.memory.protocol import Remove
 from tenplex_megatron.memory.settings import MemorySettings
+from tenplex_megatron.storage.lease import LeaseSet
 
 log = tlog.get("memory")
 
@@ -42,6 +43,13 @@ class MemoryTier:
     last_files: tuple[RankFile, ...] = ()  # every rank's file of it
     disposing: set[str] = field(default_factory=set)  # retired snapshots this node's helper is deleting
     save_lease: int | None = None  # rank 0's lease generation on the durable directory (0: none), once known
+    leases: LeaseSet | None = None  # the job's leases (its Checkpointer's): the fence of every destructive step
+
+    def fence(self, directory: str) -> None:
+        """Before a destructive step in ``directory`` (the memory directory, ``--save``): stop when a newer
+        generation of its lease owns it (no lease held here: no check)."""
+        if self.leases is not None:
+            self.leases.fence(directory)
 
     @property
     def mem(self) -> str:
@@ -108,14 +116,16 @@ class NodeIdentity:
         return cls(str(d))
 
 
-def open_tier(settings: MemorySettings, *, start_helpers_now: bool = False) -> MemoryTier:
+def open_tier(settings: MemorySettings, *, start_helpers_now: bool = False,
+              leases: LeaseSet | None = None) -> MemoryTier:
     """Collective: this process's memory tier (node id read or made, nodes found by gathering every rank's id).
 
     ``start_helpers_now``: start the nodes' helper processes now rather than at the first snapshot, so that their
     start (an interpreter, torch, their group's rendezvous: seconds) overlaps the model's build and load instead
     of delaying the first snapshot's replication (until it is done, newer snapshots stay on their own node).
+    ``leases``: the job's, whose fence every destructive step of the tier passes.
     """
-    tier = MemoryTier(settings)
+    tier = MemoryTier(settings, leases=leases)
 
     def local() -> NodeIdentity:
         node = node_dir.node_id(tier.mem)

@@ -249,10 +249,10 @@ def remove_own(path: str, recognised: Callable[[str], bool]) -> bool:
     return False
 
 
-def remove_partial(path: str) -> bool:
+def remove_partial(path: str, fence: lease.Fence = lease.no_fence) -> bool:
     """Delete a left-over staging directory (:func:`partial_dirs`) if it is one this project wrote (never by a
-    writer whose lease a newer generation took: it could be that writer's save in progress)."""
-    lease.fence(os.path.dirname(os.path.abspath(path)))
+    writer whose lease a newer generation took, ``fence``: it could be that writer's save in progress)."""
+    fence(os.path.dirname(os.path.abspath(path)))
     return _PARTIAL_RE.fullmatch(os.path.basename(path)) is not None and remove_own(path, is_staging_dir)
 
 
@@ -265,16 +265,16 @@ def _check_replaceable(final: str) -> None:
         )
 
 
-def prepare_partial(save: str, iteration: int) -> str:
+def prepare_partial(save: str, iteration: int, fence: lease.Fence = lease.no_fence) -> str:
     """Create an empty staging directory (rank 0, before the writers start).
 
     Refuses, before anything is written, to replace anything at the iteration's
-    name that is not a tenplex checkpoint, or a staging entry it did not write.
+    name that is not a tenplex checkpoint, or a staging entry it did not write (``fence``: the writer's lease).
     """
     os.makedirs(save, exist_ok=True)
     _check_replaceable(os.path.join(save, iter_dir_name(iteration)))
     path = partial_dir(save, iteration)
-    if os.path.lexists(path) and not remove_partial(path):
+    if os.path.lexists(path) and not remove_partial(path, fence):
         raise CheckpointFileError(f"{path}: exists and is not a staging directory of a tenplex save "
                                   "(it holds other files); refusing to delete it")
     os.makedirs(path)
@@ -284,11 +284,13 @@ def prepare_partial(save: str, iteration: int) -> str:
 def commit(
     save: str, iteration: int, metadata: dict[str, Any], expected_files: dict[str, int],
     fault: Callable[[str], None] | None = None, dispose: Callable[[str], None] = shutil.rmtree,
+    fence: lease.Fence = lease.no_fence,
 ) -> str:
     """Check every rank's file, write the metadata, rename into place, update the tracker (rank 0).
 
     ``dispose``: what happens to a committed checkpoint of the same iteration once the new one replaced it (renamed
-    ``iter_NNNNNNN.tenplex-old`` by then): deleted at once unless the caller defers it.
+    ``iter_NNNNNNN.tenplex-old`` by then): deleted at once unless the caller defers it. ``fence``: the writer's
+    lease, checked before the rename (a writer of an older generation commits nothing).
     """
     fault = fault or (lambda point: None)
     staging = partial_dir(save, iteration)
@@ -311,7 +313,7 @@ def commit(
         os.fsync(f.fileno())
     fsync_dir(staging)
     fault("save.commit")
-    lease.fence(save)  # a writer of an older generation commits nothing
+    fence(save)  # a writer of an older generation commits nothing
     if os.path.islink(final):  # a link named like the checkpoint: replaced by it, its target untouched
         os.unlink(final)
     if os.path.lexists(final):
@@ -335,9 +337,9 @@ def commit(
     return final
 
 
-def apply_retention(save: str, keep: int | Retention) -> list[str]:
+def apply_retention(save: str, keep: int | Retention, fence: lease.Fence = lease.no_fence) -> list[str]:
     """Delete all but the newest ``keep`` complete checkpoints, or all but what a :class:`Retention` keeps (call
-    only after a commit); returns what went.
+    only after a commit, under the writer's ``fence``); returns what went.
 
     Only :func:`committed_iterations` count and go: real ``iter_NNNNNNN``
     directories with a tenplex ``metadata.json``. Links named like them and
@@ -346,7 +348,7 @@ def apply_retention(save: str, keep: int | Retention) -> list[str]:
     rule = keep if isinstance(keep, Retention) else Retention(keep=keep)
     if rule.keep is not None and rule.keep < 1:
         raise ValueError(f"--tenplex-keep must be >= 1, got {rule.keep}")
-    lease.fence(save)
+    fence(save)
     removed = []
     its = committed_iterations(save)
     kept = set(rule.kept(its))

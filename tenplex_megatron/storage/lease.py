@@ -8,12 +8,13 @@ took N+1 first, which is atomic on local filesystems and on NFS alike (no ``floc
 clients), and a reader never sees a half-written lease. Only the holder rewrites its own generation's file
 (heartbeat, release), by rename.
 
-Rules (:func:`check`, :func:`acquire`): another job's lease is refused while its holder lives (heartbeat younger
+Rules (:func:`check`, :func:`take`): another job's lease is refused while its holder lives (heartbeat younger
 than its ttl, and, on this host, its process alive); a gone holder's lease is taken over, at once with
 ``take_over``; the same job (its identity: ``job_identity.py``) always takes the next generation (an elastic restart
-never waits). :func:`fence`, called
-before a commit, retention or the removal of a partial save, stops a writer whose generation is no longer the
-newest: a split rendezvous or a second launch on the same directory leaves one writer, the newest.
+never waits). The leases a job holds are a :class:`LeaseSet` its Checkpointer owns (no registry in the module):
+it renews them from a heartbeat thread of its own, and its :meth:`LeaseSet.fence`, passed down to every writer and
+called before a commit, retention or the removal of a partial save, stops a writer whose generation is no longer
+the newest: a split rendezvous or a second launch on the same directory leaves one writer, the newest.
 A writer checks, then acts: between the two a newer holder can start; its own first destructive step comes after
 its own start-up, which makes that window (milliseconds here) much shorter than any save.
 """
@@ -28,6 +29,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -47,7 +49,7 @@ HEARTBEATS_PER_TTL = 5
 _GEN_RE = re.compile(r"gen-([0-9]{8,})\.json")
 LEASE_MAX_BYTES = 64 * 1024  # a lease file is a few hundred bytes
 _KEEP_OLD = 1  # older generations' files kept (the one before the newest: what it took over, for the record)
-_NOT_ATOMIC = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK}
+_NOT_ATOMIC = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV, errno.EMLINK})
 
 
 class LeaseError(CheckpointFileError):
@@ -167,13 +169,12 @@ def check(directory: str, job: str, take_over: bool = False, now: float | None =
         f"wait {max(cur.ttl - age, 0):.0f} s or {remedy[1]}")
 
 
-_HELD: dict[str, Lease] = {}  # real path of a directory -> this process's lease on it
-_LOCK = threading.Lock()
-#: one rewrite of a held lease's file at a time in this process, taken before _LOCK: the heartbeat's renewal and a
-#: release must not interleave (a renewal after the release would mark the lease live again)
-_WRITE = threading.Lock()
-#: pid -> its heartbeat thread and the event that ends it (a forked child starts its own)
-_BEAT: dict[int, tuple[threading.Thread, threading.Event]] = {}
+#: a writer's fence: called with a directory before each destructive step there (:meth:`LeaseSet.fence`)
+Fence = Callable[[str], None]
+
+
+def no_fence(directory: str) -> None:
+    """The fence of a writer that holds no lease (a library user's save, a CLI clean-up): nothing to check."""
 
 
 def _key(directory: str) -> str:
@@ -187,40 +188,22 @@ def _write(lease: Lease, path: str) -> None:
         os.fsync(f.fileno())
 
 
-def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False, *,
-            remedy: tuple[str, str] = FLAG_REMEDY, holder_pid: int | None = None) -> Lease:
-    """Take the next generation of ``directory``'s lease for ``job`` (refused as :func:`check` says), hold it in
-    this process (heartbeat thread, :func:`fence`) and prune older generations' files. ``holder_pid``: the process
-    whose life the lease's liveness follows (default this one; a launcher that outlives its ranks, for a job
-    whose ranks may die while the others continue in place)."""
+def take(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False, *,
+         remedy: tuple[str, str] = FLAG_REMEDY, holder_pid: int | None = None) -> Lease:
+    """Take the next generation of ``directory``'s lease for ``job`` (refused as :func:`check` says) and prune older
+    generations' files; the caller holds it (:class:`LeaseSet`). ``holder_pid``: the process whose life the lease's
+    liveness follows (default this one; a launcher that outlives its ranks, for a job whose ranks may die while the
+    others continue in place)."""
     if ttl <= 0:
-        raise ValueError(f"--tenplex-lease-ttl must be > 0 seconds, got {ttl}")
+        raise LeaseError(f"--tenplex-lease-ttl must be > 0 seconds, got {ttl}")
     os.makedirs(lease_dir(directory), exist_ok=True)
     holder = f"{socket.gethostname()}:{os.getpid() if holder_pid is None else holder_pid}"
     while True:
         cur = check(directory, job, take_over, remedy=remedy)
         gen = (cur.generation if cur else max(generations(directory), default=0)) + 1
         lease = Lease(os.path.abspath(directory), job, gen, holder, uuid.uuid4().hex, time.time(), float(ttl))
-        tmp = f"{lease.path}.{lease.token}.tmp"
-        _write(lease, tmp)
-        try:
-            maybe_fail("lease.link", int(os.environ.get("RANK", "0") or 0))
-            os.link(tmp, lease.path)
-        except FileExistsError:  # another process took this generation first: look again
-            continue
-        except OSError as e:
-            if e.errno in _NOT_ATOMIC:
-                raise LeaseError(
-                    f"{directory}: the filesystem refuses hard links ({e.strerror}): the lease needs link(2) to "
-                    "be taken atomically, so two jobs could write this directory at once; save to a filesystem "
-                    "with hard links (local disks, NFS, Lustre, tmpfs)") from None
-            raise
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-        break
+        if _link(lease, directory):
+            break
     fsync_dir(lease_dir(directory))
     for g in generations(directory):
         if g < gen - _KEEP_OLD:
@@ -228,19 +211,39 @@ def acquire(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool 
                 os.unlink(gen_path(directory, g))
             except FileNotFoundError:
                 pass
-    with _LOCK:
-        _HELD[_key(directory)] = lease
-    _start_heartbeat()
     if cur is not None and cur.job != job:
         log.warning("%s: took the lease over from %s", directory, cur.describe())
     return lease
 
 
-def adopt(directory: str, generation: int, token: str) -> Lease:
-    """Hold, in this process too, the lease another process of the same job took (its ``generation`` and
-    ``token``): no new generation, so the job's other holders are not fenced; this process's heartbeat renews it
-    as well, so the lease stays live while any holder lives. Refused (:class:`LeaseError`, naming the file) when
-    that generation is gone, is not the newest, or was taken by another taking (another token)."""
+def _link(lease: Lease, directory: str) -> bool:
+    """Link a complete file of ``lease`` to its generation's name; False when another process took it first."""
+    tmp = f"{lease.path}.{lease.token}.tmp"
+    _write(lease, tmp)
+    try:
+        maybe_fail("lease.link", int(os.environ.get("RANK", "0") or 0))
+        os.link(tmp, lease.path)
+    except FileExistsError:  # another process took this generation first: look again
+        return False
+    except OSError as e:
+        if e.errno in _NOT_ATOMIC:
+            raise LeaseError(
+                f"{directory}: the filesystem refuses hard links ({e.strerror}): the lease needs link(2) to "
+                "be taken atomically, so two jobs could write this directory at once; save to a filesystem "
+                "with hard links (local disks, NFS, Lustre, tmpfs)") from None
+        raise
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    return True
+
+
+def taken(directory: str, generation: int, token: str) -> Lease:
+    """The lease another process of the same job took (its ``generation`` and ``token``), for this process to hold
+    too. Refused (:class:`LeaseError`, naming the file) when that generation is gone, is not the newest, or was
+    taken by another taking (another token)."""
     path = gen_path(directory, generation)
     try:
         with open(path) as f:
@@ -252,29 +255,12 @@ def adopt(directory: str, generation: int, token: str) -> Lease:
     if mine.token != token or newest != generation:
         raise FencedError(f"{directory}: a newer generation owns the directory (generation {newest}; this job took "
                           f"generation {generation}): this process does not write there")
-    mine = replace(mine, directory=os.path.abspath(directory))
-    with _LOCK:
-        _HELD[_key(directory)] = mine
-    _start_heartbeat()
-    return mine
-
-
-def held(directory: str) -> Lease | None:
-    """This process's lease on ``directory``, if it holds one."""
-    return _HELD.get(_key(directory))
-
-
-def fence(directory: str) -> None:
-    """Before a commit, retention or a partial save's removal: stop (:class:`FencedError`) when this process holds
-    ``directory``'s lease but a newer generation exists. A directory this process holds no lease on: no check."""
-    mine = held(directory)
-    if mine is not None:
-        fence_generation(directory, mine.generation, mine.describe())
+    return replace(mine, directory=os.path.abspath(directory))
 
 
 def fence_generation(directory: str, generation: int, writer: str = "") -> None:
-    """:func:`fence` for a writer that holds no lease object of its own (a node's helper process writing for the
-    job that holds ``generation``): stop when a newer generation owns ``directory``."""
+    """Before a destructive step of a writer of ``generation`` (a job's own, or a node's helper process writing
+    for it): stop when a newer generation owns ``directory``."""
     newest = max(generations(directory), default=0)
     if newest == generation:
         return
@@ -289,8 +275,7 @@ def fence_generation(directory: str, generation: int, writer: str = "") -> None:
 
 
 def _rewrite(lease: Lease) -> None:
-    """Replace the lease's file atomically, through a temporary name no other writer uses (a forked child
-    inherits the lease and renews it from its own heartbeat thread)."""
+    """Replace the lease's file atomically, through a temporary name no other writer uses."""
     tmp = f"{lease.path}.{uuid.uuid4().hex}.tmp"
     _write(lease, tmp)
     os.replace(tmp, lease.path)
@@ -305,65 +290,121 @@ def renew(lease: Lease) -> Lease:
     return new
 
 
-def release(directory: str) -> None:
-    """Give the lease back (a clean end): the next job, of any id, takes it over at once."""
-    with _WRITE:
-        with _LOCK:
-            mine = _HELD.pop(_key(directory), None)
-        if mine is None or max(generations(directory), default=0) != mine.generation:
-            return
-        _rewrite(replace(mine, heartbeat=time.time(), released=True))
+class LeaseSet:
+    """The leases one job holds in this process, renewed by a heartbeat thread of its own while any is held, and
+    the fence of its writers: a job's :class:`~tenplex_megatron.frontdoor.checkpointer.Checkpointer` owns one,
+    and passes :meth:`fence` to what commits, applies retention or removes partial saves in its directories."""
 
+    def __init__(self) -> None:
+        self._held: dict[str, Lease] = {}  # real path of a directory -> the lease on it
+        self._lock = threading.Lock()
+        #: one rewrite of a held lease's file at a time, taken before _lock: the heartbeat's renewal and a release
+        #: must not interleave (a renewal after the release would mark the lease live again)
+        self._write = threading.Lock()
+        self._beat: tuple[int, threading.Thread, threading.Event] | None = None  # pid, thread, its stop
 
-def _beat(stop: threading.Event) -> None:
-    """The heartbeat thread: renew every held lease ``HEARTBEATS_PER_TTL`` times per ttl, until ``stop`` is set."""
-    while True:
-        with _LOCK:
-            leases = list(_HELD.items())
-        period = min((lease.ttl for _, lease in leases), default=DEFAULT_TTL) / HEARTBEATS_PER_TTL
-        if stop.wait(period):
-            return
-        _beat_once(leases)
+    def acquire(self, directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = False, *,
+                remedy: tuple[str, str] = FLAG_REMEDY, holder_pid: int | None = None) -> Lease:
+        """Take the next generation of ``directory``'s lease (:func:`take`) and hold it here."""
+        return self._hold(take(directory, job, ttl, take_over, remedy=remedy, holder_pid=holder_pid))
 
+    def adopt(self, directory: str, generation: int, token: str) -> Lease:
+        """Hold here too the lease another process of the same job took (:func:`taken`): no new generation, so the
+        job's other holders are not fenced; this heartbeat renews it as well, so it stays live while any holder
+        lives."""
+        return self._hold(taken(directory, generation, token))
 
-def _beat_once(leases: list[tuple[str, Lease]]) -> None:
-    """One heartbeat: renew each of ``leases`` (a list made before the heartbeat's sleep) still held as it was."""
-    for key, lease in leases:
-        with _WRITE:
-            with _LOCK:
-                if _HELD.get(key) is not lease:  # released (or taken again) since the list was made
+    def _hold(self, lease: Lease) -> Lease:
+        with self._lock:
+            self._held[_key(lease.directory)] = lease
+        self._start_heartbeat()
+        return lease
+
+    def held(self, directory: str) -> Lease | None:
+        """This set's lease on ``directory``, if it holds one."""
+        with self._lock:
+            return self._held.get(_key(directory))
+
+    @property
+    def directories(self) -> tuple[str, ...]:
+        """The directories whose leases this set holds."""
+        with self._lock:
+            return tuple(lease.directory for lease in self._held.values())
+
+    def fence(self, directory: str) -> None:
+        """Before a commit, retention or a partial save's removal: stop (:class:`FencedError`) when this set holds
+        ``directory``'s lease but a newer generation exists. A directory it holds no lease on: no check."""
+        mine = self.held(directory)
+        if mine is not None:
+            fence_generation(directory, mine.generation, mine.describe())
+
+    def release(self, directory: str) -> None:
+        """Give ``directory``'s lease back (a clean end): the next job, of any id, takes it over at once."""
+        with self._write:
+            with self._lock:
+                mine = self._held.pop(_key(directory), None)
+            if mine is None or max(generations(directory), default=0) != mine.generation:
+                return
+            _rewrite(replace(mine, heartbeat=time.time(), released=True))
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Release every lease held and end the heartbeat thread; returns whether it ended."""
+        for d in self.directories:
+            self.release(d)
+        return self.stop_heartbeat_when_idle(timeout)
+
+    def __enter__(self) -> LeaseSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start_heartbeat(self) -> None:
+        """Start this set's heartbeat thread, once per process (a forked child starts its own)."""
+        with self._lock:
+            if self._beat is not None and self._beat[0] == os.getpid():
+                return
+            stop = threading.Event()
+            t = threading.Thread(target=self._run, args=(stop,), name="tenplex-lease-heartbeat", daemon=True)
+            self._beat = (os.getpid(), t, stop)
+        t.start()
+
+    def _run(self, stop: threading.Event) -> None:
+        """The heartbeat: renew every held lease ``HEARTBEATS_PER_TTL`` times per ttl, until ``stop`` is set."""
+        while True:
+            with self._lock:
+                leases = list(self._held.items())
+            period = min((lease.ttl for _, lease in leases), default=DEFAULT_TTL) / HEARTBEATS_PER_TTL
+            if stop.wait(period):
+                return
+            self._beat_once(leases)
+
+    def _beat_once(self, leases: list[tuple[str, Lease]]) -> None:
+        """One heartbeat: renew each of ``leases`` (a list made before the sleep) still held as it was."""
+        for key, lease in leases:
+            with self._write:
+                with self._lock:
+                    if self._held.get(key) is not lease:  # released (or taken again) since the list was made
+                        continue
+                try:
+                    new = renew(lease)
+                except OSError as e:  # a full or vanished filesystem: the lease may expire; the fence still holds
+                    log.warning("%s: lease heartbeat failed: %s", lease.directory, e)
                     continue
-            try:
-                new = renew(lease)
-            except OSError as e:  # a full or vanished filesystem: the lease may expire; the fence still holds
-                log.warning("%s: lease heartbeat failed: %s", lease.directory, e)
-                continue
-            with _LOCK:
-                if _HELD.get(key) is lease:
-                    _HELD[key] = new
+                with self._lock:
+                    if self._held.get(key) is lease:
+                        self._held[key] = new
 
-
-def _start_heartbeat() -> None:
-    """Start this process's heartbeat thread, once."""
-    with _LOCK:
-        if os.getpid() in _BEAT:
-            return
-        stop = threading.Event()
-        t = threading.Thread(target=_beat, args=(stop,), name="tenplex-lease-heartbeat", daemon=True)
-        _BEAT[os.getpid()] = (t, stop)
-    t.start()
-
-
-def stop_heartbeat_when_idle(timeout: float = 10.0) -> bool:
-    """End this process's heartbeat thread when it holds no lease (a job's clean end, before the next job of the
-    same process takes its own); the next :func:`acquire` starts a new one. Returns whether no heartbeat runs."""
-    with _LOCK:
-        if _HELD:
-            return False
-        entry = _BEAT.pop(os.getpid(), None)
-    if entry is not None:
-        thread, stop = entry
+    def stop_heartbeat_when_idle(self, timeout: float = 10.0) -> bool:
+        """End the heartbeat thread when no lease is held (the next :meth:`acquire` starts a new one); returns
+        whether no heartbeat of this set runs in this process."""
+        with self._lock:
+            if self._held:
+                return False
+            beat, self._beat = self._beat, None
+        if beat is None or beat[0] != os.getpid():
+            return True
+        _, thread, stop = beat
         stop.set()
         thread.join(timeout)
         return not thread.is_alive()
-    return True

@@ -104,7 +104,7 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
                               "inprocess_call": it}
         with lease_flags.stop_when_fenced(PROG):  # the job's leases are this process's across calls (claimed above)
-            run(a, Checkpointer(JobConfig.from_args(a, PROG, claim_leases=False)))
+            run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         peers.reset()

@@ -287,7 +287,8 @@ def cluster_safety(job: Job, work: str) -> dict[str, str]:
 HOLD_LEASE = """
 import sys, time
 from tenplex_megatron.storage import lease
-lease.acquire(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "another-job")
+held = lease.LeaseSet()
+held.acquire(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "another-job")
 print("held", flush=True)
 time.sleep(120)
 """

@@ -301,7 +301,7 @@ def checkpointer_rebuilt(out: str) -> list[dict[str, Any]]:
     rounds = []
     for value in (20.0, 21.0):
         ckpt = Checkpointer(JobConfig.from_args(args, "memory_run.py"))
-        held = [d for d in (ckpt_dir, args.tenplex_memory) if lease.held(d) is not None]
+        held = list(ckpt.leases)
         back = Tiny(0.0, axis=1)
         r = ckpt.resume(SimpleNamespace(adapter=lambda b=back: b, load=lambda path, scope=None, b=back: load(b, path)))
         loaded = [r.result.iteration, r.memory is not None, back.matches(r.result.iteration)] if r.loaded else None
@@ -314,7 +314,7 @@ def checkpointer_rebuilt(out: str) -> list[dict[str, Any]]:
         rounds.append({
             "held": held, "loaded": loaded, "helper_started": helper is not None,
             "helper_gone": helper is None or helper.proc.poll() is not None,
-            "held_after": [d for d in held if lease.held(d) is not None],
+            "held_after": list(ckpt.leases),
             "released": [lease.current(d).released for d in held],
             "threads_left": sorted(t.name for t in threading.enumerate() if t.ident not in threads),
             "fds": len(os.listdir("/proc/self/fd")), "closed_refuses": error_of_closed(ckpt)})

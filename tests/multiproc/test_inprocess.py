@@ -70,7 +70,7 @@ def take_over_at(save: str, ref: str, iteration: int, seen: dict[str, object], t
                 break
             time.sleep(0.05)
         other = subprocess.run([sys.executable, "-c", "import sys; from tenplex_megatron.storage import lease; "
-                                f"print(lease.acquire(sys.argv[1], {OTHER_JOB!r}, take_over=True).generation)", save],
+                                f"print(lease.LeaseSet().acquire(sys.argv[1], {OTHER_JOB!r}, take_over=True).generation)", save],
                                capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=CHILD_PYTHONPATH),
                                timeout=60)
         seen.update(generation=int(other.stdout), committed=directory.tracker_iteration(save), alive=p.poll() is None)

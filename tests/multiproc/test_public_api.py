@@ -18,7 +18,8 @@ EXAMPLE = os.path.join(ROOT, "examples", "own_loop.py")
 HOLDER = """
 import sys, time
 from tenplex_megatron.storage import lease
-print(lease.acquire(sys.argv[1], "another-job").generation, flush=True)
+held = lease.LeaseSet()
+print(held.acquire(sys.argv[1], "another-job").generation, flush=True)
 time.sleep(600)
 """
 

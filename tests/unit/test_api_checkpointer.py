@@ -13,12 +13,6 @@ from tenplex_megatron.integrations.deepspeed import adapter
 from tenplex_megatron.storage import lease
 
 
-@pytest.fixture(autouse=True)
-def _forget_held():
-    yield
-    lease._HELD.clear()
-
-
 def test_claim_once_per_engine_refuse_another_job_release_on_close(tmp_path) -> None:
     d = str(tmp_path / "ckpt")
     engine = types.SimpleNamespace()

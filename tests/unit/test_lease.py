@@ -21,9 +21,9 @@ from tenplex_megatron.frontdoor.job_config import JobConfig, LeaseConfig
 from tenplex_megatron.storage import directory, job_identity, lease
 
 
-def _claim(args: Namespace) -> list[str]:
-    """The trainers' start-up claim of the leases the flags in ``args`` name."""
-    return lease_flags.claim(JobConfig("pretrain_gpt.py", leases=LeaseConfig.from_args(args)))
+def _claim(args: Namespace, leases: lease.LeaseSet) -> list[str]:
+    """The trainers' start-up claim of the leases the flags in ``args`` name, into ``leases``."""
+    return lease_flags.claim(JobConfig("pretrain_gpt.py", leases=LeaseConfig.from_args(args)), leases)
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +31,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HOLDER = """
 import sys, time
 from tenplex_megatron.storage import lease
-print(lease.acquire(sys.argv[1], sys.argv[2], float(sys.argv[3])).generation, flush=True)
+held = lease.LeaseSet()
+print(held.acquire(sys.argv[1], sys.argv[2], float(sys.argv[3])).generation, flush=True)
 time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 600)
 """
 
@@ -42,10 +43,12 @@ def _holder(d: str, job: str, ttl: float = 15.0, live: float = 600) -> tuple[sub
     return p, int(p.stdout.readline())
 
 
-@pytest.fixture(autouse=True)
-def _forget_held():
-    yield
-    lease._HELD.clear()
+@pytest.fixture
+def leases():
+    """This test's leases, as a job's Checkpointer holds them (released, the heartbeat ended, at the end)."""
+    held = lease.LeaseSet()
+    yield held
+    held.close()
 
 
 def _stage(save: str, it: int) -> None:
@@ -60,40 +63,41 @@ def _meta(it: int) -> dict:
             "files": {directory.rank_file_name(0): 8}}
 
 
-def test_second_job_refused_naming_directory_and_holder(tmp_path) -> None:
+def test_second_job_refused_naming_directory_and_holder(tmp_path, leases) -> None:
     d = str(tmp_path / "ckpt")
     p, gen = _holder(d, "job-a")
     try:
         with pytest.raises(lease.LeaseError) as e:
-            lease.acquire(d, "job-b")
+            leases.acquire(d, "job-b")
         assert d in str(e.value) and "job 'job-a'" in str(e.value) and f":{p.pid}" in str(e.value)
         assert "--tenplex-take-over" in str(e.value)
         with pytest.raises(lease.LeaseError) as e:  # the Python API's callers are told its argument, not a flag
-            lease.acquire(d, "job-b", remedy=lease.API_REMEDY)
+            leases.acquire(d, "job-b", remedy=lease.API_REMEDY)
         assert "another save_dir" in str(e.value) and "take_over=True" in str(e.value)
         assert "--tenplex" not in str(e.value)
         assert lease.current(d).job == "job-a"  # nothing written by the refused job
-        got = lease.acquire(d, "job-b", take_over=True)  # the flag: at once
+        got = leases.acquire(d, "job-b", take_over=True)  # the flag: at once
         assert got.generation == gen + 1 and lease.current(d).job == "job-b"
     finally:
         p.kill()
         p.wait()
 
 
-def test_same_job_takes_a_higher_generation_and_fences_the_older_writer(tmp_path) -> None:
+def test_same_job_takes_a_higher_generation_and_fences_the_older_writer(tmp_path, leases) -> None:
     """A split rendezvous: this process holds generation 1 with a save staged; another round of the same job takes
     generation 2. The older writer can neither commit, nor apply retention, nor remove partial saves."""
     save = str(tmp_path / "ckpt")
-    mine = lease.acquire(save, "job")
+    mine = leases.acquire(save, "job")
     _stage(save, 3)
-    directory.commit(save, 3, _meta(3), _meta(3)["files"])  # the newest generation: commits
+    directory.commit(save, 3, _meta(3), _meta(3)["files"], fence=leases.fence)  # the newest generation: commits
     _stage(save, 6)
     p, gen = _holder(save, "job")
     try:
         assert gen == mine.generation + 1
-        for what, act in (("commit", lambda: directory.commit(save, 6, _meta(6), _meta(6)["files"])),
-                          ("retention", lambda: directory.apply_retention(save, 1)),
-                          ("clean-up", lambda: directory.remove_partial(directory.partial_dir(save, 6)))):
+        fence = leases.fence  # the writer's fence, as its Checkpointer passes it down
+        for what, act in (("commit", lambda: directory.commit(save, 6, _meta(6), _meta(6)["files"], fence=fence)),
+                          ("retention", lambda: directory.apply_retention(save, 1, fence)),
+                          ("clean-up", lambda: directory.remove_partial(directory.partial_dir(save, 6), fence))):
             with pytest.raises(lease.FencedError, match="a newer generation owns the directory"):
                 act()
                 pytest.fail(f"the older generation's {what} went through")
@@ -103,7 +107,7 @@ def test_same_job_takes_a_higher_generation_and_fences_the_older_writer(tmp_path
         p.wait()
 
 
-def test_a_silent_holder_expires_and_a_dead_one_is_gone_at_once(tmp_path) -> None:
+def test_a_silent_holder_expires_and_a_dead_one_is_gone_at_once(tmp_path, leases) -> None:
     d = str(tmp_path / "ckpt")
     p, _ = _holder(d, "job-a", ttl=1.0)
     os.kill(p.pid, signal.SIGSTOP)  # alive but silent: its heartbeat stops
@@ -112,7 +116,7 @@ def test_a_silent_holder_expires_and_a_dead_one_is_gone_at_once(tmp_path) -> Non
         with pytest.raises(lease.LeaseError):
             lease.check(d, "job-b")
         time.sleep(1.2)
-        assert lease.acquire(d, "job-b").job == "job-b"  # expired: taken over
+        assert leases.acquire(d, "job-b").job == "job-b"  # expired: taken over
     finally:
         p.kill()
         p.wait()
@@ -120,7 +124,7 @@ def test_a_silent_holder_expires_and_a_dead_one_is_gone_at_once(tmp_path) -> Non
     p, _ = _holder(d2, "job-a", ttl=60.0)
     p.kill()
     p.wait()
-    assert lease.acquire(d2, "job-b").job == "job-b"  # its holder died on this host: no wait
+    assert leases.acquire(d2, "job-b").job == "job-b"  # its holder died on this host: no wait
 
 
 def test_heartbeat_keeps_a_live_lease(tmp_path) -> None:
@@ -135,52 +139,54 @@ def test_heartbeat_keeps_a_live_lease(tmp_path) -> None:
         p.wait()
 
 
-def test_released_lease_is_taken_at_once(tmp_path) -> None:
+def test_released_lease_is_taken_at_once(tmp_path, leases) -> None:
     d = str(tmp_path / "ckpt")
-    lease.acquire(d, "job-a", ttl=600)
-    lease.release(d)
+    leases.acquire(d, "job-a", ttl=600)
+    leases.release(d)
     assert lease.current(d).released
-    lease._HELD.clear()
-    assert lease.acquire(d, "job-b").generation == 2
+    with lease.LeaseSet() as other:  # another job's process
+        assert other.acquire(d, "job-b").generation == 2
 
 
-def test_the_heartbeat_thread_ends_once_no_lease_is_held_and_starts_again_with_the_next(tmp_path) -> None:
-    """A job closed in a process leaves no heartbeat thread; the next job's lease starts one (and is renewed)."""
+def test_the_heartbeat_thread_ends_once_no_lease_is_held_and_starts_again_with_the_next(tmp_path, leases) -> None:
+    """A job closed in a process leaves no heartbeat thread of its leases; its next lease starts one (and is
+    renewed). Another job's leases in the same process (a LeaseSet of its own) are not this one's to end."""
     import threading
 
-    def beating() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name == "tenplex-lease-heartbeat"]
+    before = {t.ident for t in threading.enumerate() if t.name == "tenplex-lease-heartbeat"}
+
+    def beating() -> list[threading.Thread]:  # this set's heartbeat threads
+        return [t for t in threading.enumerate() if t.name == "tenplex-lease-heartbeat" and t.ident not in before]
 
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    lease._HELD.clear()
-    lease.acquire(a, "job-a", ttl=0.5)
-    assert beating()
-    assert not lease.stop_heartbeat_when_idle()  # a lease is held: the heartbeat goes on
-    lease.release(a)
-    assert lease.stop_heartbeat_when_idle() and beating() == []
-    first = lease.acquire(b, "job-b", ttl=0.5)
+    leases.acquire(a, "job-a", ttl=0.5)
+    assert len(beating()) == 1
+    assert not leases.stop_heartbeat_when_idle()  # a lease is held: the heartbeat goes on
+    leases.release(a)
+    assert leases.stop_heartbeat_when_idle() and beating() == []
+    first = leases.acquire(b, "job-b", ttl=0.5)
     assert len(beating()) == 1
     deadline = time.monotonic() + 30
-    while lease.held(b).heartbeat == first.heartbeat and time.monotonic() < deadline:
+    while leases.held(b).heartbeat == first.heartbeat and time.monotonic() < deadline:
         beating()[0].join(0.05)  # the new thread renews the lease (no fixed sleep: until it did, or 30 s)
-    assert lease.held(b).heartbeat > first.heartbeat
-    lease.release(b)
-    assert lease.stop_heartbeat_when_idle() and beating() == []
+    assert leases.held(b).heartbeat > first.heartbeat
+    leases.release(b)
+    assert leases.stop_heartbeat_when_idle() and beating() == []
 
 
-def test_a_heartbeat_racing_a_release_does_not_mark_the_lease_live_again(tmp_path) -> None:
+def test_a_heartbeat_racing_a_release_does_not_mark_the_lease_live_again(tmp_path, leases) -> None:
     """The heartbeat lists the held leases, sleeps, then renews: a release in between must win (seen in CI: the two
     wrote one temporary file and the release's rename failed; a renewal after it would have undone it)."""
     d = str(tmp_path / "ckpt")
-    lease.acquire(d, "job-a", ttl=600)
-    with lease._LOCK:
-        listed = list(lease._HELD.items())  # what the heartbeat thread holds while it sleeps
-    lease.release(d)
-    lease._beat_once(listed)
+    leases.acquire(d, "job-a", ttl=600)
+    with leases._lock:
+        listed = list(leases._held.items())  # what the heartbeat thread holds while it sleeps
+    leases.release(d)
+    leases._beat_once(listed)
     assert lease.current(d).released
     assert not [f for f in os.listdir(lease.lease_dir(d)) if f.endswith(".tmp")]
-    assert lease.acquire(d, "job-b").generation == 2  # taken at once
-    lease.release(d)
+    assert leases.acquire(d, "job-b").generation == 2  # taken at once
+    leases.release(d)
 
 
 def test_racing_rounds_get_distinct_generations_one_owner(tmp_path) -> None:
@@ -196,14 +202,14 @@ def test_racing_rounds_get_distinct_generations_one_owner(tmp_path) -> None:
             p.wait()
 
 
-def test_malformed_or_future_lease_file_refused_naming_it(tmp_path) -> None:
+def test_malformed_or_future_lease_file_refused_naming_it(tmp_path, leases) -> None:
     d = str(tmp_path / "ckpt")
     os.makedirs(lease.lease_dir(d))
     path = lease.gen_path(d, 1)
     with open(path, "w") as f:
         f.write("{not json")
     with pytest.raises(lease.LeaseError, match=f"{path}: malformed lease file"):
-        lease.acquire(d, "job")
+        leases.acquire(d, "job")
     with open(path, "w") as f:
         json.dump({"format": lease.FORMAT, "version": lease.VERSION + 1, "job": "x"}, f)
     with pytest.raises(lease.LeaseError, match=f"{path}: lease format version 2"):
@@ -218,7 +224,7 @@ def test_no_lease_no_fence(tmp_path) -> None:
     assert directory.committed_iterations(save) == [1]
 
 
-def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp_path, monkeypatch) -> None:
+def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp_path, monkeypatch, leases) -> None:
     """frontdoor/lease_flags.claim (both trainers' start-up): rank 0 takes --save's lease, another job is refused
     with SystemExit naming the directory and the holder; --tenplex-take-over takes it."""
     save = str(tmp_path / "ckpt")
@@ -229,17 +235,17 @@ def test_trainer_claim_refuses_before_any_process_group_and_names_the_holder(tmp
         args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id="job-b",
                          tenplex_take_over=False, tenplex_lease_ttl=15.0)
         with pytest.raises(SystemExit, match=f"pretrain_gpt.py: error: {save} is held by job 'job-a'"):
-            _claim(args)
+            _claim(args, leases)
         args.tenplex_take_over = True
-        assert _claim(args) == [save] and lease.current(save).job == "job-b"
-        lease_flags.release([save])
+        assert _claim(args, leases) == [save] and lease.current(save).job == "job-b"
+        leases.release(save)
         assert lease.current(save).released
     finally:
         p.kill()
         p.wait()
 
 
-def test_a_filesystem_without_hard_links_is_refused_at_start(tmp_path, monkeypatch) -> None:
+def test_a_filesystem_without_hard_links_is_refused_at_start(tmp_path, monkeypatch, leases) -> None:
     """The lease is taken by link(2): where the filesystem refuses it (EPERM, as vfat and some FUSE mounts do;
     injected here), the trainers stop at start naming the directory, and no lease generation is left behind."""
     save = str(tmp_path / "ckpt")
@@ -248,9 +254,9 @@ def test_a_filesystem_without_hard_links_is_refused_at_start(tmp_path, monkeypat
     args = Namespace(tenplex=True, save=save, tenplex_memory=None, tenplex_job_id="job-a", tenplex_take_over=False,
                      tenplex_lease_ttl=15.0)
     with pytest.raises(SystemExit, match=f"pretrain_gpt.py: error: {save}: the filesystem refuses hard links"):
-        _claim(args)
+        _claim(args, leases)
     assert lease.generations(save) == [] and os.listdir(lease.lease_dir(save)) == []
-    assert lease.held(save) is None
+    assert leases.held(save) is None
 
 
 def _agent_store():
@@ -301,7 +307,7 @@ def test_run_id_none_without_a_shared_store_warns_and_an_unreachable_store_is_na
 
 
 def test_claim_refuses_another_plain_torchrun_launch_and_lets_a_restart_round_take_the_next_generation(
-        tmp_path, monkeypatch) -> None:
+        tmp_path, monkeypatch, leases) -> None:
     """The trainers' claim under two launches without --rdzv-id: while launch A's holder lives, launch B is refused
     naming the directory, the holder and --tenplex-take-over; a new round of A takes the next generation at once."""
     save = str(tmp_path / "ckpt")
@@ -315,19 +321,19 @@ def test_claim_refuses_another_plain_torchrun_launch_and_lets_a_restart_round_ta
             monkeypatch.setenv(k, v)
         monkeypatch.delenv("SLURM_JOB_ID", raising=False)
         with pytest.raises(SystemExit) as e:
-            _claim(args)
+            _claim(args, leases)
         assert f"{save} is held by job {ida!r}" in str(e.value) and f":{p.pid})" in str(e.value)
         assert "--tenplex-take-over" in str(e.value) and lease.current(save).generation == gen
         for k, v in _worker_env(a, 0, restart=1).items():
             monkeypatch.setenv(k, v)
-        assert _claim(Namespace(**vars(args))) == [save]
+        assert _claim(Namespace(**vars(args)), leases) == [save]
         assert lease.current(save).generation == gen + 1 and lease.current(save).job == ida
     finally:
         p.kill()
         p.wait()
 
 
-def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, monkeypatch) -> None:
+def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, monkeypatch, leases) -> None:
     """--tenplex-memory: the node's first local rank takes the memory directory's lease; the node's other ranks only
     check it; another job is refused there too."""
 
@@ -338,16 +344,15 @@ def test_memory_directory_lease_is_claimed_by_the_nodes_first_rank(tmp_path, mon
     monkeypatch.setenv("LOCAL_RANK", "0")
     args = Namespace(tenplex=True, save=save, tenplex_memory=mem, tenplex_job_id="job-a", tenplex_take_over=False,
                      tenplex_lease_ttl=15.0)
-    assert _claim(args) == [mem]  # rank 1: not --save's; local rank 0: the memory's
+    assert _claim(args, leases) == [mem]  # rank 1: not --save's; local rank 0: the memory's
     assert lease.current(mem).job == "job-a" and lease.current(save) is None
-    lease._HELD.clear()  # another process, of another job, on the same node
     monkeypatch.setenv("LOCAL_RANK", "1")
     other = Namespace(**{**vars(args), "tenplex_job_id": "job-b", "save": str(tmp_path / "other")})
-    with pytest.raises(SystemExit, match=f"{mem} is held by job 'job-a'"):
-        _claim(other)
+    with lease.LeaseSet() as elsewhere, pytest.raises(SystemExit, match=f"{mem} is held by job 'job-a'"):
+        _claim(other, elsewhere)  # another process, of another job, on the same node
 
 
-def test_a_fifo_or_giant_in_place_of_a_lease_file_is_refused_naming_it_without_blocking(tmp_path) -> None:
+def test_a_fifo_or_giant_in_place_of_a_lease_file_is_refused_naming_it_without_blocking(tmp_path, leases) -> None:
     """A lease file is read like a checkpoint's own small files: a FIFO (which a plain open would wait on forever)
     and a sparse giant are refused, naming the file, before anything is written."""
     d = str(tmp_path / "ckpt")
@@ -360,36 +365,36 @@ def test_a_fifo_or_giant_in_place_of_a_lease_file_is_refused_naming_it_without_b
     with open(path, "w") as f:
         f.truncate(10 * lease.LEASE_MAX_BYTES)
     with pytest.raises(lease.LeaseError, match=f"{path}: .* over the cap"):
-        lease.acquire(d, "job")
+        leases.acquire(d, "job")
     assert lease.generations(d) == [1]  # nothing taken
 
 
-def test_adopted_generation_is_kept_by_the_adopter_when_the_taker_dies_and_fenced_by_a_newer_one(tmp_path) -> None:
+def test_adopted_generation_is_kept_by_the_adopter_when_the_taker_dies_and_fenced_by_a_newer_one(tmp_path, leases) -> None:
     """A job continuing in place: one process takes a generation in a longer-lived process's name (``holder_pid``),
     another adopts it (no new generation); the taker dies and the lease stays live and the adopter's (renewed by
     its heartbeat, never fenced); another job's newer generation fences the adopter, and adopting it is refused."""
     d, parent = str(tmp_path / "ckpt"), os.getpid()
-    assert lease.stop_heartbeat_when_idle()  # an earlier test's heartbeat thread, asleep for its period, ended
+    assert leases.stop_heartbeat_when_idle()  # an earlier test's heartbeat thread, asleep for its period, ended
     taker = subprocess.Popen([sys.executable, "-c", "import sys; from tenplex_megatron.storage import lease; "
-                              "g = lease.acquire(sys.argv[1], 'job-a', 0.5, holder_pid=int(sys.argv[2])); "
+                              "g = lease.LeaseSet().acquire(sys.argv[1], 'job-a', 0.5, holder_pid=int(sys.argv[2])); "
                               "print(g.generation, g.token, flush=True)", d, str(parent)],
                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
     gen, token = taker.stdout.readline().split()
     assert taker.wait(timeout=60) == 0  # the taker is gone; the lease names this (living) process as its holder
-    mine = lease.adopt(d, int(gen), token)
+    mine = leases.adopt(d, int(gen), token)
     assert mine.holder == f"{socket.gethostname()}:{parent}" and lease.generations(d) == [int(gen)]
     time.sleep(1.5)  # three ttls: only the adopter's heartbeat keeps it live
     assert not lease.current(d).gone(time.time()) and lease.current(d).heartbeat > mine.heartbeat
     with pytest.raises(lease.LeaseError, match="held by job 'job-a'"):
         lease.check(d, "job-b")
-    lease.fence(d)  # still the newest: the adopter writes on
+    leases.fence(d)  # still the newest: the adopter writes on
     other = subprocess.run([sys.executable, "-c", "import sys; from tenplex_megatron.storage import lease; "
-                            "print(lease.acquire(sys.argv[1], 'job-b', take_over=True).generation)", d],
+                            "print(lease.LeaseSet().acquire(sys.argv[1], 'job-b', take_over=True).generation)", d],
                            capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=60)
     newer = int(other.stdout)  # another job took the directory over
     with pytest.raises(lease.FencedError, match="a newer generation owns the directory"):
-        lease.fence(d)
+        leases.fence(d)
     with pytest.raises(lease.FencedError, match=f"generation {newer}; this job took generation {gen}"):
-        lease.adopt(d, int(gen), token)
-    lease.release(d)
-    assert lease.stop_heartbeat_when_idle()
+        leases.adopt(d, int(gen), token)
+    leases.release(d)
+    assert leases.stop_heartbeat_when_idle()

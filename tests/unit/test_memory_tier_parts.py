@@ -380,14 +380,15 @@ def test_a_fenced_jobs_helper_writes_nothing_more_into_the_durable_directory(tmp
     src, dst = tmp_path / "a.bin", save / "iter_0000005.tenplex-partial" / "a.bin"
     src.write_bytes(os.urandom(1 << 20))
     os.makedirs(dst.parent)
-    mine = lease.acquire(str(save), "job-a")
+    leases, elsewhere = lease.LeaseSet(), lease.LeaseSet()  # this job's, and another job's process
+    mine = leases.acquire(str(save), "job-a")
     helper = Helper()
     try:
         helper.request(Persist(5, (Copy(str(src), str(dst)),), (str(save), mine.generation)))
         got = _answer(helper, "persist", 5)
         assert got.ok and dst.read_bytes() == src.read_bytes()  # its own generation: written
         dst.unlink()
-        newer = lease.acquire(str(save), "job-b", take_over=True)  # another job takes the directory over
+        newer = elsewhere.acquire(str(save), "job-b", take_over=True)  # another job takes the directory over
         assert newer.generation == mine.generation + 1
         helper.request(Persist(10, (Copy(str(src), str(dst)),), (str(save), mine.generation)))
         got = _answer(helper, "persist", 10)
@@ -397,7 +398,8 @@ def test_a_fenced_jobs_helper_writes_nothing_more_into_the_durable_directory(tmp
         assert not dst.exists()  # nothing written where the newer holder saves
     finally:
         helper.close()
-        lease.release(str(save))
+        leases.close()
+        elsewhere.close()
 
 
 def test_helper_messages_are_versioned_json_and_a_bad_line_is_refused_naming_what_is_wrong() -> None:

@@ -40,6 +40,7 @@ from tenplex_megatron.integrations.megatron_core.sharded import describe_job, mo
 from tenplex_megatron.plan.experts import check_expert_kind
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
+from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.source import Metadata
 
@@ -157,14 +158,15 @@ class MegatronCoreAdapter:
 
 
 def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep: int | Retention | None = None, *,
-             scope: SaveScope | None = None) -> SaveResult:
+             scope: SaveScope | None = None, fence: lease.Fence = lease.no_fence) -> SaveResult:
     """Collective: write the job's full state under ``save_dir/iter_NNNNNNN`` and commit it.
 
     ``keep``: after the commit, delete all but the newest ``keep`` complete checkpoints (or what a
     :class:`Retention` keeps). ``scope``: without the optimizer (a weights-only checkpoint) or the RNG state.
+    ``fence``: the writer's lease (``storage/lease.py``).
     """
     scope = scope or SaveScope()
-    return save(MegatronCoreAdapter(job, extra, save_scope=scope), save_dir, keep, rng_state=scope.rng)
+    return save(MegatronCoreAdapter(job, extra, save_scope=scope), save_dir, keep, rng_state=scope.rng, fence=fence)
 
 
 def load_job(job: Any, load_dir: str, iteration: int | None = None, *, strict: bool = True,
