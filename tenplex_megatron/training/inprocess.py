@@ -26,7 +26,6 @@ import torch
 
 from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
 from tenplex_megatron.frontdoor.elastic import world as launch_world
-from tenplex_megatron.memory import peers
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.training import cpu_shim, layout_choice
 
@@ -106,7 +105,6 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
             run(a)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-        peers.reset()
 
     # NVRx passes its CallWrapper to the parameter annotated with that class (a real class, not this module's
     # postponed string annotation)
