@@ -4,7 +4,8 @@ the job, each defined once with one default, so the three commands cannot drift 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.autolayout import Hardware
@@ -50,11 +51,11 @@ def _distributed_optimizer(g: Any, required: bool) -> None:
                    help="the job uses the plain optimizer (every DP rank holds the whole optimizer state)")
 
 
-_OPTIONS: dict[str, Callable[[Any, bool], None]] = {
+_OPTIONS: Mapping[str, Callable[[Any, bool], None]] = MappingProxyType({
     "model": _model, "gpus_per_node": _gpus_per_node, "memory_gb": _memory_gb,
     "global_batch_size": _global_batch_size, "tflops_per_gpu": _tflops_per_gpu,
     "distributed_optimizer": _distributed_optimizer,
-}
+})
 ALL = tuple(_OPTIONS)
 
 

@@ -14,7 +14,9 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from tenplex_megatron.errors import TenplexError
 
@@ -36,7 +38,8 @@ TESTED = ("0.15.3", "0.16.1", "0.19.0")
 #:   bucket_idx_K``; 0.19 moved the arithmetic into ``optimizer/param_layout.py`` without changing it;
 #: - Adam's state (``exp_avg``, ``exp_avg_sq``, a per-group ``step``) and the fp32 main weights of 16-bit params.
 STATE_LAYOUT_V1 = "mcore-state-v1"
-STATE_LAYOUTS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {STATE_LAYOUT_V1: ((0, 15), (0, 20))}
+STATE_LAYOUTS: Mapping[str, tuple[tuple[int, int], tuple[int, int]]] = MappingProxyType(
+    {STATE_LAYOUT_V1: ((0, 15), (0, 20))})
 
 
 class UnsupportedMegatronCoreError(TenplexError, ImportError):

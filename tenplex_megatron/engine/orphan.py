@@ -22,7 +22,9 @@ log = tlog.get("orphan")
 
 OFF_ENV = "TENPLEX_ORPHAN_EXIT"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_PR_GET_PDEATHSIG = 2
 POLL_SECONDS = 0.5  # the watchdog's period where prctl is missing
+WATCH_THREAD = "tenplex-orphan-watch"
 
 
 def _watch(parent: int) -> None:
@@ -32,13 +34,24 @@ def _watch(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-_ARMED: dict[int, str] = {}  # pid -> how it was armed there (a forked child has a parent of its own to watch)
+def armed() -> str:
+    """How this process is armed already ("prctl", "watchdog"), else "": the kernel's parent-death signal and the
+    watchdog thread are the record, and neither survives a fork (a forked child has a parent of its own to watch)."""
+    sig = ctypes.c_int(0)
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(_PR_GET_PDEATHSIG, ctypes.byref(sig), 0, 0, 0) == 0 and \
+                sig.value == signal.SIGKILL:
+            return "prctl"
+    except (OSError, AttributeError):  # not Linux: only the watchdog arms here
+        pass
+    return "watchdog" if any(t.name == WATCH_THREAD and t.is_alive() for t in threading.enumerate()) else ""
 
 
 def die_with_agent() -> str:
     """Arm the parent-death kill in a torchrun worker; returns how ("prctl", "watchdog") or "" where not armed."""
-    if os.getpid() in _ARMED:
-        return _ARMED[os.getpid()]
+    how = armed()
+    if how:
+        return how
     if not os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get(OFF_ENV) == "0":
         return ""
     parent = os.getppid()
@@ -51,8 +64,7 @@ def die_with_agent() -> str:
     except (OSError, AttributeError) as e:  # not Linux, or refused: poll instead
         log.debug("parent-death signal unavailable (%s): polling the parent's pid", e)
         how = "watchdog"
-        threading.Thread(target=_watch, args=(parent,), name="tenplex-orphan-watch", daemon=True).start()
+        threading.Thread(target=_watch, args=(parent,), name=WATCH_THREAD, daemon=True).start()
     if os.getppid() != parent:  # the agent died between reading its pid and arming the signal
         os.kill(os.getpid(), signal.SIGKILL)
-    _ARMED[os.getpid()] = how
     return how

@@ -27,7 +27,6 @@ import psutil
 from tenplex_megatron import _optional
 from tenplex_megatron import log as tlog
 from tenplex_megatron.frontdoor import gloo_abort
-from tenplex_megatron.memory import peers
 
 log = tlog.get("inprocess")
 
@@ -150,8 +149,8 @@ def job_store(timeout: float) -> Any:
 
 def end_aborted_call() -> None:
     """In a survivor after a fault, before the next call: end the memory-tier helper processes the aborted call
-    started (children of this process running ``tenplex_megatron.memory.helper``), and forget the aborted process
-    group's subgroups."""
+    started (children of this process running ``tenplex_megatron.memory.helper``). The aborted process group's
+    subgroups went with it (NVRx's abort destroys the world)."""
     for child in psutil.Process().children():
         try:
             if "tenplex_megatron.memory.helper" in " ".join(child.cmdline()):
@@ -159,7 +158,6 @@ def end_aborted_call() -> None:
                 child.wait(timeout=10)
         except (psutil.NoSuchProcess, psutil.TimeoutExpired):
             pass
-    peers.reset()
 
 
 def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,

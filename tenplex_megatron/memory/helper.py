@@ -36,6 +36,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron import log as tlog
@@ -61,7 +62,7 @@ CHUNK = 64 << 20
 SLICE = 8 << 20  # bytes of each message per round of a paced replication (``rate``)
 REPLICA_TMP = ".replica-tmp"
 IOPRIO_CLASS_IDLE = 3  # linux/ioprio.h: I/O only when no other process wants the disk
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
+_IOPRIO_SET = MappingProxyType({"x86_64": 251, "aarch64": 30})  # the ioprio_set syscall's number
 
 
 BACKGROUND_NICE = 19
@@ -176,8 +177,9 @@ def remove(req: Remove) -> int:
     return len(req.paths)
 
 
-def replicate(req: Replicate, group: Any) -> int:
-    """Send and receive a snapshot's replicas (all at once), then store what came in."""
+def replicate(req: Replicate, group: Any, inbox: Inbox) -> int:
+    """Send and receive a snapshot's replicas (all at once, or paced by ``req.rate`` until ``inbox`` reads a
+    ``Hurry``), then store what came in."""
     import torch
     import torch.distributed as dist
 
@@ -209,7 +211,7 @@ def replicate(req: Replicate, group: Any) -> int:
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
     else:
-        _paced(ops, rate)
+        _paced(ops, rate, inbox)
     total = 0
     for path, tmp, mm, buf in received:
         maybe_fail("memory.replicate", int(os.environ.get("RANK", "0")), req.iteration)
@@ -311,10 +313,7 @@ def _refused(line: bytes, reason: str) -> Refused:
     return Refused(op if isinstance(op, str) else "?", it if isinstance(it, int) else -1, reason)
 
 
-INBOX = Inbox()
-
-
-def _paced(ops: list[Any], rate: float, inbox: Inbox = INBOX) -> None:
+def _paced(ops: list[Any], rate: float, inbox: Inbox) -> None:
     """Carry out the sends and receives ``ops`` in rounds of one ``SLICE`` of each message, sleeping between rounds
     so that this node sends at most ``rate`` bytes per second (until a ``hurry`` arrives). Every node cuts a
     message into the same slices (the sizes are known on both sides), and a pair's messages of one tag arrive in
@@ -366,13 +365,15 @@ def serve(argv: list[str] | None = None) -> None:
     bound_to_parent()
     group = _group(a)  # its start-up (torch imported, the helpers' rendezvous) at the job's priority: once, brief
     background_priority()
-    for req in INBOX.requests():
-        sys.stdout.buffer.write(encode(answer(req, group)))
+    inbox = Inbox()  # stdin
+    for req in inbox.requests():
+        sys.stdout.buffer.write(encode(answer(req, group, inbox)))
         sys.stdout.flush()
 
 
-def answer(req: Request | Refused, group: Any) -> Reply:
-    """Carry out one request; the reply says the bytes it handled or the error that ended it (the job decides)."""
+def answer(req: Request | Refused, group: Any, inbox: Inbox) -> Reply:
+    """Carry out one request (``inbox``: where a paced replication looks for a ``Hurry``); the reply says the bytes
+    it handled or the error that ended it (the job decides)."""
     if isinstance(req, Refused):
         return Reply(req.op, req.iteration, error=f"ProtocolError: {req.reason}")
     try:
@@ -381,7 +382,7 @@ def answer(req: Request | Refused, group: Any) -> Reply:
         elif isinstance(req, Remove):
             total = remove(req)
         elif isinstance(req, Replicate):
-            total = replicate(req, group)
+            total = replicate(req, group, inbox)
         else:
             raise ProtocolError(f"{req.op!r} has no reply")
     except Exception as e:  # noqa: BLE001 - reported to the job, which decides

@@ -67,6 +67,7 @@ import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout, padded_vocab_size
@@ -497,7 +498,7 @@ def evaluate(dims: GPTDims, layout: ParallelLayout, micro_batch_size: int, globa
                            memory=memory, modelled=modelled, measured_seconds=measured_seconds)
 
 
-_FIXED_NAMES = {"micro_batch_size": "micro-batch size", "expert_tp": "expert TP"}
+_FIXED_NAMES = MappingProxyType({"micro_batch_size": "micro-batch size", "expert_tp": "expert TP"})
 
 
 def _rank_key(c: LayoutCandidate) -> tuple:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
@@ -53,8 +54,8 @@ class ExpertSummary:
 #: The sequential experts' (SequentialMLP's, and Transformer Engine's TEGroupedMLP's) fc1 weight
 SEQUENTIAL_SUFFIX = "mlp.experts.experts.linear_fc1.weight"
 #: Each kind as an error names it: megatron-core's module and the flag
-KINDS = {"grouped": "grouped-GEMM experts (megatron-core's GroupedMLP, --moe-grouped-gemm)",
-         "sequential": "sequential experts (megatron-core's SequentialMLP, without --moe-grouped-gemm)"}
+KINDS = MappingProxyType({"grouped": "grouped-GEMM experts (megatron-core's GroupedMLP, --moe-grouped-gemm)",
+                          "sequential": "sequential experts (megatron-core's SequentialMLP, without --moe-grouped-gemm)"})
 
 
 def expert_kind(keys: Any) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.errors import TenplexError
@@ -17,7 +18,7 @@ from tenplex_megatron.plan.versioned import VersionedFormat
 
 PTC_FORMAT_VERSION = 1
 
-DTYPE_SIZES = {
+DTYPE_SIZES = MappingProxyType({
     "float64": 8,
     "float32": 4,
     "float16": 2,
@@ -28,7 +29,7 @@ DTYPE_SIZES = {
     "int8": 1,
     "uint8": 1,
     "bool": 1,
-}
+})
 
 
 class PTCError(TenplexError, ValueError):

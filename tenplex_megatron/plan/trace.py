@@ -22,7 +22,7 @@ from tenplex_megatron.plan.json_pos import JSONFileError, Path, loads_located, w
 from tenplex_megatron.plan.versioned import VersionedFormat
 
 TRACE_VERSION = 1
-_TOP_FIELDS = {"version", "name", "description", "gpus_per_node", "events", "end"}
+_TOP_FIELDS = frozenset({"version", "name", "description", "gpus_per_node", "events", "end"})
 
 
 class TraceError(TenplexError, ValueError):

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.storage.files import CheckpointFileError
@@ -47,7 +49,7 @@ def _name(*args: Any) -> Any:  # torch.serialization._get_layout("torch.strided"
 
 # (module, name) of every class a DCP ``.metadata`` pickle may name (torch 2.x), and its torch-free stand-in;
 # torch dtypes (``torch.float32``, ...) become their names.
-METADATA_CLASSES: dict[tuple[str, str], Any] = {
+METADATA_CLASSES: Mapping[tuple[str, str], Any] = MappingProxyType({
     **{("torch.distributed.checkpoint.metadata", n): _record_class(n) for n in (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "MetadataIndex", "StorageMeta")},
@@ -62,7 +64,7 @@ METADATA_CLASSES: dict[tuple[str, str], Any] = {
     ("torch", "Size"): tuple,
     ("torch.serialization", "_get_layout"): _name,
     ("collections", "OrderedDict"): dict,
-}
+})
 DTYPE_NAMES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
                "float8_e4m3fn", "float8_e5m2")
 

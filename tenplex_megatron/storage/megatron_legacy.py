@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.experts import is_expert_key
@@ -195,7 +196,7 @@ def inner_optimizer(opt: Any) -> dict[str, Any]:
     return opt if "param_groups" in opt else opt.get("optimizer") or {}
 
 
-_ADAM = {"exp_avg", "exp_avg_sq"}
+_ADAM = frozenset({"exp_avg", "exp_avg_sq"})
 
 
 def _plain_optimizer_chunks(path: str, rdir: str, sd: dict[str, Any], by_name: dict[str, tuple[list, str, bool]],
@@ -259,10 +260,10 @@ def _plain_optimizer_chunks(path: str, rdir: str, sd: dict[str, Any], by_name: d
 
 
 # the legacy state dict's (local transformer implementation's) names of what the sharded keys name after TE's modules
-_TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-             "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-             "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-             "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"}
+_TE_NAMES = MappingProxyType({"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                              "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+                              "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+                              "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias"})
 
 
 def legacy_model_metas(path: str, load: Callable[[str], Any]) -> tuple[dict[str, TensorMeta], tuple[str, ...],

@@ -18,6 +18,7 @@ import pickle
 import re
 import zipfile
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.experts import ExpertSummary, expert_summary
@@ -40,11 +41,12 @@ _BUCKET = re.compile(r"(?:chained_0\.)?optimizer\.distributed\.dp_group_idx_(\d+
 _RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
-_STORAGE_DTYPES = {"FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16",
-                   "DoubleStorage": "float64", "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16",
-                   "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool"}
-_NUMPY = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-          ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.dtypes", "UInt32DType")}
+_STORAGE_DTYPES = MappingProxyType({
+    "FloatStorage": "float32", "BFloat16Storage": "bfloat16", "HalfStorage": "float16", "DoubleStorage": "float64",
+    "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool"})
+_NUMPY = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+                    ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.dtypes", "UInt32DType")})
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES
 from tenplex_megatron.storage.bounded import open_regular
@@ -19,7 +20,7 @@ from tenplex_megatron.storage.files import CheckpointFileError
 
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 
-ST_DTYPES = {
+ST_DTYPES = MappingProxyType({
     "F64": "float64",
     "F32": "float32",
     "F16": "float16",
@@ -30,8 +31,8 @@ ST_DTYPES = {
     "I8": "int8",
     "U8": "uint8",
     "BOOL": "bool",
-}
-ST_CODES = {v: k for k, v in ST_DTYPES.items()}
+})
+ST_CODES = MappingProxyType({v: k for k, v in ST_DTYPES.items()})
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import math
 import mmap
 import os
 import struct
+from types import MappingProxyType
 
 import torch
 
@@ -33,7 +34,7 @@ from tenplex_megatron.storage.staging import write_mode
 
 BLOCK_BYTES = 1 << 20  # checksum granularity: a load verifies only the blocks it reads
 
-TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPE_SIZES}
+TORCH_DTYPES = MappingProxyType({name: getattr(torch, name) for name in DTYPE_SIZES})
 
 
 def torch_dtype_name(dtype: torch.dtype) -> str:

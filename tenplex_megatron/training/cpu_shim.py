@@ -29,7 +29,8 @@ from torch.overrides import TorchFunctionMode
 
 from tenplex_megatron.training import cpu_grouped_gemm
 
-_INSTALLED = False
+#: marks the stand-in :func:`install` leaves as ``torch.cuda.current_device``, once everything is redirected
+INSTALLED_MARK = "__tenplex_cpu_shim__"
 
 
 def _is_cuda(dev: Any) -> bool:
@@ -179,15 +180,24 @@ def _grouped_gemm() -> None:
         util.ops = package.ops
 
 
+def installed() -> bool:
+    """Whether :func:`install` ran in this process: the mark on the stand-in it leaves in torch (the patched
+    module keeps that it is patched)."""
+    return bool(getattr(torch.cuda.current_device, INSTALLED_MARK, False))
+
+
 def install() -> None:
     """Redirect megatron-core's CUDA calls to the CPU for this process (idempotent)."""
-    global _INSTALLED
-    if _INSTALLED:
+    if installed():
         return
     if torch.cuda.is_available():
         raise RuntimeError("tenplex_megatron.training.cpu_shim must not be used on a GPU machine")
     _grouped_gemm()  # first: before anything below imports megatron-core's modules
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+
+    def current_device() -> str:
+        return "cpu"
+
+    torch.cuda.current_device = current_device  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.empty_cache = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
@@ -207,4 +217,4 @@ def install() -> None:
     _keep_pipeline_outputs()
     _moe_without_te()
     _CpuDeviceMode().__enter__()
-    _INSTALLED = True
+    setattr(current_device, INSTALLED_MARK, True)  # last: an install that failed part-way runs again

@@ -18,7 +18,6 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -101,12 +100,8 @@ def file_documents(paths: list[str], paragraphs: bool = False) -> Iterator[Docum
         yield from (json_documents(f) if is_json_lines(f) else text_documents(f, paragraphs))
 
 
-_W: dict[str, Any] = {}
-
-
-def _init_worker(spec: TokenizerSpec, json_key: str, append_eod: bool) -> None:
-    tok = build_tokenizer(spec)
-    _W.update(tok=tok, key=json_key, append_eod=append_eod, eod=tok.eod)
+#: the attribute of a pool worker's process object (``multiprocessing.current_process()``) that holds its Encoder
+WORKER_ENCODER = "tenplex_encoder"
 
 
 def _sentences(doc: Document, key: str) -> list[str]:
@@ -125,20 +120,37 @@ def _sentences(doc: Document, key: str) -> list[str]:
     return sentences
 
 
-def _encode(doc: Document) -> tuple[np.ndarray, list[int], int]:
-    """(token ids, sequence lengths, input bytes) of one document, as preprocess_data's ``Encoder.encode``."""
-    tok: Tokenizer = _W["tok"]
-    parts, lengths = [], []
-    for sentence in _sentences(doc, _W["key"]):
-        ids = np.asarray(tok.tokenize(sentence), dtype=np.int64)
-        if len(ids) > 0:
-            parts.append(ids)
-            lengths.append(len(ids))
-    if parts and _W["append_eod"]:
-        parts.append(np.array([_W["eod"]], dtype=np.int64))
-        lengths[-1] += 1
-    ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return ids, lengths, len(doc.payload.encode("utf-8"))
+@dataclass(frozen=True)
+class Encoder:
+    """One process's tokenizer and settings, turning a document into its sequences (preprocess_data's ``Encoder``)."""
+
+    tok: Tokenizer
+    key: str  # --json-keys
+    append_eod: bool
+
+    def __call__(self, doc: Document) -> tuple[np.ndarray, list[int], int]:
+        """(token ids, sequence lengths, input bytes) of one document, as preprocess_data's ``Encoder.encode``."""
+        parts, lengths = [], []
+        for sentence in _sentences(doc, self.key):
+            ids = np.asarray(self.tok.tokenize(sentence), dtype=np.int64)
+            if len(ids) > 0:
+                parts.append(ids)
+                lengths.append(len(ids))
+        if parts and self.append_eod:
+            parts.append(np.array([self.tok.eod], dtype=np.int64))
+            lengths[-1] += 1
+        ids = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return ids, lengths, len(doc.payload.encode("utf-8"))
+
+
+def _start_worker(spec: TokenizerSpec, json_key: str, append_eod: bool) -> None:
+    """A pool worker's start: its Encoder (the tokenizer built once), kept on the worker's own process object, so
+    it lives as long as the worker does."""
+    setattr(multiprocessing.current_process(), WORKER_ENCODER, Encoder(build_tokenizer(spec), json_key, append_eod))
+
+
+def _encode_in_worker(doc: Document) -> tuple[np.ndarray, list[int], int]:
+    return getattr(multiprocessing.current_process(), WORKER_ENCODER)(doc)
 
 
 def _remove(*paths: str) -> None:
@@ -174,11 +186,10 @@ def build_indexed_dataset(
     pool = None
     try:
         if workers == 1:
-            _W.update(tok=tok, key=json_key, append_eod=append_eod, eod=tok.eod)
-            encoded: Iterable = map(_encode, docs)
+            encoded: Iterable = map(Encoder(tok, json_key, append_eod), docs)
         else:
-            pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(spec, json_key, append_eod))
-            encoded = pool.imap(_encode, docs, CHUNK)
+            pool = multiprocessing.Pool(workers, initializer=_start_worker, initargs=(spec, json_key, append_eod))
+            encoded = pool.imap(_encode_in_worker, docs, CHUNK)
         progress.start()
         for ids, lengths, size in encoded:
             if len(ids):

@@ -15,6 +15,7 @@ import json
 import os
 import struct
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -24,8 +25,8 @@ from tenplex_megatron.training.tokenizer import Tokenizer
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"  # megatron.core.datasets.indexed_dataset._INDEX_HEADER
 # indexed_dataset.DType code -> numpy dtype (uint8, int8, int16, int32, int64, float64, float32, uint16)
-INDEX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-                8: np.uint16}
+INDEX_DTYPES = MappingProxyType({1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64,
+                                 7: np.float32, 8: np.uint16})
 META_FORMAT = "tenplex-megatron/indexed-dataset-meta"
 META_VERSION = 1
 META_DOCUMENT = VersionedFormat("tenplex-megatron dataset record", "version", (META_VERSION,), ValueError,

@@ -28,7 +28,6 @@ from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.elastic import world as launch_world
 from tenplex_megatron.frontdoor.job_config import JobConfig
-from tenplex_megatron.memory import peers
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.training import cpu_shim, layout_choice
 
@@ -107,7 +106,6 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
             run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-        peers.reset()
 
     # NVRx passes its CallWrapper to the parameter annotated with that class (a real class, not this module's
     # postponed string annotation)

@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import logging
 import pkgutil
+import re
 import types
 import typing
 from typing import Any
@@ -20,9 +21,10 @@ import tenplex_megatron.frontdoor as frontdoor
 #: the DeepSpeed front door's public modules (tests/unit/test_import_graph.py: FRONT_DOORS_ELSEWHERE)
 DEEPSPEED_FRONT_DOOR = ("tenplex_megatron.integrations.deepspeed", "tenplex_megatron.integrations.deepspeed.adapter",
                         "tenplex_megatron.integrations.deepspeed.memory")
-#: values that cannot change, or are not state: constants, read-only views, code, types, the one logger
+#: values that cannot change, or are not state: constants, read-only views, compiled patterns, code, types, the
+#: one logger
 IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), tuple, frozenset, range, types.MappingProxyType,
-             types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type, logging.Logger,
+             re.Pattern, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, type, logging.Logger,
              typing.TypeVar, __future__._Feature)
 
 

@@ -66,3 +66,39 @@ def test_not_armed_outside_torchrun() -> None:
                           "print(repr(die_with_agent()))"], capture_output=True, text=True,
                          env={k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RUN_ID"} | {"PYTHONPATH": ROOT})
     assert out.stdout.strip() == "''", out.stderr
+
+
+def test_armed_once_per_process_and_again_in_a_forked_child() -> None:
+    """A second call finds the process armed (the kernel's record, nothing kept in the module); a forked child
+    starts unarmed (the kernel clears the signal at fork) and arms against its own parent."""
+    script = """
+import os
+from tenplex_megatron.engine.orphan import armed, die_with_agent
+first, again = die_with_agent(), die_with_agent()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, f"{armed()!r} {die_with_agent()!r} {armed()!r}".encode())
+    os._exit(0)
+os.waitpid(pid, 0)
+print(first, again, os.read(r, 100).decode())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=ROOT, TORCHELASTIC_RUN_ID="t"))
+    assert out.stdout.split() == ["prctl", "prctl", "''", "'prctl'", "'prctl'"], out.stderr
+
+
+def test_the_watchdog_is_started_once() -> None:
+    """Where prctl is missing: the watchdog thread arms the process, and is its record (one thread for two calls)."""
+    script = """
+import threading
+from tenplex_megatron.engine import orphan
+def missing(*a, **k):
+    raise OSError("no prctl here")
+orphan.ctypes.CDLL = missing
+print(orphan.die_with_agent(), orphan.die_with_agent(), orphan.armed(),
+      sum(t.name == orphan.WATCH_THREAD for t in threading.enumerate()))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, PYTHONPATH=ROOT, TORCHELASTIC_RUN_ID="t"))
+    assert out.stdout.split() == ["watchdog", "watchdog", "watchdog", "1"], out.stderr

@@ -112,6 +112,23 @@ def test_unsupported_kind_is_skipped_with_a_warning(records: list[logging.LogRec
     assert extra_state.encode(None, "y") is None
 
 
+class Pickled(torch.nn.Linear):
+    """A module whose extra state is a kind tenplex does not save (a dict)."""
+
+    def get_extra_state(self) -> object:
+        return {"a": 1}
+
+
+def test_an_unsaved_kind_is_warned_once_per_module(records: list[logging.LogRecord]) -> None:
+    """Every save collects again; the warning comes at the first, and again for a rebuilt model (the module keeps
+    that it was warned about, not the process)."""
+    job = Job([torch.nn.Sequential(Pickled(4, 4), Fp8Linear())], ParallelLayout(1, 1, 1))
+    assert list(extra_state.collect(job)) == list(extra_state.collect(job)) == [extra_state.entry_name(0, "1")]
+    assert len(_warnings(records)) == 1 and "model0.0._extra_state: extra state of type dict" in _warnings(records)[0]
+    extra_state.collect(Job([torch.nn.Sequential(Pickled(4, 4))], ParallelLayout(1, 1, 1)))
+    assert len(_warnings(records)) == 2
+
+
 def _save(tmp_path, job: Job) -> str:
     """A real save of one chunk plus the job's extra state, through the engine (world size 1)."""
     w = torch.arange(8, dtype=torch.float32)

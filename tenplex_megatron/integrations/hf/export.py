@@ -16,6 +16,7 @@ import os
 import struct
 import time
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -29,7 +30,7 @@ from tenplex_megatron.plan.ptc import Chunk, TensorMeta, dtype_size
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.safetensors_io import ST_CODES, TORCH_DTYPES, fsync_dir, fsync_file
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+DTYPES = MappingProxyType({"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"})
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ from tenplex_megatron.storage.pickles import why_unsafe_extra_state
 from tenplex_megatron.storage.source import Metadata
 
 log = tlog.get("megatron_core")
-_WARNED: set[str] = set()
 KINDS = ("tensor", "bytesio", "bytes")
 #: what re-warms when the state is left out, said in every warning
 REWARMS = "with FP8, the scaling factors and amax history re-warm over the next iterations"
+#: set on a module whose extra state is of a kind not saved, once that was logged (once per module, not per save)
+UNSAVED_WARNED = "_tenplex_extra_state_unsaved_warned"
 
 
 def entry_name(chunk: int, module: str) -> str:
@@ -50,9 +51,9 @@ def _modules(job: Any) -> Iterator[tuple[int, str, torch.nn.Module]]:
                 yield i, name, module
 
 
-def encode(value: Any, where: str) -> tuple[torch.Tensor, dict[str, Any]] | None:
+def encode(value: Any, where: str, warn: bool = True) -> tuple[torch.Tensor, dict[str, Any]] | None:
     """A module's extra state as flat uint8 bytes and the record that gives it back (None: nothing to keep, or a
-    kind tenplex does not store without pickling, which is logged)."""
+    kind tenplex does not store without pickling, which is logged if ``warn``)."""
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -64,8 +65,7 @@ def encode(value: Any, where: str) -> tuple[torch.Tensor, dict[str, Any]] | None
         flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         rec = {"kind": "bytesio" if isinstance(value, io.BytesIO) else "bytes"}
     else:
-        if f"kind:{where}" not in _WARNED:
-            _WARNED.add(f"kind:{where}")
+        if warn:
             log.warning("%s: extra state of type %s is not saved (tenplex keeps tensors and bytes only, never a "
                         "pickle)", where, type(value).__name__)
         return None
@@ -92,7 +92,10 @@ def collect(job: Any) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
     out = {}
     for chunk, name, module in _modules(job):
         where = entry_name(chunk, name).removeprefix(PREFIX)
-        got = encode(module.get_extra_state(), where)
+        value = module.get_extra_state()
+        got = encode(value, where, warn=not getattr(module, UNSAVED_WARNED, False))
+        if got is None and value is not None:
+            setattr(module, UNSAVED_WARNED, True)
         if got is not None:
             out[entry_name(chunk, name)] = (got[0], {**got[1], "chunk": chunk, "module": name})
     return out

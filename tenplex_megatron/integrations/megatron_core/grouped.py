@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ from tenplex_megatron.plan.ptc import PTCError
 from tenplex_megatron.plan.sim.gpt_catalogue import GROUPED_SUFFIXES
 
 #: megatron-core's (SequentialMLP's) key of each GroupedMLP weight, as its factory names it
-CANONICAL_SUFFIXES = {"weight1": "experts.linear_fc1.weight", "weight2": "experts.linear_fc2.weight"}
+CANONICAL_SUFFIXES = MappingProxyType({"weight1": "experts.linear_fc1.weight", "weight2": "experts.linear_fc2.weight"})
 
 
 @dataclass(frozen=True)

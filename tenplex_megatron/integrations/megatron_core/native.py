@@ -58,8 +58,8 @@ def safe_globals() -> list[Any]:
     return [argparse.Namespace, core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-SAFE_GLOBALS = safe_globals()
-_POLICY = PicklePolicy(tuple(SAFE_GLOBALS), "Megatron", "one of the plain classes allowed",
+SAFE_GLOBALS = tuple(safe_globals())
+_POLICY = PicklePolicy(SAFE_GLOBALS, "Megatron", "one of the plain classes allowed",
                        "--tenplex-trust-pickles (trust_pickles=True)", MegatronCheckpointError)
 
 

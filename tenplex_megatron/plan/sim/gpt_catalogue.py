@@ -13,6 +13,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.layout import ModelShape, record_query_groups
@@ -132,17 +133,18 @@ def load_model(name: str, path: str | None = None) -> GPTDims:
 
 # the TP-split axis of a transformer layer's parameters (stacked layers on axis 0); the others are replicated over TP.
 # Routed experts stack (layer, expert) on axes 0 and 1 and are split by the experts' own TP.
-LAYER_TP_AXES = {"self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
-                 "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2,
-                 "mlp.shared_experts.linear_fc1.weight": 1, "mlp.shared_experts.linear_fc2.weight": 2,
-                 "mlp.experts.experts.linear_fc1.weight": 2, "mlp.experts.experts.linear_fc1.bias": 2,
-                 "mlp.experts.experts.linear_fc2.weight": 3, "mlp.experts.weight1": 4, "mlp.experts.weight2": 2}
+LAYER_TP_AXES = MappingProxyType({
+    "self_attention.linear_qkv.weight": 1, "self_attention.linear_qkv.bias": 1, "mlp.linear_fc1.weight": 1,
+    "mlp.linear_fc1.bias": 1, "self_attention.linear_proj.weight": 2, "mlp.linear_fc2.weight": 2,
+    "mlp.shared_experts.linear_fc1.weight": 1, "mlp.shared_experts.linear_fc2.weight": 2,
+    "mlp.experts.experts.linear_fc1.weight": 2, "mlp.experts.experts.linear_fc1.bias": 2,
+    "mlp.experts.experts.linear_fc2.weight": 3, "mlp.experts.weight1": 4, "mlp.experts.weight2": 2})
 #: What names a routed expert's tensor (megatron-core's SequentialMLP: ``...mlp.experts.experts.linear_fc1.weight``;
 #: its GroupedMLP: ``...mlp.experts.weight1``).
 EXPERTS = ".mlp.experts."
 #: The grouped-GEMM experts' (GroupedMLP's) two tensors, by parameter: [layers, experts, hidden, parts, ffn] and
 #: [layers, experts, ffn, hidden], each EP rank's experts one box per layer (one parameter)
-GROUPED_SUFFIXES = {"weight1": "mlp.experts.weight1", "weight2": "mlp.experts.weight2"}
+GROUPED_SUFFIXES = MappingProxyType({"weight1": "mlp.experts.weight1", "weight2": "mlp.experts.weight2"})
 
 
 def is_grouped(t: TensorMeta) -> bool:
