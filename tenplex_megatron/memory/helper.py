@@ -39,8 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.errors import Failure
 from tenplex_megatron.memory.direct_copy import copy_direct
 from tenplex_megatron.memory.protocol import (
+    HELPER_EXITED,
     Hurry,
     Persist,
     ProtocolError,
@@ -374,7 +376,7 @@ def serve(argv: list[str] | None = None) -> None:
 def answer(req: Request | Refused, group: Any) -> Reply:
     """Carry out one request; the reply says the bytes it handled or the error that ended it (the job decides)."""
     if isinstance(req, Refused):
-        return Reply(req.op, req.iteration, error=f"ProtocolError: {req.reason}")
+        return Reply(req.op, req.iteration, error=Failure.of(ProtocolError(req.reason)))
     try:
         if isinstance(req, Persist):
             total = persist(req)
@@ -385,7 +387,7 @@ def answer(req: Request | Refused, group: Any) -> Reply:
         else:
             raise ProtocolError(f"{req.op!r} has no reply")
     except Exception as e:  # noqa: BLE001 - reported to the job, which decides
-        return Reply(req.op, req.iteration, error=f"{type(e).__name__}: {e}")
+        return Reply(req.op, req.iteration, error=Failure.of(e))
     return Reply(req.op, req.iteration, total)
 
 
@@ -487,7 +489,7 @@ class Helper:
             data = os.read(fd, 1 << 16)
             if not data:
                 self.proc.wait()
-                return Reply(op, iteration, error=self.exited())
+                return Reply(op, iteration, error=Failure(HELPER_EXITED, self.exited() or ""))
             self._buf += data
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)
