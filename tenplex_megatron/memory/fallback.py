@@ -30,13 +30,14 @@ from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.restart_policy import Choice
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.copies import Copy, NoGoodCopyError
-from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.files import CheckpointFileError, CheckpointNotFoundError
 from tenplex_megatron.storage.lease import LeaseError
 
 log = tlog.get("fallback")
 #: the kinds of a rank's failure (:attr:`Failure.kind <tenplex_megatron.errors.Failure.kind>`) that mark the copy
 #: it loaded as damaged
-DAMAGE_KINDS = frozenset({CheckpointFileError.kind, LeaseError.kind, FileNotFoundError.__name__})
+DAMAGE_KINDS = frozenset({CheckpointFileError.kind, CheckpointNotFoundError.kind, LeaseError.kind,
+                          FileNotFoundError.__name__})
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from tenplex_megatron.errors import Failure, kind_of
 from tenplex_megatron.execute.collective import DESCRIBE_LIMIT, RankFailure, run_phase
 from tenplex_megatron.frontdoor import lease_flags
 from tenplex_megatron.memory import background, fallback
-from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.files import CheckpointFileError, CheckpointNotFoundError
 from tenplex_megatron.storage.lease import FencedError, LeaseError
 from tests.logs import logged
 
@@ -44,6 +44,7 @@ def test_long_words_are_cut_where_they_were() -> None:
 def test_a_kind_is_the_classs_own() -> None:
     assert FencedError.kind == "FencedError" and LeaseError.kind == "LeaseError"  # not inherited from the base
     assert kind_of(FencedError("x")) == "FencedError" and kind_of(KeyboardInterrupt()) == "KeyboardInterrupt"
+    assert CheckpointNotFoundError.kind == "CheckpointNotFoundError" != CheckpointFileError.kind
 
 
 def test_the_fence_is_found_by_kind_not_by_words() -> None:
@@ -52,8 +53,8 @@ def test_the_fence_is_found_by_kind_not_by_words() -> None:
     assert lease_flags.fenced(_failed(RuntimeError("FencedError: words that only look like a fence"))) is None
 
 
-@pytest.mark.parametrize("error", [CheckpointFileError("f: truncated"), FileNotFoundError("f"),
-                                   LeaseError("lease: malformed")], ids=kind_of)
+@pytest.mark.parametrize("error", [CheckpointFileError("f: truncated"), CheckpointNotFoundError("f: missing"),
+                                   FileNotFoundError("f"), LeaseError("lease: malformed")], ids=kind_of)
 def test_a_damaged_copy_is_found_by_kind(error: BaseException) -> None:
     e = _failed(error)
     assert fallback.damage(e) == str(e)
