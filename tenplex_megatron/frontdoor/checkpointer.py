@@ -26,6 +26,7 @@ from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.engine.save import SaveResult
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import rank, run_phase
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources
 from tenplex_megatron.memory import fallback, state
 from tenplex_megatron.memory.restart import discard_after
@@ -150,7 +151,7 @@ class Checkpointer:
         :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it); a job without the tier is refused."""
         tier = self.memory()
         if tier is None:
-            raise ValueError(f"{self.prog}: a host-memory snapshot needs the host-memory tier (--tenplex-memory)")
+            raise FlagError(f"{self.prog}: a host-memory snapshot needs the host-memory tier (--tenplex-memory)")
         return snapshot(adapter, tier, persist=persist)
 
     @contextlib.contextmanager

@@ -40,7 +40,7 @@ from typing import Any
 
 from tenplex_megatron import log as tlog
 from tenplex_megatron.errors import Failure
-from tenplex_megatron.memory.direct_copy import copy_direct
+from tenplex_megatron.memory.direct_copy import ShortCopyError, copy_direct
 from tenplex_megatron.memory.protocol import (
     HELPER_EXITED,
     Hurry,
@@ -143,7 +143,7 @@ def copy_file(src: str, dst: str, iteration: int) -> int:
             except OSError:
                 n = os.sendfile(fo.fileno(), fi.fileno(), done, min(CHUNK, size - done))
             if n <= 0:
-                raise OSError(f"{src}: short copy at byte {done} of {size}")
+                raise ShortCopyError(f"{src}: short copy at byte {done} of {size}")
             done += n
             if done >= size // 2:
                 halfway()
