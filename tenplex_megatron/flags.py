@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
 TRAINER = "pretrain_gpt.py"  # scripts/pretrain_gpt.py and `torchrun -m tenplex_megatron.training.pretrain`
 HOOK = "Megatron-LM"  # a Megatron-LM checkout patched with patches/, through frontdoor/megatron_lm.py
 BOTH = (TRAINER, HOOK)
@@ -36,6 +38,10 @@ GROUPS = (
 )
 
 MEMORY_DIR_DEFAULT = "/dev/shm/tenplex-$USER"  # how the docs write _memory_dir()
+
+
+class FlagError(TenplexError, ValueError):
+    """A flag, its API argument or a ``TENPLEX_*`` variable: missing, out of range or contradicting another."""
 
 
 def replication_rate_arg(value: str) -> float | str:

@@ -50,6 +50,10 @@ class StateLayoutError(TenplexError, ValueError):
     """A checkpoint written with a megatron-core state layout the installed version does not reproduce."""
 
 
+class MegatronCoreVersionError(TenplexError, ValueError):
+    """A megatron-core version that does not read as MAJOR.MINOR[.PATCH]; the message quotes it."""
+
+
 @dataclass(frozen=True)
 class MegatronCoreVersion:
     """A megatron-core version as found: its text, (major, minor, patch), and where it was read from."""
@@ -63,7 +67,7 @@ def parse(text: str) -> tuple[int, int, int]:
     """``"0.19.0"``, ``"0.16.0rc0.dev1"``, ``"0.15.3+abc"`` -> (major, minor, patch)."""
     m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", text)
     if not m:
-        raise ValueError(f"not a megatron-core version: {text!r}")
+        raise MegatronCoreVersionError(f"not a megatron-core version: {text!r}")
     return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 

@@ -14,6 +14,12 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron.errors import TenplexError
+
+
+class OptimizerStateError(TenplexError, ValueError):
+    """Optimizer state that does not fit the job's optimizer (param groups, steps); the message names what differs."""
+
 
 def jsonable(v: Any) -> Any:
     """Plain JSON data from hyper-parameter values (tuples, tensors, nested dicts)."""
@@ -59,7 +65,7 @@ def step_of(inner: torch.optim.Optimizer) -> int:
     first, second = (per_group, per_state) if step_in_groups(inner) else (per_state, per_group)
     steps = first or second
     if len(steps) > 1:
-        raise ValueError(f"optimizer steps differ across parameters: {sorted(steps)}")
+        raise OptimizerStateError(f"optimizer steps differ across parameters: {sorted(steps)}")
     return int(steps.pop()) if steps else 0
 
 
@@ -84,11 +90,12 @@ def restore_optimizer(inner: torch.optim.Optimizer, saved: dict[str, Any], key: 
     groups = saved["param_groups"]
     by_key = {key(i, g): g for i, g in enumerate(groups)}
     if key is by_index and len(groups) != len(inner.param_groups):
-        raise ValueError(f"checkpoint has {len(groups)} optimizer param groups, the job {len(inner.param_groups)}")
+        raise OptimizerStateError(f"checkpoint has {len(groups)} optimizer param groups, the job "
+                                  f"{len(inner.param_groups)}")
     for i, group in enumerate(inner.param_groups):
         src = by_key.get(key(i, group))
         if src is None:
-            raise ValueError(f"checkpoint has no optimizer param group matching {key(i, group)}")
+            raise OptimizerStateError(f"checkpoint has no optimizer param group matching {key(i, group)}")
         for k, v in src.items():
             if k in group and k not in ("params", "step") and k not in keep:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v

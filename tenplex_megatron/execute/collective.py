@@ -4,12 +4,14 @@ JSON travels as bytes in tensors (nothing is pickled). Every phase of a save
 or a load runs through :func:`run_phase` or :func:`gather_records` (as PyTorch
 DCP's ``_DistWrapper`` does): the phase's local work runs on each rank, whatever
 it raises, of any type, is caught, and the outcome (the local result or the
-error) travels in the phase's one collective, so every rank raises the same
+error, as a :class:`~tenplex_megatron.errors.Failure` record: kind, type and
+message) travels in the phase's one collective, so every rank raises the same
 :class:`RankFailure` naming each failing rank with the exception's type and
-message. The local work must contain no collective of its own: a rank that
-failed before it would leave its peers in a mismatched collective. What a
-gathering phase returns is a typed :class:`Record` from every rank (a frozen
-dataclass that travels as JSON), never a bare dict.
+message; a reader tests a failure's ``kind``, never its words. The local work
+must contain no collective of its own: a rank that failed before it would
+leave its peers in a mismatched collective. What a gathering phase returns is
+a typed :class:`Record` from every rank (a frozen dataclass that travels as
+JSON), never a bare dict.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 import torch.distributed as dist
 
-from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.errors import Failure, TenplexError
 
 T = TypeVar("T")
 R = TypeVar("R", bound="Record")
@@ -39,9 +41,9 @@ class Record(Protocol):
 class RankFailure(TenplexError, RuntimeError):
     """One or more ranks failed a phase; the message lists each rank with its exception's type and message."""
 
-    def __init__(self, message: str, failures: dict[int, str]):
+    def __init__(self, message: str, failures: dict[int, Failure]):
         super().__init__(message)
-        self.failures = failures  # rank -> "Type: message"
+        self.failures = failures  # rank -> its failure (kind, type, message)
 
 
 def rank() -> int:
@@ -89,12 +91,15 @@ def broadcast_json(obj: Any, src: int) -> Any:
     return json.loads(buf.cpu().numpy().tobytes())
 
 
-def _describe(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) <= 2000 else text[:2000] + " [...]"
+#: the most characters of a failure's words that travel (the rest cut to " [...]")
+DESCRIBE_LIMIT = 2000
 
 
-def _raise_failures(what: str, failed: dict[int, str], error: BaseException | None) -> None:
+def _describe(error: BaseException) -> Failure:
+    return Failure.of(error, DESCRIBE_LIMIT)
+
+
+def _raise_failures(what: str, failed: dict[int, Failure], error: BaseException | None) -> None:
     if failed:
         lines = "\n".join(f"  rank {r}: {m}" for r, m in failed.items())
         raise RankFailure(f"{what} failed on {len(failed)} rank(s):\n{lines}", failed) from error
@@ -102,8 +107,8 @@ def _raise_failures(what: str, failed: dict[int, str], error: BaseException | No
 
 def check_all(error: BaseException | None, what: str) -> None:
     """Collective: raise on every rank if any rank passed an error, listing all of them."""
-    msgs = all_gather_json(None if error is None else _describe(error))
-    _raise_failures(what, {r: m for r, m in enumerate(msgs) if m is not None}, error)
+    got = all_gather_json(None if error is None else _describe(error).to_json())
+    _raise_failures(what, {r: Failure.from_json(d) for r, d in enumerate(got) if d is not None}, error)
 
 
 def _gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
@@ -114,9 +119,9 @@ def _gather_phase(what: str, fn: Callable[[], Any]) -> list[Any]:
         payload = json.dumps({"ok": fn()}).encode()
     except BaseException as e:  # noqa: BLE001 - any failure must reach the other ranks
         error = e
-        payload = json.dumps({"error": _describe(e)}).encode()
+        payload = json.dumps({"error": _describe(e).to_json()}).encode()
     got = [json.loads(b) for b in _all_gather_bytes(payload)]
-    _raise_failures(what, {r: g["error"] for r, g in enumerate(got) if "error" in g}, error)
+    _raise_failures(what, {r: Failure.from_json(g["error"]) for r, g in enumerate(got) if "error" in g}, error)
     return [g["ok"] for g in got]
 
 

@@ -26,6 +26,7 @@ import psutil
 
 from tenplex_megatron import _optional
 from tenplex_megatron import log as tlog
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.frontdoor import gloo_abort
 
 log = tlog.get("inprocess")
@@ -47,8 +48,8 @@ class InprocessSettings:
 
     def __post_init__(self) -> None:
         if not self.timeout > 4 * self.interval:
-            raise ValueError(f"--tenplex-inprocess-timeout must be > {4 * self.interval:g} seconds (four monitoring "
-                             f"intervals), got {self.timeout:g}")
+            raise FlagError(f"--tenplex-inprocess-timeout must be > {4 * self.interval:g} seconds (four monitoring "
+                            f"intervals), got {self.timeout:g}")
 
     @property
     def soft(self) -> float:

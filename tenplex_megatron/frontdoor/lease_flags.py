@@ -40,9 +40,9 @@ def claim(config: JobConfig, leases: lease.LeaseSet) -> list[str]:
 
 def fenced(error: BaseException) -> str | None:
     """The message of a lease fence among a collective failure's (a newer generation owns a directory), else None."""
-    for msg in getattr(error, "failures", {}).values():
-        if msg.startswith("FencedError"):
-            return msg.removeprefix("FencedError: ")
+    for failure in getattr(error, "failures", {}).values():
+        if failure.kind == lease.FencedError.kind:
+            return failure.message
     return str(error) if isinstance(error, lease.FencedError) else None
 
 

@@ -10,30 +10,33 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.errors import Failure
 from tenplex_megatron.execute.collective import all_gather_json, broadcast_json, gather_records, rank, run_phase
 from tenplex_megatron.memory import node_dir, replication
-from tenplex_megatron.memory.protocol import Copy, Persist
+from tenplex_megatron.memory.protocol import HELPER_EXITED, Copy, Persist
 from tenplex_megatron.memory.state import MemoryTier, start_helpers
 from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.faults import maybe_fail
 
 log = tlog.get("memory")
 OPS = ("persist", "replicate")
+NO_HELPER = "no_helper"  # the kind of the failure of an op on a node that has no helper process
 
 
 @dataclass(frozen=True)
 class Progress:
-    """One node's word on one background op: ``done``, ``running`` or ``failed`` (with its error)."""
+    """One node's word on one background op: ``done``, ``running`` or ``failed`` (with its failure)."""
 
     state: str
-    error: str | None = None
+    error: Failure | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"state": self.state, "error": self.error}
+        return {"state": self.state, "error": None if self.error is None else self.error.to_json()}
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> Progress:
-        return Progress(str(d["state"]), d.get("error"))
+        error = d.get("error")
+        return Progress(str(d["state"]), None if error is None else Failure.from_json(error))
 
 
 @dataclass(frozen=True)
@@ -77,36 +80,36 @@ def node_progress(tier: MemoryTier, wait: float) -> NodeProgress:
         if it is None:
             continue
         if tier.helper is None:
-            out[op] = Progress("failed", "no helper process on this node")
+            out[op] = Progress("failed", Failure(NO_HELPER, "no helper process on this node"))
             continue
         got = tier.helper.poll(op, it, wait)
         out[op] = Progress("running") if got is None else Progress("done") if got.ok else Progress("failed", got.error)
     return NodeProgress(out)
 
 
-def settle(answers: list[NodeProgress], op: str) -> tuple[bool, str | None]:
-    """From every node's :func:`node_progress`, about ``op``: (finished on every node, the error that ended it)."""
+def settle(answers: list[NodeProgress], op: str) -> tuple[bool, Failure | None]:
+    """From every node's :func:`node_progress`, about ``op``: (finished on every node, the failure that ended it)."""
     said = [a.ops[op] for a in answers if op in a.ops]
     if not said:
         return False, None
-    errors = [p.error or "failed" for p in said if p.state == "failed"]
+    errors = [p.error or Failure("failed", "failed") for p in said if p.state == "failed"]
     if errors:
         return False, errors[0]
     return all(p.state == "done" for p in said), None
 
 
-def _replication_failed(tier: MemoryTier, what: str, error: str) -> None:
+def _replication_failed(tier: MemoryTier, what: str, error: Failure) -> None:
     if rank() == 0:
         log.warning("%s: replication of iteration %s failed: %s; the helpers restart", what, tier.replicating, error)
     tier.replicating = None
 
 
-def _persist_failed(tier: MemoryTier, what: str, error: str) -> None:
+def _persist_failed(tier: MemoryTier, what: str, error: Failure) -> None:
     """A failed persist is logged and dropped; one fenced by a newer lease generation stops the job (every rank
     sees the same answers), as a fenced commit does."""
-    if error.startswith("FencedError: "):
+    if error.kind == lease.FencedError.kind:
         tier.pending = tier.pending_meta = None
-        raise lease.FencedError(error.removeprefix("FencedError: "))
+        raise lease.FencedError(error.message)
     if rank() == 0:
         log.warning("%s: background persist of iteration %s failed: %s; its staging directory is removed by "
                     "the next persist", what, tier.pending, error)
@@ -141,10 +144,11 @@ def resolve(tier: MemoryTier, answers: list[NodeProgress], what: str) -> bool:
     checks = gather_records(f"{what}: checking the helper processes", local, HelperCheck)
     died = next((c.exited for c in checks if c.exited is not None), None)
     if died is not None:  # a helper died after its node's answer: what it had under way failed with it
+        death = Failure(HELPER_EXITED, died)
         if tier.replicating is not None:
-            _replication_failed(tier, what, died)
+            _replication_failed(tier, what, death)
         if tier.pending is not None and not commit:
-            _persist_failed(tier, what, died)
+            _persist_failed(tier, what, death)
     if any(c.restart for c in checks):
         if rank() == 0 and (tier.replicating is not None or (tier.pending is not None and not commit)):
             log.warning("%s: the helper processes restart: the replication of iteration %s and the persist of "

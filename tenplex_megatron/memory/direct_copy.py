@@ -18,8 +18,14 @@ import mmap
 import os
 from collections.abc import Callable
 
+from tenplex_megatron.errors import TenplexError
+
 ALIGN = 4096  # the largest logical block size of common devices: offsets, lengths and the map are multiples of it
 CHUNK = 64 << 20
+
+
+class ShortCopyError(TenplexError, OSError):
+    """A file copy that ended before the file's size (the source shrank meanwhile); the message names the file."""
 
 
 def copy_direct(src: str, dst: str, halfway: Callable[[], None] | None = None) -> int | None:
@@ -51,7 +57,7 @@ def copy_direct(src: str, dst: str, halfway: Callable[[], None] | None = None) -
                         return None
                     raise
                 if n <= 0:
-                    raise OSError(f"{src}: short copy at byte {done} of {size}")
+                    raise ShortCopyError(f"{src}: short copy at byte {done} of {size}")
                 done += n
                 if halfway is not None and done >= size // 2:
                     halfway()

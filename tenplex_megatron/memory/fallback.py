@@ -7,7 +7,8 @@ first (the same iteration, then the previous complete ones). Each damaged copy i
 Only when no complete copy is left does the restart fail, naming every copy tried (Megatron-LM #5281: a job
 restored from a bad local replica looped on NaN with no fallback to the global checkpoint).
 A copy is damaged when loading it fails with a checkpoint-file error on some rank (a checksum, a size, a missing
-file): other failures (another model's checkpoint) are raised as they are, since every copy would repeat them.
+file: a failure whose kind is in :data:`DAMAGE_KINDS`): other failures (another model's checkpoint) are raised as
+they are, since every copy would repeat them.
 A failed attempt restores no non-tensor state (iteration, RNG, data position, the scheduler's steps) on any rank:
 the engine restores it only once every rank has copied (``engine/load.py``). The parallel reader checks each
 block as it reads it, so pieces read before a damaged block may already be in the tensors, and the next copy's
@@ -29,10 +30,14 @@ from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.restart_policy import Choice
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.copies import Copy, NoGoodCopyError
-from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.files import CheckpointFileError, CheckpointNotFoundError
+from tenplex_megatron.storage.lease import LeaseError
 
 log = tlog.get("fallback")
-_DAMAGE = ("CheckpointFileError", "FileNotFoundError", "LeaseError")
+#: the kinds of a rank's failure (:attr:`Failure.kind <tenplex_megatron.errors.Failure.kind>`) that mark the copy
+#: it loaded as damaged
+DAMAGE_KINDS = frozenset({CheckpointFileError.kind, CheckpointNotFoundError.kind, LeaseError.kind,
+                          FileNotFoundError.__name__})
 
 
 @dataclass(frozen=True)
@@ -49,7 +54,7 @@ def damage(error: BaseException) -> str | None:
     """The failure naming the damaged copy (every failing rank's message) when some rank's is a checkpoint-file
     error, else None (another kind of failure)."""
     if isinstance(error, RankFailure):
-        return str(error) if any(m.startswith(_DAMAGE) for m in error.failures.values()) else None
+        return str(error) if any(f.kind in DAMAGE_KINDS for f in error.failures.values()) else None
     return str(error) if isinstance(error, CheckpointFileError) else None
 
 

@@ -40,8 +40,10 @@ from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.memory.direct_copy import copy_direct
+from tenplex_megatron.errors import Failure
+from tenplex_megatron.memory.direct_copy import ShortCopyError, copy_direct
 from tenplex_megatron.memory.protocol import (
+    HELPER_EXITED,
     Hurry,
     Persist,
     ProtocolError,
@@ -142,7 +144,7 @@ def copy_file(src: str, dst: str, iteration: int) -> int:
             except OSError:
                 n = os.sendfile(fo.fileno(), fi.fileno(), done, min(CHUNK, size - done))
             if n <= 0:
-                raise OSError(f"{src}: short copy at byte {done} of {size}")
+                raise ShortCopyError(f"{src}: short copy at byte {done} of {size}")
             done += n
             if done >= size // 2:
                 halfway()
@@ -375,7 +377,7 @@ def answer(req: Request | Refused, group: Any, inbox: Inbox) -> Reply:
     """Carry out one request (``inbox``: where a paced replication looks for a ``Hurry``); the reply says the bytes
     it handled or the error that ended it (the job decides)."""
     if isinstance(req, Refused):
-        return Reply(req.op, req.iteration, error=f"ProtocolError: {req.reason}")
+        return Reply(req.op, req.iteration, error=Failure.of(ProtocolError(req.reason)))
     try:
         if isinstance(req, Persist):
             total = persist(req)
@@ -386,7 +388,7 @@ def answer(req: Request | Refused, group: Any, inbox: Inbox) -> Reply:
         else:
             raise ProtocolError(f"{req.op!r} has no reply")
     except Exception as e:  # noqa: BLE001 - reported to the job, which decides
-        return Reply(req.op, req.iteration, error=f"{type(e).__name__}: {e}")
+        return Reply(req.op, req.iteration, error=Failure.of(e))
     return Reply(req.op, req.iteration, total)
 
 
@@ -488,7 +490,7 @@ class Helper:
             data = os.read(fd, 1 << 16)
             if not data:
                 self.proc.wait()
-                return Reply(op, iteration, error=self.exited())
+                return Reply(op, iteration, error=Failure(HELPER_EXITED, self.exited() or ""))
             self._buf += data
             while b"\n" in self._buf:
                 line, self._buf = self._buf.split(b"\n", 1)

@@ -22,6 +22,7 @@ import re
 import uuid
 from collections.abc import Callable
 
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.restart_policy import DurableListing, Snapshot
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import directory, lease
@@ -131,7 +132,7 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
     ``fence``: the job's lease on ``mem``, checked first.
     """
     if keep < 1:
-        raise ValueError(f"--tenplex-memory-keep must be >= 1, got {keep}")
+        raise FlagError(f"--tenplex-memory-keep must be >= 1, got {keep}")
     fence(mem)
     removed = []
     for it in directory.committed_iterations(mem)[:-keep]:

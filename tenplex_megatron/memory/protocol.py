@@ -3,7 +3,8 @@
 The training process sends requests on the helper's stdin (:class:`Persist`, :class:`Replicate`,
 :class:`Remove`, :class:`Hurry`); the helper answers each but ``Hurry`` with one :class:`Reply` on its stdout.
 Every line carries ``format`` and ``version``; a line that is not a known message of this version is refused
-(:class:`ProtocolError`, answered as an error naming it), never guessed at.
+(:class:`ProtocolError`, answered as an error naming it), never guessed at. A reply's error is a
+:class:`~tenplex_megatron.errors.Failure` record (kind, type, message), so the job tests its kind.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.errors import Failure, TenplexError
 from tenplex_megatron.plan.versioned import VersionedFormat
 
 FORMAT = "tenplex-memory-helper"
-VERSION = 1
+VERSION = 2  # 2: a reply's error is a Failure record, not its words
+HELPER_EXITED = "helper_exited"  # the kind of the failure the job records for a helper that died (no exception's)
 
 
 class ProtocolError(TenplexError, ValueError):
@@ -102,12 +104,12 @@ Request = Persist | Replicate | Remove | Hurry
 
 @dataclass(frozen=True)
 class Reply:
-    """The helper's answer to one request: the bytes it handled, or the error that ended it."""
+    """The helper's answer to one request: the bytes it handled, or the failure that ended it."""
 
     op: str
     iteration: int
     bytes: int = 0
-    error: str | None = None
+    error: Failure | None = None
 
     @property
     def ok(self) -> bool:
@@ -121,7 +123,8 @@ def _line(op: str, body: dict[str, Any]) -> bytes:
 def encode(msg: Request | Reply) -> bytes:
     """One message as its line (a newline-terminated JSON object)."""
     if isinstance(msg, Reply):
-        return _line(msg.op, {"iteration": msg.iteration, "bytes": msg.bytes, "error": msg.error})
+        error = None if msg.error is None else msg.error.to_json()
+        return _line(msg.op, {"iteration": msg.iteration, "bytes": msg.bytes, "error": error})
     body: dict[str, Any] = {"iteration": msg.iteration}
     if isinstance(msg, Persist):
         body["copies"] = [{"src": c.src, "dst": c.dst} for c in msg.copies]
@@ -192,6 +195,9 @@ def decode_reply(line: bytes | str) -> Reply:
     """A reply line as its message; :class:`ProtocolError` naming what is wrong otherwise."""
     d = _parse(line)
     error = d.get("error")
-    if error is not None and not isinstance(error, str):
-        raise ProtocolError(f"reply: field 'error' must be a string or null, got {error!r}")
-    return Reply(_field(d, "op", str), _field(d, "iteration", int), _field(d, "bytes", int), error)
+    if error is not None and not (isinstance(error, dict)
+                                  and all(isinstance(error.get(k), str) for k in ("kind", "message", "type"))):
+        raise ProtocolError(f"reply: field 'error' must be null or an object of strings kind, message and type, "
+                            f"got {error!r}")
+    failure = None if error is None else Failure.from_json(error)
+    return Reply(_field(d, "op", str), _field(d, "iteration", int), _field(d, "bytes", int), failure)

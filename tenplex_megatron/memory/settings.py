@@ -7,6 +7,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from tenplex_megatron.flags import FlagError
+
 AUTO_PACE = 0.5  # --tenplex-replication-rate auto: a replication takes half the time between two snapshots
 
 
@@ -16,7 +18,7 @@ class MemorySettings:
 
     ``replication_rate``: the MB/s a node's helper sends replicas at (0: unlimited), or ``"auto"`` (paced to take
     :data:`AUTO_PACE` of the time between two snapshots). Every value is checked when the settings are made; a bad
-    one is a ValueError naming its flag.
+    one is a :class:`~tenplex_megatron.flags.FlagError` naming its flag.
     """
 
     mem: str  # the node-local memory directory (made absolute)
@@ -35,17 +37,17 @@ class MemorySettings:
         for flag, value in (("persist-interval", self.persist_interval), ("replicas", self.replicas),
                             ("memory-keep", self.keep)):
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"--tenplex-{flag} must be >= 1, got {value}")
+                raise FlagError(f"--tenplex-{flag} must be >= 1, got {value}")
         if self.limit is not None and not self.limit > 0:
-            raise ValueError(f"--tenplex-memory-limit must be > 0 (GB), got {self.limit / 1e9}")
+            raise FlagError(f"--tenplex-memory-limit must be > 0 (GB), got {self.limit / 1e9}")
         if self.replication_rate != "auto":
             try:
                 rate = float(self.replication_rate)
             except (TypeError, ValueError):
-                raise ValueError(f"--tenplex-replication-rate (replication_rate): expected MB/s (>= 0; 0: unlimited) "
-                                 f"or 'auto', got {self.replication_rate!r}") from None
+                raise FlagError(f"--tenplex-replication-rate (replication_rate): expected MB/s (>= 0; 0: unlimited) "
+                                f"or 'auto', got {self.replication_rate!r}") from None
             if math.isnan(rate) or rate < 0:
-                raise ValueError(f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {rate}")
+                raise FlagError(f"--tenplex-replication-rate must be >= 0 (MB/s; 0: unlimited), got {rate}")
             object.__setattr__(self, "replication_rate", rate)
 
     @property

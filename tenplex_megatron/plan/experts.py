@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
+from tenplex_megatron.plan.planner import PlanError
 from tenplex_megatron.plan.ptc import PTC
 from tenplex_megatron.plan.sim.gpt_catalogue import EXPERTS, GROUPED_SUFFIXES
 
@@ -73,9 +74,9 @@ def check_expert_kind(where: str, saved_keys: Any, job_kind: str | None) -> None
     if saved is None or job_kind is None or saved == job_kind:
         return
     flag = "without --moe-grouped-gemm" if saved == "sequential" else "with --moe-grouped-gemm"
-    raise ValueError(f"{where}: the checkpoint holds {KINDS[saved]}, the job builds {KINDS[job_kind]}; tenplex does "
-                     f"not re-shard between the two kinds (their weights are stored transposed from each other): "
-                     f"restart {flag}")
+    raise PlanError(f"{where}: the checkpoint holds {KINDS[saved]}, the job builds {KINDS[job_kind]}; tenplex does "
+                    f"not re-shard between the two kinds (their weights are stored transposed from each other): "
+                    f"restart {flag}")
 
 
 def is_expert_key(key: str, param: str | None = None) -> bool:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tenplex_megatron.plan.planner import PlanError
+
 
 @dataclass(frozen=True, order=True)
 class PeerKey:
@@ -70,14 +72,14 @@ class Transfer:
 
 def schedule(requests: dict[int, list[PeerRequest]], senders: dict[PeerKey, list[int]]) -> list[Transfer]:
     """Transfers serving every request: ``requests[rank]``: the byte ranges it needs; ``senders[key]``: the ranks
-    able to send ``key`` (on a node that holds it). Raises ValueError naming a key no rank can send."""
+    able to send ``key`` (on a node that holds it). Raises PlanError naming a key no rank can send."""
     load: dict[int, int] = {}
     out = []
     for receiver in sorted(requests):
         for req in requests[receiver]:
             who = [s for s in senders.get(req.key, []) if s != receiver]
             if not who:
-                raise ValueError(f"{req.key}: no live rank holds it to send to rank {receiver}")
+                raise PlanError(f"{req.key}: no live rank holds it to send to rank {receiver}")
             s = min(who, key=lambda r: (load.get(r, 0), r))
             load[s] = load.get(s, 0) + req.hi - req.lo
             out.append(Transfer(s, receiver, req.key, req.lo, req.hi))

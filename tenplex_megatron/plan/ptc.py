@@ -192,9 +192,9 @@ class Location:
 
     def __post_init__(self) -> None:
         if (self.block_crc32 is None) != (self.block_bytes is None):
-            raise ValueError(f"{self.file}: tensor {self.name!r}: block_crc32 and block_bytes must be given together")
+            raise PTCError(f"{self.file}: tensor {self.name!r}: block_crc32 and block_bytes must be given together")
         if self.block_bytes is not None and self.block_bytes <= 0:
-            raise ValueError(f"{self.file}: tensor {self.name!r}: block_bytes must be positive, got {self.block_bytes}")
+            raise PTCError(f"{self.file}: tensor {self.name!r}: block_bytes must be positive, got {self.block_bytes}")
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"file": self.file, "name": self.name, "rank": self.rank, "host": self.host}

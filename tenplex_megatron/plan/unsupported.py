@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
+
+
+class UnsupportedFeatureError(TenplexError, ValueError):
+    """A checkpoint whose saved args turn on a feature tenplex cannot re-shard; the message names file and field."""
+
+
 #: (args attribute, value that means "off", flag, why it is refused)
 UNSUPPORTED: tuple[tuple[str, Any, str, str], ...] = (
     ("context_parallel_size", 1, "--context-parallel-size",
@@ -43,7 +50,7 @@ def check_saved_args(path: str, args: Any) -> None:
     """Refuse a checkpoint whose saved args turn on a feature tenplex cannot re-shard, naming the file and field."""
     problems = [*unsupported_flags(args), *_turned_on(args, SAVED_ONLY)] if args is not None else []
     if problems:
-        raise ValueError(f"{path}: saved args: " + "; ".join(problems))
+        raise UnsupportedFeatureError(f"{path}: saved args: " + "; ".join(problems))
 
 
 #: Flags refused in a running job's own args only (a checkpoint Megatron saved with them is adopted as usual).

@@ -13,6 +13,7 @@ import os
 import stat
 from typing import BinaryIO
 
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError
 
@@ -60,9 +61,9 @@ def metadata_cap() -> int:
     try:
         mb = float(raw) if raw else METADATA_MAX_MB
     except ValueError:
-        raise ValueError(f"{METADATA_MAX_ENV}={raw!r}: expected a size in MB") from None
+        raise FlagError(f"{METADATA_MAX_ENV}={raw!r}: expected a size in MB") from None
     if mb <= 0:
-        raise ValueError(f"{METADATA_MAX_ENV}={raw!r}: expected a size in MB above 0")
+        raise FlagError(f"{METADATA_MAX_ENV}={raw!r}: expected a size in MB above 0")
     return int(mb * 1024 * 1024)
 
 

@@ -26,6 +26,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import lease
@@ -347,7 +348,7 @@ def apply_retention(save: str, keep: int | Retention, fence: lease.Fence = lease
     """
     rule = keep if isinstance(keep, Retention) else Retention(keep=keep)
     if rule.keep is not None and rule.keep < 1:
-        raise ValueError(f"--tenplex-keep must be >= 1, got {rule.keep}")
+        raise FlagError(f"--tenplex-keep must be >= 1, got {rule.keep}")
     fence(save)
     removed = []
     its = committed_iterations(save)

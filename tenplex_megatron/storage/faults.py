@@ -7,7 +7,7 @@ the process, ``stop`` SIGSTOPs it (a hung rank), ``enospc`` raises
 ``OSError(ENOSPC)``, ``eio`` raises ``OSError(EIO)`` (a failing device), ``short`` (a read that stops short;
 ``load.preadv`` only, elsewhere it raises like ``error``), ``eperm`` raises ``OSError(EPERM)`` (a filesystem refusing the call), ``error`` raises ``RuntimeError``, ``typeerror`` raises
 ``TypeError`` (a type no code path expects: the phase runner must still carry
-it to every rank); any other kind, or a point not registered, is a ValueError naming ``TENPLEX_FAULT``.
+it to every rank); any other kind, or a point not registered, is a ``FlagError`` naming ``TENPLEX_FAULT``.
 Points (:data:`ALL_POINTS`, the one registry: :func:`maybe_fail` refuses a name not in it), in the order a save or
 load passes them:
 ``save.gather`` (chunk lists), ``save.pwrite`` (in a writer thread of the parallel writer, before its write:
@@ -37,6 +37,8 @@ import os
 import signal
 from dataclasses import dataclass
 
+from tenplex_megatron.flags import FlagError
+
 POINTS = ("save.gather", "save.pwrite", "save.tensors", "save.metadata_callback", "save.metadata", "save.commit",
           "load.read", "load.verify", "load.copy", "load.preadv", "load.restore")
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
@@ -60,19 +62,19 @@ class Fault:
 
     @classmethod
     def parse(cls, spec: str) -> Fault:
-        """``<point>[@<rank>][#<iteration>][:<kind>]``; a ValueError naming ``TENPLEX_FAULT`` and what is wrong."""
+        """``<point>[@<rank>][#<iteration>][:<kind>]``; a FlagError naming ``TENPLEX_FAULT`` and what is wrong."""
         where, _, kind = spec.partition(":")
         where, _, it = where.partition("#")
         name, _, r = where.partition("@")
         bad = f"{FAULT_ENV}={spec!r}"
         if name not in ALL_POINTS:
-            raise ValueError(f"{bad}: unknown fault point {name!r} (storage/faults.py: {', '.join(ALL_POINTS)})")
+            raise FlagError(f"{bad}: unknown fault point {name!r} (storage/faults.py: {', '.join(ALL_POINTS)})")
         if (kind or "kill") not in KINDS:
-            raise ValueError(f"{bad}: unknown fault kind {kind!r} ({', '.join(KINDS)})")
+            raise FlagError(f"{bad}: unknown fault kind {kind!r} ({', '.join(KINDS)})")
         try:
             return cls(name, int(r) if r != "" else None, int(it) if it != "" else None, kind or "kill")
         except ValueError:
-            raise ValueError(f"{bad}: the rank after @ and the iteration after # must be integers") from None
+            raise FlagError(f"{bad}: the rank after @ and the iteration after # must be integers") from None
 
     def fires(self, point: str, rank: int, iteration: int | None) -> bool:
         """Whether this fault is meant for ``point`` on ``rank`` (in the save of ``iteration``, when given)."""

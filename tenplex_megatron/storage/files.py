@@ -1,4 +1,4 @@
-"""File primitives of the checkpoint format that need no torch: the error type and fsync helpers."""
+"""File primitives of the checkpoint format that need no torch: the error types and fsync helpers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,10 @@ from tenplex_megatron.errors import TenplexError
 
 class CheckpointFileError(TenplexError, RuntimeError):
     """A checkpoint file that is missing, truncated or malformed; the message names it."""
+
+
+class CheckpointNotFoundError(CheckpointFileError, FileNotFoundError):
+    """A checkpoint, or a file one needs, that is not where it is looked for; the message names the path."""
 
 
 def fsync_file(path: str) -> None:

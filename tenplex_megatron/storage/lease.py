@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage.bounded import read_capped
 from tenplex_megatron.storage.faults import maybe_fail
@@ -195,7 +196,7 @@ def take(directory: str, job: str, ttl: float = DEFAULT_TTL, take_over: bool = F
     liveness follows (default this one; a launcher that outlives its ranks, for a job whose ranks may die while the
     others continue in place)."""
     if ttl <= 0:
-        raise LeaseError(f"--tenplex-lease-ttl must be > 0 seconds, got {ttl}")
+        raise FlagError(f"--tenplex-lease-ttl must be > 0 seconds, got {ttl}")
     os.makedirs(lease_dir(directory), exist_ok=True)
     holder = f"{socket.gethostname()}:{os.getpid() if holder_pid is None else holder_pid}"
     while True:

@@ -19,6 +19,7 @@ from types import TracebackType
 import torch
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.flags import FlagError
 
 LOG = tlog.get("staging")
 
@@ -32,7 +33,7 @@ def _mode() -> str:
     """``TENPLEX_STAGING``, checked: one of :data:`MODES`."""
     mode = os.environ.get("TENPLEX_STAGING", "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"TENPLEX_STAGING={mode!r}: expected one of {', '.join(MODES)}")
+        raise FlagError(f"TENPLEX_STAGING={mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
@@ -62,9 +63,9 @@ def staging_bytes() -> int:
     try:
         mb = float(raw) if raw.strip() else DEFAULT_MB
     except ValueError:
-        raise ValueError(f"TENPLEX_STAGING_MB={raw!r}: expected a number of megabytes") from None
+        raise FlagError(f"TENPLEX_STAGING_MB={raw!r}: expected a number of megabytes") from None
     if not mb > 0:
-        raise ValueError(f"TENPLEX_STAGING_MB={raw!r}: must be positive")
+        raise FlagError(f"TENPLEX_STAGING_MB={raw!r}: must be positive")
     return int(mb * (1 << 20))
 
 

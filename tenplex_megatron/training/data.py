@@ -30,8 +30,9 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
-from tenplex_megatron.training.dataset_files import check_dataset_tokenizer, check_indexed_dataset
+from tenplex_megatron.training.dataset_files import DatasetError, check_dataset_tokenizer, check_indexed_dataset
 from tenplex_megatron.training.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer, Tokenizer
 
 __all__ = ["BATCH_KEYS", "BYTE_VOCAB_SIZE", "ByteTokenizer", "build_train_dataset", "check_data_path",
@@ -43,7 +44,7 @@ BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """``--data-path`` as megatron-core's ``get_blend_from_list``: prefixes, or ``WEIGHT PREFIX`` pairs."""
     if not data_path:
-        raise ValueError("--data-path needs at least one dataset prefix")
+        raise FlagError("--data-path needs at least one dataset prefix")
     if len(data_path) % 2 == 0:
         weights = []
         for w in data_path[0::2]:
@@ -53,15 +54,15 @@ def parse_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
                 weights.append(None)
         if all(w is not None for w in weights):
             if any(w < 0 for w in weights) or sum(weights) <= 0:
-                raise ValueError(f"--data-path {' '.join(data_path)}: blend weights must be >= 0 with a positive sum")
+                raise FlagError(f"--data-path {' '.join(data_path)}: blend weights must be >= 0 with a positive sum")
             return [p.strip() for p in data_path[1::2]], weights
         if any(w is not None for w in weights):
-            raise ValueError(f"--data-path {' '.join(data_path)}: give either dataset prefixes or WEIGHT PREFIX pairs")
+            raise FlagError(f"--data-path {' '.join(data_path)}: give either dataset prefixes or WEIGHT PREFIX pairs")
     return [p.strip() for p in data_path], None
 
 
 def check_data_path(data_path: list[str], tokenizer: Tokenizer | None = None) -> None:
-    """Raise ValueError naming the first ``--data-path`` entry that is not a Megatron indexed dataset, or,
+    """Raise DatasetError naming the first ``--data-path`` entry that is not a Megatron indexed dataset, or,
     given ``tokenizer``, that was built with another tokenizer (``dataset_files.check_dataset_tokenizer``).
 
     Free of torch.distributed: every rank runs it while parsing flags. Headers and sizes only, unless a
@@ -100,13 +101,13 @@ def build_train_dataset(
         create_attention_mask=False,
     )
     if config.split_matrix[0] is None:
-        raise ValueError(f"--split {split} leaves no documents for training")
+        raise DatasetError(f"--split {split} leaves no documents for training")
     config.split_matrix = [config.split_matrix[0], None, None]  # build the train split only
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: True, config).build()
     if train is None or len(train) < num_samples:
         have = 0 if train is None else len(train)
-        raise ValueError(f"--data-path {' '.join(data_path)} with --split {split}: the train split gives {have} "
-                         f"samples of {seq_length} tokens, the run needs {num_samples}")
+        raise DatasetError(f"--data-path {' '.join(data_path)} with --split {split}: the train split gives {have} "
+                           f"samples of {seq_length} tokens, the run needs {num_samples}")
     return train
 
 

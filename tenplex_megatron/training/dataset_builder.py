@@ -21,11 +21,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tenplex_megatron.training.dataset_files import DatasetMeta, TokenizerRecord, meta_path, write_meta
+from tenplex_megatron.flags import FlagError
+from tenplex_megatron.training.dataset_files import DatasetError, DatasetMeta, TokenizerRecord, meta_path, write_meta
 from tenplex_megatron.training.progress import Progress
 from tenplex_megatron.training.tokenizer import Tokenizer, TokenizerError, TokenizerSpec, build_tokenizer, describe
 
 CHUNK = 32  # documents per task sent to a worker, as preprocess_data.py's pool.imap(..., 32)
+
+
+class MissingInputError(DatasetError, FileNotFoundError):
+    """An ``--input`` file or directory that is not there."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ def input_files(paths: list[str]) -> list[str]:
         elif os.path.isfile(p):
             files.append(p)
         else:
-            raise FileNotFoundError(f"--input {p}: no such file or directory")
+            raise MissingInputError(f"--input {p}: no such file or directory")
     return files
 
 
@@ -110,13 +115,13 @@ def _sentences(doc: Document, key: str) -> list[str]:
     try:
         data = json.loads(doc.payload)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{doc.where}: not a JSON line ({e})") from None
+        raise DatasetError(f"{doc.where}: not a JSON line ({e})") from None
     if not isinstance(data, dict) or key not in data:
-        raise ValueError(f"{doc.where}: no key {key!r} (--json-keys)")
+        raise DatasetError(f"{doc.where}: no key {key!r} (--json-keys)")
     text = data[key]
     sentences = text if isinstance(text, list) else [text]
     if not all(isinstance(s, str) for s in sentences):
-        raise ValueError(f"{doc.where}: {key!r} is neither a string nor a list of strings")
+        raise DatasetError(f"{doc.where}: {key!r} is neither a string nor a list of strings")
     return sentences
 
 
@@ -165,7 +170,7 @@ def build_indexed_dataset(
 ) -> BuildResult:
     """Tokenize ``docs`` with ``workers`` processes and write ``prefix.bin``/``.idx``/``.meta.json``.
 
-    Raises TokenizerError (naming the tokenizer file) before anything is written, ValueError naming the
+    Raises TokenizerError (naming the tokenizer file) before anything is written, DatasetError naming the
     input file and line for a bad document (nothing is left behind then).
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -175,7 +180,7 @@ def build_indexed_dataset(
         raise TokenizerError(f"{describe(tok)}: the tokenizer has no end-of-document (eos) token to append; give "
                              "its directory with a tokenizer_config.json naming eos_token, or --no-append-eod")
     if workers < 1:
-        raise ValueError(f"--workers {workers}: must be at least 1")
+        raise FlagError(f"--workers {workers}: must be at least 1")
     progress = progress if progress is not None else Progress(every=0)
     dtype = DType.optimal_dtype(tok.vocab_size)
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
@@ -195,8 +200,9 @@ def build_indexed_dataset(
             if len(ids):
                 top = int(ids.max())
                 if top >= tok.vocab_size or int(ids.min()) < 0:
-                    raise ValueError(f"{describe(tok)}: produced token id {top if top >= tok.vocab_size else ids.min()}"
-                                     f" outside its vocabulary of {tok.vocab_size}")
+                    bad = top if top >= tok.vocab_size else ids.min()
+                    raise TokenizerError(f"{describe(tok)}: produced token id {bad} outside its vocabulary of "
+                                         f"{tok.vocab_size}")
                 largest = max(largest, top)
             builder.add_document(ids, lengths)
             documents, sequences, tokens, nbytes = documents + 1, sequences + len(lengths), tokens + len(ids), nbytes + size
@@ -215,7 +221,7 @@ def build_indexed_dataset(
         progress.close()
     if documents == 0:
         _remove(tmp + ".bin", tmp + ".idx")
-        raise ValueError("no documents to write")
+        raise DatasetError("no documents to write")
     _remove(meta_path(prefix))  # a record of an older build there must not describe the new files
     os.replace(tmp + ".bin", prefix + ".bin")
     os.replace(tmp + ".idx", prefix + ".idx")

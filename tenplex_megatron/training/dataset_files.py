@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.training.tokenizer import Tokenizer
 
@@ -29,7 +30,13 @@ INDEX_DTYPES = MappingProxyType({1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int
                                  7: np.float32, 8: np.uint16})
 META_FORMAT = "tenplex-megatron/indexed-dataset-meta"
 META_VERSION = 1
-META_DOCUMENT = VersionedFormat("tenplex-megatron dataset record", "version", (META_VERSION,), ValueError,
+
+
+class DatasetError(TenplexError, ValueError):
+    """A dataset that is missing, malformed or built with another tokenizer; the message names prefix and file."""
+
+
+META_DOCUMENT = VersionedFormat("tenplex-megatron dataset record", "version", (META_VERSION,), DatasetError,
                                 name=META_FORMAT, version_label="dataset record version")
 _SCAN_ELEMENTS = 1 << 24
 
@@ -88,7 +95,7 @@ class DatasetMeta:
             return cls(rec, int(d["documents"]), int(d["sequences"]), int(d["tokens"]), int(d["max_token_id"]),
                        int(d["bin_bytes"]), bool(d["append_eod"]))
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}: malformed dataset record ({type(e).__name__}: {e})") from None
+            raise DatasetError(f"{path}: malformed dataset record ({type(e).__name__}: {e})") from None
 
 
 def meta_path(prefix: str) -> str:
@@ -107,7 +114,7 @@ def write_meta(prefix: str, meta: DatasetMeta) -> str:
 
 
 def read_meta(prefix: str) -> DatasetMeta | None:
-    """``PREFIX.meta.json`` if there is one (ValueError naming it when it does not parse)."""
+    """``PREFIX.meta.json`` if there is one (DatasetError naming it when it does not parse)."""
     path = meta_path(prefix)
     if not os.path.exists(path):
         return None
@@ -115,35 +122,37 @@ def read_meta(prefix: str) -> DatasetMeta | None:
         with open(path) as f:
             d = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--data-path {prefix}: {path} does not parse ({e})") from None
+        raise DatasetError(f"--data-path {prefix}: {path} does not parse ({e})") from None
     return DatasetMeta.from_json(d, path)
 
 
 def read_index_header(prefix: str) -> IndexHeader:
-    """The header of ``PREFIX.idx`` (ValueError naming the prefix and the file when it is missing or malformed)."""
+    """The header of ``PREFIX.idx`` (DatasetError naming the prefix and the file when it is missing or malformed)."""
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     missing = [p for p in (idx, bin_) if not os.path.isfile(p)]
     if missing:
-        raise ValueError(f"--data-path {prefix}: not a Megatron indexed dataset ({', '.join(missing)} missing)")
+        raise DatasetError(f"--data-path {prefix}: not a Megatron indexed dataset ({', '.join(missing)} missing)")
     with open(idx, "rb") as f:
         head = f.read(34)
     if len(head) < 34 or head[:9] != INDEX_HEADER:
-        raise ValueError(f"--data-path {prefix}: {idx} is not a Megatron index file (bad header)")
+        raise DatasetError(f"--data-path {prefix}: {idx} is not a Megatron index file (bad header)")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
     if version != 1 or code not in INDEX_DTYPES:
-        raise ValueError(f"--data-path {prefix}: {idx} is not a Megatron index file (version {version}, dtype code {code})")
+        raise DatasetError(f"--data-path {prefix}: {idx} is not a Megatron index file (version {version}, dtype "
+                           f"code {code})")
     return IndexHeader(INDEX_DTYPES[code], n_seq, n_doc)
 
 
 def check_indexed_dataset(prefix: str) -> IndexHeader:
-    """Raise ValueError naming ``prefix`` unless it is a readable Megatron indexed dataset (.bin + .idx)."""
+    """Raise DatasetError naming ``prefix`` unless it is a readable Megatron indexed dataset (.bin + .idx)."""
     header = read_index_header(prefix)
     idx, bin_ = prefix + ".idx", prefix + ".bin"
     n_seq, n_doc = header.sequences, header.documents
     if os.path.getsize(idx) < 34 + 12 * n_seq + 8 * n_doc:
-        raise ValueError(f"--data-path {prefix}: {idx} is truncated ({os.path.getsize(idx)} bytes for {n_seq} sequences)")
+        raise DatasetError(f"--data-path {prefix}: {idx} is truncated ({os.path.getsize(idx)} bytes for {n_seq} "
+                           "sequences)")
     if n_seq == 0:
-        raise ValueError(f"--data-path {prefix}: the dataset holds no documents")
+        raise DatasetError(f"--data-path {prefix}: the dataset holds no documents")
     with open(idx, "rb") as f:
         f.seek(34 + 4 * (n_seq - 1))
         (last_len,) = struct.unpack("<i", f.read(4))
@@ -151,7 +160,7 @@ def check_indexed_dataset(prefix: str) -> IndexHeader:
         (last_ptr,) = struct.unpack("<q", f.read(8))
     expected, got = last_ptr + last_len * np.dtype(header.dtype).itemsize, os.path.getsize(bin_)
     if expected != got:
-        raise ValueError(f"--data-path {prefix}: {bin_} has {got} bytes, its index {idx} describes {expected}")
+        raise DatasetError(f"--data-path {prefix}: {bin_} has {got} bytes, its index {idx} describes {expected}")
     return header
 
 
@@ -170,7 +179,7 @@ def token_id_range(prefix: str, dtype: type) -> tuple[int, int]:
 
 
 def check_dataset_tokenizer(prefix: str, tok: Tokenizer) -> None:
-    """Raise ValueError naming the file unless ``prefix`` was built with ``tok`` (as far as can be told).
+    """Raise DatasetError naming the file unless ``prefix`` was built with ``tok`` (as far as can be told).
 
     With ``PREFIX.meta.json``: its tokenizer must have the same vocabulary size, end of document and file
     fingerprint, and it must describe the ``.bin`` there now. Always: every token id must be below
@@ -180,26 +189,27 @@ def check_dataset_tokenizer(prefix: str, tok: Tokenizer) -> None:
     meta, path, bin_ = read_meta(prefix), meta_path(prefix), prefix + ".bin"
     if meta is not None:
         if meta.bin_bytes != os.path.getsize(bin_) or meta.sequences != header.sequences:
-            raise ValueError(f"--data-path {prefix}: {path} describes another {bin_} ({meta.sequences} sequences, "
-                             f"{meta.bin_bytes} bytes; there are {header.sequences}, {os.path.getsize(bin_)}): the "
-                             f"dataset was rebuilt by another tool; rebuild it with build_dataset.py or remove {path}")
+            raise DatasetError(f"--data-path {prefix}: {path} describes another {bin_} ({meta.sequences} sequences, "
+                               f"{meta.bin_bytes} bytes; there are {header.sequences}, {os.path.getsize(bin_)}): the "
+                               "dataset was rebuilt by another tool; rebuild it with build_dataset.py or remove "
+                               f"{path}")
         rec, given = meta.tokenizer, TokenizerRecord.of(tok)
         if (rec.vocab_size, rec.eod) != (given.vocab_size, given.eod):
-            raise ValueError(f"--data-path {prefix}: built with {rec.describe()} according to {path}, but the "
-                             f"tokenizer given is {given.describe()}: give the tokenizer the dataset was built with")
+            raise DatasetError(f"--data-path {prefix}: built with {rec.describe()} according to {path}, but the "
+                               f"tokenizer given is {given.describe()}: give the tokenizer the dataset was built with")
         if rec.fingerprint != given.fingerprint:
-            raise ValueError(f"--data-path {prefix}: built with another tokenizer according to {path}: "
-                             f"{rec.describe()} from {', '.join(rec.files) or 'no files'} ({rec.fingerprint}), the "
-                             f"tokenizer given is {given.describe()} from {', '.join(given.files) or 'no files'} "
-                             f"({given.fingerprint}); if they are known to give the same ids, remove {path}")
+            raise DatasetError(f"--data-path {prefix}: built with another tokenizer according to {path}: "
+                               f"{rec.describe()} from {', '.join(rec.files) or 'no files'} ({rec.fingerprint}), the "
+                               f"tokenizer given is {given.describe()} from {', '.join(given.files) or 'no files'} "
+                               f"({given.fingerprint}); if they are known to give the same ids, remove {path}")
         smallest, largest = 0, meta.max_token_id
     elif np.issubdtype(header.dtype, np.unsignedinteger) and np.iinfo(header.dtype).max < tok.vocab_size:
         smallest, largest = 0, -1  # the dtype cannot hold an id as large as the vocabulary: nothing to scan
     else:
         smallest, largest = token_id_range(prefix, header.dtype)
     if smallest < 0:
-        raise ValueError(f"--data-path {prefix}: {bin_} holds token id {smallest}: token ids cannot be negative")
+        raise DatasetError(f"--data-path {prefix}: {bin_} holds token id {smallest}: token ids cannot be negative")
     if largest >= tok.vocab_size:
-        raise ValueError(f"--data-path {prefix}: {bin_} holds token id {largest}, but the tokenizer given "
-                         f"({tok.type_name}) has a vocabulary of {tok.vocab_size} (ids 0..{tok.vocab_size - 1}): the "
-                         "dataset was built with another tokenizer")
+        raise DatasetError(f"--data-path {prefix}: {bin_} holds token id {largest}, but the tokenizer given "
+                           f"({tok.type_name}) has a vocabulary of {tok.vocab_size} (ids 0..{tok.vocab_size - 1}): the "
+                           "dataset was built with another tokenizer")

@@ -17,9 +17,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.data_position import num_microbatches
 from tenplex_megatron.plan.layout import ModelShape, ParallelLayout, padded_vocab_size
 from tenplex_megatron.training import cpu_shim
+
+
+class SkippedStepError(TenplexError, RuntimeError):
+    """An optimizer step skipped (inf or NaN gradients) in a run without fp16's loss scaling."""
 
 
 @dataclass(frozen=True)
@@ -206,25 +212,26 @@ def check_job(
     padded_vocab: int | None,
     ddp: DDPOptions,
 ) -> int:
-    """The job's own rules before megatron-core's state is touched (a ValueError naming the flag); the padded
+    """The job's own rules before megatron-core's state is touched (a FlagError naming the flag); the padded
     vocabulary (Megatron's rule when ``padded_vocab`` is None)."""
     layout.check_fits(spec.shape(), world_size=torch.distributed.get_world_size())
     if layout.sp and spec.seq_length % layout.tp:
-        raise ValueError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
-                         "(each TP rank holds a slice of the sequence)")
+        raise FlagError(f"--sequence-parallel: TP={layout.tp} does not divide --seq-length {spec.seq_length} "
+                        "(each TP rank holds a slice of the sequence)")
     num_microbatches(global_batch_size, micro_batch_size, layout.dp)  # raises naming the valid choices
     if spec.num_experts and spec.add_bias_linear and layout.ep == 1 and layout.expert_tp == 1:
-        raise ValueError("--num-experts with biases at --expert-model-parallel-size 1 and expert TP 1: megatron-core's "
-                         "expert MLP adds its bias in place to the output of a one-rank all-reduce, which autograd "
-                         "refuses; give --disable-bias-linear (as MoE recipes do) or EP > 1")
+        raise FlagError("--num-experts with biases at --expert-model-parallel-size 1 and expert TP 1: megatron-core's "
+                        "expert MLP adds its bias in place to the output of a one-rank all-reduce, which autograd "
+                        "refuses; give --disable-bias-linear (as MoE recipes do) or EP > 1")
     if ddp.overlap_param_gather and not use_distributed_optimizer:
-        raise ValueError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's shards)")
+        raise FlagError("--overlap-param-gather needs --use-distributed-optimizer (it gathers the optimizer's shards)")
     if spec.bf16 and spec.fp16:
-        raise ValueError("--bf16 and --fp16 exclude each other")
+        raise FlagError("--bf16 and --fp16 exclude each other")
     if padded_vocab is None:
         padded_vocab = padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, layout.tp)
     if padded_vocab % layout.tp or padded_vocab < spec.vocab_size:
-        raise ValueError(f"padded vocabulary {padded_vocab} must be >= {spec.vocab_size} and a multiple of TP={layout.tp}")
+        raise FlagError(f"padded vocabulary {padded_vocab} must be >= {spec.vocab_size} and a multiple of "
+                        f"TP={layout.tp}")
     return padded_vocab
 
 
@@ -484,7 +491,7 @@ def train_step(job: GPTJob, data_iterator: Iterator[dict[str, torch.Tensor]]) ->
     if update_successful:
         job.scheduler.step(increment=job.global_batch_size)
     elif not job.spec.fp16:
-        raise RuntimeError(f"optimizer step {job.iteration + 1} was skipped")
+        raise SkippedStepError(f"optimizer step {job.iteration + 1} was skipped")
     else:
         job.skipped_iterations += 1
     job.iteration += 1

@@ -32,14 +32,20 @@ from typing import Any
 import torch
 
 from tenplex_megatron import mcore_versions
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import check_all
 from tenplex_megatron.integrations.megatron_core.optimizer import allocate_state, sub_optimizers
 from tenplex_megatron.integrations.megatron_core.sharded import model_keys, unwrap
 from tenplex_megatron.storage.directory import TRACKER_FILE, find_megatron_checkpoint, iter_dir_name
+from tenplex_megatron.storage.files import CheckpointNotFoundError
 from tenplex_megatron.training.gpt import GPTJob
 
 SHARDING_TYPE = "fully_reshardable"
 SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+
+
+class DistCheckpointError(TenplexError, RuntimeError):
+    """A megatron-core dist_checkpointing checkpoint whose optimizer state does not match its model."""
 
 
 def dp_group() -> Any:
@@ -157,7 +163,7 @@ def check_main_params(state: dict[str, Any]) -> None:
             bad.append(key[len(prefix):])
     bad = sorted(set(bad))
     if bad:
-        raise RuntimeError(
+        raise DistCheckpointError(
             f"megatron-core's fully_reshardable optimizer state does not match the model for {len(bad)} "
             f"parameter(s) ({', '.join(bad[:4])}): megatron-core 0.16.1 reads parameters after a grad buffer's "
             "first bucket from the wrong offset (NVIDIA/Megatron-LM#5077); the checkpoint would be corrupt. "
@@ -305,6 +311,6 @@ def load_checkpoint(job: GPTJob, load_dir: str) -> str:
 
     path = find_megatron_checkpoint(load_dir)
     if path is None:
-        raise FileNotFoundError(f"no megatron-core dist_checkpointing checkpoint under {load_dir}")
+        raise CheckpointNotFoundError(f"no megatron-core dist_checkpointing checkpoint under {load_dir}")
     load(job, path)
     return path

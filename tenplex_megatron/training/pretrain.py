@@ -21,6 +21,7 @@ import json
 import os
 import sys
 import time
+from types import MappingProxyType
 from typing import Any, TextIO
 
 import psutil
@@ -61,7 +62,7 @@ from tenplex_megatron.training.tokenizer import (
 PROG = "pretrain_gpt.py"
 
 #: Megatron-LM flags the reference trainer refuses, with why (plan/unsupported.py: the Megatron-LM hook's list)
-MEGATRON_FLAGS_NOT_SUPPORTED = {flag: why for _, _, flag, why in UNSUPPORTED}
+MEGATRON_FLAGS_NOT_SUPPORTED = MappingProxyType({flag: why for _, _, flag, why in UNSUPPORTED})
 
 
 def _model_flags(g: argparse._ArgumentGroup) -> None:

@@ -77,7 +77,7 @@ def _attempt(fn: Any) -> dict[str, Any]:
         fn()
         return {"raised": None, "seconds": time.perf_counter() - t0}
     except RankFailure as e:
-        return {"raised": "RankFailure", "message": str(e), "failures": {str(k): v for k, v in e.failures.items()},
+        return {"raised": "RankFailure", "message": str(e), "failures": {str(k): str(v) for k, v in e.failures.items()},
                 "seconds": time.perf_counter() - t0}
 
 

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from tenplex_megatron.cli import main as cli_main
+from tenplex_megatron.errors import Failure
 from tenplex_megatron.memory import mounts, node_dir
 from tenplex_megatron.memory.helper import Helper
 from tenplex_megatron.memory.protocol import (
+    VERSION,
     Copy,
     Hurry,
     Persist,
@@ -214,7 +216,8 @@ def test_persist_helper_copies_in_its_own_process_and_keeps_its_answer(tmp_path)
                 break
         assert got is not None and not got.ok and "missing" in str(got.error)
         assert helper.proc.stdin is not None  # a line that is no request: refused with its name, the helper goes on
-        helper.proc.stdin.write(b'{"format": "tenplex-memory-helper", "version": 1, "op": "explode", "iteration": 9}\n')
+        helper.proc.stdin.write(b'{"format": "tenplex-memory-helper", "version": %d, "op": "explode", "iteration": 9}\n'
+                                % VERSION)
         helper.proc.stdin.flush()
         refused = _answer(helper, "explode", 9)
         assert not refused.ok and "unknown op 'explode'" in str(refused.error) and helper.alive
@@ -330,7 +333,8 @@ def test_the_helpers_inbox_reads_without_blocking_and_takes_a_hurry_out_of_turn(
         os.write(w, encode(Remove((), 1)) + encode(Hurry()) + persist[:20])
         assert box.read(block=False)
         assert box.hurry and box.queue == [Remove((), 1)]  # the partial line waits for its end
-        os.write(w, persist[20:] + b'{"format": "tenplex-memory-helper", "version": 1, "op": "explode", "iteration": 3}\n')
+        os.write(w, persist[20:] + b'{"format": "tenplex-memory-helper", "version": %d, "op": "explode", "iteration": 3}\n'
+                 % VERSION)
         os.close(w)
         w = -1
         got = list(box.requests())
@@ -393,6 +397,7 @@ def test_a_fenced_jobs_helper_writes_nothing_more_into_the_durable_directory(tmp
         helper.request(Persist(10, (Copy(str(src), str(dst)),), (str(save), mine.generation)))
         got = _answer(helper, "persist", 10)
         assert not got.ok and str(got.error).startswith("FencedError: ")
+        assert got.error is not None and got.error.kind == lease.FencedError.kind  # the job tests the kind
         assert "a newer generation owns the directory" in str(got.error) and "job-b" in str(got.error)
         assert f"the memory helper of generation {mine.generation}" in str(got.error)
         assert not dst.exists()  # nothing written where the newer holder saves
@@ -408,13 +413,17 @@ def test_helper_messages_are_versioned_json_and_a_bad_line_is_refused_naming_wha
             Replicate(7, (Send("/m/f", 1, 3),), (Receive(1, 10, "/m/g", 2, None), Receive(0, 0, "/m/h", 4, "/s")), 2.5)]
     for m in msgs:
         assert decode_request(encode(m)) == m
-    for reply in (Reply("persist", 5, 123), Reply("replicate", 7, error="OSError: gone")):
+    for reply in (Reply("persist", 5, 123), Reply("replicate", 7, error=Failure.of(OSError("gone")))):
         assert decode_reply(encode(reply)) == reply
+    assert str(decode_reply(encode(Reply("replicate", 7, error=Failure.of(OSError("gone"))))).error) == "OSError: gone"
     line = json.loads(encode(Remove(("/x",), 1)))
-    for bad, why in (({**line, "version": 2}, "version 2"), ({**line, "op": "explode"}, "unknown op 'explode'"),
+    for bad, why in (({**line, "version": 1}, "version 1"), ({**line, "op": "explode"}, "unknown op 'explode'"),
                      ({k: v for k, v in line.items() if k != "paths"}, "'paths'"),
                      ({**line, "format": "other"}, "not a tenplex-memory-helper message")):
         with pytest.raises(ProtocolError, match=why):
             decode_request(json.dumps(bad))
     with pytest.raises(ProtocolError, match="not JSON"):
         decode_request(b"[path, peer, tag]")
+    words = {**json.loads(encode(Reply("persist", 5))), "error": "OSError: gone"}  # an error's words, no kind
+    with pytest.raises(ProtocolError, match="field 'error' must be null or an object"):
+        decode_reply(json.dumps(words))

@@ -10,6 +10,7 @@ import pytest
 
 from tenplex_megatron.engine.load import RankReads
 from tenplex_megatron.engine.save_records import Held, RankFile, RankHoldings
+from tenplex_megatron.errors import Failure
 from tenplex_megatron.memory.background import HelperCheck, NodeProgress, Progress
 from tenplex_megatron.memory.restart import DamagedCopies, NodeListing
 from tenplex_megatron.memory.snapshot import NodeRoom
@@ -20,7 +21,8 @@ from tenplex_megatron.plan.ptc import Chunk, TensorMeta
 META = TensorMeta("w", (4, 6), "float32")
 HOLDINGS = RankHoldings((Held(Chunk("w", (0, 0), (2, 6)), True, 48, META),
                          Held(Chunk("w", (2, 0), (2, 6), flat=(0, 5)), False, 20, META)))
-PROGRESS = NodeProgress({"persist": Progress("running"), "replicate": Progress("failed", "helper exited: -9")})
+PROGRESS = NodeProgress({"persist": Progress("failed", Failure.of(OSError(28, "No space left on device"))),
+                         "replicate": Progress("failed", Failure("helper_exited", "helper exited: -9"))})
 
 RECORDS: list[Any] = [
     HOLDINGS,

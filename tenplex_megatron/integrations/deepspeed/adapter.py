@@ -87,8 +87,8 @@ class DeepSpeedAdapter:
             native.check_model(self.source, chunks, self.source.path)
             return chunks
         if metadata.framework != FRAMEWORK:
-            raise ValueError(f"checkpoint was written by {metadata.framework or 'megatron-core'!r}, "
-                             "not by a DeepSpeed engine")
+            raise DeepSpeedStateError(f"checkpoint was written by {metadata.framework or 'megatron-core'!r}, "
+                                      "not by a DeepSpeed engine")
         allocate_state(self.engine)
         chunks = describe_engine(self.engine)[1]
         check_param_shapes({lc.meta.key: lc.meta for lc in chunks}, metadata.require_ptc().tensors,

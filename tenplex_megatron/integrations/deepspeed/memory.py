@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from tenplex_megatron.engine.load import LoadResult
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import PROG, DeepSpeedAdapter, load_checkpoint
@@ -43,7 +44,7 @@ def _tier(memory: Checkpointer) -> MemoryTier:
     """The open tier of ``memory`` (a closed Checkpointer is refused, naming the program)."""
     tier = memory.memory()
     if tier is None:
-        raise ValueError(f"{PROG}: {memory!r} has no host-memory tier: build it with open_memory")
+        raise FlagError(f"{PROG}: {memory!r} has no host-memory tier: build it with open_memory")
     return tier
 
 

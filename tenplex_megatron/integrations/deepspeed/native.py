@@ -33,6 +33,7 @@ from tenplex_megatron.integrations.deepspeed.zero import (
 )
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
 from tenplex_megatron.storage.confine import confine
+from tenplex_megatron.storage.files import CheckpointNotFoundError
 from tenplex_megatron.storage.pickles import PicklePolicy, load_restricted
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError
 from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
@@ -63,14 +64,14 @@ def step_dir(load_dir: str, tag: str | int | None) -> str:
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
-            raise FileNotFoundError(f"{load_dir}: no 'latest' file; pass the tag (global_stepN) to load")
+            raise CheckpointNotFoundError(f"{load_dir}: no 'latest' file; pass the tag (global_stepN) to load")
         with open(latest, encoding="utf-8", errors="surrogateescape") as f:
             tag = f.read(4096).strip()
         source = "its 'latest' file"
     name = f"global_step{tag}" if isinstance(tag, int) else str(tag)
     path = confine(load_dir, name, source)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{path}: no such DeepSpeed checkpoint directory")
+        raise CheckpointNotFoundError(f"{path}: no such DeepSpeed checkpoint directory")
     return path
 
 

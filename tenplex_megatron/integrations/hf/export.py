@@ -22,6 +22,7 @@ import torch
 
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine.load import open_tenplex
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.executor import execute_plan
 from tenplex_megatron.integrations.hf.source import CONFIG, INDEX
 from tenplex_megatron.plan.hf_map import HFMapError, HFTensor, ModelFacts, build_mapping, hf_config, shard_files
@@ -31,6 +32,10 @@ from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.safetensors_io import ST_CODES, TORCH_DTYPES, fsync_dir, fsync_file
 
 DTYPES = MappingProxyType({"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"})
+
+
+class OutputDirError(TenplexError, FileExistsError):
+    """An export's output directory that is a file, or that holds files and ``--force`` was not given."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +54,10 @@ class ExportResult:
 def check_out_dir(out: str, force: bool) -> None:
     """Refuse a non-empty output directory unless ``force`` (then the old model files are removed)."""
     if os.path.exists(out) and not os.path.isdir(out):
-        raise FileExistsError(f"{out}: exists and is not a directory")
+        raise OutputDirError(f"{out}: exists and is not a directory")
     if os.path.isdir(out) and os.listdir(out):
         if not force:
-            raise FileExistsError(f"{out}: not empty (pass --force to write into it)")
+            raise OutputDirError(f"{out}: not empty (pass --force to write into it)")
         for name in os.listdir(out):
             if name.endswith(".safetensors") or name in (INDEX, CONFIG):
                 os.remove(os.path.join(out, name))

@@ -36,10 +36,11 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
     restore_optimizer_state,
     sub_optimizers,
 )
-from tenplex_megatron.integrations.megatron_core.sharded import describe_job, model_chunks, unwrap
+from tenplex_megatron.integrations.megatron_core.sharded import ModelArgumentError, describe_job, model_chunks, unwrap
 from tenplex_megatron.plan.experts import check_expert_kind
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
+from tenplex_megatron.plan.planner import PlanError
 from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.source import Metadata
@@ -213,8 +214,8 @@ def check_moe_record(metadata: Metadata, model: dict[str, Any]) -> None:
             continue
         a, b = saved.get(field_name, default), model.get(field_name, default)
         if (a or default) != (b or default):
-            raise ValueError(f"tensor {router!r}: the checkpoint's {what} ({field_name}) is {a}, the model's is {b}: "
-                             "a checkpoint of another mixture-of-experts model")
+            raise PlanError(f"tensor {router!r}: the checkpoint's {what} ({field_name}) is {a}, the model's is {b}: "
+                            "a checkpoint of another mixture-of-experts model")
 
 
 def stores_moments(metadata: Metadata) -> bool:
@@ -228,8 +229,8 @@ def current_layout(chunks: list[Any]) -> ParallelLayout:
     stage), sequence parallelism (from the model's config), EP and expert TP."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(chunks) != vpp:
-        raise ValueError(f"tenplex: {len(chunks)} model chunks, but megatron-core's virtual pipeline size is {vpp}: "
-                         "pass every model chunk (one per virtual stage), in order")
+        raise ModelArgumentError(f"tenplex: {len(chunks)} model chunks, but megatron-core's virtual pipeline size is "
+                                 f"{vpp}: pass every model chunk (one per virtual stage), in order")
     config = getattr(unwrap(chunks[0]), "config", None)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return ParallelLayout(tp, parallel_state.get_pipeline_model_parallel_world_size(),
@@ -247,9 +248,10 @@ def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None 
     layout = current_layout(chunks)
     padded = int(getattr(unwrap(chunks[0]), "vocab_size", 0) or 0)
     if padded <= 0:
-        raise ValueError("tenplex: the model has no vocab_size attribute (is it a megatron-core GPTModel?)")
+        raise ModelArgumentError("tenplex: the model has no vocab_size attribute (is it a megatron-core GPTModel?)")
     real = padded if vocab_size is None else int(vocab_size)
     if not 0 < real <= padded:
-        raise ValueError(f"tenplex: vocab_size={real} must be between 1 and the model's padded vocabulary {padded}")
+        raise ModelArgumentError(f"tenplex: vocab_size={real} must be between 1 and the model's padded vocabulary "
+                                 f"{padded}")
     distopt = any(is_distributed_optimizer(o) for o in sub_optimizers(optimizer))
     return LiveJob(chunks, optimizer, scheduler, layout, LiveSpec(real, int(seed), dict(args or {})), padded, distopt)

@@ -27,6 +27,7 @@ from tenplex_megatron import log as tlog
 from tenplex_megatron.engine.rank_local import PREFIX, saved_entries
 from tenplex_megatron.integrations.megatron_core.sharded import unwrap
 from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.pickles import why_unsafe_extra_state
 from tenplex_megatron.storage.source import Metadata
 
@@ -78,13 +79,13 @@ def decode(data: torch.Tensor, rec: dict[str, Any], where: str) -> Any:
     if kind == "tensor":
         dtype = getattr(torch, str(rec.get("dtype")), None)
         if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{where}: metadata.json records extra state of dtype {rec.get('dtype')!r}")
+            raise CheckpointFileError(f"{where}: metadata.json records extra state of dtype {rec.get('dtype')!r}")
         shape = tuple(int(n) for n in rec.get("shape", ()))
         return data.view(dtype).reshape(shape) if data.numel() else torch.empty(shape, dtype=dtype)
     if kind in ("bytes", "bytesio"):
         raw = data.numpy().tobytes()
         return io.BytesIO(raw) if kind == "bytesio" else raw
-    raise ValueError(f"{where}: metadata.json records extra state of kind {kind!r} (expected one of {KINDS})")
+    raise CheckpointFileError(f"{where}: metadata.json records extra state of kind {kind!r} (expected one of {KINDS})")
 
 
 def collect(job: Any) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:

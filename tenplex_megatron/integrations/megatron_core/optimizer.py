@@ -14,7 +14,13 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from tenplex_megatron.engine.optimizer_json import fresh_step, jsonable, optimizer_json, restore_optimizer
+from tenplex_megatron.engine.optimizer_json import (
+    OptimizerStateError,
+    fresh_step,
+    jsonable,
+    optimizer_json,
+    restore_optimizer,
+)
 
 
 def sub_optimizers(optimizer: Any) -> list[Any]:
@@ -77,7 +83,8 @@ def pooled_entry(entries: list[dict[str, Any]]) -> dict[str, Any]:
     over DP with the rest), so an EP change changes the number of sub-optimizers; they all step together."""
     steps = {int(e.get("step", 0)) for e in entries}
     if len(steps) > 1:
-        raise ValueError(f"checkpoint's sub-optimizers are at different steps {sorted(steps)}: cannot merge them")
+        raise OptimizerStateError(f"checkpoint's sub-optimizers are at different steps {sorted(steps)}: cannot merge "
+                                  "them")
     out: dict[str, Any] = {"param_groups": [g for e in entries for g in e["param_groups"]], "step": steps.pop()}
     scaler = next((e["grad_scaler"] for e in entries if "grad_scaler" in e), None)
     if scaler is not None:

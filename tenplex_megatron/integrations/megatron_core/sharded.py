@@ -27,10 +27,15 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.integrations.megatron_core.grouped import grouped_weights, native_box
 from tenplex_megatron.integrations.megatron_core.optimizer import is_distributed_optimizer, sub_optimizers
 from tenplex_megatron.plan.ptc import Chunk, PTCError, TensorMeta
 from tenplex_megatron.storage.safetensors_io import torch_dtype_name
+
+
+class ModelArgumentError(TenplexError, ValueError):
+    """A model given to ``save_checkpoint``/``load_checkpoint`` whose chunks or vocabulary do not fit."""
 
 
 def extra_state_keys(model_sd: Any) -> list[str]:

@@ -16,11 +16,16 @@ from importlib import resources
 from types import MappingProxyType
 from typing import Any
 
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.plan.layout import ModelShape, record_query_groups
 from tenplex_megatron.plan.ptc import TensorMeta
 
 #: The catalogue ships inside the package (read with importlib.resources, so an installed wheel has it too).
 CATALOGUE = "models.json"
+
+
+class UnknownModelError(TenplexError, KeyError):
+    """A model name the catalogue does not hold; the message lists the names it does."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +131,7 @@ def load_model(name: str, path: str | None = None) -> GPTDims:
     """A named model shape from the catalogue (``plan/sim/models.json``); the error lists the known names."""
     models = catalogue(path)
     if name not in models:
-        raise KeyError(f"unknown model {name!r}; known: {', '.join(sorted(models))}")
+        raise UnknownModelError(f"unknown model {name!r}; known: {', '.join(sorted(models))}")
     fields = set(GPTDims.__dataclass_fields__)
     return GPTDims(**{k: v for k, v in models[name].items() if k in fields})
 
