@@ -28,8 +28,9 @@ from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.megatron_legacy import describe_legacy, legacy_model_metas
-from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas, read_torch_dist
+from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas
 from tenplex_megatron.storage.megatron_summary import read_common, read_torch_pickle
+from tenplex_megatron.storage.megatron_torch_dist import read_torch_dist
 
 
 @dataclass(frozen=True)
