@@ -25,7 +25,7 @@ import sysconfig
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scripts.gpu_check import mlm_checkout, mlm_patched_copy, mlm_release
+from benchmarks.kit.mlm_checkout import mlm_checkout, mlm_patched_copy, mlm_release
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 
