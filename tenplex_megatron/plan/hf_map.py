@@ -422,8 +422,8 @@ class _Parts:
         runs = runs or [(0, 0, shape[0])]
         hs = hshape or ((shape[1], shape[0]) if transposed else shape)
         for i in range(L):
-            links = tuple(Link(key, (i, m0, *([0] * (len(shape) - 1))), (1, n, *shape[1:]), name.format(i), h0, transposed)
-                          for m0, h0, n in runs)
+            links = tuple(Link(key, (i, m0, *([0] * (len(shape) - 1))), (1, n, *shape[1:]), name.format(i), h0,
+                               transposed) for m0, h0, n in runs)
             self.out.append(HFTensor(name.format(i), hs, links))
 
 
