@@ -63,9 +63,9 @@ import psutil
 from benchmarks.kit import faults_mlm
 from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
 from benchmarks.kit.etcd import EtcdError, start_etcd
+from benchmarks.kit.fault_rows import Row, inplace_timeouts, survivors
 from benchmarks.kit.launch import ROOT, env, write_json
 from benchmarks.kit.report import Column, Table, machine, num, ratio_line
-from tenplex_megatron.frontdoor.inprocess import InprocessSettings
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
 
@@ -80,23 +80,6 @@ SAVED_RE = re.compile(r"> tenplex: saved iteration (\d+) to ")
 PERSISTED_RE = re.compile(r"> tenplex: persisted \S*iter_(\d+)")
 LOADED_RE = re.compile(r"> tenplex: loaded iteration (\d+) from (host memory)?.*?(?:([\d.]+) MB read on rank 0|"
                        r"(\d+) bytes read from durable storage)")
-
-
-@dataclass(frozen=True)
-class Row:
-    """One fault's cost."""
-
-    fault: str
-    checkpoints_lost: int
-    iterations_lost_beyond_interval: int | None  # None: no restart was needed
-    durable_mb_rank0: float | None
-    seconds_to_first_iteration: float | None  # in place: to the first iteration at the new layout
-    note: str = ""
-    in_place: bool = False  # the survivors continued in their processes (NVRx)
-    survivors_kept: bool | None = None  # in place: every rank called again is the process started for it
-    survivors_ended: tuple[int, ...] = ()  # in place: ranks not hit by the fault that NVRx ended all the same
-    ratio_to_restart: float | None = None  # in place: seconds to 1st iteration over the process restart's
-    iterations_lost: int | None = None  # the newest iteration done at the fault minus the one resumed from
 
 
 @dataclass
@@ -344,29 +327,7 @@ def second_job(run: Run) -> Row:
 
 INPROCESS_TIMEOUT = 30  # --tenplex-inprocess-timeout of the in-process rows that kill (s)
 STOP_TIMEOUT = 8  # the SIGSTOP row's: a hung rank is caught only by NVRx's progress timeouts (1.5x, 2x this)
-PIDS_RE = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")
-STATUSES_RE = re.compile(r"exit statuses ((?:\d+:-?\d+ ?)+)")
-CALL_RE = re.compile(r"in place: call (\d+): rank \d+ of \d+ \(initial rank (\d+), pid (\d+)\)")
 RESTART = "restart@rank1"  # the process restart the in-place rows are compared with (same fault, same run)
-
-
-def _timeouts(seconds: float) -> str:
-    """The in-place timeouts used, as the note says them."""
-    t = InprocessSettings(timeout=seconds)
-    return f"collective timeout {t.timeout:g} s, NVRx soft/hard {t.soft:g}/{t.hard:g} s"
-
-
-def _survivors(logs: str, lost: set[int]) -> tuple[bool, tuple[int, ...]]:
-    """Whether every rank called again in place is the process its launcher started (the same pid), and the ranks
-    not ``lost`` that were ended by a signal all the same (NVRx's hard timeout: a survivor stuck in a collective)."""
-    started, statuses = {}, {}
-    for m in PIDS_RE.finditer(logs):  # one line per launcher (node): initial rank -> pid
-        started.update({int(r): int(p) for r, p in (x.split(":") for x in m.group(1).split())})
-    for m in STATUSES_RE.finditer(logs):
-        statuses.update({int(r): int(c) for r, c in (x.split(":") for x in m.group(1).split())})
-    again = {(int(i), int(p)) for c, i, p in CALL_RE.findall(logs) if c != "0"}
-    kept = bool(again) and all(started.get(i) == p for i, p in again)
-    return kept, tuple(sorted(r for r, c in statuses.items() if c < 0 and r not in lost))
 
 
 def _launcher(run: Run, name: str, nproc: int, port: int, extra: list[str], more_env: dict[str, str] | None = None,
@@ -395,10 +356,10 @@ def _in_place_row(run: Run, fault: str, t_fault: float | None, done_before: int,
                   what: str = "") -> Row:
     if t_fault is None:
         return run.finish(fault, None, done_before, "the fault never fired")
-    kept, ended = _survivors(run.logs(), lost)
+    kept, ended = survivors(run.logs(), lost)
     note = (f"{what}survivors' processes {'kept' if kept else 'NOT kept'}"
             f"{'; also ended by NVRx (stuck in a collective): rank ' + ', '.join(map(str, ended)) if ended else ''}; "
-            f"{_timeouts(seconds)}")
+            f"{inplace_timeouts(seconds)}")
     return replace(run.finish(fault, t_fault, done_before, note, new_layout=True), in_place=True, survivors_kept=kept,
                    survivors_ended=ended)
 

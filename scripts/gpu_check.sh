@@ -32,4 +32,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout: gpu_check.py imports its steps (scripts/gpu_steps/)
 exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -22,7 +22,10 @@ Driver side (no torch):
   agents            torchrun elastic agents standing for nodes: started, SIGKILLed, their workers watched
   inplace           in-process launchers standing for nodes (the elastic benchmark's in-place policy)
   etcd              a real etcd server for torchrun's ``etcd-v2`` rendezvous (also used by a cluster-safety test)
+  fault_rows        the fault benchmark's row, and the survivors and timeouts read from an in-place run's logs
   faults_mlm        the fault benchmark's Megatron-LM rows: its own script's process restart and in-place runs
+  mlm_checkout      a Megatron-LM checkout found, its release read, its scripts copied with our patch (also the
+                    GPU check's mlm step; standard library only)
   elastic_analysis  what a replayed trace did: progress, throughput, each change's breakdown, loss deviation
   elastic_sim       the simulator (``plan/simulate.py``) fed a replay's measurements, to predict its time to target
 Worker side (import torch, megatron-core or DeepSpeed; imported inside the worker functions, so a driver does not

@@ -23,14 +23,11 @@ import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from scripts.gpu_check import mlm_checkout, mlm_patched_copy, mlm_release
+from benchmarks.kit.fault_rows import Row, RunDir, inplace_timeouts, survivors
+from benchmarks.kit.mlm_checkout import mlm_checkout, mlm_patched_copy, mlm_release
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
-
-if TYPE_CHECKING:
-    from benchmarks.faults import Row, Run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
@@ -88,7 +85,7 @@ def _stamps(log: str) -> list[tuple[float, int]]:
     return [(datetime.datetime.fromisoformat(ts).timestamp(), int(it)) for ts, it in STAMP_RE.findall(log)]
 
 
-def _run(run: Run, mlm: tuple[str, str, list[str]], victim: int, in_place: bool) -> tuple[str, float | None]:
+def _run(run: RunDir, mlm: tuple[str, str, list[str]], victim: int, in_place: bool) -> tuple[str, float | None]:
     """One launch through the fault; its log and when the fault fired (None: never)."""
     script, checkout, vocab = mlm
     env, cpu = _env(checkout)
@@ -124,9 +121,7 @@ def _run(run: Run, mlm: tuple[str, str, list[str]], victim: int, in_place: bool)
     return text, (os.path.getmtime(once) if os.path.exists(once) else None)
 
 
-def _row(run: Run, fault: str, log: str, t_fault: float | None, note: str, in_place: bool, victim: int) -> Row:
-    from benchmarks.faults import Row, _survivors, _timeouts
-
+def _row(run: RunDir, fault: str, log: str, t_fault: float | None, note: str, in_place: bool, victim: int) -> Row:
     reported = {int(a or b) for a, b in SAVED_RE.findall(log)}
     ckpt = os.path.join(run.root, "ckpt")
     whole = {it for it in directory.committed_iterations(ckpt)
@@ -142,30 +137,31 @@ def _row(run: Run, fault: str, log: str, t_fault: float | None, note: str, in_pl
     resumed = after[0][1] - 1
     loads = LOADED_RE.findall(log)
     mb = float(loads[-1]) / 1e6 if loads else None
-    kept, ended = _survivors(log, {victim}) if in_place else (None, ())
+    kept, ended = survivors(log, {victim}) if in_place else (None, ())
     if in_place:
         also = f"; also ended by NVRx (stuck in a collective): rank {', '.join(map(str, ended))}" if ended else ""
-        note = f"survivors' processes {'kept' if kept else 'NOT kept'}{also}; {_timeouts(INPROCESS_TIMEOUT)}; {note}"
+        note = (f"survivors' processes {'kept' if kept else 'NOT kept'}{also}; {inplace_timeouts(INPROCESS_TIMEOUT)}; "
+                f"{note}")
     return Row(fault, lost, max(0, FAULT_AT - resumed - 1), mb, after[0][0] - t_fault, note, in_place=in_place,
                survivors_kept=kept, survivors_ended=ended, iterations_lost=max(0, FAULT_AT - resumed))
 
 
-def restart(mlm: tuple[str, str, list[str]]) -> Callable[[Run], Row]:
-    def go(run: Run) -> Row:
+def restart(mlm: tuple[str, str, list[str]]) -> Callable[[RunDir], Row]:
+    def go(run: RunDir) -> Row:
         log, fired = _run(run, mlm, 3, in_place=False)
         return _row(run, RESTART, log, fired, "4 workers restarted by torchrun's agent, TP2 x DP2 from host memory",
                     in_place=False, victim=3)
     return go
 
 
-def in_place(mlm: tuple[str, str, list[str]], victim: int) -> Callable[[Run], Row]:
-    def go(run: Run) -> Row:
+def in_place(mlm: tuple[str, str, list[str]], victim: int) -> Callable[[RunDir], Row]:
+    def go(run: RunDir) -> Row:
         log, fired = _run(run, mlm, victim, in_place=True)
         return _row(run, f"SIGKILL rank {victim}, Megatron-LM in place (NVRx)", log, fired, "TP1 x DP2 after",
                     in_place=True, victim=victim)
     return go
 
 
-def faults(mlm: tuple[str, str, list[str]]) -> dict[str, Callable[[Run], Row]]:
+def faults(mlm: tuple[str, str, list[str]]) -> dict[str, Callable[[RunDir], Row]]:
     """The Megatron-LM rows by name (:data:`NAMES`)."""
     return {NAMES[0]: restart(mlm), NAMES[1]: in_place(mlm, 3), NAMES[2]: in_place(mlm, 0)}

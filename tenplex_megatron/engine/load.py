@@ -138,6 +138,93 @@ class _Prepared:
     peer_checked: frozenset[tuple[int, int]] = frozenset()  # of those, the (source, block) another rank checks
 
 
+def _plan_rank(opened: Opened, describe: Callable[[Metadata], list[LocalChunk]], me: int,
+               host: str) -> tuple[list[LocalChunk], Any, Any]:
+    """This rank's chunks, its part of the re-sharding plan and the plan's sources: a pure function of the PTC."""
+    chunks = describe(opened.metadata)
+    tensors = tensor_table(chunks)
+    full = plan_reshard(opened.ptc, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host}, strict=False)
+    return chunks, full.ranks[me], full.sources
+
+
+def _destinations(chunks: list[LocalChunk]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A flat destination per chunk, plus (live tensor, contiguous copy) for those without a flat view: copied back
+    after the plan runs."""
+    dst: list[torch.Tensor] = []
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for lc in chunks:
+        view = lc.flat_view()
+        if view is None:
+            tmp = torch.empty(lc.chunk.numel, dtype=lc.data.dtype, device=lc.data.device)
+            back.append((lc.data, tmp))
+            view = tmp
+        dst.append(view)
+    return dst, back
+
+
+def _open_sources(opened: Opened, chunks: list[LocalChunk], mine: Any, sources: Any, me: int) -> _Prepared:
+    """Open every file this rank will read and find the blocks the parallel reader would check, before any copy."""
+    maybe_fail("load.read", me)
+    with plain_ops():
+        todo = prepare_sources(mine, sources, opened.files, check=False)  # open every file it will read
+        parallel = parallel_blocks(mine, sources, opened.files)
+    dst, back = _destinations(chunks)
+    return _Prepared(opened, chunks, mine, sources, todo, dst, back, parallel)
+
+
+def _check_unused(p: _Prepared, ranks: list[RankReads], strict: bool, left_out: tuple[str, ...]) -> None:
+    """With ``strict``, refuse a checkpoint holding tensors that no rank of this job reads (bar ``left_out``)."""
+    needed = {k for r in ranks for k in r.tensors}
+    unused = sorted(k for k in set(p.opened.ptc.tensors) - needed if not (left_out and k.startswith(left_out)))
+    if strict and unused:
+        raise PlanError(f"{p.opened.path}: the checkpoint has tensors no rank of this job holds: "
+                        f"{', '.join(unused[:8])}")
+
+
+def _verify_share(p: _Prepared, ranks: list[RankReads], me: int) -> None:
+    """Check this rank's share of the checksum blocks its host reads (each block by one rank of the host) before
+    any copy; record which of the parallel reader's blocks a peer checks instead."""
+    maybe_fail("load.verify", me)
+    needs = {r: list(x.blocks) for r, x in enumerate(ranks)}
+    share = share_blocks(needs, {r: x.host for r, x in enumerate(ranks)}, me)
+    with plain_ops():
+        verify_blocks(p.opened.files, p.todo, share)
+    p.peer_checked = frozenset(blocks(p.parallel)) - frozenset(blocks(share))  # the reader checks the rest
+
+
+def _read_local(p: _Prepared, me: int,
+                local: Callable[[Metadata, Callable[[str], torch.Tensor]], Callable[[], None] | None] | None,
+                ) -> Callable[[], None] | None:
+    """Read this rank's rank-local state through ``local`` (if any) before any byte is copied; returns what to call
+    after ``restore``."""
+    if local is None:
+        return None
+    files = p.opened.files  # tenplex's own files (a memory snapshot's included) read through their source
+    raw = files.entry if isinstance(files, SourceFiles) else None
+    return local(p.opened.metadata, rank_local.reader(p.opened.path, p.opened.metadata.rank_local, me, raw))
+
+
+def _copy(p: _Prepared, me: int) -> ExecStats:
+    """Run this rank's plan into its live tensors (non-contiguous ones through their copies), then close the
+    files."""
+    maybe_fail("load.copy", me)
+    with plain_ops(), torch.no_grad():
+        stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst, p.peer_checked)
+        for data, tmp in p.back:
+            data.copy_(tmp.view(data.shape))
+    p.opened.files.close()
+    return stats
+
+
+def _restore_state(p: _Prepared, me: int, restore: Callable[[Metadata], None],
+                   apply_local: Callable[[], None] | None) -> None:
+    """Restore the framework's non-tensor state, then the rank-local state read before the copy."""
+    maybe_fail("load.restore", me)
+    restore(p.opened.metadata)
+    if apply_local is not None:
+        apply_local()
+
+
 def load_chunks(
     load_dir: str,
     iteration: int | None,
@@ -173,78 +260,29 @@ def load_chunks(
     def plan() -> tuple[Opened, list[LocalChunk], Any, Any]:
         with gc_paused():  # metadata JSON, PTC and plan objects: no full collections over the job's heap meanwhile
             opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify=verify)
-            chunks = describe(opened.metadata)
-            tensors = tensor_table(chunks)
-            full = plan_reshard(opened.ptc, tensors, {me: [lc.chunk for lc in chunks]}, hosts={me: host},
-                                strict=False)
-            return opened, chunks, full.ranks[me], full.sources
+            return (opened, *_plan_rank(opened, describe, me, host))
 
     opened, chunks, mine, sources = run_phase(f"load from {load_dir}: planning", plan)
     if fetch is not None:
         fetch(mine, sources, opened.files)
-
-    def open_sources() -> _Prepared:
-        maybe_fail("load.read", me)
-        with plain_ops():
-            todo = prepare_sources(mine, sources, opened.files, check=False)  # open every file it will read
-            parallel = parallel_blocks(mine, sources, opened.files)
-        dst, back = [], []
-        for lc in chunks:
-            view = lc.flat_view()
-            if view is None:
-                tmp = torch.empty(lc.chunk.numel, dtype=lc.data.dtype, device=lc.data.device)
-                back.append((lc.data, tmp))
-                view = tmp
-            dst.append(view)
-        return _Prepared(opened, chunks, mine, sources, todo, dst, back, parallel)
-
-    p = run_phase(f"load from {load_dir}: opening sources", open_sources)
+    p = run_phase(f"load from {load_dir}: opening sources", lambda: _open_sources(opened, chunks, mine, sources, me))
     path = p.opened.path
     tensors = sorted({lc.meta.key for lc in p.chunks})
     ranks = gather_records(f"load from {path}: gathering what each rank reads",
                            lambda: RankReads(tuple(tensors), host, tuple(block_intervals(p.todo) + p.parallel)),
                            RankReads)
 
-    def check_and_verify() -> None:
-        needed = {k for r in ranks for k in r.tensors}
-        unused = sorted(k for k in set(p.opened.ptc.tensors) - needed if not (left_out and k.startswith(left_out)))
-        if strict and unused:
-            raise PlanError(f"{path}: the checkpoint has tensors no rank of this job holds: {', '.join(unused[:8])}")
-        maybe_fail("load.verify", me)
-        # checksums of every block read, each checked by one rank of the host that reads it, before any copy
-        needs = {r: list(x.blocks) for r, x in enumerate(ranks)}
-        share = share_blocks(needs, {r: x.host for r, x in enumerate(ranks)}, me)
-        with plain_ops():
-            verify_blocks(p.opened.files, p.todo, share)
-        p.peer_checked = frozenset(blocks(p.parallel)) - frozenset(blocks(share))  # the reader checks the rest
-        if local is None:
-            return None
-        files = p.opened.files  # tenplex's own files (a memory snapshot's included) read through their source
-        raw = files.entry if isinstance(files, SourceFiles) else None
-        return local(p.opened.metadata, rank_local.reader(path, p.opened.metadata.rank_local, me, raw))
+    def check_and_verify() -> Callable[[], None] | None:
+        _check_unused(p, ranks, strict, left_out)
+        _verify_share(p, ranks, me)  # checksums of every block read, before any copy
+        return _read_local(p, me, local)
 
     apply_local = run_phase(f"load from {path}: verifying checksums", check_and_verify)
-
-    def copy() -> ExecStats:
-        maybe_fail("load.copy", me)
-        with plain_ops(), torch.no_grad():
-            stats = execute_plan(p.plan, p.sources, p.opened.files, p.dst, p.peer_checked)
-            for data, tmp in p.back:
-                data.copy_(tmp.view(data.shape))
-        p.opened.files.close()
-        return stats
-
-    def restore_state() -> None:
-        maybe_fail("load.restore", me)
-        restore(p.opened.metadata)
-        if apply_local is not None:
-            apply_local()
-
-    stats = run_phase(f"load from {path}: copying", copy)
+    stats = run_phase(f"load from {path}: copying", lambda: _copy(p, me))
     # only once every rank has copied: the parallel reader finds a damaged block while it copies, so a rank whose
     # share was sound would otherwise restore the non-tensor state of a copy the fallback then leaves (a learning-
     # rate scheduler's load_state_dict adds its steps: restored twice, the steps counted twice)
-    run_phase(f"load from {path}: restoring state", restore_state)
+    run_phase(f"load from {path}: restoring state", lambda: _restore_state(p, me, restore, apply_local))
     return ChunksLoaded(path, p.opened.metadata, p.opened.ptc, stats, len(p.dst))
 
 

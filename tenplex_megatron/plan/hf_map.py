@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tenplex_megatron.errors import TenplexError
@@ -33,7 +34,7 @@ EXPERT_PREFIX = "decoder.layers.mlp.experts.experts."  # megatron-core's routed 
 
 # megatron-core routing settings that Mixtral's router (softmax over all experts, top-k, renormalised: megatron-core's
 # default softmax after the top-k) cannot express: Megatron-LM's argument name -> (values that fit, flag)
-MOE_ROUTING: dict[str, tuple[tuple[Any, ...], str]] = {
+MOE_ROUTING: dict[str, tuple[tuple[Any, ...], str]] = MappingProxyType({
     "moe_router_score_function": (("softmax",), "--moe-router-score-function"),
     "moe_router_pre_softmax": ((False,), "--moe-router-pre-softmax"),
     "moe_router_enable_expert_bias": ((False,), "--moe-router-enable-expert-bias"),
@@ -46,20 +47,20 @@ MOE_ROUTING: dict[str, tuple[tuple[Any, ...], str]] = {
     "moe_input_jitter_eps": ((None, 0.0), "--moe-input-jitter-eps"),
     "moe_router_load_balancing_type": (("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
                                        "--moe-router-load-balancing-type"),
-}
-MOE_DEFAULTS = {"moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
+})
+MOE_DEFAULTS = MappingProxyType({"moe_router_score_function": "softmax", "moe_router_pre_softmax": False,
                 "moe_router_enable_expert_bias": False, "moe_layer_freq": 1,
-                "moe_router_load_balancing_type": "aux_loss"}
+                "moe_router_load_balancing_type": "aux_loss"})
 
 
 #: settings that change what a model computes without changing any tensor's shape, that neither direction of the
 #: mapping expresses: Megatron-LM argument name -> (its flag, what would go wrong)
-UNMAPPED = {
+UNMAPPED = MappingProxyType({
     "apply_layernorm_1p": ("--apply-layernorm-1p", "the norms' stored weights are weight - 1 (zero-centred gamma)"),
     "qk_layernorm": ("--qk-layernorm", "the query/key norms have no place in the Hugging Face model"),
     "moe_grouped_gemm": ("--moe-grouped-gemm", "megatron-core's GroupedMLP keeps the experts in two grouped weights, "
                          "transposed from Mixtral's experts.N.w1/w3/w2, which map onto SequentialMLP's"),
-}
+})
 
 
 class HFMapError(TenplexError, ValueError):
@@ -291,7 +292,7 @@ def facts_from_hf_config(cfg: dict[str, Any], path: str = "config.json") -> Mode
 
 
 # fields compared between a Hugging Face config and a run's flags, with the flag that sets each
-FLAG_NAMES = {
+FLAG_NAMES = MappingProxyType({
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
     "num_query_groups": "--num-query-groups", "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
     "max_position_embeddings": "--max-position-embeddings", "position_embedding_type": "--position-embedding-type",
@@ -299,10 +300,10 @@ FLAG_NAMES = {
     "tied": "--untie-embeddings-and-output-weights", "rotary_base": "--rotary-base",
     "rotary_percent": "--rotary-percent", "norm_epsilon": "--norm-epsilon",
     "num_experts": "--num-experts", "moe_router_topk": "--moe-router-topk", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
-}
+})
 # the mixture-of-experts fields under their names in a Mixtral config.json
-MIXTRAL_FIELDS = {"num_experts": "num_local_experts", "moe_router_topk": "num_experts_per_tok",
-                  "moe_ffn_hidden_size": "intermediate_size"}
+MIXTRAL_FIELDS = MappingProxyType({"num_experts": "num_local_experts", "moe_router_topk": "num_experts_per_tok",
+                  "moe_ffn_hidden_size": "intermediate_size"})
 
 
 def check_flags(hf: ModelFacts, run: ModelFacts, path: str) -> None:
@@ -393,103 +394,137 @@ def _qkv_rows(f: ModelFacts) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def build_mapping(f: ModelFacts) -> Mapping:
-    """The mapping for this model (refused as :func:`architecture` says when it fits no HF architecture)."""
-    arch = architecture(f)
-    h, ffn, L, V = f.hidden_size, f.ffn_hidden_size, f.num_layers, f.vocab_size
-    qkv = (f.num_attention_heads + 2 * f.num_query_groups) * f.head_dim
-    fc1 = 2 * ffn if f.swiglu else ffn
-    M: dict[str, MTensor] = {}
-    out: list[HFTensor] = []
+@dataclass
+class _Parts:
+    """One mapping as it is built: the megatron-core tensors by key and the HF tensors in order."""
 
-    def mt(key: str, shape: tuple[int, ...], vocab: bool = False) -> MTensor:
-        M[key] = MTensor(key, shape, V if vocab else None)
-        return M[key]
+    layers: int
+    vocab: int
+    M: dict[str, MTensor]
+    out: list[HFTensor]
 
-    def whole(name: str, key: str, shape: tuple[int, ...], vocab: bool = False, transposed: bool = False) -> None:
-        mt(key, shape, vocab)
+    def mt(self, key: str, shape: tuple[int, ...], vocab: bool = False) -> MTensor:
+        """Record megatron-core tensor ``key`` (its vocabulary rows padded where ``vocab``)."""
+        self.M[key] = MTensor(key, shape, self.vocab if vocab else None)
+        return self.M[key]
+
+    def whole(self, name: str, key: str, shape: tuple[int, ...], vocab: bool = False, transposed: bool = False) -> None:
+        """An HF tensor that is the whole of megatron-core's ``key`` (transposed for GPT-2's ``Conv1D``)."""
+        self.mt(key, shape, vocab)
         hshape = (shape[1], shape[0]) if transposed else shape
-        out.append(HFTensor(name, hshape, (Link(key, (0,) * len(shape), shape, name, 0, transposed),)))
+        self.out.append(HFTensor(name, hshape, (Link(key, (0,) * len(shape), shape, name, 0, transposed),)))
 
-    def layer(name: str, key: str, shape: tuple[int, ...], runs: list[tuple[int, int, int]] | None = None,
+    def layer(self, name: str, key: str, shape: tuple[int, ...], runs: list[tuple[int, int, int]] | None = None,
               transposed: bool = False, hshape: tuple[int, ...] | None = None) -> None:
         """Layer tensors: ``runs`` of (megatron row, HF row, rows); default the whole tensor."""
-        if key not in M:
-            mt(key, (L, *shape))
+        L = self.layers
+        if key not in self.M:
+            self.mt(key, (L, *shape))
         runs = runs or [(0, 0, shape[0])]
         hs = hshape or ((shape[1], shape[0]) if transposed else shape)
         for i in range(L):
-            links = tuple(Link(key, (i, m0, *([0] * (len(shape) - 1))), (1, n, *shape[1:]), name.format(i), h0, transposed)
-                          for m0, h0, n in runs)
-            out.append(HFTensor(name.format(i), hs, links))
+            links = tuple(Link(key, (i, m0, *([0] * (len(shape) - 1))), (1, n, *shape[1:]), name.format(i), h0,
+                               transposed) for m0, h0, n in runs)
+            self.out.append(HFTensor(name.format(i), hs, links))
 
+
+def _gpt2(b: _Parts, f: ModelFacts, qkv: int) -> None:
+    """GPT-2's tensors: learned positions, fused QKV as one transposed ``c_attn``, biases, final layer norm."""
+    h, ffn, V = f.hidden_size, f.ffn_hidden_size, f.vocab_size
+    P = "transformer."
+    b.whole(P + "wte.weight", "embedding.word_embeddings.weight", (V, h), vocab=True)
+    b.whole(P + "wpe.weight", "embedding.position_embeddings.weight", (f.max_position_embeddings, h))
+    qkv_runs = [(m0, {"q": 0, "k": h, "v": 2 * h}[part] + h0, n) for part, m0, h0, n in _qkv_rows(f)]
+    for i_name, key, shape, runs, tr in (
+        ("ln_1.weight", "self_attention.linear_qkv.layer_norm_weight", (h,), None, False),
+        ("ln_1.bias", "self_attention.linear_qkv.layer_norm_bias", (h,), None, False),
+        ("attn.c_attn.weight", "self_attention.linear_qkv.weight", (qkv, h), qkv_runs, True),
+        ("attn.c_attn.bias", "self_attention.linear_qkv.bias", (qkv,), qkv_runs, False),
+        ("attn.c_proj.weight", "self_attention.linear_proj.weight", (h, h), None, True),
+        ("attn.c_proj.bias", "self_attention.linear_proj.bias", (h,), None, False),
+        ("ln_2.weight", "mlp.linear_fc1.layer_norm_weight", (h,), None, False),
+        ("ln_2.bias", "mlp.linear_fc1.layer_norm_bias", (h,), None, False),
+        ("mlp.c_fc.weight", "mlp.linear_fc1.weight", (ffn, h), None, True),
+        ("mlp.c_fc.bias", "mlp.linear_fc1.bias", (ffn,), None, False),
+        ("mlp.c_proj.weight", "mlp.linear_fc2.weight", (h, ffn), None, True),
+        ("mlp.c_proj.bias", "mlp.linear_fc2.bias", (h,), None, False),
+    ):
+        b.layer(P + "h.{}." + i_name, "decoder.layers." + key, shape, runs, tr)
+    b.whole(P + "ln_f.weight", "decoder.final_layernorm.weight", (h,))
+    b.whole(P + "ln_f.bias", "decoder.final_layernorm.bias", (h,))
+
+
+def _llama_attention(b: _Parts, f: ModelFacts, qkv: int, P: str) -> None:
+    """Llama's embedding and attention: separate q/k/v projections out of the per-group fused QKV, the layer norms."""
+    h, L = f.hidden_size, f.num_layers
+    b.whole(P + "embed_tokens.weight", "embedding.word_embeddings.weight", (f.vocab_size, h), vocab=True)
+    rows = _qkv_rows(f)
+    sizes = {"q": f.num_attention_heads * f.head_dim, "k": f.num_query_groups * f.head_dim}
+    sizes["v"] = sizes["k"]
+    b.mt("decoder.layers.self_attention.linear_qkv.weight", (L, qkv, h))
+    for i in range(L):
+        for part in "qkv":
+            runs = [(m0, h0, n) for p, m0, h0, n in rows if p == part]
+            name = f"{P}layers.{i}.self_attn.{part}_proj.weight"
+            links = tuple(Link("decoder.layers.self_attention.linear_qkv.weight", (i, m0, 0), (1, n, h), name, h0)
+                          for m0, h0, n in runs)
+            b.out.append(HFTensor(name, (sizes[part], h), links))
+    b.layer(P + "layers.{}.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (h,))
+    b.layer(P + "layers.{}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", (h, h),
+            hshape=(h, h))
+    b.layer(P + "layers.{}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight", (h,))
+
+
+def _mixtral_experts(b: _Parts, f: ModelFacts, P: str) -> None:
+    """Mixtral's router and routed experts: megatron-core's (layer, expert) stacks as one w1/w3/w2 per expert."""
+    h, L = f.hidden_size, f.num_layers
+    E, moe_ffn = f.num_experts or 0, f.moe_ffn_hidden_size or f.ffn_hidden_size
+    b.layer(P + "layers.{}.block_sparse_moe.gate.weight", "decoder.layers.mlp.router.weight", (E, h))
+    fc1_key, fc2_key = EXPERT_PREFIX + "linear_fc1.weight", EXPERT_PREFIX + "linear_fc2.weight"
+    b.mt(fc1_key, (L, E, 2 * moe_ffn, h))
+    b.mt(fc2_key, (L, E, h, moe_ffn))
+    for i in range(L):
+        for e in range(E):
+            base = f"{P}layers.{i}.block_sparse_moe.experts.{e}."
+            # w1 the gate (SiLU'd), w3 the up projection: megatron-core's fused fc1 is [gate; up]
+            for w, key, m0, shape in (("w1", fc1_key, 0, (moe_ffn, h)), ("w3", fc1_key, moe_ffn, (moe_ffn, h)),
+                                      ("w2", fc2_key, 0, (h, moe_ffn))):
+                name = base + w + ".weight"
+                b.out.append(HFTensor(name, shape, (Link(key, (i, e, m0, 0), (1, 1, *shape), name, 0),)))
+
+
+def _llama_mlp(b: _Parts, f: ModelFacts, P: str) -> None:
+    """Llama's dense MLP: SwiGLU's fused fc1 as gate and up projections, fc2 as the down projection."""
+    h, ffn, L = f.hidden_size, f.ffn_hidden_size, f.num_layers
+    fc1 = 2 * ffn if f.swiglu else ffn
+    b.mt("decoder.layers.mlp.linear_fc1.weight", (L, fc1, h))
+    for i in range(L):
+        for part, m0 in (("gate", 0), ("up", ffn)):
+            name = f"{P}layers.{i}.mlp.{part}_proj.weight"
+            b.out.append(HFTensor(name, (ffn, h), (Link("decoder.layers.mlp.linear_fc1.weight", (i, m0, 0),
+                                                        (1, ffn, h), name, 0),)))
+    b.layer(P + "layers.{}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", (h, ffn), hshape=(h, ffn))
+
+
+def build_mapping(f: ModelFacts) -> Mapping:
+    """The mapping for this model (refused as :func:`architecture` says when it fits no HF architecture)."""
+    arch = architecture(f)
+    h, V = f.hidden_size, f.vocab_size
+    qkv = (f.num_attention_heads + 2 * f.num_query_groups) * f.head_dim
+    b = _Parts(f.num_layers, V, {}, [])
     if arch == GPT2:
-        P = "transformer."
-        whole(P + "wte.weight", "embedding.word_embeddings.weight", (V, h), vocab=True)
-        whole(P + "wpe.weight", "embedding.position_embeddings.weight", (f.max_position_embeddings, h))
-        qkv_runs = [(m0, {"q": 0, "k": h, "v": 2 * h}[part] + h0, n) for part, m0, h0, n in _qkv_rows(f)]
-        for i_name, key, shape, runs, tr in (
-            ("ln_1.weight", "self_attention.linear_qkv.layer_norm_weight", (h,), None, False),
-            ("ln_1.bias", "self_attention.linear_qkv.layer_norm_bias", (h,), None, False),
-            ("attn.c_attn.weight", "self_attention.linear_qkv.weight", (qkv, h), qkv_runs, True),
-            ("attn.c_attn.bias", "self_attention.linear_qkv.bias", (qkv,), qkv_runs, False),
-            ("attn.c_proj.weight", "self_attention.linear_proj.weight", (h, h), None, True),
-            ("attn.c_proj.bias", "self_attention.linear_proj.bias", (h,), None, False),
-            ("ln_2.weight", "mlp.linear_fc1.layer_norm_weight", (h,), None, False),
-            ("ln_2.bias", "mlp.linear_fc1.layer_norm_bias", (h,), None, False),
-            ("mlp.c_fc.weight", "mlp.linear_fc1.weight", (ffn, h), None, True),
-            ("mlp.c_fc.bias", "mlp.linear_fc1.bias", (ffn,), None, False),
-            ("mlp.c_proj.weight", "mlp.linear_fc2.weight", (h, ffn), None, True),
-            ("mlp.c_proj.bias", "mlp.linear_fc2.bias", (h,), None, False),
-        ):
-            layer(P + "h.{}." + i_name, "decoder.layers." + key, shape, runs, tr)
-        whole(P + "ln_f.weight", "decoder.final_layernorm.weight", (h,))
-        whole(P + "ln_f.bias", "decoder.final_layernorm.bias", (h,))
+        _gpt2(b, f, qkv)
     else:
         P = "model."
-        whole(P + "embed_tokens.weight", "embedding.word_embeddings.weight", (V, h), vocab=True)
-        rows = _qkv_rows(f)
-        sizes = {"q": f.num_attention_heads * f.head_dim, "k": f.num_query_groups * f.head_dim}
-        sizes["v"] = sizes["k"]
-        mt("decoder.layers.self_attention.linear_qkv.weight", (L, qkv, h))
-        for i in range(L):
-            for part in "qkv":
-                runs = [(m0, h0, n) for p, m0, h0, n in rows if p == part]
-                name = f"{P}layers.{i}.self_attn.{part}_proj.weight"
-                links = tuple(Link("decoder.layers.self_attention.linear_qkv.weight", (i, m0, 0), (1, n, h), name, h0)
-                              for m0, h0, n in runs)
-                out.append(HFTensor(name, (sizes[part], h), links))
-        layer(P + "layers.{}.input_layernorm.weight", "decoder.layers.self_attention.linear_qkv.layer_norm_weight", (h,))
-        layer(P + "layers.{}.self_attn.o_proj.weight", "decoder.layers.self_attention.linear_proj.weight", (h, h),
-              hshape=(h, h))
-        layer(P + "layers.{}.post_attention_layernorm.weight", "decoder.layers.mlp.linear_fc1.layer_norm_weight", (h,))
+        _llama_attention(b, f, qkv, P)
         if arch == MIXTRAL:
-            E, moe_ffn = f.num_experts or 0, f.moe_ffn_hidden_size or ffn
-            layer(P + "layers.{}.block_sparse_moe.gate.weight", "decoder.layers.mlp.router.weight", (E, h))
-            fc1_key, fc2_key = EXPERT_PREFIX + "linear_fc1.weight", EXPERT_PREFIX + "linear_fc2.weight"
-            mt(fc1_key, (L, E, 2 * moe_ffn, h))
-            mt(fc2_key, (L, E, h, moe_ffn))
-            for i in range(L):
-                for e in range(E):
-                    base = f"{P}layers.{i}.block_sparse_moe.experts.{e}."
-                    # w1 the gate (SiLU'd), w3 the up projection: megatron-core's fused fc1 is [gate; up]
-                    for w, key, m0, shape in (("w1", fc1_key, 0, (moe_ffn, h)), ("w3", fc1_key, moe_ffn, (moe_ffn, h)),
-                                              ("w2", fc2_key, 0, (h, moe_ffn))):
-                        name = base + w + ".weight"
-                        out.append(HFTensor(name, shape, (Link(key, (i, e, m0, 0), (1, 1, *shape), name, 0),)))
+            _mixtral_experts(b, f, P)
         else:
-            mt("decoder.layers.mlp.linear_fc1.weight", (L, fc1, h))
-            for i in range(L):
-                for part, m0 in (("gate", 0), ("up", ffn)):
-                    name = f"{P}layers.{i}.mlp.{part}_proj.weight"
-                    out.append(HFTensor(name, (ffn, h), (Link("decoder.layers.mlp.linear_fc1.weight", (i, m0, 0),
-                                                               (1, ffn, h), name, 0),)))
-            layer(P + "layers.{}.mlp.down_proj.weight", "decoder.layers.mlp.linear_fc2.weight", (h, ffn),
-                  hshape=(h, ffn))
-        whole(P + "norm.weight", "decoder.final_layernorm.weight", (h,))
+            _llama_mlp(b, f, P)
+        b.whole(P + "norm.weight", "decoder.final_layernorm.weight", (h,))
     if not f.tied:
-        whole("lm_head.weight", "output_layer.weight", (V, h), vocab=True)
-    return Mapping(arch, M, tuple(out))
+        b.whole("lm_head.weight", "output_layer.weight", (V, h), vocab=True)
+    return Mapping(arch, b.M, tuple(b.out))
 
 
 # tensors a Hugging Face checkpoint may hold that are not weights of the model (old buffers) or are tied copies

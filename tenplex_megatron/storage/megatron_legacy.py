@@ -25,14 +25,9 @@ from tenplex_megatron.plan.megatron_buffer import bucket_layout
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.confine import confine
-from tenplex_megatron.storage.megatron_ptc import (
-    POST_KEYS,
-    PRE_KEYS,
-    MegatronCheckpointError,
-    gpt_tensor_meta,
-    split_flat,
-    stage_params,
-)
+from tenplex_megatron.storage.megatron_buckets import split_flat, stage_params
+from tenplex_megatron.storage.megatron_ptc import gpt_tensor_meta
+from tenplex_megatron.storage.megatron_torch_dist import POST_KEYS, PRE_KEYS, MegatronCheckpointError
 
 SUPPORTED_VERSIONS = (3.0,)  # Megatron-LM's checkpoint_version
 MODEL_FILE, OPTIM_FILE = "model_optim_rng.pt", "distrib_optim.pt"

@@ -25,12 +25,11 @@ from tenplex_megatron.plan.experts import ExpertSummary, expert_summary
 from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.distcp_index import DTYPE_NAMES, DcpIndex, read_dcp_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
-from tenplex_megatron.storage.megatron_ptc import (
+from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas
+from tenplex_megatron.storage.megatron_torch_dist import (
     TorchDistCheckpoint,
     common_dict,
     common_state,
-    describe_torch_dist,
-    index_model_metas,
     is_optimizer_key,
     sharding_type,
 )

@@ -240,14 +240,8 @@ def checked_blocks(pieces: Sequence[Piece], extents: Sequence[Extent]) -> dict[i
     return {i: _needed(extents[i], ps)[1] for i, ps in per_extent.items()}
 
 
-def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: int,
-              verified: set[tuple[str, str, int]] | None = None) -> ReadPlan:
-    """The runs that read ``pieces`` (``piece.source`` indexes ``extents``): merged, cut to ``slot_bytes`` (raised to
-    the largest checksum block), each block to check named once (none already in ``verified``)."""
-    verified = verified or set()
-    unit = max([min(e.block_bytes, e.nbytes) for e in extents if e.block_bytes] + [ALIGN])
-    slot = max(slot_bytes, unit + 2 * ALIGN)
-    # file ranges to read: (path, lo, hi, cut unit)
+def _tally(pieces: Sequence[Piece], extents: Sequence[Extent]) -> tuple[dict[int, list[Piece]], int, int]:
+    """The non-empty pieces by extent, the bytes they copy and of those the bytes no checksum covers."""
     per_extent: dict[int, list[Piece]] = {}
     read = unverified = 0
     for p in pieces:
@@ -258,12 +252,24 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
         read += p.numel * e.itemsize
         if e.crcs is None:
             unverified += p.numel * e.itemsize
-    wanted: dict[str, list[tuple[int, int, int, int]]] = {}  # path -> (lo, hi, cut unit, extent) in file offsets
-    needed = {i: _needed(extents[i], ps) for i, ps in per_extent.items()}
+    return per_extent, read, unverified
+
+
+def _file_ranges(needed: dict[int, tuple[list[tuple[int, int]], list[int]]],
+                 extents: Sequence[Extent]) -> dict[str, list[tuple[int, int, int, int]]]:
+    """The byte ranges to read by file, in file offsets: path -> (lo, hi, cut unit, extent)."""
+    wanted: dict[str, list[tuple[int, int, int, int]]] = {}
     for i, (ranges, _) in needed.items():
         e = extents[i]
         for lo, hi in ranges:  # a chunk's ranges are disjoint, and so are chunks' bytes
             wanted.setdefault(e.path, []).append((e.offset + lo, e.offset + hi, e.block_bytes or e.itemsize, i))
+    return wanted
+
+
+def _cut_spans(wanted: dict[str, list[tuple[int, int, int, int]]], extents: Sequence[Extent],
+               slot: int) -> list[tuple[str, int, int]]:
+    """The reads, in file order: nearby ranges merged up to ``slot`` bytes, a larger range cut at its chunk's units
+    (blocks, elements) so no checksum block or element straddles two reads."""
     spans: list[tuple[str, int, int]] = []
     for path in sorted(wanted):
         cur: list[int] = []
@@ -282,14 +288,16 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
             cur = [start, hi]
         if cur:
             spans.append((path, cur[0], cur[1]))
-    # boxes: each piece split so that every box lies in one run
+    return spans
+
+
+def _run_finder(spans: list[tuple[str, int, int]]) -> Callable[[str, int, int], int | None]:
+    """A lookup of the read holding bytes ``[lo, hi)`` of a file (None: no one read holds them all)."""
     starts: dict[str, list[int]] = {}
     idx: dict[str, list[int]] = {}
     for k, (path, lo, _) in enumerate(spans):
         starts.setdefault(path, []).append(lo)
         idx.setdefault(path, []).append(k)
-    boxes: list[list[Box]] = [[] for _ in spans]
-    blocks: list[list[Block]] = [[] for _ in spans]
 
     def run_of(path: str, lo: int, hi: int) -> int | None:
         j = bisect.bisect_right(starts[path], lo) - 1
@@ -298,6 +306,13 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
         k = idx[path][j]
         return k if spans[k][2] >= hi else None
 
+    return run_of
+
+
+def _place_boxes(pieces: Sequence[Piece], extents: Sequence[Extent], slot: int, spans: list[tuple[str, int, int]],
+                 run_of: Callable[[str, int, int], int | None]) -> list[list[Box]]:
+    """Each read's boxes: every piece split so that each of its boxes lies in one read."""
+    boxes: list[list[Box]] = [[] for _ in spans]
     for p in pieces:
         if p.numel == 0:
             continue
@@ -314,6 +329,15 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
                 todo.extend(split_at(box, (spans[j][2] - e.offset) // e.itemsize))
                 continue
             boxes[k].append(Box(box, p.source, e.offset + a * e.itemsize - spans[k][1], a))
+    return boxes
+
+
+def _place_blocks(needed: dict[int, tuple[list[tuple[int, int]], list[int]]], extents: Sequence[Extent],
+                  verified: set[tuple[str, str, int]], spans: list[tuple[str, int, int]],
+                  run_of: Callable[[str, int, int], int | None]) -> tuple[list[list[Block]], int]:
+    """Each read's blocks to check (each block named once, none in ``verified``) and the bytes they cover; a
+    checksum count that does not fit the chunk's size is a damaged metadata record."""
+    blocks: list[list[Block]] = [[] for _ in spans]
     done: set[tuple[str, str, int]] = set(verified)
     bytes_verified = 0
     for i, (_, touched) in needed.items():
@@ -336,6 +360,22 @@ def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: in
                 raise AssertionError(f"{e.where}: block {blk} split across reads")
             blocks[k].append(Block(e.offset + b0 - spans[k][1], n, e.crcs[blk], blk, i))
             bytes_verified += n
+    return blocks, bytes_verified
+
+
+def plan_runs(pieces: Sequence[Piece], extents: Sequence[Extent], slot_bytes: int,
+              verified: set[tuple[str, str, int]] | None = None) -> ReadPlan:
+    """The runs that read ``pieces`` (``piece.source`` indexes ``extents``): merged, cut to ``slot_bytes`` (raised to
+    the largest checksum block), each block to check named once (none already in ``verified``)."""
+    verified = verified or set()
+    unit = max([min(e.block_bytes, e.nbytes) for e in extents if e.block_bytes] + [ALIGN])
+    slot = max(slot_bytes, unit + 2 * ALIGN)
+    per_extent, read, unverified = _tally(pieces, extents)
+    needed = {i: _needed(extents[i], ps) for i, ps in per_extent.items()}
+    spans = _cut_spans(_file_ranges(needed, extents), extents, slot)
+    run_of = _run_finder(spans)
+    boxes = _place_boxes(pieces, extents, slot, spans, run_of)
+    blocks, bytes_verified = _place_blocks(needed, extents, verified, spans, run_of)
     runs = tuple(Run(path, lo, hi, tuple(blocks[k]), tuple(boxes[k])) for k, (path, lo, hi) in enumerate(spans))
     return ReadPlan(runs, tuple(extents), max((r.nbytes for r in runs), default=0), read, unverified, bytes_verified)
 
@@ -370,94 +410,134 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def _ring_shape(plan: ReadPlan, threads: int | None, budget: int | None) -> tuple[int, int]:
+    """The ring's slots (at least two, within ``budget``) and the reader threads worth starting for ``plan``."""
+    threads = threads or default_threads()
+    budget = staging_bytes() if budget is None else budget
+    count = max(2, min(threads + 2, len(plan.runs), budget // max(1, plan.slot_bytes)))
+    threads = max(1, min(threads, count, len(plan.runs), -(-sum(r.nbytes for r in plan.runs) // RUN_BYTES)))
+    return count, threads
+
+
+def _fill(fd: int, run: Run, view: memoryview, rank: int) -> None:
+    """Read ``run``'s bytes into ``view`` with ``os.preadv``; a short read or an I/O error names the file."""
+    kind = fault_kind("load.preadv", rank)
+    want = run.nbytes // 2 if kind == "short" else run.nbytes
+    got = 0
+    try:
+        if kind != "short":
+            fail("load.preadv", rank, kind)
+        while got < want:
+            n = os.preadv(fd, [view[got:want]], run.start + got)
+            if n == 0:
+                break
+            got += n
+    except OSError as err:
+        raise CheckpointFileError(f"{run.path}: reading bytes {run.start}-{run.stop} failed: {err}") from err
+    if got < run.nbytes:
+        raise CheckpointFileError(f"{run.path}: short read: {got} of bytes {run.start}-{run.stop} "
+                                  "(truncated or damaged)")
+
+
+def _check_run(run: Run, view: memoryview, extents: tuple[Extent, ...]) -> None:
+    """Check the CRC-32 of every block ``run`` names; a mismatch names the chunk and the block."""
+    for blk in run.blocks:
+        crc = crc32(view[blk.at : blk.at + blk.nbytes])
+        if crc != blk.expected:
+            e = extents[blk.extent]
+            start = blk.index * (e.block_bytes or 0)
+            if e.whole:
+                raise CheckpointFileError(f"{e.where} fails its checksum (crc32 {crc:#010x}, recorded "
+                                          f"{blk.expected:#010x}): the file is damaged")
+            raise CheckpointFileError(
+                f"{e.where} fails its checksum in block {blk.index} (bytes {start}-{start + blk.nbytes}, "
+                f"crc32 {crc:#010x}, recorded {blk.expected:#010x}): the file is damaged")
+
+
+def _read_run(run: Run, slot: torch.Tensor, fd: int, rank: int, extents: tuple[Extent, ...],
+              dst_view: Callable[[Piece], torch.Tensor], on_host: bool) -> None:
+    """A reader thread's work: read ``run`` into ``slot``, check its blocks and, for a CPU destination, place it."""
+    view = memoryview(slot[: run.nbytes].numpy())
+    _fill(fd, run, view, rank)
+    _check_run(run, view, extents)
+    if on_host:
+        with torch.no_grad():
+            for box in run.boxes:
+                dst_view(box.piece).copy_(src_view(slot, box, extents[box.extent]))
+
+
+def _place(ring: StagingRing, i: int, run: Run, fut: Future, extents: tuple[Extent, ...],
+           dst_view: Callable[[Piece], torch.Tensor], on_host: bool) -> None:
+    """Wait for the read into slot ``i``; for a GPU destination, send the slot over and scatter its boxes there."""
+    fut.result()
+    if not on_host:
+        staged = ring.to_device(i, run.nbytes)
+        with ring.side(), torch.no_grad():
+            for box in run.boxes:
+                dst_view(box.piece).copy_(src_view(staged, box, extents[box.extent]))
+        ring.release(i)
+
+
+def _announce(plan: ReadPlan, fds: dict[str, int], k: int, ahead: int, announced: int) -> tuple[int, int]:
+    """Tell the kernel of run ``k`` and the runs up to :data:`PREFETCH_BYTES` beyond it not yet announced; returns
+    the next run to announce and the bytes announced past run ``k``."""
+    while ahead < len(plan.runs) and (ahead <= k or announced < PREFETCH_BYTES):
+        r = plan.runs[ahead]
+        prefetch.advise(fds[r.path], r.start, r.nbytes)
+        announced += r.nbytes
+        ahead += 1
+    return ahead, announced - plan.runs[k].nbytes
+
+
+def _stream(plan: ReadPlan, fds: dict[str, int], ring: StagingRing, pool: ThreadPoolExecutor | _Inline, count: int,
+            pending: deque[tuple[int, Run, Future]], dst_view: Callable[[Piece], torch.Tensor], on_host: bool) -> None:
+    """Submit every run into a free slot of the ring (placing the oldest read when none is free), the kernel told of
+    the reads ahead, then place the rest."""
+    free = deque(range(count))
+    rank = _rank()
+    hint = prefetch.enabled()
+    ahead = announced = 0  # runs announced to the kernel, and their bytes not yet submitted
+    for k, run in enumerate(plan.runs):
+        if hint:
+            ahead, announced = _announce(plan, fds, k, ahead, announced)
+        if not free:
+            i, done, fut = pending.popleft()
+            _place(ring, i, done, fut, plan.extents, dst_view, on_host)
+            free.append(i)
+        i = free.popleft()
+        pending.append((i, run, pool.submit(_read_run, run, ring.acquire(i), fds[run.path], rank, plan.extents,
+                                            dst_view, on_host)))
+    while pending:
+        i, done, fut = pending.popleft()
+        _place(ring, i, done, fut, plan.extents, dst_view, on_host)
+
+
+def _open_all(plan: ReadPlan, fds: dict[str, int]) -> None:
+    """Open each file ``plan`` reads once, into ``fds`` as it goes (so the caller closes whatever was opened)."""
+    for path in dict.fromkeys(r.path for r in plan.runs):
+        try:
+            fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as err:
+            raise CheckpointFileError(f"{path}: cannot open for reading: {err}") from err
+
+
 def read_runs(plan: ReadPlan, dst_view: Callable[[Piece], torch.Tensor], device: torch.device,
               threads: int | None = None, budget: int | None = None) -> None:
     """Carry out ``plan``: reads in ``threads`` threads into a ring of slots within ``budget`` bytes (default
     ``TENPLEX_STAGING_MB``; at least two slots), checks, copies into ``dst_view(piece)`` (the destination box)."""
     if not plan.runs:
         return
-    threads = threads or default_threads()
-    budget = staging_bytes() if budget is None else budget
-    count = max(2, min(threads + 2, len(plan.runs), budget // max(1, plan.slot_bytes)))
-    threads = max(1, min(threads, count, len(plan.runs), -(-sum(r.nbytes for r in plan.runs) // RUN_BYTES)))
+    count, threads = _ring_shape(plan, threads, budget)
     on_host = device.type != "cuda"
     fds: dict[str, int] = {}
-    rank = _rank()
-
-    def work(run: Run, slot: torch.Tensor) -> None:
-        kind = fault_kind("load.preadv", rank)
-        buf = slot[: run.nbytes].numpy()
-        view = memoryview(buf)
-        want = run.nbytes // 2 if kind == "short" else run.nbytes
-        got = 0
-        try:
-            if kind != "short":
-                fail("load.preadv", rank, kind)
-            while got < want:
-                n = os.preadv(fds[run.path], [view[got:want]], run.start + got)
-                if n == 0:
-                    break
-                got += n
-        except OSError as err:
-            raise CheckpointFileError(f"{run.path}: reading bytes {run.start}-{run.stop} failed: {err}") from err
-        if got < run.nbytes:
-            raise CheckpointFileError(f"{run.path}: short read: {got} of bytes {run.start}-{run.stop} "
-                                      "(truncated or damaged)")
-        for blk in run.blocks:
-            crc = crc32(view[blk.at : blk.at + blk.nbytes])
-            if crc != blk.expected:
-                e = plan.extents[blk.extent]
-                start = blk.index * (e.block_bytes or 0)
-                if e.whole:
-                    raise CheckpointFileError(f"{e.where} fails its checksum (crc32 {crc:#010x}, recorded "
-                                              f"{blk.expected:#010x}): the file is damaged")
-                raise CheckpointFileError(
-                    f"{e.where} fails its checksum in block {blk.index} (bytes {start}-{start + blk.nbytes}, "
-                    f"crc32 {crc:#010x}, recorded {blk.expected:#010x}): the file is damaged")
-        if on_host:
-            with torch.no_grad():
-                for box in run.boxes:
-                    dst_view(box.piece).copy_(src_view(slot, box, plan.extents[box.extent]))
-
     try:
-        for path in dict.fromkeys(r.path for r in plan.runs):
-            try:
-                fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError as err:
-                raise CheckpointFileError(f"{path}: cannot open for reading: {err}") from err
+        _open_all(plan, fds)
         with StagingRing(device, plan.slot_bytes, count) as ring:
             # one thread's worth of work (a small load): read on this thread, no pool to start and join
             pool = ThreadPoolExecutor(threads, thread_name_prefix="tenplex-read") if threads > 1 else _Inline()
             pending: deque[tuple[int, Run, Future]] = deque()
             try:
-                free = deque(range(count))
-
-                def place_oldest() -> None:
-                    i, run, fut = pending.popleft()
-                    fut.result()
-                    if not on_host:
-                        staged = ring.to_device(i, run.nbytes)
-                        with ring.side(), torch.no_grad():
-                            for box in run.boxes:
-                                dst_view(box.piece).copy_(src_view(staged, box, plan.extents[box.extent]))
-                        ring.release(i)
-                    free.append(i)
-
-                hint = prefetch.enabled()
-                ahead = announced = 0  # runs announced to the kernel, and their bytes not yet submitted
-                for k, run in enumerate(plan.runs):
-                    while hint and ahead < len(plan.runs) and (ahead <= k or announced < PREFETCH_BYTES):
-                        r = plan.runs[ahead]
-                        prefetch.advise(fds[r.path], r.start, r.nbytes)
-                        announced += r.nbytes
-                        ahead += 1
-                    announced -= run.nbytes
-                    if not free:
-                        place_oldest()
-                    i = free.popleft()
-                    pending.append((i, run, pool.submit(work, run, ring.acquire(i))))
-                while pending:
-                    place_oldest()
+                _stream(plan, fds, ring, pool, count, pending, dst_view, on_host)
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)  # no thread writes into the ring once it is freed
                 pending.clear()

@@ -29,7 +29,7 @@ from typing import Any
 
 from tenplex_megatron.plan.experts import ExpertSummary, expert_summary
 from tenplex_megatron.plan.planner import partition_errors
-from tenplex_megatron.plan.ptc import PTCError, StoredChunk, dtype_size
+from tenplex_megatron.plan.ptc import PTC, PTCError, StoredChunk, dtype_size
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.checksum import crc32
 from tenplex_megatron.storage.confine import confine
@@ -291,6 +291,71 @@ def default_workers() -> int:
     return usable_cpus()
 
 
+def _check_metadata(ck: _Checker, meta: CheckpointMetadata, ptc: PTC) -> ExpertSummary | None:
+    """Report the PTC's partition errors and routed experts not stored in full; returns the experts' summary."""
+    for key, why in partition_errors(ptc).items():
+        ck.bad(METADATA_FILE, (key,), why)
+    experts = expert_summary(ptc, None if meta.layout is None else dict(meta.layout))
+    for key, pairs in (experts.missing if experts is not None else {}).items():
+        if pairs:
+            shown = ", ".join(f"layer {layer} expert {e}" for layer, e in pairs[:8])
+            ck.bad(METADATA_FILE, (key,), f"tensor {key!r}: {len(pairs)} routed expert(s) not stored in full: {shown}"
+                   + (", ..." if len(pairs) > 8 else ""))
+    return experts
+
+
+def _file_spans(ck: _Checker, path: str, meta: CheckpointMetadata, ptc: PTC, name: str, chunks: list[StoredChunk],
+                local: list[_LocalEntry], maps: dict[str, mmap.mmap]) -> list[_Span]:
+    """The spans to check in file ``name`` (its chunks' and its rank-local entries'), the file mapped into ``maps``
+    when there are any; a file that cannot be confined, read or mapped is reported and yields none."""
+    recorded = meta.files or {}
+    try:
+        full = confine(path, name)
+    except CheckpointFileError as e:
+        ck.bad(name, chunks, str(e).removeprefix(path + ": "))
+        return []
+    if name not in recorded and meta.checksums_required:
+        ck.bad(METADATA_FILE, chunks, f"{name}: not in the metadata's 'files' (its size is not recorded)")
+    got = ck.file_entries(name, full, recorded.get(name), chunks, needed=bool(local))
+    if got is None:
+        return []
+    entries, size = got
+    mine = [s for sc in chunks for s in ck.chunk_spans(name, entries, size, sc, ptc.tensors[sc.chunk.key].dtype,
+                                                      meta.checksums_required)]
+    mine += [s for e in local for s in ck.local_spans(name, entries, size, e)]
+    if mine:
+        try:
+            with open(full, "rb") as f:
+                maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            ck.bad(name, chunks, f"{name}: cannot be mapped ({e})")
+            return []
+        maps[name].madvise(mmap.MADV_SEQUENTIAL)
+    return mine
+
+
+def _check_spans(ck: _Checker, spans: list[_Span], maps: dict[str, mmap.mmap], workers: int,
+                 progress: Callable[[int, int], None] | None) -> tuple[int, int]:
+    """Check every span's checksums on ``workers`` threads, damage into ``ck``; returns the bytes and blocks
+    checked."""
+    total = sum(s.stop - s.start for s in spans)
+    done = blocks = 0
+    with ThreadPoolExecutor(min(workers, max(1, len(spans)))) as pool:
+        futures = {pool.submit(_check_span, maps[s.file], s): s for s in spans}
+        for fut in as_completed(futures):
+            sp = futures[fut]
+            try:
+                nbytes, bad = fut.result()
+            except OSError as e:
+                nbytes, bad = 0, [Damage(sp.file, (sp.key,), f"{sp.file}: {sp.label}: read error ({e.strerror})")]
+            ck.damage.extend(bad)
+            done += nbytes
+            blocks += len(sp.sums)
+            if progress is not None:
+                progress(done, total)
+    return done, blocks
+
+
 def verify_checkpoint(path: str, workers: int | None = None,
                       progress: Callable[[int, int], None] | None = None) -> CheckReport:
     """Check checkpoint directory ``path`` (see the module doc); ``progress(bytes_done, bytes_total)`` is called
@@ -310,72 +375,24 @@ def verify_checkpoint(path: str, workers: int | None = None,
     except (CheckpointFileError, PTCError) as e:
         ck.bad(METADATA_FILE, (), str(e).removeprefix(os.path.join(path, METADATA_FILE) + ": "))
         return report()
-    iteration = meta.iteration
-    recorded = meta.files or {}
-    for key, why in partition_errors(ptc).items():
-        ck.bad(METADATA_FILE, (key,), why)
-    experts = expert_summary(ptc, None if meta.layout is None else dict(meta.layout))
-    for key, pairs in (experts.missing if experts is not None else {}).items():
-        if pairs:
-            shown = ", ".join(f"layer {layer} expert {e}" for layer, e in pairs[:8])
-            ck.bad(METADATA_FILE, (key,), f"tensor {key!r}: {len(pairs)} routed expert(s) not stored in full: {shown}"
-                   + (", ..." if len(pairs) > 8 else ""))
-
+    experts = _check_metadata(ck, meta, ptc)
     by_file: dict[str, list[StoredChunk]] = defaultdict(list)
     for sc in ptc.chunks:
         by_file[sc.location.file].append(sc)
     local = _local_entries(meta)
-    names = sorted(set(recorded) | set(by_file) | set(local))
+    names = sorted(set(meta.files or {}) | set(by_file) | set(local))
     spans: list[_Span] = []
     maps: dict[str, mmap.mmap] = {}
     stored = sum(sc.chunk.numel * dtype_size(ptc.tensors[sc.chunk.key].dtype) for sc in ptc.chunks)
     try:
         for name in names:
-            chunks = by_file.get(name, [])
-            try:
-                full = confine(path, name)
-            except CheckpointFileError as e:
-                ck.bad(name, chunks, str(e).removeprefix(path + ": "))
-                continue
-            if name not in recorded and meta.checksums_required:
-                ck.bad(METADATA_FILE, chunks, f"{name}: not in the metadata's 'files' (its size is not recorded)")
-            got = ck.file_entries(name, full, recorded.get(name), chunks, needed=bool(local.get(name)))
-            if got is None:
-                continue
-            entries, size = got
-            mine = [s for sc in chunks for s in ck.chunk_spans(name, entries, size, sc,
-                                                              ptc.tensors[sc.chunk.key].dtype,
-                                                              meta.checksums_required)]
-            mine += [s for e in local.get(name, ()) for s in ck.local_spans(name, entries, size, e)]
-            if mine:
-                try:
-                    with open(full, "rb") as f:
-                        maps[name] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                except (OSError, ValueError) as e:
-                    ck.bad(name, chunks, f"{name}: cannot be mapped ({e})")
-                    continue
-                maps[name].madvise(mmap.MADV_SEQUENTIAL)
-                spans.extend(mine)
-        total = sum(s.stop - s.start for s in spans)
-        done = blocks = 0
-        with ThreadPoolExecutor(min(workers, max(1, len(spans)))) as pool:
-            futures = {pool.submit(_check_span, maps[s.file], s): s for s in spans}
-            for fut in as_completed(futures):
-                sp = futures[fut]
-                try:
-                    nbytes, bad = fut.result()
-                except OSError as e:
-                    nbytes, bad = 0, [Damage(sp.file, (sp.key,), f"{sp.file}: {sp.label}: read error ({e.strerror})")]
-                ck.damage.extend(bad)
-                done += nbytes
-                blocks += len(sp.sums)
-                if progress is not None:
-                    progress(done, total)
+            spans.extend(_file_spans(ck, path, meta, ptc, name, by_file.get(name, []), local.get(name, []), maps))
+        done, blocks = _check_spans(ck, spans, maps, workers, progress)
     finally:
         for m in maps.values():
             m.close()
     ck.damage.sort(key=lambda d: (d.file, d.why))
-    return report(len(names), len(ptc.tensors), len(ptc.chunks), stored, done, blocks, iteration, experts)
+    return report(len(names), len(ptc.tensors), len(ptc.chunks), stored, done, blocks, meta.iteration, experts)
 
 
 def checkpoints_in(path: str, every: bool) -> list[str]:

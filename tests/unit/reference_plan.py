@@ -616,7 +616,7 @@ def _choose(src: _Source, rank: int, host: str) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# cli.py: _plan_model's numbers (GPTDims in, the report's byte figures out)
+# cli_plan.py: _plan_model's numbers (GPTDims in, the report's byte figures out)
 # ---------------------------------------------------------------------------------------------------------------
 
 

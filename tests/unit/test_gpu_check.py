@@ -1,7 +1,7 @@
-"""The GPU check's parts that need no GPU (``scripts/gpu_check.py``): the carried-wheel list and its offline
-installation, process groups stopped on a clock, the pytest and metrics readers, the bench's choice of systems,
-and the report (JSON, markdown table, log). The whole check's plumbing runs on the CPU in
-``tests/multiproc/test_gpu_check_dry_run.py``."""
+"""The GPU check's parts that need no GPU (``scripts/gpu_check.py`` and its steps, ``scripts/gpu_steps/``): the
+carried-wheel list and its offline installation, process groups stopped on a clock, the pytest and metrics readers,
+the bench's choice of systems, and the report (JSON, markdown table, log). The whole check's plumbing runs on the
+CPU in ``tests/multiproc/test_gpu_check_dry_run.py``."""
 
 from __future__ import annotations
 
@@ -15,7 +15,11 @@ import zipfile
 
 import pytest
 
+from benchmarks.kit import mlm_checkout
 from scripts import gpu_check as gc
+from scripts.gpu_steps import gpu_bench, launch, mlm, pytest_gpu, resume
+from scripts.gpu_steps import losses as resume_losses
+from scripts.gpu_steps import wheels as carried_wheels
 from tests.harness import ROOT
 
 
@@ -40,27 +44,27 @@ def _imports(target: str, module: str) -> str:
 
 def test_the_wheel_list_is_the_tested_set() -> None:
     """gpu_wheels.txt, the script's header and requirements.txt agree; everything the steps import is carried."""
-    pins = gc.read_wheel_list()
+    pins = carried_wheels.read_wheel_list()
     with open(os.path.join(ROOT, "requirements.txt")) as f:
-        required = {gc.canonical(n): v for n, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", f.read(), re.M)}
+        required = {carried_wheels.canonical(n): v for n, v in re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", f.read(), re.M)}
     shared = set(pins) & set(required)
     assert {"megatron-core", "numpy", "psutil", "isal", "pytest"} <= shared
     assert {n: pins[n] for n in shared} == {n: required[n] for n in shared}
-    assert set(gc.NEEDED) <= set(pins)
+    assert set(carried_wheels.NEEDED) <= set(pins)
     with open(os.path.join(ROOT, "scripts", "gpu_check.sh")) as f:
         header = "".join(line for line in f if line.startswith("#"))
-    listed = dict((gc.canonical(n), v) for n, v in re.findall(r"\b([a-z][a-z0-9_-]*)==([0-9][0-9.]*)\b", header))
+    listed = dict((carried_wheels.canonical(n), v) for n, v in re.findall(r"\b([a-z][a-z0-9_-]*)==([0-9][0-9.]*)\b", header))
     assert listed == pins
 
 
 def test_wheel_names_and_versions() -> None:
-    assert gc.wheel_name_version("megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.whl") == ("megatron-core",
+    assert carried_wheels.wheel_name_version("megatron_core-0.16.1-cp312-cp312-manylinux_2_24_x86_64.whl") == ("megatron-core",
                                                                                                     "0.16.1")
-    assert gc.wheel_name_version("/x/psutil-7.2.2-cp36-abi3-manylinux2010_x86_64.whl") == ("psutil", "7.2.2")
+    assert carried_wheels.wheel_name_version("/x/psutil-7.2.2-cp36-abi3-manylinux2010_x86_64.whl") == ("psutil", "7.2.2")
     with pytest.raises(ValueError, match="not a wheel"):
-        gc.wheel_name_version("numpy-2.4.6.tar.gz")
-    assert gc.version_key("2.4.6") > gc.version_key("1.26.4") and gc.version_key("26.4") > gc.version_key("24.2")
-    assert gc.version_key("2.11.0+cu128") == (2, 11, 0) and gc.version_key("9.2.0rc1") == (9, 2, 0)
+        carried_wheels.wheel_name_version("numpy-2.4.6.tar.gz")
+    assert carried_wheels.version_key("2.4.6") > carried_wheels.version_key("1.26.4") and carried_wheels.version_key("26.4") > carried_wheels.version_key("24.2")
+    assert carried_wheels.version_key("2.11.0+cu128") == (2, 11, 0) and carried_wheels.version_key("9.2.0rc1") == (9, 2, 0)
 
 
 def test_wheels_unzip_where_there_is_no_pip(tmp_path) -> None:
@@ -69,10 +73,10 @@ def test_wheels_unzip_where_there_is_no_pip(tmp_path) -> None:
     _wheel(str(wheels), "gpucheck_demo", "1.2.0")
     _wheel(str(wheels), "gpucheck_kept", "1.0.0")
     have = {"gpucheck-kept": "1.1", "numpy": "2.0.0"}.get  # the system's newer one wins; numpy comes from it
-    rec = gc.install_wheels(str(wheels), target, have=have, python="/bin/false")  # `false -m pip` fails: no pip
+    rec = carried_wheels.install_wheels(str(wheels), target, have=have, python="/bin/false")  # `false -m pip` fails: no pip
     assert rec["method"] == "unzip (no pip)" and rec["pip_error"] == "failed"
     assert rec["installed"] == {"gpucheck-demo": "1.2.0"} and rec["system"] == {"gpucheck-kept": "1.1", "numpy": "2.0.0"}
-    assert rec["missing"] == [n for n in gc.NEEDED if n != "numpy"]
+    assert rec["missing"] == [n for n in carried_wheels.NEEDED if n != "numpy"]
     assert _imports(target, "gpucheck_demo").startswith(f"1 {target}")
     assert not os.path.exists(os.path.join(target, "gpucheck_kept.py"))
 
@@ -81,7 +85,7 @@ def test_wheels_install_with_pip_and_no_index(tmp_path) -> None:
     wheels, target = tmp_path / "whl", str(tmp_path / "site")
     wheels.mkdir()
     _wheel(str(wheels), "gpucheck_demo", "1.2.0", "VALUE = 7\n")
-    rec = gc.install_wheels(str(wheels), target, have={"gpucheck-demo": "1.1.9"}.get)  # older: replaced
+    rec = carried_wheels.install_wheels(str(wheels), target, have={"gpucheck-demo": "1.1.9"}.get)  # older: replaced
     assert rec["method"] == "pip --no-index --target" and rec["installed"] == {"gpucheck-demo": "1.2.0"}
     assert _imports(target, "gpucheck_demo").startswith("7 ")
     assert os.path.isdir(os.path.join(target, "gpucheck_demo-1.2.0.dist-info"))
@@ -91,10 +95,10 @@ def test_a_launch_past_its_time_is_stopped_with_its_children(tmp_path) -> None:
     pidfile = tmp_path / "child.pid"
     script = f"import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; " \
              f"time.sleep(60)']); open({str(pidfile)!r}, 'w').write(str(c.pid)); time.sleep(60)"
-    slow = gc.Launch([sys.executable, "-c", script], dict(os.environ), str(tmp_path / "logs" / "slow.log"))
-    fast = gc.Launch([sys.executable, "-c", "print('done')"], dict(os.environ), str(tmp_path / "logs" / "fast.log"))
+    slow = launch.Launch([sys.executable, "-c", script], dict(os.environ), str(tmp_path / "logs" / "slow.log"))
+    fast = launch.Launch([sys.executable, "-c", "print('done')"], dict(os.environ), str(tmp_path / "logs" / "fast.log"))
     t0 = time.monotonic()
-    gc.run_all([slow, fast], timeout=3)
+    launch.run_all([slow, fast], timeout=3)
     assert time.monotonic() - t0 < 30
     assert (slow.rc, fast.rc) == (124, 0)
     child = int(pidfile.read_text())
@@ -107,48 +111,48 @@ def test_a_launch_past_its_time_is_stopped_with_its_children(tmp_path) -> None:
     else:
         pytest.fail(f"process {child} of the stopped launch is still running")
     assert "stopped after 3 s" in open(slow.log).read() and "done" in open(fast.log).read()
-    assert gc.outcome(slow)["status"] == "timeout" and gc.outcome(fast) == {"status": "pass", "seconds": fast.seconds}
+    assert launch.outcome(slow)["status"] == "timeout" and launch.outcome(fast) == {"status": "pass", "seconds": fast.seconds}
 
 
 def test_pytest_junit_counts(tmp_path) -> None:
     xml = tmp_path / "r.xml"
     xml.write_text('<?xml version="1.0" encoding="utf-8"?><testsuites name="pytest tests"><testsuite name="pytest" '
                    'errors="1" failures="2" skipped="3" tests="10" time="1.0"></testsuite></testsuites>')
-    assert gc.parse_junit(str(xml)) == {"tests": 10, "failures": 2, "errors": 1, "skipped": 3, "passed": 4}
+    assert pytest_gpu.parse_junit(str(xml)) == {"tests": 10, "failures": 2, "errors": 1, "skipped": 3, "passed": 4}
 
 
 def test_losses_and_resaved_files(tmp_path) -> None:
     m = tmp_path / "m.jsonl"
     m.write_text("\n".join(json.dumps({"iteration": i, "loss": 4.0 + i}) for i in (4, 5, 6)) + "\n")
-    losses = gc.read_losses(str(m))
-    assert losses == {4: 8.0, 5: 9.0, 6: 10.0} and gc.read_losses(str(tmp_path / "none.jsonl")) == {}
-    assert gc.max_rel({4: 8.0, 5: 9.09}, {4: 8.0, 5: 9.0}, [4, 5]) == pytest.approx(0.01)
-    assert gc.max_rel(losses, {4: 8.0}, [4, 5]) is None
+    losses = resume_losses.read_losses(str(m))
+    assert losses == {4: 8.0, 5: 9.0, 6: 10.0} and resume_losses.read_losses(str(tmp_path / "none.jsonl")) == {}
+    assert resume_losses.max_rel({4: 8.0, 5: 9.09}, {4: 8.0, 5: 9.0}, [4, 5]) == pytest.approx(0.01)
+    assert resume_losses.max_rel(losses, {4: 8.0}, [4, 5]) is None
     for d in ("a", "b"):
         (tmp_path / d / "iter_0000003").mkdir(parents=True)
         (tmp_path / d / "iter_0000003" / "rank_00000.safetensors").write_bytes(b"same")
         (tmp_path / d / "iter_0000003" / "metadata.json").write_text(d)  # not compared: it records times, RNG
-    a, b = gc.tree_digests(str(tmp_path / "a")), gc.tree_digests(str(tmp_path / "b"))
+    a, b = resume.tree_digests(str(tmp_path / "a")), resume.tree_digests(str(tmp_path / "b"))
     assert list(a) == [os.path.join("iter_0000003", "rank_00000.safetensors")] and a == b
 
 
 def test_the_trainer_load_line_is_read() -> None:
     line = ("> tenplex: loaded iteration 3 from /w/ckpt/iter_0000003: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=1, "
             "42 tensors, 1.25 MB read on rank 0 in 0.31 s (rng re-seeded: layout changed)")
-    m = gc.LOADED.search(line)
+    m = resume.LOADED.search(line)
     assert m is not None and (m.group(1), m.group(5), m.group(6)) == ("3", "1.25", "0.31")
 
 
 def test_the_bench_drops_megatron_core_only_when_time_is_short() -> None:
     systems = ["staged", "direct", "mcore"]
-    assert gc.bench_systems("gpt3-1.3b", systems, None, 100.0) == (systems, None)
-    prev = (100.0, gc.SIZE_HINT["gpt3-1.3b"])  # 1.3B took 100 s: 2.7B needs ~2.0 x 1.15 of it
-    assert gc.bench_systems("gpt3-2.7b", systems, prev, 300.0) == (systems, None)
-    kept, note = gc.bench_systems("gpt3-2.7b", systems, prev, 200.0)
+    assert gpu_bench.bench_systems("gpt3-1.3b", systems, None, 100.0) == (systems, None)
+    prev = (100.0, gpu_bench.SIZE_HINT["gpt3-1.3b"])  # 1.3B took 100 s: 2.7B needs ~2.0 x 1.15 of it
+    assert gpu_bench.bench_systems("gpt3-2.7b", systems, prev, 300.0) == (systems, None)
+    kept, note = gpu_bench.bench_systems("gpt3-2.7b", systems, prev, 200.0)
     assert kept == ["staged", "direct"] and note is not None and "without mcore (needs ~" in note
-    kept, note = gc.bench_systems("gpt3-2.7b", systems, None, 900.0, free_gb=30.0)  # 2 x 18.6 GB do not fit
+    kept, note = gpu_bench.bench_systems("gpt3-2.7b", systems, None, 900.0, free_gb=30.0)  # 2 x 18.6 GB do not fit
     assert kept == ["staged", "direct"] and note is not None and "GB of disk, 30 GB free" in note
-    kept, note = gc.bench_systems("gpt3-2.7b", systems, None, 900.0, free_gb=15.0)
+    kept, note = gpu_bench.bench_systems("gpt3-2.7b", systems, None, 900.0, free_gb=15.0)
     assert kept == [] and note is not None and "not run" in note
 
 
@@ -235,33 +239,33 @@ def test_options() -> None:
 
 
 def test_the_resumed_run_sees_the_device_asked_for() -> None:
-    assert gc.visible_device("cuda:0", None) == "0" and gc.visible_device("cuda:3", None) == "3"
-    assert gc.visible_device("cuda:1", "4,6") == "6" and gc.visible_device("cuda:0", "GPU-5e3f") == "GPU-5e3f"
+    assert launch.visible_device("cuda:0", None) == "0" and launch.visible_device("cuda:3", None) == "3"
+    assert launch.visible_device("cuda:1", "4,6") == "6" and launch.visible_device("cuda:0", "GPU-5e3f") == "GPU-5e3f"
     with pytest.raises(ValueError, match="shows 2 device"):
-        gc.visible_device("cuda:2", "4,6")
+        launch.visible_device("cuda:2", "4,6")
 
 
 def test_the_mlm_step_finds_its_checkout_or_says_why_not(tmp_path) -> None:
     mlm = tmp_path / "mlm"
-    assert gc.mlm_checkout(str(mlm), {})[0] is None and "lacks pretrain_gpt.py" in gc.mlm_checkout(str(mlm), {})[1]
+    assert mlm_checkout.mlm_checkout(str(mlm), {})[0] is None and "lacks pretrain_gpt.py" in mlm_checkout.mlm_checkout(str(mlm), {})[1]
     (mlm / "megatron" / "training").mkdir(parents=True)
     (mlm / "pretrain_gpt.py").write_text("")
-    found, why = gc.mlm_checkout(None, {"MEGATRON_LM_PATH": str(mlm)})
+    found, why = mlm_checkout.mlm_checkout(None, {"MEGATRON_LM_PATH": str(mlm)})
     assert found is None and f"MEGATRON_LM_PATH {mlm} lacks megatron/legacy" == why
     (mlm / "megatron" / "legacy").mkdir()
-    assert gc.mlm_checkout(None, {"MEGATRON_LM_PATH": str(mlm)}) == (str(mlm), None)
-    assert gc.mlm_checkout(str(mlm), {"MEGATRON_LM_PATH": "/nonexistent"}) == (str(mlm), None)  # the flag first
+    assert mlm_checkout.mlm_checkout(None, {"MEGATRON_LM_PATH": str(mlm)}) == (str(mlm), None)
+    assert mlm_checkout.mlm_checkout(str(mlm), {"MEGATRON_LM_PATH": "/nonexistent"}) == (str(mlm), None)  # the flag first
     if not os.path.isdir(os.path.join(ROOT, ".mlm")):
-        found, why = gc.mlm_checkout(None, {})
+        found, why = mlm_checkout.mlm_checkout(None, {})
         assert found is None and "--megatron-lm" in why and "make gpu-mlm" in why
     (mlm / "megatron" / "core").mkdir()
     (mlm / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 16\nPATCH = 1\n")
-    assert gc.mlm_release(str(mlm)) == (0, 16)
+    assert mlm_checkout.mlm_release(str(mlm)) == (0, 16)
 
 
 def test_the_mlm_step_skips_without_a_checkout_and_reports_a_row(tmp_path) -> None:
     opts = gc.parse_args([str(tmp_path), "--cpu-dry-run", "--steps", "mlm", "--megatron-lm", str(tmp_path / "none")])
-    result = gc.step_mlm(opts, gc.Clock(100))
+    result = mlm.step_mlm(opts, launch.Clock(100))
     assert result["status"] == "skip" and str(tmp_path / "none") in result["why"]
     report = {"version": 1, "mode": "gpu", "device": "cuda:0", "budget_s": 530, "seconds": 3, "ok": False,
               "steps": {"mlm": {"status": "fail", "seconds": 90, "checkout": "/m", "from": "tp2pp1dp1",
@@ -276,5 +280,5 @@ def test_the_mlm_step_skips_without_a_checkout_and_reports_a_row(tmp_path) -> No
 def test_megatron_lm_losses_undo_the_second_line_mean() -> None:
     log = "".join(f" iteration        {i}/       6 | consumed samples:           {8 * i} | elapsed: 1 | lm loss: "
                   f"{loss:E} |\n" for i, loss in ((4, 4.0), (5, 3.5), (6, 3.0)))
-    assert gc.mlm_losses(log, (0, 16)) == {4: 4.0, 5: 3.0, 6: 3.0}
-    assert gc.mlm_losses(log, (0, 15)) == {4: 4.0, 5: 3.5, 6: 3.0}
+    assert mlm.mlm_losses(log, (0, 16)) == {4: 4.0, 5: 3.0, 6: 3.0}
+    assert mlm.mlm_losses(log, (0, 15)) == {4: 4.0, 5: 3.5, 6: 3.0}

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source with ``ast`` (nothing imported): no cycle between modules, and no
-function-level import of the package's own modules except where the allow-list below says why."""
+function-level import of the package's own modules except where the allow-list below says why. The same for the
+checkout's ``scripts/`` and ``benchmarks/``: no cycle, and imports between the two in one direction only."""
 
 from __future__ import annotations
 
@@ -19,27 +20,30 @@ FUNCTION_LEVEL_ALLOWED = {
 }
 
 
-def _modules() -> dict[str, str]:
-    """Every module of the package: dotted name -> file."""
+def _modules(roots: tuple[str, ...] = (PKG,)) -> dict[str, str]:
+    """Every module under the checkout's top-level directories ``roots`` (default the package): dotted name -> file."""
     out = {}
-    for dirpath, _, files in os.walk(os.path.join(ROOT, PKG)):
-        for f in files:
-            if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
-                out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
+    for root in roots:
+        for dirpath, _, files in os.walk(os.path.join(ROOT, root)):
+            for f in files:
+                if f.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].replace(os.sep, ".")
+                    out[rel.removesuffix(".__init__")] = os.path.join(dirpath, f)
     return out
 
 
-def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> list[str]:
-    """The package's modules an import statement loads (``from a import b`` loads ``a.b`` when that is a module)."""
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str],
+             roots: tuple[str, ...] = (PKG,)) -> list[str]:
+    """The modules under ``roots`` an import statement loads (``from a import b`` loads ``a.b`` when that is a
+    module)."""
     if isinstance(node, ast.Import):
-        return [a.name for a in node.names if a.name.split(".")[0] == PKG]
+        return [a.name for a in node.names if a.name.split(".")[0] in roots]
     base = node.module or ""
     if node.level:
         parts = module.split(".") if is_package else module.split(".")[:-1]
         parts = parts[: len(parts) - (node.level - 1)]
         base = ".".join(parts + ([node.module] if node.module else []))
-    if base.split(".")[0] != PKG:
+    if base.split(".")[0] not in roots:
         return []
     subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known]
     return subs if len(subs) == len(node.names) else [base, *subs]
@@ -133,6 +137,52 @@ def test_no_function_level_import_of_the_packages_own_modules_beyond_the_allow_l
     assert not unexplained, "import at module level, or add to FUNCTION_LEVEL_ALLOWED with why:\n" + "\n".join(
         unexplained)
     assert set(FUNCTION_LEVEL_ALLOWED) <= found, f"stale allow-list entries: {set(FUNCTION_LEVEL_ALLOWED) - found}"
+
+
+#: the checkout's code outside the package, read the same way: the GPU check and other scripts, and the benchmarks
+OUTSIDE = ("scripts", "benchmarks")
+#: the one direction allowed between them: a script may run a benchmark's code (the GPU check's bench and identity
+#: steps), while the benchmarks, with their shared kit, are the lower side and import no script
+DOWN = ("scripts", "benchmarks")
+
+
+@functools.cache  # read once for the module's tests (nothing mutates it)
+def _outside_edges() -> dict[str, set[str]]:
+    """Imports among the modules of scripts/ and benchmarks/, at module level or inside a function alike (both run;
+    ``if TYPE_CHECKING:`` blocks left out)."""
+    mods = _modules(OUTSIDE)
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for module, path in mods.items():
+        is_package = path.endswith("__init__.py")
+        for node, _ in _import_nodes(ast.parse(open(path).read(), path), False):
+            edges[module].update(t for t in _targets(node, module, is_package, set(mods), OUTSIDE) if t != module)
+    return edges
+
+
+def _against(edges: dict[str, set[str]]) -> list[str]:
+    """Every import from the lower of :data:`DOWN` into the higher one, described."""
+    high, low = DOWN
+    return sorted(f"{m} imports {t}" for m, ts in edges.items() for t in ts
+                  if m.split(".")[0] == low and t.split(".")[0] == high)
+
+
+def test_no_import_cycle_in_scripts_and_benchmarks() -> None:
+    edges = _outside_edges()
+    assert "benchmarks.kit.launch" in edges["benchmarks.reshard"]  # the graph was really read, submodules resolved
+    assert "scripts.gpu_steps.launch" in edges["scripts.gpu_check"]
+    assert _cycles(edges) == []
+
+
+def test_scripts_and_benchmarks_import_each_other_one_way_only() -> None:
+    edges = _outside_edges()
+    assert "benchmarks.gpu_reshard" in edges["scripts.gpu_check_steps"]  # the allowed direction is really used
+    against = _against(edges)
+    assert not against, "move what both need into benchmarks/kit/:\n" + "\n".join(against)
+
+
+def test_the_direction_check_finds_an_import_back_up() -> None:
+    assert _against({"scripts.a": {"benchmarks.kit.b"}, "benchmarks.kit.b": {"benchmarks.c"}}) == []
+    assert _against({"benchmarks.kit.b": {"scripts.a"}}) == ["benchmarks.kit.b imports scripts.a"]
 
 
 #: the layers, lowest first (ARCHITECTURE's "training -> frontdoor -> integrations -> memory, engine -> execute ->

@@ -36,6 +36,8 @@ import tenplex_megatron.storage.confine  # noqa: F401
 import tenplex_megatron.storage.safetensors_header  # noqa: F401
 import tenplex_megatron.storage.verify_ckpt  # noqa: F401
 import tenplex_megatron.storage.megatron_ptc  # noqa: F401
+import tenplex_megatron.storage.megatron_buckets  # noqa: F401
+import tenplex_megatron.storage.megatron_torch_dist  # noqa: F401
 import tenplex_megatron.storage.megatron_summary  # noqa: F401
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims, gpt_tensors
 from tenplex_megatron.plan.layout import ParallelLayout

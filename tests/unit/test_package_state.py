@@ -25,12 +25,7 @@ ASIDE = {
 }
 #: state on its way into the object that uses it, left in place while that work is under way elsewhere
 BEING_MOVED: dict[str, str] = {}
-#: constant tables (never written) still dicts and sets in files being rewritten elsewhere: read-only
-#: (MappingProxyType, frozenset) once those rewrites land
-TABLES_BEING_REWRITTEN = {
-    "tenplex_megatron.plan.hf_map": ("FLAG_NAMES", "MIXTRAL_FIELDS", "MOE_DEFAULTS", "MOE_ROUTING", "UNMAPPED"),
-    "tenplex_megatron.storage.megatron_ptc": ("STATE_NAMES", "SUPPORTED_BACKENDS", "_TP_AXES"),
-}
+TABLES_BEING_REWRITTEN: dict[str, tuple[str, ...]] = {}
 #: globals that hold a mutable object and are no job's state, each with why (a lock guarding what the whole process
 #: shares would be listed here)
 ALLOWED = {

@@ -17,15 +17,12 @@ import pytest
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_buffer import BufferParam, bucket_layout
 from tenplex_megatron.storage.distcp_index import DcpIndex, DcpItem, DcpTensor
+from tenplex_megatron.storage.megatron_buckets import LAYER_ORDER, TE_LAYER_ORDER, bucket_groups, layer_order
 from tenplex_megatron.storage.megatron_ptc import (
-    LAYER_ORDER,
-    TE_LAYER_ORDER,
     MegatronCheckpointError,
     TorchDistCheckpoint,
-    _bucket_groups,
     describe_torch_dist,
     index_model_metas,
-    layer_order,
 )
 
 H, FFN, LAYERS, VOCAB, SEQ = 64, 256, 2, 128, 32
@@ -80,7 +77,7 @@ def test_te_order_read_from_the_checkpoint(dp: int) -> None:
     metas, local = index_model_metas(ck)
     assert local == _keys(LAYER_ORDER)  # what `plan` assumed before: the local spec's order
     layout = ParallelLayout(1, 1, dp)
-    assert layer_order(ck, metas, layout, (local, TE_LAYER_ORDER), _bucket_groups(ck)) == _keys(TE_LAYER_ORDER)
+    assert layer_order(ck, metas, layout, (local, TE_LAYER_ORDER), bucket_groups(ck)) == _keys(TE_LAYER_ORDER)
     ptc = describe_torch_dist(ck, metas, local, {"exp_avg"})
     assert ptc.layout == layout.to_json()
     # the attention norm's moment is read where TE's order put it in the buffer (after linear_proj's, in reverse)
@@ -102,7 +99,7 @@ def test_te_order_read_from_the_checkpoint(dp: int) -> None:
 def test_local_order_still_read() -> None:
     ck = _checkpoint(LAYER_ORDER, 2)
     metas, local = index_model_metas(ck)
-    assert layer_order(ck, metas, ParallelLayout(1, 1, 2), (local, TE_LAYER_ORDER), _bucket_groups(ck)) == local
+    assert layer_order(ck, metas, ParallelLayout(1, 1, 2), (local, TE_LAYER_ORDER), bucket_groups(ck)) == local
 
 
 def test_no_order_fits_is_refused_naming_the_bucket() -> None:
@@ -123,7 +120,7 @@ def test_ambiguous_orders_need_the_args() -> None:
         metas, local = index_model_metas(ck)
         candidates = (_keys(swapped), local)
         if want is not None:
-            assert layer_order(ck, metas, ParallelLayout(1, 1, 1), candidates, _bucket_groups(ck)) == want
+            assert layer_order(ck, metas, ParallelLayout(1, 1, 1), candidates, bucket_groups(ck)) == want
             continue
         with pytest.raises(MegatronCheckpointError, match="fit 2 parameter orders .* transformer_impl"):
-            layer_order(ck, metas, ParallelLayout(1, 1, 1), candidates, _bucket_groups(ck))
+            layer_order(ck, metas, ParallelLayout(1, 1, 1), candidates, bucket_groups(ck))

@@ -42,7 +42,7 @@ from tenplex_megatron.storage.megatron_legacy import (
     legacy_layout,
     rank_dir,
 )
-from tenplex_megatron.storage.megatron_ptc import PRE_KEYS, MegatronCheckpointError
+from tenplex_megatron.storage.megatron_torch_dist import PRE_KEYS, MegatronCheckpointError
 from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
 
 

@@ -39,11 +39,11 @@ from tenplex_megatron.plan.ptc import DTYPE_SIZES, StoredChunk
 from tenplex_megatron.plan.unsupported import check_saved_args
 from tenplex_megatron.storage.distcp import DistcpFiles
 from tenplex_megatron.storage.distcp_index import read_dcp_metadata
-from tenplex_megatron.storage.megatron_ptc import (
+from tenplex_megatron.storage.megatron_ptc import describe_torch_dist
+from tenplex_megatron.storage.megatron_torch_dist import (
     PRE_KEYS,
     MegatronCheckpointError,
     TorchDistCheckpoint,
-    describe_torch_dist,
     read_torch_dist,
 )
 from tenplex_megatron.storage.parallel_read import Extent
