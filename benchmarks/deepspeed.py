@@ -7,7 +7,8 @@ destination DP size. Measured:
 save, at the source DP size (``--reps`` repetitions each, order rotating):
   ds_save        DeepSpeed's ``engine.save_checkpoint`` (``latest`` + ``global_stepN/``; torch.save, no fsync);
   ds_save+fsync  the same, plus fsync of every file it wrote (tenplex's save fsyncs; this is the like-for-like);
-  tenplex        ``tenplex_megatron.integrations.deepspeed.save_checkpoint`` (fsyncs every file, atomic commit);
+  tenplex        ``tenplex_megatron.deepspeed.save_checkpoint`` (fsyncs every file, atomic commit; the run's
+                 one ``checkpointer``, as a training loop passes it: each directory claimed at its save);
   tenplex_memory ``tds.save_snapshot``: the stall of a host-memory snapshot (each source rank a node with a
                  memory directory under ``--memdir``, K=2), in the steady state: each writes over the pages of a
                  retired one (the job's first two, on fresh pages, are timed before and reported apart); its
@@ -92,7 +93,7 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.kit import ds_engine
     from benchmarks.kit.measure import gathered, rotated, timed
-    from tenplex_megatron.integrations import deepspeed as tds
+    from tenplex_megatron import deepspeed as tds
     from tenplex_megatron.memory import background
 
     r = dist.get_rank()
@@ -101,6 +102,7 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
     loss = ds_engine.train_step(engine, shape, GLOBAL_BATCH, 1)
     digest, sums = ds_engine.state_digest(engine)
     tier = tds.open_memory(_node_dir(a, r, a.src), None, job=a.workdir)  # each rank a node; no durable copy
+    ckpt = tds.open_checkpointer()  # the run's leases, as a training loop holds them (released at the end)
     reps: dict[str, list[Any]] = {"ds_save": [], "ds_save_fsync": [], "tenplex": [], "tenplex_memory": []}
     first = []  # a job's first two snapshots write fresh tmpfs pages; later ones write over a retired one's
     for _ in range(2):
@@ -122,7 +124,7 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
                 reps["ds_save_fsync"].append(gathered({"seconds": rec["seconds"] + sync["seconds"],
                                                        "fsync_seconds": sync["seconds"]}))
             else:
-                res, rec = timed(lambda path=path: tds.save_checkpoint(engine, path))
+                res, rec = timed(lambda path=path: tds.save_checkpoint(engine, path, checkpointer=ckpt))
                 size, files = dir_size(path) if r == 0 else (0, 0)
                 reps["tenplex"].append(gathered({**rec, "dir_bytes": size, "files": files,
                                                  "bytes_written": res.bytes_written, "total_bytes": res.total_bytes,
@@ -131,6 +133,7 @@ def _worker_save(a: argparse.Namespace) -> dict[str, Any]:
             if i > 0 and r == 0:  # only repetition 0's checkpoints are loaded; keep the disk small
                 shutil.rmtree(path)
             dist.barrier()
+    ckpt.close()
     tds.finish_memory(tier, over=False)  # the snapshot whole on every node: what a restart finds
     return {"loss": loss, "global_steps": int(engine.global_steps), "digest": digest, "sums": sums, "reps": reps,
             "first_snapshots": first, "params": sum(p.numel() for p in engine.module.parameters())}
@@ -148,7 +151,7 @@ def _worker_load(a: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.kit import ds_engine
     from benchmarks.kit.measure import gathered, timed
-    from tenplex_megatron.integrations import deepspeed as tds
+    from tenplex_megatron import deepspeed as tds
     from tenplex_megatron.memory.restart import MemoryLoadResult
 
     engine = ds_engine.build(MODELS[a.model], a.stage, GLOBAL_BATCH, universal=a.method == "ds_universal")

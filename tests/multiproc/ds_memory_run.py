@@ -20,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from tenplex_megatron.integrations import deepspeed as tds
+from tenplex_megatron import deepspeed as tds
 from tenplex_megatron.memory import node_dir
 from tenplex_megatron.memory.restart import MemoryLoadResult
 from tenplex_megatron.storage.faults import OPEN_LOG_ENV

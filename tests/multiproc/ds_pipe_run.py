@@ -30,7 +30,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # CPU: skip comp
 
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: E402
 
-from tenplex_megatron.integrations import deepspeed as tds  # noqa: E402
+from tenplex_megatron import deepspeed as tds  # noqa: E402
 
 VOCAB, HIDDEN, SEQ, GLOBAL_BATCH, MICRO = 64, 32, 16, 8, 2
 

@@ -36,7 +36,7 @@ deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # CPU: skip comp
 
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
 
-from tenplex_megatron.integrations import deepspeed as tds  # noqa: E402
+from tenplex_megatron import deepspeed as tds  # noqa: E402
 from tenplex_megatron.storage import directory, job_identity, lease  # noqa: E402
 from tests.harness import flip  # noqa: E402
 from tests.logs import logged  # noqa: E402

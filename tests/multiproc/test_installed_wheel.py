@@ -254,7 +254,8 @@ def attempt(name, fn):
     except ImportError as e:
         out[name] = f"{type(e).__name__}: {e}"
 attempt("deepspeed itself", lambda: __import__("deepspeed"))
-attempt("deepspeed", lambda: __import__("tenplex_megatron.integrations.deepspeed"))
+attempt("deepspeed", lambda: __import__("tenplex_megatron.deepspeed"))
+attempt("deepspeed adapter", lambda: __import__("tenplex_megatron.integrations.deepspeed"))
 attempt("megatron-lm", lambda: __import__("tenplex_megatron.frontdoor.megatron_lm", fromlist=["x"]).install())
 attempt("hf", lambda: require("transformers", "hf"))
 attempt("bench", lambda: require("matplotlib.pyplot", "bench"))
@@ -272,6 +273,8 @@ def test_missing_extras_are_named(installed: Installed) -> None:
     for extra in ("deepspeed", "megatron-lm", "hf", "bench"):
         assert got[extra] is not None and got[extra].startswith("MissingExtraError: "), (extra, got[extra])
         assert f"pip install 'tenplex-megatron[{extra}]'" in got[extra], got[extra]
+    assert got["deepspeed"].startswith("MissingExtraError: tenplex_megatron.deepspeed needs deepspeed"), got
+    assert got["deepspeed adapter"].startswith("MissingExtraError: tenplex_megatron.integrations.deepspeed needs"), got
     assert got["megatron-core"] is None  # the megatron-core integration needs no extra
 
 

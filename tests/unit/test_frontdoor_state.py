@@ -1,7 +1,7 @@
 """The front doors keep no module-level mutable state: a job's state lives in its Checkpointer (and the Megatron-LM
 hook's in the object :func:`install` leaves on the module it patches), so an in-process restart can close it and
-build it again. Every module of ``frontdoor/`` and the DeepSpeed front door's public modules is imported and its
-globals looked at."""
+build it again. Every module of ``frontdoor/`` (the DeepSpeed front door's only where DeepSpeed is installed) and the
+DeepSpeed calls' public module are imported and their globals looked at."""
 
 from __future__ import annotations
 import __future__
@@ -18,9 +18,10 @@ from typing import Any
 
 import tenplex_megatron.frontdoor as frontdoor
 
-#: the DeepSpeed front door's public modules (tests/unit/test_import_graph.py: FRONT_DOORS_ELSEWHERE)
-DEEPSPEED_FRONT_DOOR = ("tenplex_megatron.integrations.deepspeed", "tenplex_megatron.integrations.deepspeed.adapter",
-                        "tenplex_megatron.integrations.deepspeed.memory")
+#: the DeepSpeed front door's modules in frontdoor/, which import DeepSpeed (``_optional.require``): looked at where
+#: it is installed, with the public module users import them through
+DEEPSPEED_FRONT_DOOR = ("tenplex_megatron.frontdoor.deepspeed", "tenplex_megatron.frontdoor.deepspeed_memory")
+DEEPSPEED_PUBLIC = "tenplex_megatron.deepspeed"
 #: values that cannot change, or are not state: constants, read-only views, compiled patterns, code, types, the
 #: one logger
 IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), tuple, frozenset, range, types.MappingProxyType,
@@ -31,9 +32,9 @@ IMMUTABLE = (str, bytes, int, float, complex, bool, type(None), tuple, frozenset
 def _front_door_modules() -> list[str]:
     names = [frontdoor.__name__]
     names += [m.name for m in pkgutil.iter_modules(frontdoor.__path__, frontdoor.__name__ + ".")]
-    if importlib.util.find_spec("deepspeed") is not None:
-        names += DEEPSPEED_FRONT_DOOR
-    return names
+    if importlib.util.find_spec("deepspeed") is None:
+        return [n for n in names if n not in DEEPSPEED_FRONT_DOOR]
+    return [*names, DEEPSPEED_PUBLIC]
 
 
 def _mutable_globals(module: types.ModuleType) -> list[str]:
@@ -62,6 +63,8 @@ def _frozen_dataclass(value: Any) -> bool:
 def test_the_front_doors_hold_no_module_level_mutable_state() -> None:
     modules = _front_door_modules()
     assert "tenplex_megatron.frontdoor.megatron_lm" in modules and "tenplex_megatron.frontdoor.checkpointer" in modules
+    if importlib.util.find_spec("deepspeed") is not None:  # the walk of frontdoor/ found the DeepSpeed front door
+        assert set(DEEPSPEED_FRONT_DOOR) <= set(modules)
     found = [g for name in modules for g in _mutable_globals(importlib.import_module(name))]
     assert found == [], "module-level mutable state in a front door (keep it in the job's Checkpointer):\n" + \
         "\n".join(found)

@@ -187,8 +187,10 @@ def test_the_direction_check_finds_an_import_back_up() -> None:
 
 #: the layers, lowest first (ARCHITECTURE's "training -> frontdoor -> integrations -> memory, engine -> execute ->
 #: storage -> plan"; docs/design.md, "Layout of the code"): a module imports only from its own layer or below, so no
-#: arrow runs back up. The Megatron-LM hook is a front door and sits in frontdoor/; the restart order there takes the
-#: engine as an adapter, so frontdoor/ reaches the integrations only where a front door drives one.
+#: arrow runs back up. The Megatron-LM hook and the DeepSpeed calls are front doors and sit in frontdoor/ (the DeepSpeed
+#: calls' public import path, ``tenplex_megatron.deepspeed``, is a top-level module, outside the layers); the restart
+#: order there takes the engine as an adapter, so frontdoor/ reaches the integrations only where a front door drives
+#: one, and no adapter imports a front door.
 LAYERS = (
     ("plan",),
     ("storage",),
@@ -200,21 +202,10 @@ LAYERS = (
     ("training",),
 )
 
-#: modules filed below the layer they belong to, with why: the DeepSpeed front door's public calls
-#: (``tenplex_megatron.integrations.deepspeed``: save_checkpoint, load_checkpoint, open_memory...) keep the import
-#: path users call, beside the adapter they drive, and sit with the front doors.
-FRONT_DOORS_ELSEWHERE = {
-    "integrations.deepspeed": "the DeepSpeed front door's public package (docs/deepspeed.md)",
-    "integrations.deepspeed.adapter": "save_checkpoint / load_checkpoint beside DeepSpeed's own calls",
-    "integrations.deepspeed.memory": "open_memory / save_snapshot / load_latest / finish_memory",
-}
-
 
 def _layer(module: str) -> int | None:
     """The layer of a module (the longest matching prefix); None for the package's top-level modules."""
     rel = module.removeprefix(f"{PKG}.")
-    if rel in FRONT_DOORS_ELSEWHERE:
-        return LAYERS.index(("frontdoor",))
     best = None
     for i, prefixes in enumerate(LAYERS):
         for p in prefixes:
@@ -234,8 +225,11 @@ def test_dependencies_point_one_way_between_the_layers() -> None:
     upward = _upward(edges)
     assert not upward, "\n".join(upward)
     assert _layer(f"{PKG}.memory.fallback") == 4 and _layer(f"{PKG}.frontdoor.megatron_lm") == 6
-    assert _layer(f"{PKG}.integrations.deepspeed.zero") == 5 and _layer(f"{PKG}.integrations.deepspeed.adapter") == 6
-    assert set(FRONT_DOORS_ELSEWHERE) <= {m.removeprefix(f"{PKG}.") for m in edges}, "stale FRONT_DOORS_ELSEWHERE"
+    assert _layer(f"{PKG}.integrations.deepspeed.zero") == 5 and _layer(f"{PKG}.integrations.deepspeed.adapter") == 5
+    assert _layer(f"{PKG}.frontdoor.deepspeed") == 6 and _layer(f"{PKG}.deepspeed") is None  # the public import path
+    # the DeepSpeed front door drives its adapter from above; the adapter imports no front door
+    assert f"{PKG}.integrations.deepspeed.adapter" in edges[f"{PKG}.frontdoor.deepspeed"]
+    assert {f"{PKG}.frontdoor.deepspeed", f"{PKG}.frontdoor.deepspeed_memory"} <= edges[f"{PKG}.deepspeed"]
 
 
 def test_the_layer_check_finds_an_arrow_back_up() -> None:

@@ -1,4 +1,5 @@
-"""Host-memory checkpoints for DeepSpeed engines: the calls beside ``save_checkpoint`` / ``load_checkpoint``.
+"""Host-memory checkpoints for DeepSpeed engines (``tenplex_megatron.deepspeed``): the calls beside
+``save_checkpoint`` / ``load_checkpoint``.
 
 The same tier as ``--tenplex-memory`` (``tenplex_megatron/memory/``): a snapshot copies
 each rank's ZeRO partitions into node-local shared memory, the nodes' helper processes replicate it to peers'
@@ -16,8 +17,9 @@ from typing import Any
 from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.flags import FlagError
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+from tenplex_megatron.frontdoor.deepspeed import PROG, load_checkpoint
 from tenplex_megatron.integrations.deepspeed import native
-from tenplex_megatron.integrations.deepspeed.adapter import PROG, DeepSpeedAdapter, load_checkpoint
+from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter
 from tenplex_megatron.memory import restart
 from tenplex_megatron.memory.restart import MemoryLoadResult
 from tenplex_megatron.memory.settings import MemorySettings
@@ -61,18 +63,19 @@ def load_latest(engine: Any, memory: Checkpointer, load_dir: str | None, *, veri
                 seed: int = 1234) -> MemoryLoadResult | LoadResult | None:
     """Collective: load the newest state into ``engine``, re-sharded to its DP size: the newest snapshot whole in
     the live nodes' memory, else the durable checkpoint under ``load_dir`` (tenplex's or DeepSpeed's own); None
-    when there is neither (and every older snapshot is discarded: the job starts afresh)."""
+    when there is neither. Once decided, the snapshots of a timeline the job left are discarded (every one for a
+    fresh start or DeepSpeed's own files: the job never jumps back to them)."""
     tier = _tier(memory)
     choice = restart.choose(tier, load_dir)
     if choice is not None:
         got = restart.load_snapshot(DeepSpeedAdapter(engine, seed, where=tier.mem), tier, choice, verify=verify)
-        restart.discard_after(tier, choice.iteration)  # snapshots of a timeline the job left
+        restart.discard_after(tier, choice.iteration)
         return got
     if not load_dir or (restart.durable_iteration(load_dir) is None
                         and not native.is_deepspeed_checkpoint_dir(load_dir)):
-        restart.discard_after(tier, None)  # a fresh start: every older snapshot
+        restart.discard_after(tier, None)
         return None
-    res = load_checkpoint(engine, load_dir, verify=verify, seed=seed)
+    res = load_checkpoint(engine, load_dir, verify=verify, seed=seed, checkpointer=memory)
     restart.discard_after(tier, res.iteration if res.source_format == "tenplex" else None)
     return res
 
