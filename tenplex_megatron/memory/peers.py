@@ -11,24 +11,17 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from tenplex_megatron.plan.peer_schedule import PeerKey, Transfer
 
-#: the tag torch.distributed keeps the host-memory gloo group under, among the current world's groups
-GROUP_TAG = "tenplex-memory"
-
 
 def cpu_group() -> object:
-    """The job's gloo process group for host-memory traffic: the world's own where it is gloo, else one gloo group
-    of every rank, made collectively on first use (``open_tier`` makes it). torch.distributed keeps it with the
-    world's other groups (under :data:`GROUP_TAG`), so it ends with the world (``destroy_process_group``, an
-    in-process restart's abort) and the next world makes its own: nothing here to reset."""
+    """Collective: a gloo process group for host-memory traffic: the world's own where it is gloo, else a new gloo
+    group of every rank. The memory tier makes it once when it opens and keeps it (``MemoryTier.group``), so it
+    lives as long as the tier and the world: a tier opened in the next world makes its own."""
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
-    ranks = list(range(dist.get_world_size()))
-    group = c10d._find_pg_by_ranks_and_tag(GROUP_TAG, ranks)
-    return group if group is not None else c10d._new_group_with_tag(ranks, backend="gloo", pg_tag=GROUP_TAG)
+    return dist.new_group(backend="gloo")
 
 
 def exchange(transfers: list[Transfer], me: int, source: Callable[[PeerKey], torch.Tensor],

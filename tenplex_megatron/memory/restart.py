@@ -25,7 +25,7 @@ from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.execute.collective import broadcast_json, gather_records, rank, run_phase
 from tenplex_megatron.memory import node_dir
-from tenplex_megatron.memory.peers import cpu_group, exchange
+from tenplex_megatron.memory.peers import exchange
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.peer_schedule import PeerKey, PeerRequest, RankRequests, merge_ranges, schedule
 from tenplex_megatron.plan.ptc import StoredChunk, dtype_size
@@ -328,7 +328,7 @@ def fetch_from_peers(tier: MemoryTier, choice: Choice, with_rank_local: bool = F
                     target(t.key)
 
         run_phase("load from memory: opening what this rank sends", open_sends)
-        sent, received = exchange(transfers, me, lambda k: readers[k], target, cpu_group())
+        sent, received = exchange(transfers, me, lambda k: readers[k], target, tier.group)
         stats["sent"] += sent
         stats["received"] += received
 

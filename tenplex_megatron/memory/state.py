@@ -44,6 +44,7 @@ class MemoryTier:
     disposing: set[str] = field(default_factory=set)  # retired snapshots this node's helper is deleting
     save_lease: int | None = None  # rank 0's lease generation on the durable directory (0: none), once known
     leases: LeaseSet | None = None  # the job's leases (its Checkpointer's): the fence of every destructive step
+    group: object = None  # the gloo group of host-memory traffic between ranks (peers.cpu_group), made at open
 
     def fence(self, directory: str) -> None:
         """Before a destructive step in ``directory`` (the memory directory, ``--save``): stop when a newer
@@ -138,7 +139,7 @@ def open_tier(settings: MemorySettings, *, start_helpers_now: bool = False,
     tier.node = ids[rank()]
     for r, n in enumerate(ids):
         tier.nodes.setdefault(n, []).append(r)
-    cpu_group()  # created collectively now, used by peer loads
+    tier.group = cpu_group()  # created collectively now, used by peer loads
     if settings.replicas > len(tier.nodes) and rank() == 0:
         log.warning("--tenplex-replicas %d: only %d live node(s); each snapshot keeps one copy per node",
                     settings.replicas, len(tier.nodes))
