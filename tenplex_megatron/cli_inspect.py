@@ -11,8 +11,8 @@ from typing import Any
 from tenplex_megatron.cli_common import CLIError, fmt_bytes, megatron_checkpoint, read_tenplex
 from tenplex_megatron.plan.experts import expert_summary
 from tenplex_megatron.plan.ptc import dtype_size
-from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.megatron_summary import summarize, summarize_legacy
 
 

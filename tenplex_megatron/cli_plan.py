@@ -25,8 +25,8 @@ from tenplex_megatron.plan.sim.dry_run import dry_run
 from tenplex_megatron.plan.sim.gpt_catalogue import load_model
 from tenplex_megatron.storage.checkpoint_metadata import missing_shape
 from tenplex_megatron.storage.confine import confine
-from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.megatron_legacy import describe_legacy, legacy_model_metas
 from tenplex_megatron.storage.megatron_ptc import describe_torch_dist, index_model_metas
 from tenplex_megatron.storage.megatron_summary import read_common, read_torch_pickle

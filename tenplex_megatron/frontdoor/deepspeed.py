@@ -25,7 +25,7 @@ from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
-from tenplex_megatron.storage import lease
+from tenplex_megatron.storage import formats, lease
 
 PROG = "tenplex_megatron.deepspeed"
 
@@ -135,7 +135,7 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *,
     state). ``checkpointer``: the loop's (:func:`open_checkpointer`), else one for this call.
     """
     orphan.die_with_agent()
-    if native.is_deepspeed_checkpoint_dir(load_dir):
+    if formats.is_deepspeed_checkpoint_dir(load_dir):
         return _load_native(engine, load_dir, iteration, seed=seed, trust_pickles=trust_pickles)
     job = DeepSpeedEngine(engine, load_dir, verify, seed)
     if iteration is not None:

@@ -18,13 +18,13 @@ from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.flags import FlagError
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.deepspeed import PROG, load_checkpoint
-from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter
 from tenplex_megatron.memory import restart
 from tenplex_megatron.memory.restart import MemoryLoadResult
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import SnapshotResult
 from tenplex_megatron.memory.state import MemoryTier
+from tenplex_megatron.storage import formats
 
 
 def open_memory(mem_dir: str, save_dir: str | None, job: str | None = None, **options: Any) -> Checkpointer:
@@ -72,7 +72,7 @@ def load_latest(engine: Any, memory: Checkpointer, load_dir: str | None, *, veri
         restart.discard_after(tier, choice.iteration)
         return got
     if not load_dir or (restart.durable_iteration(load_dir) is None
-                        and not native.is_deepspeed_checkpoint_dir(load_dir)):
+                        and not formats.is_deepspeed_checkpoint_dir(load_dir)):
         restart.discard_after(tier, None)
         return None
     res = load_checkpoint(engine, load_dir, verify=verify, seed=seed, checkpointer=memory)

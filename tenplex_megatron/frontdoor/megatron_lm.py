@@ -65,10 +65,10 @@ from tenplex_megatron.plan.unsupported import missing_transformer_engine, unsupp
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
-    is_legacy_megatron_checkpoint,
     read_checkpoint_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 
 _log = log.get("megatron_lm")
 PROG = "pretrain_gpt.py"

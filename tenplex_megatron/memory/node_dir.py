@@ -25,7 +25,7 @@ from collections.abc import Callable
 from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.restart_policy import DurableListing, Snapshot
 from tenplex_megatron.plan.versioned import VersionedFormat
-from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage import directory, formats, lease
 from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, read_checkpoint_file
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.faults import log_open
@@ -140,7 +140,7 @@ def retain(mem: str, keep: int, protect: tuple[int, ...] = (),
             continue
         path = snapshot_dir(mem, it)
         if dispose is None:
-            if directory.remove_own(path, directory.is_tenplex_checkpoint):
+            if directory.remove_own(path, formats.is_tenplex_checkpoint):
                 removed.append(path)
         elif _retire(path, dispose):
             removed.append(path)
@@ -151,7 +151,7 @@ def _retire(path: str, dispose: Callable[[str], None]) -> bool:
     """Rename the snapshot ``path`` to ``iter_NNNNNNN.tenplex-old`` (out of the listing) and hand it to ``dispose``;
     False where a ``.tenplex-old`` of that name is not ours (left alone, and this snapshot with it)."""
     old = path + directory.OLD_SUFFIX
-    if os.path.lexists(old) and not directory.remove_own(old, directory.is_tenplex_checkpoint):
+    if os.path.lexists(old) and not directory.remove_own(old, formats.is_tenplex_checkpoint):
         return False
     os.replace(path, old)
     dispose(old)
@@ -231,11 +231,11 @@ def clean(mem: str) -> list[str]:
         if directory.remove_partial(path):
             removed.append(path)
     for path in retired(mem):
-        if directory.remove_own(path, directory.is_tenplex_checkpoint):
+        if directory.remove_own(path, formats.is_tenplex_checkpoint):
             removed.append(path)
     for it in directory.committed_iterations(mem):
         path = snapshot_dir(mem, it)
-        if directory.remove_own(path, directory.is_tenplex_checkpoint):
+        if directory.remove_own(path, formats.is_tenplex_checkpoint):
             removed.append(path)
     removed.extend(drop_spares(mem))
     tracker = os.path.join(mem, directory.TRACKER_FILE)

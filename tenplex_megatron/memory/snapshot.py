@@ -38,7 +38,7 @@ from tenplex_megatron.execute.executor import plain_ops
 from tenplex_megatron.memory import background, node_dir, replication
 from tenplex_megatron.memory.shm_write import write_tensors
 from tenplex_megatron.memory.state import MemoryTier
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, formats
 from tenplex_megatron.storage.faults import log_open, maybe_fail
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES
 
@@ -231,7 +231,7 @@ def _clear_stale(tier: MemoryTier) -> list[str]:
     died, and spare files of another job's or layout's ranks; returns what went."""
     removed = [p for p in directory.partial_dirs(tier.mem) if directory.remove_partial(p, tier.fence)]
     removed += [p for p in node_dir.retired(tier.mem)
-                if p not in tier.disposing and directory.remove_own(p, directory.is_tenplex_checkpoint)]
+                if p not in tier.disposing and directory.remove_own(p, formats.is_tenplex_checkpoint)]
     removed += node_dir.drop_spares(tier.mem, tier.held_ranks())
     return removed
 

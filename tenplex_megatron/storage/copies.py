@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from tenplex_megatron.storage import directory
+from tenplex_megatron.storage import directory, formats
 from tenplex_megatron.storage.files import CheckpointFileError
 
 _ITER_RE = re.compile(r"iter_([0-9]{7,})")
@@ -42,10 +42,10 @@ class Copy:
 
 def _foreign(path: str) -> bool:
     """Megatron's own checkpoint (megatron-core's torch_dist or the legacy format): not a tenplex copy."""
-    if directory.is_legacy_megatron_checkpoint(path):
+    if formats.is_legacy_megatron_checkpoint(path):
         return True
     try:
-        meta = directory.load_metadata_json(path)
+        meta = formats.load_metadata_json(path)
     except (OSError, CheckpointFileError):
         return False
     return isinstance(meta, dict) and "sharded_backend" in meta

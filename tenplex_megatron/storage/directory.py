@@ -29,22 +29,22 @@ from typing import Any
 from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.versioned import VersionedFormat
-from tenplex_megatron.storage import lease
-from tenplex_megatron.storage.bounded import METADATA_MAX_ENV, metadata_cap, open_regular, read_checkpoint_file
+from tenplex_megatron.storage import formats, lease
+from tenplex_megatron.storage.bounded import open_regular
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
+from tenplex_megatron.storage.formats import is_tenplex_checkpoint, load_metadata_json
 
-FORMAT_NAME = "tenplex-megatron"
+FORMAT_NAME = formats.FORMAT_NAME
 # 2: a CRC-32 per fixed-size block of each stored tensor (``block_crc32`` + ``block_bytes``), so a load checks only
 #    the blocks it reads; 1: one ``crc32`` per stored tensor (still read: such tensors are checked whole).
 FORMAT_VERSION = 2
 READ_VERSIONS = (1, 2)
 METADATA_FORMAT = VersionedFormat(f"{FORMAT_NAME} metadata file", "format_version", READ_VERSIONS, CheckpointFileError,
                                   name=FORMAT_NAME, version_label="format version")
-METADATA_FILE = "metadata.json"
+METADATA_FILE = formats.METADATA_FILE
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-_LEGACY_RANK_RE = re.compile(r"mp_rank_\d{2}(_\d{3})?")
 PARTIAL_SUFFIX = ".tenplex-partial"
 OLD_SUFFIX = ".tenplex-old"
 _ITER_RE = re.compile(r"iter_([0-9]{7,})")  # always fullmatch: ``$`` would let a trailing newline through
@@ -82,44 +82,10 @@ def write_json_atomic(path: str, obj: Any) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def load_metadata_json(ckpt_dir: str) -> Any:
-    """The parsed JSON of ``ckpt_dir``'s ``metadata.json``, read bounded (``bounded.py``: confined, a regular file,
-    at most ``TENPLEX_METADATA_MAX_MB``); ``FileNotFoundError`` when missing, :class:`CheckpointFileError` naming
-    the file otherwise."""
-    raw = read_checkpoint_file(ckpt_dir, METADATA_FILE, metadata_cap(), METADATA_MAX_ENV)
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, an integer of too many digits
-        raise CheckpointFileError(f"{os.path.join(ckpt_dir, METADATA_FILE)}: malformed JSON: {e}") from None
-
-
-def is_tenplex_checkpoint(path: str) -> bool:
-    """A committed tenplex checkpoint (megatron-core's torch_dist format also writes a metadata.json)."""
-    try:
-        meta = load_metadata_json(path)
-    except (OSError, CheckpointFileError):
-        return False
-    return isinstance(meta, dict) and meta.get("format") == FORMAT_NAME
-
-
-def is_legacy_megatron_checkpoint(path: str) -> bool:
-    """An iteration directory of Megatron-LM's legacy ``--ckpt-format torch`` (``mp_rank_*/model_optim_rng.pt``)."""
-    try:
-        return any(_LEGACY_RANK_RE.fullmatch(n) and os.path.isfile(os.path.join(path, n, "model_optim_rng.pt"))
-                   for n in os.listdir(path))
-    except OSError:
-        return False
-
-
 def find_megatron_checkpoint(load: str) -> str | None:
     """Megatron's own checkpoint under ``load`` (tracker, then newest ``iter_*``), if any: megatron-core's
     dist_checkpointing (``metadata.json`` naming a sharded backend) or Megatron-LM's legacy format."""
-    def is_mcore(path: str) -> bool:
-        try:
-            return "sharded_backend" in load_metadata_json(path)
-        except (OSError, TypeError, CheckpointFileError):
-            return is_legacy_megatron_checkpoint(path)
-
+    is_mcore = formats.is_megatron_checkpoint
     if is_mcore(load):
         return load
     it = _readable_tracker(load)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from tenplex_megatron.storage.directory import (
     committed_iterations,
     find_checkpoint,
-    is_tenplex_checkpoint,
     read_checkpoint_metadata,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.formats import is_tenplex_checkpoint
 
 
 def checkpoint_at(load: str, iteration: int, flag: str = "--ckpt-step") -> str:

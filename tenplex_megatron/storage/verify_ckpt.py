@@ -37,11 +37,11 @@ from tenplex_megatron.storage.cpus import usable_cpus
 from tenplex_megatron.storage.directory import (
     FORMAT_NAME,
     METADATA_FILE,
-    load_metadata_json,
     read_checkpoint_metadata,
     tracker_iteration,
 )
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.formats import load_metadata_json
 from tenplex_megatron.storage.safetensors_header import TensorEntry, read_header
 
 SPAN_BYTES = 16 << 20  # one task of a thread: whole blocks up to this size

@@ -17,8 +17,9 @@ from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_voc
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint, read_checkpoint_metadata
+from tenplex_megatron.storage.directory import read_checkpoint_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
+from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.training import gpt, legacy_ckpt, mcore_dist_ckpt
 from tenplex_megatron.training.console import print0 as _print0
 from tenplex_megatron.training.console import print_tenplex

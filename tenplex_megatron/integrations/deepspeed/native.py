@@ -41,18 +41,6 @@ from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSo
 OPTIM_STATES = ("fp32_param", *STATE_KEYS)
 
 
-def _step_dirs(path: str) -> list[str]:
-    return sorted(d for d in glob.glob(os.path.join(path, "global_step*")) if os.path.isdir(d))
-
-
-def is_deepspeed_checkpoint_dir(path: str) -> bool:
-    """A directory DeepSpeed's ``engine.save_checkpoint`` wrote (``latest`` and/or ``global_stepN/``)."""
-    if os.path.exists(os.path.join(path, "metadata.json")):
-        return False
-    return (os.path.isfile(os.path.join(path, "latest")) or bool(_step_dirs(path))
-            or bool(glob.glob(os.path.join(path, "*_optim_states.pt"))))
-
-
 def step_dir(load_dir: str, tag: str | int | None) -> str:
     """The ``global_stepN`` directory to read: ``tag`` (a name or a step), else the one ``latest`` names.
 

@@ -30,13 +30,12 @@ from tenplex_megatron.plan.hf_map import (
     ignorable,
 )
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, StoredChunk, TensorMeta
+from tenplex_megatron.storage import formats
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.safetensors_io import CheckpointFileError, SafetensorsReader, TensorEntry, read_header
 from tenplex_megatron.storage.source import ForeignMetadata, Opened, UncheckedSource
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-CONFIG = "config.json"
+INDEX, SINGLE, CONFIG = formats.HF_INDEX, formats.HF_SINGLE, formats.HF_CONFIG  # recognised in storage/formats.py
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 

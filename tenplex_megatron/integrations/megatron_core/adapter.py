@@ -42,7 +42,7 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.plan.planner import PlanError
 from tenplex_megatron.storage import lease
-from tenplex_megatron.storage.directory import is_legacy_megatron_checkpoint
+from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.source import Metadata
 
 __all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
