@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from tenplex_megatron import _optional
+from tenplex_megatron import _optional, mcore_versions
 from tenplex_megatron import log as tlog
 from tenplex_megatron.flags import FlagError
 from tenplex_megatron.frontdoor import gloo_abort
@@ -74,8 +74,9 @@ def checked_settings(prog: str, timeout: float) -> InprocessSettings:
     """Both front doors' start-up checks after the launcher's: NVRx installed and the timeout usable, else
     ``SystemExit`` naming the extra or the flag (before any process group)."""
     try:
+        mcore_versions.check_nvrx()
         nvrx()
-    except _optional.MissingExtraError as e:
+    except (_optional.MissingExtraError, mcore_versions.NVRxMismatchError) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
     try:
         return InprocessSettings(timeout=timeout)

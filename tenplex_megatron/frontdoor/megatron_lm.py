@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from tenplex_megatron import flags, log
+from tenplex_megatron import flags, log, mcore_versions
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import ckpt_flags, elastic, megatron_lm_inprocess, memory_flags, restart_sources
@@ -201,9 +201,16 @@ def _have_te() -> bool:
     return bool(HAVE_TE)
 
 
+def arm_with_tenplex(args: Any) -> str:
+    """With ``--tenplex``, a torchrun worker exits when its agent dies (no save, no commit: ``engine/orphan.py``);
+    without it nothing is armed, as in the stock script. Returns how it is armed ("" where not)."""
+    return orphan.die_with_agent() if getattr(args, "tenplex", False) else ""
+
+
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
     """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
     host-memory flags' checks (refused before any process group starts)."""
+    arm_with_tenplex(args)
     problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args),
                 *filter(None, [missing_transformer_engine(args, _have_te())])] \
         if getattr(args, "tenplex", False) else []
@@ -480,7 +487,7 @@ def install() -> None:
 
     if getattr(train_mod, HOOK_ATTRIBUTE, None) is not None:
         return
-    orphan.die_with_agent()  # in the worker: it exits when its torchrun agent dies (no save, no commit)
+    mcore_versions.check_nvrx()  # where megatron-core's own import did not assert it first: named, with the fix
     originals: dict[str, Callable[..., Any]] = {}
     # core_v0.18+: pretrain_gpt.py checks its flags in arguments.parse_and_validate_args; before, initialize_megatron
     # calls the validate_args it imported by name

@@ -115,3 +115,15 @@ def test_buffer_layout_equals_megatron_cores_own() -> None:
             start, end, bucket = theirs.param_index_map[p]
             (mine,) = [(s, e) for s, e in ((s, e) for n, s, e in ours[bucket].params if n == f"p{i}")]
             assert mine == (start - starts[bucket], end - starts[bucket]), (numels, dp, i)
+
+
+def test_an_nvrx_older_than_megatron_core_0_19_asks_for_is_named_with_the_fix() -> None:
+    """megatron-core 0.19's import asserts nvidia-resiliency-ext >= 0.6 when one is installed: the plugin names the
+    mismatch (both versions, what to install) where it runs first; 0.18 with 0.4.1, or 0.19 with 0.6+, pass."""
+    v019 = mv.MegatronCoreVersion("0.19.0", (0, 19, 0), "test")
+    v018 = mv.MegatronCoreVersion("0.18.2", (0, 18, 2), "test")
+    with pytest.raises(mv.NVRxMismatchError, match=r"megatron-core 0\.19\.0 needs nvidia-resiliency-ext "
+                       r">= 0\.6 when one is installed; nvidia-resiliency-ext 0\.4\.1 is"):
+        mv.check_nvrx(v019, "0.4.1")
+    mv.check_nvrx(v018, "0.4.1")
+    mv.check_nvrx(v019, "0.7.0")

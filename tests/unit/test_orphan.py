@@ -102,3 +102,22 @@ print(orphan.die_with_agent(), orphan.die_with_agent(), orphan.armed(),
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          env=dict(os.environ, PYTHONPATH=ROOT, TORCHELASTIC_RUN_ID="t"))
     assert out.stdout.split() == ["watchdog", "watchdog", "watchdog", "1"], out.stderr
+
+
+HOOK_WORKER = """
+import sys, argparse
+from tenplex_megatron.engine import orphan
+from tenplex_megatron.frontdoor import megatron_lm
+print(repr(megatron_lm.arm_with_tenplex(argparse.Namespace())), repr(orphan.armed()), flush=True)
+print(repr(megatron_lm.arm_with_tenplex(argparse.Namespace(tenplex=True))), repr(orphan.armed()), flush=True)
+"""
+
+
+def test_the_megatron_lm_hook_arms_the_worker_only_with_tenplex() -> None:
+    """Without ``--tenplex`` the patched pretrain_gpt.py behaves as the stock one: no parent-death signal armed in the
+    torchrun worker (checked in the kernel); with it, armed."""
+    out = subprocess.run([sys.executable, "-c", HOOK_WORKER], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=ROOT, TORCHELASTIC_RUN_ID="t"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.split("\n")
+    assert lines[0] == "'' ''" and lines[1] == "'prctl' 'prctl'", out.stdout

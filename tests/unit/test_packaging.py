@@ -36,25 +36,27 @@ def _pins() -> dict[str, str]:
 
 
 def test_every_declared_dependency_is_pinned_and_tested() -> None:
-    """Core and extras (but [megatron-lm], which needs a Megatron-LM checkout) are exactly the pinned, tested set."""
+    """Core and extras (but [megatron-lm], which needs a Megatron-LM checkout) are exactly the pinned, tested set:
+    every requirement that applies to this interpreter (its environment marker) allows the pin."""
     project = _pyproject()["project"]
     pins = _pins()
-    declared: dict[str, Requirement] = {}
+    declared: dict[str, list[Requirement]] = {}
     groups = {"core": project["dependencies"], **project["optional-dependencies"]}
     for group, reqs in groups.items():
         for r in map(Requirement, reqs):
             if canonicalize_name(r.name) == canonicalize_name(project["name"]):
                 assert r.extras <= set(groups) - {"test"}, (group, str(r))  # [test] pulls in other extras
                 continue
-            if group == "megatron-lm":
+            if group == "megatron-lm" or (r.marker is not None and not r.marker.evaluate()):
                 continue
-            declared[canonicalize_name(r.name)] = r
+            declared.setdefault(canonicalize_name(r.name), []).append(r)
     torch_pin = re.search(r"^TORCH_SPEC \?= torch==(\S+)$", open(os.path.join(ROOT, "Makefile")).read(), re.M)
     assert torch_pin, "Makefile: TORCH_SPEC ?= torch==X"
     pins_and_torch = {**pins, "torch": torch_pin.group(1)}
     assert set(declared) == set(pins_and_torch), "pyproject.toml and requirements.txt (+ torch) differ"
-    for name, req in declared.items():
-        assert req.specifier.contains(pins_and_torch[name]), f"{req} does not allow the pinned {pins_and_torch[name]}"
+    for name, reqs in declared.items():
+        for req in reqs:
+            assert req.specifier.contains(pins_and_torch[name]), f"{req} does not allow the pinned {pins_and_torch[name]}"
     assert "deepspeed" not in {canonicalize_name(Requirement(r).name) for r in project["dependencies"]}
 
 
@@ -94,3 +96,24 @@ def test_require_names_the_extra(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
         require("tenplex_test_half_installed", "megatron-lm", note="a note")
     assert "no module named 'tenplex_test_absent_dependency'" in str(e.value)
     assert str(e.value).endswith("pip install 'tenplex-megatron[megatron-lm]'; a note")
+
+
+def test_the_inprocess_extra_fits_each_python() -> None:
+    """[inprocess] installs what works together: on Python 3.11 NVRx 0.4.1 with megatron-core up to 0.18 (0.19's
+    import asserts NVRx >= 0.6), on Python 3.12 NVRx 0.6 or newer, which megatron-core 0.19 asks for."""
+    extra = [Requirement(r) for r in _pyproject()["project"]["optional-dependencies"]["inprocess"]]
+
+    def applying(python: str) -> dict[str, list[Requirement]]:
+        out: dict[str, list[Requirement]] = {}
+        for r in extra:
+            if r.marker is None or r.marker.evaluate({"python_version": python}):
+                out.setdefault(canonicalize_name(r.name), []).append(r)
+        return out
+
+    py311, py312 = applying("3.11"), applying("3.12")
+    assert all(r.specifier.contains("0.4.1") for r in py311["nvidia-resiliency-ext"])
+    assert not any(r.specifier.contains("0.19.0") for r in py311["megatron-core"])
+    assert all(r.specifier.contains("0.18.2") for r in py311["megatron-core"])
+    assert all(r.specifier.contains("0.7.0") and not r.specifier.contains("0.5.0")
+               for r in py312["nvidia-resiliency-ext"])
+    assert "megatron-core" not in py312
