@@ -1,5 +1,5 @@
-"""``python -m tenplex_megatron``: inspect or verify a checkpoint, dry-run a re-shard plan, rank layouts. Never imports
-torch (tested).
+"""``python -m tenplex_megatron``: inspect or verify a checkpoint, dry-run a re-shard plan, rank layouts, export. Only
+the export commands import torch (and megatron-core); the others never do (tested).
 
     python -m tenplex_megatron --version        (or the console script: tenplex-megatron --version)
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]

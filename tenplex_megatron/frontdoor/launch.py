@@ -33,7 +33,7 @@ from tenplex_megatron.frontdoor.lease_flags import FENCED_EXIT
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tenplex_megatron.frontdoor.launch", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tenplex_megatron.frontdoor.launch", description=__doc__.split("\n\n")[0].replace("\n", " "),
                                 allow_abbrev=False)
     p.add_argument("--nproc-per-node", type=int, required=True, help="ranks to start on this node")
     p.add_argument("--nnodes", type=int, default=1, help="nodes (one launcher each; the same on every node)")
