@@ -16,11 +16,9 @@ from typing import Any
 from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.engine.save import SaveResult
 from tenplex_megatron.errors import TenplexError
-from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer, load_for_api, save_for_api
 from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
 from tenplex_megatron.integrations.megatron_core.adapter import live_job
-from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, SaveScope
-from tenplex_megatron.storage import lease
 
 PROG = "tenplex_megatron"
 __all__ = ["LoadResult", "SaveResult", "load_checkpoint", "open_checkpointer", "save_checkpoint"]
@@ -51,13 +49,8 @@ def save_checkpoint(save_dir: str, model: Any, optimizer: Any, scheduler: Any, *
     """
     job = live_job(model, optimizer, scheduler, vocab_size, seed)
     job.iteration, job.consumed_samples = int(iteration), int(consumed_samples)
-    ckpt = checkpointer if checkpointer is not None else open_checkpointer()
-    try:
-        ckpt.claim_dir(save_dir, job_id, take_over, lease.DEFAULT_TTL)
-        return MegatronCoreEngine(job, extra=dict(extra or {})).save(save_dir, keep, SaveScope(), ckpt.fence)
-    finally:
-        if checkpointer is None:
-            ckpt.close()
+    return save_for_api(MegatronCoreEngine(job, extra=dict(extra or {})), save_dir, keep, PROG, checkpointer,
+                        job_id=job_id, take_over=take_over)
 
 
 def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *, vocab_size: int | None = None,
@@ -73,15 +66,8 @@ def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *
     """
     job = live_job(model, optimizer, scheduler, vocab_size, seed)
     job.trust_pickles = bool(trust_pickles)
-    engine = MegatronCoreEngine(job, verify, trust_pickles, strict=strict)
-    if iteration is not None:
-        return engine.load(load_dir, LoadScope(iteration=int(iteration)))
-    ckpt = checkpointer if checkpointer is not None else open_checkpointer()
-    try:
-        got = ckpt.resume(engine, load_dir, own=False)
-    finally:
-        if checkpointer is None:
-            ckpt.close()
-    if got.result is None:
+    res = load_for_api(MegatronCoreEngine(job, verify, trust_pickles, strict=strict), load_dir, iteration, PROG,
+                       checkpointer)
+    if res is None:
         raise NoCheckpointError(f"no complete tenplex checkpoint under {load_dir}")
-    return got.result
+    return res

@@ -33,7 +33,7 @@ from tenplex_megatron.memory import fallback, state
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
 from tenplex_megatron.memory.state import MemoryTier
-from tenplex_megatron.plan.megatron_ckpt_flags import SaveScope
+from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, SaveScope
 from tenplex_megatron.storage import job_identity, lease
 
 _log = log.get("checkpointer")
@@ -252,3 +252,32 @@ class NoSaveDirError(TenplexError, ValueError):
 
 class NoMemoryTierError(TenplexError, ValueError):
     """A host-memory snapshot was asked of a job without the host-memory tier (``--tenplex-memory``)."""
+
+
+def save_for_api(engine: Engine, save_dir: str, keep: int | None, prog: str, checkpointer: Checkpointer | None, *,
+                 job_id: str | None = None, take_over: bool = False) -> SaveResult:
+    """Collective, an API call's save (the public megatron-core API, DeepSpeed's): ``save_dir`` claimed through the
+    caller's ``checkpointer`` (held until it closes) or one for this call (released at its end), then a durable
+    save of everything under the lease's fence."""
+    ckpt = checkpointer if checkpointer is not None else Checkpointer.for_api(prog)
+    try:
+        ckpt.claim_dir(save_dir, job_id, take_over, lease.DEFAULT_TTL)
+        return engine.save(save_dir, keep, SaveScope(), ckpt.fence)
+    finally:
+        if checkpointer is None:
+            ckpt.close()
+
+
+def load_for_api(engine: Engine, load_dir: str, iteration: int | None, prog: str,
+                 checkpointer: Checkpointer | None) -> LoadResult | None:
+    """Collective, an API call's load: ``iteration``'s checkpoint (no fallback), else the resume sequence over
+    ``load_dir`` (not the job's own: no host memory, no scope), a damaged newest copy falling back to the next;
+    None where there is nothing to load (the caller names its own refusal)."""
+    if iteration is not None:
+        return engine.load(load_dir, LoadScope(iteration=int(iteration)))
+    ckpt = checkpointer if checkpointer is not None else Checkpointer.for_api(prog)
+    try:
+        return ckpt.resume(engine, load_dir, own=False).result
+    finally:
+        if checkpointer is None:
+            ckpt.close()

@@ -21,7 +21,7 @@ from tenplex_megatron.engine.load import LoadResult, load
 from tenplex_megatron.engine.save import SaveResult, save
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import run_phase
-from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer, load_for_api, save_for_api
 from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
@@ -114,13 +114,8 @@ def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | N
     ``client_state``: JSON the load hands back (``metadata["extra"]``); ``keep``: the newest complete checkpoints
     kept. ``checkpointer``: the loop's (:func:`open_checkpointer`), else one for this call."""
     orphan.die_with_agent()
-    ckpt = checkpointer if checkpointer is not None else open_checkpointer()
-    try:
-        ckpt.claim_dir(save_dir, job_id, take_over, lease.DEFAULT_TTL)
-        return DeepSpeedEngine(engine, client_state=dict(client_state or {})).save(save_dir, keep, SaveScope(), ckpt.fence)
-    finally:
-        if checkpointer is None:
-            ckpt.close()
+    return save_for_api(DeepSpeedEngine(engine, client_state=dict(client_state or {})), save_dir, keep, PROG,
+                        checkpointer, job_id=job_id, take_over=take_over)
 
 
 def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *, verify: bool = True,
@@ -137,18 +132,10 @@ def load_checkpoint(engine: Any, load_dir: str, iteration: int | None = None, *,
     orphan.die_with_agent()
     if formats.is_deepspeed_checkpoint_dir(load_dir):
         return _load_native(engine, load_dir, iteration, seed=seed, trust_pickles=trust_pickles)
-    job = DeepSpeedEngine(engine, load_dir, verify, seed)
-    if iteration is not None:
-        return job.load(load_dir, LoadScope(iteration=int(iteration)))
-    ckpt = checkpointer if checkpointer is not None else open_checkpointer()
-    try:
-        got = ckpt.resume(job, load_dir, own=False)
-    finally:
-        if checkpointer is None:
-            ckpt.close()
-    if got.result is None:  # nothing there: refused on every rank, as a load that finds nothing
+    res = load_for_api(DeepSpeedEngine(engine, load_dir, verify, seed), load_dir, iteration, PROG, checkpointer)
+    if res is None:  # nothing there: refused on every rank, as a load that finds nothing
         _refuse(f"load from {load_dir}", f"no complete tenplex checkpoint under {load_dir}")
-    return got.result
+    return res
 
 
 def _load_native(engine: Any, load_dir: str, iteration: int | None, *, seed: int,
