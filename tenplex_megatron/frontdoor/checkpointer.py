@@ -181,6 +181,8 @@ class Checkpointer:
         (:meth:`fenced`)."""
         if self.config.save is None:
             raise NoSaveDirError(f"{self.prog}: a save needs a save directory (--save)")
+        if self.config.async_save and persist is None:  # --async-save: every save durable, the previous one first
+            persist = True
         with self.fenced():
             if self.memory() is not None:
                 if not self._resumed:  # nothing was loaded (no --load): the snapshots older runs left are discarded

@@ -30,8 +30,7 @@ class LeaseConfig:
         """The leases of a job from its parsed flags: none without ``--tenplex``."""
         tenplex = bool(getattr(args, "tenplex", False))
         ttl = getattr(args, "tenplex_lease_ttl", None)
-        return cls(save=getattr(args, "save", None) if tenplex else None,
-                   memory=getattr(args, "tenplex_memory", None) if tenplex else None,
+        return cls(save=getattr(args, "save", None) if tenplex else None, memory=memory_flags.memory_dir(args),
                    job_id=getattr(args, "tenplex_job_id", None),
                    take_over=bool(getattr(args, "tenplex_take_over", False)),
                    ttl=lease.DEFAULT_TTL if ttl is None else float(ttl))
@@ -59,6 +58,7 @@ class JobConfig:
     init_from_hf: str | None = None
     resave: str | None = None
     exit_on_missing: bool = False  # --exit-on-missing-checkpoint
+    async_save: bool = False  # --async-save: every save a snapshot persisted in the background, committed before the next
 
     @classmethod
     def from_args(cls, args: Any, prog: str) -> JobConfig:
@@ -69,7 +69,7 @@ class JobConfig:
             return default if value is None else value
 
         tenplex = bool(flag("tenplex", False))
-        mem = flag("tenplex_memory") if tenplex else None
+        mem = memory_flags.memory_dir(args)
         leases = LeaseConfig.from_args(args)
         return cls(prog, tenplex, flag("save"), flag("load"),
                    memory_flags.memory_settings(args) if mem else None, leases,
@@ -77,7 +77,8 @@ class JobConfig:
                    keep=flag("tenplex_keep"), retention=table.retention(args), save_scope=table.save_scope(args),
                    load_scope=table.load_scope(args), pretrained=flag("pretrained_checkpoint"),
                    init_from_hf=flag("tenplex_init_from_hf"), resave=flag("tenplex_resave"),
-                   exit_on_missing=bool(flag("exit_on_missing_checkpoint", False)))
+                   exit_on_missing=bool(flag("exit_on_missing_checkpoint", False)),
+                   async_save=tenplex and bool(flag("async_save", False)))
 
     @classmethod
     def for_api(cls, prog: str, memory: MemorySettings | None = None) -> JobConfig:

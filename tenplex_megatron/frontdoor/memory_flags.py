@@ -8,6 +8,7 @@ meanings, checks and end-of-job rule (:func:`finish`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -38,10 +39,32 @@ def check_memory_args(args: Any) -> str | None:
     return None
 
 
+#: where ``--async-save`` keeps its snapshots on each node when ``--tenplex-memory`` names no directory
+ASYNC_SAVE_ROOT = "/dev/shm"
+
+
+def async_save_dir(save: str) -> str:
+    """The node-local memory directory of an ``--async-save`` job without ``--tenplex-memory``: one per ``--save``
+    directory (another job's is another), in ``/dev/shm``."""
+    digest = hashlib.sha1(os.path.abspath(save).encode()).hexdigest()[:12]
+    return os.path.join(ASYNC_SAVE_ROOT, f"tenplex-async-{digest}")
+
+
+def memory_dir(args: Any) -> str | None:
+    """The job's host-memory directory: ``--tenplex-memory``'s, else ``--async-save``'s default (with ``--save``),
+    else None (no tier). Only with ``--tenplex``."""
+    if not getattr(args, "tenplex", False):
+        return None
+    if getattr(args, "tenplex_memory", None):
+        return args.tenplex_memory
+    save = getattr(args, "save", None)
+    return async_save_dir(save) if getattr(args, "async_save", False) and save else None
+
+
 def memory_settings(args: argparse.Namespace | Any) -> MemorySettings:
     """The tier's settings from the flags (validated there: a bad value is a ValueError naming its flag). The
     job's identity is its durable directory: another job's snapshots are never loaded."""
-    mem = args.tenplex_memory or ""
+    mem = memory_dir(args) or args.tenplex_memory or ""
     save = getattr(args, "save", None)  # Megatron-LM's own flags: absent where only the hook's are parsed
     limit = None if args.tenplex_memory_limit is None else int(args.tenplex_memory_limit * 1e9)
     return MemorySettings(mem, os.path.abspath(save or getattr(args, "load", None) or mem), save,

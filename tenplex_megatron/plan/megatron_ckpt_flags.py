@@ -32,7 +32,7 @@ class Setting:
     accepted: tuple[Any, ...] | None = None
 
 
-_ASYNC = "only with --async-save, which --tenplex refuses"
+_ASYNC = "a setting of Megatron's own async writer; with --tenplex the host-memory tier writes in the background"
 _NON_PERSISTENT = "only with --non-persistent-ckpt-type, which --tenplex refuses"
 _TORCH_DIST = "a setting of megatron-core's torch_dist save or load, which --tenplex replaces"
 
@@ -115,9 +115,10 @@ SETTINGS: tuple[Setting, ...] = (
             _TORCH_DIST),
     Setting(("ckpt_fully_parallel_load_process_group",), "--ckpt-fully-parallel-load-process-group", NO_EFFECT,
             _TORCH_DIST),
-    Setting(("async_save",), "--async-save", REFUSED,
-            "tenplex's save is collective and synchronous (Megatron's async save would silently block); add "
-            "--tenplex-memory for a non-blocking snapshot"),  # refused by plan/unsupported.py (JOB_ONLY)
+    Setting(("async_save",), "--async-save", HONOURED,
+            "the save returns once the state is captured in host memory (--tenplex-memory's tier, by default in "
+            "/dev/shm); a helper process writes it to --save in the background, committed before the next save "
+            "and at exit"),
     Setting(("use_persistent_ckpt_worker",), "--use-persistent-ckpt-worker", NO_EFFECT, _ASYNC),
     Setting(("async_strategy",), "--async-strategy", NO_EFFECT, _ASYNC),
     Setting(("async_ckpt_cpu_priority",), "--async-ckpt-cpu-priority", NO_EFFECT, _ASYNC),

@@ -54,12 +54,7 @@ def check_saved_args(path: str, args: Any) -> None:
 
 
 #: Flags refused in a running job's own args only (a checkpoint Megatron saved with them is adopted as usual).
-JOB_ONLY: tuple[tuple[str, Any, str, str], ...] = (
-    ("async_save", False, "--async-save",
-     "tenplex's save takes over Megatron-LM's checkpointing and is a collective, synchronous save, so Megatron's "
-     "async save (torch or nvrx) would silently block; drop --async-save, or add --tenplex-memory for a "
-     "non-blocking snapshot into host memory that a helper process persists in the background"),
-)
+JOB_ONLY: tuple[tuple[str, Any, str, str], ...] = ()
 
 
 def unsupported_job_flags(args: Any) -> list[str]:

@@ -199,6 +199,10 @@ def _checkpoint_flags(g: argparse._ArgumentGroup) -> None:
                    help="with --tenplex: besides the newest, keep every checkpoint whose iteration is a multiple of N")
     g.add_argument("--most-recent-k", type=int, default=None, metavar="K",
                    help="with --tenplex: keep the newest K checkpoints (-1: all; with --tenplex-keep the smaller)")
+    g.add_argument("--async-save", action="store_true",
+                   help="with --tenplex: a save returns once the state is in host memory (--tenplex-memory's "
+                   "directory, by default in /dev/shm); a helper process writes it to --save in the background, "
+                   "committed before the next save and at exit")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="--load holds no checkpoint: exit instead of starting from scratch")
     g.add_argument("--log-interval", type=int, default=1)

@@ -67,17 +67,33 @@ def test_saved_args_name_the_file() -> None:
         check_saved_args("ckpt/iter_0000004/common.pt", _args(context_parallel_size=2, use_torch_fsdp2=True))
 
 
-def test_async_save_is_refused_in_a_job_but_not_in_a_saved_checkpoint() -> None:
-    """Megatron-LM's --async-save with --tenplex: refused at start naming the flag (tenplex's save would silently
-    block it); a checkpoint Megatron saved with it is still adopted (its saved args are not refused)."""
+def test_async_save_is_honoured_through_the_host_memory_tier(tmp_path) -> None:
+    """Megatron-LM's --async-save with --tenplex is not refused: the job's tier holds each save in /dev/shm (or
+    --tenplex-memory's directory) and persists every one in the background (the save and restart:
+    tests/multiproc/test_async_save.py); without --tenplex it is Megatron's own; a checkpoint saved with it is
+    adopted as usual."""
     from argparse import Namespace
 
+    from tenplex_megatron.frontdoor.job_config import JobConfig
+    from tenplex_megatron.frontdoor.memory_flags import async_save_dir
     from tenplex_megatron.plan.unsupported import check_saved_args, unsupported_job_flags
+    from tenplex_megatron.training.pretrain import parse_args
 
-    (problem,) = unsupported_job_flags(Namespace(async_save=True, tenplex=True))
-    assert problem.startswith("--async-save:") and "--tenplex-memory" in problem
-    assert unsupported_job_flags(Namespace(async_save=False)) == [] and unsupported_job_flags({}) == []
+    assert unsupported_job_flags(Namespace(async_save=True, tenplex=True)) == []
     check_saved_args("ckpt/iter_0000003/common.pt", {"async_save": True})
+    save = str(tmp_path / "ckpt")
+    tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--train-iters", "4", "--lr", "1e-3", "--mock-data", "--vocab-size", "96", "--save", save,
+            "--async-save"]
+    config = JobConfig.from_args(parse_args([*tiny, "--tenplex"]), "pretrain_gpt.py")
+    assert config.async_save and config.memory is not None and config.memory.mem == async_save_dir(save)
+    assert config.leases.memory == async_save_dir(save) and config.memory.save_dir == save
+    mem = str(tmp_path / "mem")
+    config = JobConfig.from_args(parse_args([*tiny, "--tenplex", "--tenplex-memory", mem]), "pretrain_gpt.py")
+    assert config.async_save and config.memory.mem == mem
+    config = JobConfig.from_args(parse_args(tiny), "pretrain_gpt.py")
+    assert not config.async_save and config.memory is None and config.leases.memory is None
 
 
 def test_transformer_engine_spec_without_transformer_engine() -> None:
