@@ -44,7 +44,7 @@ class LayoutRecord(Protocol):
         ...
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Any:
+    def from_json(cls, d: Mapping[str, Any]) -> LayoutRecord:
         """The layout a checkpoint recorded, of this type."""
         ...
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tenplex_megatron.engine import rank_local, rng
-from tenplex_megatron.engine.adapter import Adapter
+from tenplex_megatron.engine.adapter import Adapter, LayoutRecord
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import gather_records, rank, run_phase
@@ -68,7 +68,7 @@ class LoadResult:
     consumed_samples: int = 0  # the data position to resume from (DeepSpeed: global samples)
     metadata: dict[str, Any] | None = None  # raw: the checkpoint's metadata document as read (kept for compatibility)
     extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # what the save got as ``extra``
-    layout: Any = None  # the saved layout, of the job's layout type (ParallelLayout; DeepSpeed: DeepSpeedLayout)
+    layout: LayoutRecord | None = None  # the saved layout, of the job's layout type (ParallelLayout; DeepSpeed: DeepSpeedLayout)
 
 
 def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opened:
@@ -345,7 +345,7 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
     )
 
 
-def saved_layout(kind: Any, recorded: Mapping[str, Any]) -> Any:
+def saved_layout(kind: type[LayoutRecord], recorded: Mapping[str, Any]) -> LayoutRecord | None:
     """The recorded layout as ``kind`` (the job's layout type), None where it is not one (a foreign checkpoint's
     layout without the degrees the type needs)."""
     try:
