@@ -99,6 +99,8 @@ def main() -> None:
     if os.path.exists(os.path.join(a.dir, "latest_checkpointed_iteration.txt")):
         res = tenplex_megatron.load_checkpoint(a.dir, ddp, optimizer, scheduler)  # re-sharded to this TP/DP
         iteration, consumed = res.iteration, res.consumed_samples
+        if torch.distributed.get_rank() == 0:  # res.extra: what the save was given as ``extra``; res.layout: its layout
+            print(f"resumed at iteration {iteration} from {res.layout} (loss then: {res.extra.get('loss')})", flush=True)
     while iteration < a.iters:
         loss = step(ddp, optimizer, scheduler, consumed)
         iteration, consumed = iteration + 1, consumed + GLOBAL_BATCH
@@ -107,7 +109,7 @@ def main() -> None:
                 f.write(json.dumps({"iteration": iteration, "loss": loss}) + "\n")
         if a.save_interval and iteration % a.save_interval == 0:
             tenplex_megatron.save_checkpoint(a.dir, ddp, optimizer, scheduler, iteration=iteration,
-                                             consumed_samples=consumed)
+                                             consumed_samples=consumed, extra={"loss": loss})
     torch.distributed.destroy_process_group()
 
 

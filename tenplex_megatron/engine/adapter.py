@@ -13,14 +13,40 @@ back, such as Transformer Engine's ``_extra_state``): ``rank_local() -> {entry n
 record)}`` at save, and ``prepare_rank_local(metadata, read) -> (callable applied after restore) | None`` at load
 (``metadata``: the checked record, ``storage/source.py``'s ``Metadata``, as every load method gets it: tenplex's
 own fields typed, a framework's own records through ``metadata.record(name)``).
+
+What an adapter hands the engine for metadata.json is typed: its layout (a :class:`LayoutRecord`: megatron-core's
+``ParallelLayout``, DeepSpeed's ``DeepSpeedLayout``) and its own fields (a :class:`JsonRecord`), each a frozen
+record whose ``to_json`` is what the checkpoint holds.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.storage.source import Metadata
+
+
+class JsonRecord(Protocol):
+    """A frozen record metadata.json holds as JSON (an adapter's own fields)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as metadata.json holds it."""
+        ...
+
+
+class LayoutRecord(Protocol):
+    """A framework's parallel layout: recorded at save, compared at load, handed back as ``LoadResult.layout``."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as metadata.json holds it (what a load compares for the RNG policy)."""
+        ...
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> LayoutRecord:
+        """The layout a checkpoint recorded, of this type."""
+        ...
 
 
 class Adapter(Protocol):
@@ -30,8 +56,8 @@ class Adapter(Protocol):
     seed: int  # for the RNG re-seed when the layout changed
     rng_tracker: bool  # capture megatron-core's model-parallel RNG tracker too
 
-    def layout(self) -> dict[str, Any]:
-        """The job's parallel layout as JSON: recorded at save, compared at load (the RNG policy)."""
+    def layout(self) -> LayoutRecord:
+        """The job's parallel layout: recorded at save, compared at load (the RNG policy)."""
         ...
 
     def iteration(self) -> int:
@@ -46,7 +72,7 @@ class Adapter(Protocol):
         """Check the checkpoint fits this job (naming what does not), allocate missing state, describe it."""
         ...
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> JsonRecord:
         """The framework's non-tensor state for metadata.json (called on rank 0 during the commit)."""
         ...
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from tenplex_megatron.engine import rank_local, rng
-from tenplex_megatron.engine.adapter import Adapter
+from tenplex_megatron.engine.adapter import Adapter, LayoutRecord
 from tenplex_megatron.engine.chunks import LocalChunk, tensor_table
+from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import gather_records, rank, run_phase
 from tenplex_megatron.execute.executor import (
     ExecStats,
@@ -47,11 +49,13 @@ from tenplex_megatron.storage.steps import checkpoint_at
 
 @dataclass(frozen=True)
 class LoadResult:
-    """What a load did on this rank (the same type for every framework)."""
+    """What a load did on this rank (the same type for every framework): ``extra`` (a read-only view of what the
+    save was given as ``extra``: DeepSpeed's ``client_state``) and ``layout`` (the saved layout, typed; None where
+    a foreign checkpoint records no layout of the job's type) are typed; ``metadata`` is the raw document."""
 
     path: str
     iteration: int  # the step the job resumes from (DeepSpeed: global steps)
-    source_layout: dict[str, Any]  # the saved layout as recorded (megatron: tp/pp/dp; DeepSpeed: + zero_stage)
+    source_layout: dict[str, Any]  # the saved layout as JSON (megatron: tp/pp/dp; DeepSpeed: + zero_stage); typed: layout
     bytes_read: int  # by this rank: copied into its tensors
     bytes_filled: int  # zero-filled (new vocabulary padding rows)
     tensors: int
@@ -62,7 +66,9 @@ class LoadResult:
     bytes_fetched: int = 0  # read out of files by this rank, checked here, by a peer of its host or not at all
     source_format: str = "tenplex"  # or the foreign format read in place ("deepspeed")
     consumed_samples: int = 0  # the data position to resume from (DeepSpeed: global samples)
-    metadata: dict[str, Any] | None = None  # the checkpoint's metadata document as read (its framework's fields: extra)
+    metadata: dict[str, Any] | None = None  # raw: the checkpoint's metadata document as read (kept for compatibility)
+    extra: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # what the save got as ``extra``
+    layout: LayoutRecord | None = None  # the saved layout, of the job's layout type (ParallelLayout; DeepSpeed: DeepSpeedLayout)
 
 
 def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opened:
@@ -315,12 +321,14 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
                              left_out=() if scope.optimizer else ("optimizer.",))
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
+    job_layout = adapter.layout()
     exact = run_phase(f"load from {loaded.path}: restoring RNG", lambda: rng.apply_policy(
-        meta, adapter.layout(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker)) if scope.rng else False
+        meta, job_layout.to_json(), rank(), adapter.seed, adapter.iteration(), adapter.rng_tracker)) if scope.rng else False
+    source_layout = dict(meta.layout or loaded.ptc.layout)
     return LoadResult(
         path=loaded.path,
         iteration=adapter.iteration(),
-        source_layout=dict(meta.layout or loaded.ptc.layout),
+        source_layout=source_layout,
         bytes_read=stats.bytes_read,
         bytes_filled=stats.bytes_filled,
         tensors=loaded.tensors,
@@ -332,4 +340,15 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
         source_format=source_format,
         consumed_samples=meta.data_position,
         metadata=dict(meta.raw),
+        extra=MappingProxyType(dict(meta.record("extra") or {})),
+        layout=saved_layout(type(job_layout), source_layout),
     )
+
+
+def saved_layout(kind: type[LayoutRecord], recorded: Mapping[str, Any]) -> LayoutRecord | None:
+    """The recorded layout as ``kind`` (the job's layout type), None where it is not one (a foreign checkpoint's
+    layout without the degrees the type needs)."""
+    try:
+        return kind.from_json(recorded)
+    except (TenplexError, KeyError, TypeError, ValueError):
+        return None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from tenplex_megatron.engine.save_records import RankFile
-from tenplex_megatron.storage.checkpoint_metadata import RankLocalSection
+from tenplex_megatron.storage.checkpoint_metadata import RankLocalEntry, RankLocalSection
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc32
@@ -25,20 +25,17 @@ from tenplex_megatron.storage.safetensors_io import SafetensorsReader, block_crc
 PREFIX = "rank_local:"
 
 
-def rank_local_json(infos: list[RankFile]) -> dict[str, Any]:
+def rank_local_sections(infos: list[RankFile]) -> dict[int, RankLocalSection]:
     """metadata.json's ``rank_local`` section from every rank's save info: per rank, its file and each entry's
     record (what the adapter said about it) with its bytes' block CRC-32s; empty when no rank has any."""
-    out: dict[str, Any] = {}
+    out: dict[int, RankLocalSection] = {}
     for r, info in enumerate(infos):
         records = info.info.get("rank_local") or {}
         if not records:
             continue
-        out[str(r)] = {
-            "file": info.file,
-            "block_bytes": info.block_bytes,
-            "entries": {name: {**rec, "block_crc32": list(info.block_crc32.get(name, ()))}
-                        for name, rec in records.items()},
-        }
+        entries = {name: RankLocalEntry.written(name, rec, tuple(info.block_crc32.get(name, ())))
+                   for name, rec in records.items()}
+        out[r] = RankLocalSection(r, info.file, info.block_bytes, entries)
     return out
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +22,14 @@ from tenplex_megatron import log
 from tenplex_megatron.engine import rng
 from tenplex_megatron.engine.adapter import Adapter
 from tenplex_megatron.engine.chunks import LocalChunk, chunk_name
-from tenplex_megatron.engine.rank_local import rank_local_json
+from tenplex_megatron.engine.rank_local import rank_local_sections
 from tenplex_megatron.engine.save_records import RankFile, RankHoldings
 from tenplex_megatron.execute.collective import gather_records, rank, run_phase
 from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.ptc import PTC, Chunk, Location, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.writers import Holding, assign_writers
 from tenplex_megatron.storage import directory, lease
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.faults import maybe_fail
 from tenplex_megatron.storage.safetensors_io import BLOCK_BYTES, write_safetensors
 
@@ -93,8 +95,10 @@ def rank_tensors(chunks: list[LocalChunk], writers: dict[Chunk, int], me: int,
 
 
 def build_metadata(writers: dict[Chunk, int], infos: list[RankFile], all_meta: dict[str, TensorMeta],
-                   layout: dict[str, Any], iteration: int, metadata: Any) -> dict[str, Any]:
-    """metadata.json of a save: the PTC (each chunk at its writer's file, with its block CRCs) and the rest."""
+                   layout: Mapping[str, Any], iteration: int, fields: Mapping[str, Any], path: str, *,
+                   memory_job: str | None = None) -> CheckpointMetadata:
+    """metadata.json of a save as its typed record: the PTC (each chunk at its writer's file, with its block CRCs),
+    the files, every rank's RNG streams and rank-local sections, and ``fields``: the framework's own part."""
     stored = [
         StoredChunk(
             c,
@@ -104,37 +108,30 @@ def build_metadata(writers: dict[Chunk, int], infos: list[RankFile], all_meta: d
         )
         for c, w in writers.items()
     ]
-    ptc = PTC(tensors=all_meta, chunks=tuple(stored), layout=layout)
-    local = rank_local_json(infos)
-    return {
-        "format": directory.FORMAT_NAME,
-        "format_version": directory.FORMAT_VERSION,
-        "iteration": iteration,
-        "layout": layout,
-        **metadata([dict(i.info) for i in infos]),
-        "files": {i.file: i.size for i in infos if i.file},
-        "saved_at": time.time(),
-        **({"rank_local": local} if local else {}),
-        "ptc": ptc.to_json(),
-    }
+    return CheckpointMetadata.compose(
+        path, iteration=iteration, layout=layout, fields=fields,
+        ptc=PTC(tensors=all_meta, chunks=tuple(stored), layout=dict(layout)),
+        files={i.file: i.size for i in infos if i.file}, rank_local=rank_local_sections(infos),
+        rng={r: i.info["rng"] for r, i in enumerate(infos) if "rng" in i.info}, saved_at=time.time(),
+        memory_job=memory_job)
 
 
 def save_chunks(
     chunks: list[LocalChunk],
     save_dir: str,
     iteration: int,
-    layout: dict[str, Any],
+    layout: Mapping[str, Any],
     rank_info: dict[str, Any],
-    metadata: Any,
+    metadata: Callable[[list[dict[str, Any]]], Mapping[str, Any]],
     keep: int | Retention | None = None,
     local: dict[str, torch.Tensor] | None = None,
     fence: lease.Fence = lease.no_fence,
 ) -> SaveResult:
     """Collective: write every chunk once under ``save_dir/iter_NNNNNNN`` and commit it atomically.
 
-    ``rank_info``: JSON this rank contributes (its RNG state, say); ``metadata``
-    is called on rank 0 with every rank's and returns the framework's own part
-    of metadata.json. ``keep``: after the commit, keep only the newest ``keep`` (or what a :class:`Retention` keeps).
+    ``layout``: the job's layout as JSON. ``rank_info``: JSON this rank contributes (its RNG state under ``rng``,
+    its rank-local records); ``metadata`` is called on rank 0 with every rank's and returns the framework's own
+    part of metadata.json (its name under ``framework``, its adapter's record as JSON). ``keep``: after the commit, keep only the newest ``keep`` (or what a :class:`Retention` keeps).
     ``local``: this rank's rank-local entries (flat uint8, ``engine/rank_local.py``: :func:`local_tensors`),
     written in its own file; ``rank_info["rank_local"]`` holds their records (:func:`local_records`). ``fence``:
     the writer's lease, checked before every destructive step in ``save_dir`` (``storage/lease.py``).
@@ -187,8 +184,10 @@ def save_chunks(
         if me != 0:
             return os.path.join(save_dir, directory.iter_dir_name(iteration))
         maybe_fail("save.metadata_callback", me, iteration)
-        meta = build_metadata(writers, infos, all_meta, layout, iteration, metadata)
-        path = directory.commit(save_dir, iteration, meta, meta["files"],
+        target = os.path.join(save_dir, directory.iter_dir_name(iteration), directory.METADATA_FILE)
+        meta = build_metadata(writers, infos, all_meta, layout, iteration,
+                              metadata([dict(i.info) for i in infos]), target)
+        path = directory.commit(save_dir, iteration, meta.to_json(), dict(meta.files or {}),
                                 fault=lambda point: maybe_fail(point, me, iteration), fence=fence)
         if keep is not None:
             removed.extend(directory.apply_retention(save_dir, keep, fence))
@@ -210,9 +209,8 @@ def save(adapter: Adapter, save_dir: str, keep: int | Retention | None = None, *
     chunks, local = run_phase(f"save to {save_dir}: describing the job", lambda: describe_for_save(adapter))
 
     def metadata(infos: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"framework": adapter.framework, **adapter.metadata(),
-                "rng": {str(r): i["rng"] for r, i in enumerate(infos) if "rng" in i}}
+        return {"framework": adapter.framework, **adapter.metadata().to_json()}
 
     info = {**({"rng": rng.capture(tracker=adapter.rng_tracker)} if rng_state else {}), **local_records(local)}
-    return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout(), info, metadata, keep,
+    return save_chunks(chunks, save_dir, adapter.iteration(), adapter.layout().to_json(), info, metadata, keep,
                        local_tensors(local), fence)

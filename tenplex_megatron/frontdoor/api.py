@@ -61,7 +61,7 @@ def load_checkpoint(load_dir: str, model: Any, optimizer: Any, scheduler: Any, *
     damaged one falls back to the previous, naming it (``iteration``: that one, no fallback).
 
     Returns a :class:`LoadResult`: ``.iteration`` and ``.consumed_samples`` say where to resume,
-    ``.metadata["extra"]`` holds what was passed as ``extra`` at save. ``trust_pickles``: hand Transformer Engine's
+    ``.extra`` holds what was passed as ``extra`` at save (read-only), ``.layout`` the saving layout. ``trust_pickles``: hand Transformer Engine's
     extra state to its modules without checking its pickles (only for a checkpoint you trust).
     """
     job = live_job(model, optimizer, scheduler, vocab_size, seed)

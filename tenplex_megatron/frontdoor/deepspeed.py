@@ -111,7 +111,7 @@ def save_checkpoint(engine: Any, save_dir: str, client_state: dict[str, Any] | N
 
     The save claims ``save_dir``'s lease first (:func:`claim_save_dir`): ``job_id`` names this job
     (``--tenplex-job-id``), ``take_over`` takes a lease whose holder may still live (``--tenplex-take-over``).
-    ``client_state``: JSON the load hands back (``metadata["extra"]``); ``keep``: the newest complete checkpoints
+    ``client_state``: JSON the load hands back (``LoadResult.extra``); ``keep``: the newest complete checkpoints
     kept. ``checkpointer``: the loop's (:func:`open_checkpointer`), else one for this call."""
     orphan.die_with_agent()
     return save_for_api(DeepSpeedEngine(engine, client_state=dict(client_state or {})), save_dir, keep, PROG,

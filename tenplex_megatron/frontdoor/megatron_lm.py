@@ -411,7 +411,7 @@ def _resumed(args: Any, job: LiveJob, res: Any) -> float:
     """Megatron-LM's args after a load: the data position the checkpoint recorded; returns its FLOP count."""
     args.consumed_train_samples = job.consumed_samples
     args.skipped_train_samples = 0
-    return float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
+    return float(res.extra.get("num_floating_point_operations_so_far", 0.0))
 
 
 class TenplexBatchSampler:

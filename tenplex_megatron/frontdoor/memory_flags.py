@@ -113,6 +113,6 @@ def describe_memory_load(mres: MemoryLoadResult, layout: ParallelLayout) -> str:
     """The line a trainer says for a restart from host memory at ``layout`` (without the ``> tenplex:`` prefix)."""
     res = mres.result
     return (f"loaded iteration {res.iteration} from host memory ({res.path}): layout "
-            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
+            f"{res.layout or ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors in {res.seconds:.2f} s; "
             f"rank 0: {res.bytes_read / 1e6:.2f} MB copied, {mres.bytes_received / 1e6:.2f} MB received from peers, "
             f"{mres.bytes_from_durable} bytes read from durable storage")

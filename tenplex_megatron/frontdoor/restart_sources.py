@@ -95,5 +95,5 @@ def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:
     """The line a trainer says for a restart from a durable checkpoint (tenplex's or Megatron's) at ``layout``
     (without the ``> tenplex:`` prefix: the logger or the trainer adds it)."""
     return (f"loaded iteration {res.iteration} from {res.path}: layout "
-            f"{ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors, "
+            f"{res.layout or ParallelLayout.from_json(res.source_layout)} -> {layout}, {res.tensors} tensors, "
             f"{res.bytes_read / 1e6:.2f} MB read on rank 0 in {res.seconds:.2f} s")

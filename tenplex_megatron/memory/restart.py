@@ -359,7 +359,7 @@ def load_snapshot(adapter: Adapter, tier: MemoryTier, choice: Choice, *, verify:
         return Opened(label, _metadata(choice), src.ptc, src)
 
     same_layout = getattr(adapter, "prepare_rank_local", None) is not None \
-        and _metadata(choice).layout == adapter.layout()  # rank-local state can apply: fetch it too
+        and _metadata(choice).layout == adapter.layout().to_json()  # rank-local state can apply: fetch it too
     fetch = None if held_everywhere(tier, choice) else fetch_from_peers(tier, choice, same_layout)
     res = load(adapter, label, None, strict=True, verify=verify, opener=opener, host=f"memory-node:{tier.node}",
                fetch=fetch)

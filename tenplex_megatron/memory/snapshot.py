@@ -265,15 +265,13 @@ def _file_info(adapter: Adapter, tier: MemoryTier, size: int, sums: dict[str, tu
 
 def _metadata(adapter: Adapter, tier: MemoryTier, writers: dict[Any, int], infos: list[RankFile],
               all_meta: Any, it: int) -> dict[str, Any] | None:
-    """Rank 0: the snapshot's metadata (a durable checkpoint's, naming the job); None elsewhere."""
+    """Rank 0: the snapshot's metadata as JSON (a durable checkpoint's, naming the job); None elsewhere."""
     if rank() != 0:
         return None
-
-    def framework(rank_infos: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"framework": adapter.framework, **adapter.metadata(),
-                "rng": {str(r): i["rng"] for r, i in enumerate(rank_infos)}, "memory_job": tier.settings.job}
-
-    return build_metadata(writers, infos, all_meta, adapter.layout(), it, framework)
+    fields = {"framework": adapter.framework, **adapter.metadata().to_json()}
+    path = os.path.join(node_dir.snapshot_dir(tier.mem, it), directory.METADATA_FILE)
+    return build_metadata(writers, infos, all_meta, adapter.layout().to_json(), it, fields, path,
+                          memory_job=tier.settings.job).to_json()
 
 
 def _commit(tier: MemoryTier, it: int, meta: dict[str, Any], removed: list[str]) -> str:

@@ -6,7 +6,9 @@ record, a 1500-dimension tensor, a negative size, two tensors of one name), and 
 :class:`CheckpointFileError` naming the file and the field, e.g. ``ckpt/iter_0000004/metadata.json: ptc.tensors[3].dtype:
 unknown dtype 'float128x'``: ``verify``, ``inspect`` and ``plan`` print it, and a load treats the copy as damaged
 (it falls back to the next). The fields a framework's adapter alone reads (optimizer, scheduler, extra, DeepSpeed's
-step counters) stay in :attr:`CheckpointMetadata.raw`. The on-disk format is unchanged.
+step counters) stay in :attr:`CheckpointMetadata.records`. A save builds the same record from typed parts
+(:meth:`CheckpointMetadata.compose`) and writes :meth:`CheckpointMetadata.to_json`, the inverse of
+:meth:`CheckpointMetadata.from_json`. The on-disk format is unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex_megatron.plan.ptc import DTYPE_SIZES, PTC, PTCError
+from tenplex_megatron.storage import formats
 from tenplex_megatron.storage.files import CheckpointFileError
 
 MAX_DIMS = 64  # a tensor of more dimensions than this is no tensor a framework makes (PyTorch's own limit)
@@ -26,6 +29,14 @@ MAX_LAYOUT = 1 << 24  # a parallel degree above this is no job's
 MODEL_SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
 _MODEL_OPTIONAL_SIZES = ("make_vocab_size_divisible_by", "num_query_groups", "num_experts", "moe_ffn_hidden_size",
                          "ffn_hidden_size")
+FORMAT_NAME = formats.FORMAT_NAME  # metadata.json's ``format`` (recognised in formats.py)
+FORMAT_VERSION = 2  # written by this version; format 1 (no block CRCs required) is still read
+#: the framework's fields :class:`CheckpointMetadata` types (every other field of the framework's is in ``records``)
+FRAMEWORK_TYPED = ("framework", "consumed_samples", "model", "padded_vocab_size", "use_distributed_optimizer",
+                   "weights_only", "global_samples")
+#: every field :class:`CheckpointMetadata` types: the rest of a document is its ``records``
+TYPED_KEYS = frozenset(("format", "format_version", "iteration", "layout", "files", "ptc", "rank_local", "saved_at",
+                        "memory_job", "rng", *FRAMEWORK_TYPED))
 
 
 class _Fields:
@@ -103,6 +114,11 @@ class RankLocalEntry:
     block_crc32: tuple[int, ...]
     record: Mapping[str, Any]
 
+    @classmethod
+    def written(cls, name: str, record: Mapping[str, Any], block_crc32: tuple[int, ...]) -> RankLocalEntry:
+        """The entry a save records: the adapter's record (its ``nbytes`` included) with the bytes' block CRCs."""
+        return cls(name, int(record["nbytes"]), tuple(block_crc32), {**record, "block_crc32": list(block_crc32)})
+
 
 @dataclass(frozen=True)
 class RankLocalSection:
@@ -113,10 +129,16 @@ class RankLocalSection:
     block_bytes: int
     entries: Mapping[str, RankLocalEntry]
 
+    def to_json(self) -> dict[str, Any]:
+        """The section as metadata.json holds it (its rank is the key it is filed under)."""
+        return {"file": self.file, "block_bytes": self.block_bytes,
+                "entries": {name: dict(e.record) for name, e in self.entries.items()}}
+
 
 @dataclass(frozen=True)
 class CheckpointMetadata:
-    """A tenplex checkpoint's ``metadata.json``, checked; ``raw`` is the document itself (for the adapter's fields).
+    """A tenplex checkpoint's ``metadata.json``, checked; ``records`` are the framework's own fields (the adapter's),
+    ``raw`` the document as read (empty in a record a save built).
 
     ``ptc`` is None only in a document that has none (a save's partial record); readers that plan use
     :meth:`require_ptc`.
@@ -136,10 +158,11 @@ class CheckpointMetadata:
     rank_local: Mapping[int, RankLocalSection]
     saved_at: float | None
     memory_job: str | None  # a host-memory snapshot's job id (None in a durable checkpoint)
-    raw: Mapping[str, Any]
     weights_only: bool = False  # saved without the optimizer (--no-save-optim)
     global_samples: int | None = None  # DeepSpeed's data position (its engines record no consumed_samples)
     rng: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)  # rank -> its saved RNG streams (engine/rng.py)
+    records: Mapping[str, Any] = field(default_factory=dict)  # the framework's own fields: every field not typed here
+    raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the document as read
 
     @property
     def data_position(self) -> int:
@@ -161,7 +184,7 @@ class CheckpointMetadata:
     def record(self, name: str) -> Any:
         """A framework's own record (its optimizer's hyper-parameters and step, its scheduler, its counters): opaque
         to the engine, read by the adapter that wrote it; None where the checkpoint has none."""
-        return self.raw.get(name)
+        return self.records.get(name)
 
     def require_ptc(self) -> PTC:
         if self.ptc is None:
@@ -197,11 +220,46 @@ class CheckpointMetadata:
             rank_local=_rank_local(f, d.get("rank_local") or {}),
             saved_at=None if d.get("saved_at") is None else f.number(d["saved_at"], "saved_at"),
             memory_job=None if d.get("memory_job") is None else f.text(d["memory_job"], "memory_job"),
-            raw=d,
             weights_only=bool(d.get("weights_only") is not None and f.flag(d["weights_only"], "weights_only")),
             global_samples=f.opt_count(d.get("global_samples"), "global_samples"),
             rng=_rng(f, d.get("rng") or {}),
+            records={k: v for k, v in d.items() if k not in TYPED_KEYS},
+            raw=d,
         )
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``metadata.json`` document: the inverse of :meth:`from_json` (what a save writes)."""
+        doc: dict[str, Any] = {"format": FORMAT_NAME, "format_version": self.format_version}
+        typed = {"iteration": self.iteration, "layout": None if self.layout is None else dict(self.layout),
+                 "framework": self.framework, "consumed_samples": self.consumed_samples,
+                 "model": None if self.model is None else dict(self.model), "padded_vocab_size": self.padded_vocab_size,
+                 "use_distributed_optimizer": self.use_distributed_optimizer,
+                 "weights_only": True if self.weights_only else None, "global_samples": self.global_samples}
+        doc.update((k, v) for k, v in typed.items() if v is not None)
+        doc.update(self.records)
+        doc["rng"] = {str(r): dict(state) for r, state in self.rng.items()}
+        tail = {"memory_job": self.memory_job, "files": None if self.files is None else dict(self.files),
+                "saved_at": self.saved_at,
+                "rank_local": {str(r): sec.to_json() for r, sec in self.rank_local.items()} or None,
+                "ptc": None if self.ptc is None else self.ptc.to_json()}
+        doc.update((k, v) for k, v in tail.items() if v is not None)
+        return doc
+
+    @classmethod
+    def compose(cls, path: str, *, iteration: int, layout: Mapping[str, int], fields: Mapping[str, Any], ptc: PTC,
+                files: Mapping[str, int], rank_local: Mapping[int, RankLocalSection],
+                rng: Mapping[int, Mapping[str, Any]], saved_at: float, memory_job: str | None = None
+                ) -> CheckpointMetadata:
+        """A save's record from its typed parts; ``fields``: the framework's part of the document (its adapter's
+        record as JSON, the framework's name included), whose fields this record types are taken out of it."""
+        own = {k: v for k, v in fields.items() if k not in TYPED_KEYS}
+        return cls(path=path, format_version=FORMAT_VERSION, iteration=iteration, framework=fields.get("framework"),
+                   layout=dict(layout), files=dict(files), ptc=ptc, consumed_samples=fields.get("consumed_samples"),
+                   padded_vocab_size=fields.get("padded_vocab_size"),
+                   use_distributed_optimizer=fields.get("use_distributed_optimizer"), model=fields.get("model"),
+                   rank_local=dict(rank_local), saved_at=saved_at, memory_job=memory_job,
+                   weights_only=bool(fields.get("weights_only")), global_samples=fields.get("global_samples"),
+                   rng=dict(rng), records=own)
 
 
 def _layout(f: _Fields, v: object, field: str) -> dict[str, int]:

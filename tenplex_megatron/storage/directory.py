@@ -31,15 +31,14 @@ from tenplex_megatron.plan.megatron_ckpt_flags import Retention
 from tenplex_megatron.plan.versioned import VersionedFormat
 from tenplex_megatron.storage import formats, lease
 from tenplex_megatron.storage.bounded import open_regular
-from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
+from tenplex_megatron.storage.checkpoint_metadata import FORMAT_NAME, FORMAT_VERSION, CheckpointMetadata
 from tenplex_megatron.storage.confine import confine
 from tenplex_megatron.storage.files import CheckpointFileError, fsync_dir, fsync_file
 from tenplex_megatron.storage.formats import is_tenplex_checkpoint, load_metadata_json
 
-FORMAT_NAME = formats.FORMAT_NAME
-# 2: a CRC-32 per fixed-size block of each stored tensor (``block_crc32`` + ``block_bytes``), so a load checks only
-#    the blocks it reads; 1: one ``crc32`` per stored tensor (still read: such tensors are checked whole).
-FORMAT_VERSION = 2
+# FORMAT_VERSION (checkpoint_metadata.py) 2: a CRC-32 per fixed-size block of each stored tensor (``block_crc32`` +
+#    ``block_bytes``), so a load checks only the blocks it reads; 1: one ``crc32`` per stored tensor (still read:
+#    such tensors are checked whole).
 READ_VERSIONS = (1, 2)
 METADATA_FORMAT = VersionedFormat(f"{FORMAT_NAME} metadata file", "format_version", READ_VERSIONS, CheckpointFileError,
                                   name=FORMAT_NAME, version_label="format version")

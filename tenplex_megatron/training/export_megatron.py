@@ -139,7 +139,7 @@ def export(ckpt: str, out: str, layout: ParallelLayout, *, optimizer_format: str
     meta = read_checkpoint_metadata(path)
     job = build_target(meta, layout)
     res = load_job(job, path, verify=verify)
-    flops = float((res.metadata or {}).get("extra", {}).get("num_floating_point_operations_so_far", 0.0))
+    flops = float(res.extra.get("num_floating_point_operations_so_far", 0.0))
     md = megatron_metadata(job.use_distributed_optimizer, optimizer_format)
     state = megatron_state_dict(job, md, megatron_args(job, model_record(meta), path, optimizer_format), flops)
     if job.use_distributed_optimizer and optimizer_format == "fully_reshardable":

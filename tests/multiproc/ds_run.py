@@ -142,7 +142,7 @@ def train(job: Job, args: argparse.Namespace) -> dict:
     for step in range(1, args.steps + 1):
         result["losses"][step] = train_step(engine, step)
         if step == args.save_after:
-            res = tds.save_checkpoint(engine, job.tenplex_dir)
+            res = tds.save_checkpoint(engine, job.tenplex_dir, client_state={"note": "ds"})
             engine.save_checkpoint(job.ds_dir)
             result["saved"] = res.path
             result["state"] = {k: v.tolist() for k, v in full_state(engine).items()}
@@ -156,11 +156,12 @@ def resume(job: Job, args: argparse.Namespace) -> dict:
     states = {}
     engine = build(job)
     lr = tds.load_checkpoint(engine, job.tenplex_dir)
-    result["tenplex_load"] = {"global_steps": lr.iteration, "source": lr.source_layout, "bytes_read": lr.bytes_read}
+    result["tenplex_load"] = {"global_steps": lr.iteration, "source": lr.source_layout, "bytes_read": lr.bytes_read,
+                              "layout": str(lr.layout), "extra": dict(lr.extra)}
     states["tenplex"] = full_state(engine)
     nat = build(job)
     nl = tds.load_checkpoint(nat, job.ds_dir)  # DeepSpeed's own files, read directly at this DP size
-    result["native_load"] = {"global_steps": nl.iteration, "source": nl.source_layout,
+    result["native_load"] = {"global_steps": nl.iteration, "source": nl.source_layout, "layout": str(nl.layout),
                              "native": nl.source_format == "deepspeed", "bytes_read": nl.bytes_read}
     states["native"] = full_state(nat)
     result["native_next_loss"] = train_step(nat, nl.iteration + 1)

@@ -14,6 +14,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +33,30 @@ from tenplex_megatron.storage.source import Metadata
 ROWS, COLS = 8, 6
 
 
+@dataclass(frozen=True)
+class TinyLayout:
+    """The tiny job's layout: ``w``'s rows split over ``tp`` ranks."""
+
+    tp: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"tp": self.tp}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TinyLayout:
+        return cls(int(d["tp"]))
+
+
+@dataclass(frozen=True)
+class TinyRecord:
+    """The tiny framework's own field of metadata.json."""
+
+    note: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"note": self.note}
+
+
 class TinyAdapter:
     """Two tensors: ``w`` split by rows over the ranks (as TP splits a weight), ``b`` replicated (rank 0 writes)."""
 
@@ -44,8 +70,8 @@ class TinyAdapter:
         self.w = torch.full((rows, COLS), value) + torch.arange(rows * COLS, dtype=torch.float32).view(rows, COLS)
         self.b = torch.full((COLS,), value)
 
-    def layout(self) -> dict[str, Any]:
-        return {"tp": self.world}
+    def layout(self) -> TinyLayout:
+        return TinyLayout(self.world)
 
     def iteration(self) -> int:
         return self.it
@@ -61,8 +87,8 @@ class TinyAdapter:
     def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         return self.describe()
 
-    def metadata(self) -> dict[str, Any]:
-        return {"note": "tiny"}
+    def metadata(self) -> TinyRecord:
+        return TinyRecord("tiny")
 
     def restore(self, metadata: Metadata) -> None:
         self.it = metadata.require_iteration()

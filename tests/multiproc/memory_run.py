@@ -24,8 +24,9 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -61,6 +62,29 @@ def local_state(value: float, rank: int) -> torch.Tensor:
     return torch.tensor([value, float(rank), -value, 0.5 + rank], dtype=torch.float32)
 
 
+@dataclass(frozen=True)
+class TinyLayout:
+    """The tiny job's layout: ``w`` split along ``axis`` over ``world`` ranks."""
+
+    axis: int
+    world: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"axis": self.axis, "world": self.world}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> TinyLayout:
+        return cls(int(d["axis"]), int(d["world"]))
+
+
+@dataclass(frozen=True)
+class NoFields:
+    """The tiny framework keeps no fields of its own in metadata.json."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {}
+
+
 class Tiny:
     """``w`` split over the ranks by rows (``axis`` 0) or columns (1: another layout), ``b`` replicated; with
     ``local``, ``state``: rank-local bytes (the engine's optional ``rank_local`` / ``prepare_rank_local``), taken
@@ -80,8 +104,8 @@ class Tiny:
         self.b = torch.full((cols,), value)
         self.local, self.state = local, local_state(value, self.rank)
 
-    def layout(self) -> dict[str, Any]:
-        return {"axis": self.axis, "world": self.world}
+    def layout(self) -> TinyLayout:
+        return TinyLayout(self.axis, self.world)
 
     def iteration(self) -> int:
         return self.it
@@ -95,14 +119,14 @@ class Tiny:
     def describe_for_load(self, metadata: Metadata) -> list[LocalChunk]:
         return self.describe()
 
-    def metadata(self) -> dict[str, Any]:
-        return {}
+    def metadata(self) -> NoFields:
+        return NoFields()
 
     def rank_local(self) -> dict[str, Any]:
         return {LOCAL: (self.state.view(torch.uint8), {"nbytes": self.state.numel() * 4})} if self.local else {}
 
     def prepare_rank_local(self, metadata: Metadata, read: Any) -> Any:
-        if not self.local or metadata.layout != self.layout():
+        if not self.local or metadata.layout != self.layout().to_json():
             return None
         got = read(LOCAL).view(torch.float32)
         return lambda: setattr(self, "state", got)

@@ -153,6 +153,9 @@ def test_zero_reshard_equals_deepspeed_universal_route(launches, stage, src, dst
     a, b = _load(f"{d}/a.json"), _load(f"{d}/b{dst}.json")
     assert b["tenplex_load"]["global_steps"] == 3
     assert b["tenplex_load"]["source"] == {"tp": 1, "pp": 1, "dp": src, "zero_stage": stage}
+    assert b["tenplex_load"]["layout"] == f"dp={src},zero={stage}"  # LoadResult.layout: a DeepSpeedLayout
+    assert b["tenplex_load"]["extra"] == {"note": "ds"}  # the client_state saved, as LoadResult.extra
+    assert b["native_load"]["layout"] == f"dp={src},zero={stage}"
     _assert_same_state(b["state"]["tenplex"], a["state"], "tenplex load vs the state at save")
     _assert_same_state(b["state"]["tenplex"], b["state"]["universal"], "tenplex load vs ds_to_universal + load")
     assert b["native_load"]["native"] and b["native_load"]["global_steps"] == 3

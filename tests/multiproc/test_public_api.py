@@ -39,6 +39,7 @@ def test_own_loop_resumes_at_another_layout(tmp_path) -> None:
     assert [m["iteration"] for m in b] == [4, 5, 6]
     for m in b:
         assert m["loss"] == pytest.approx(a[m["iteration"]], rel=2e-6), (m, a)
+    assert f"resumed at iteration 3 from tp=2,pp=1,dp=1 (loss then: {a[3]!r})" in r.log, r.log[-4000:]  # .extra, .layout
 
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_naming_the_file(tmp_path) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from tenplex_megatron.engine.chunks import LocalChunk
 from tenplex_megatron.engine.optimizer_json import jsonable, optimizer_json, restore_optimizer
 from tenplex_megatron.integrations.deepspeed import native
+from tenplex_megatron.integrations.deepspeed.record import DeepSpeedLayout, DeepSpeedRecord
 from tenplex_megatron.integrations.deepspeed.zero import (
     DeepSpeedStateError,
     allocate_state,
@@ -54,8 +55,9 @@ class DeepSpeedAdapter:
         self.where = where  # the load directory, for error messages
         self.source: native.NativeCheckpoint | None = None  # set by the opener of DeepSpeed's own files
 
-    def layout(self) -> dict[str, Any]:
-        return engine_layout(self.engine).to_json()
+    def layout(self) -> DeepSpeedLayout:
+        lay = engine_layout(self.engine)
+        return DeepSpeedLayout(dp=lay.dp, zero_stage=lay.zero_stage, pp=lay.pp)
 
     def iteration(self) -> int:
         return int(self.engine.global_steps)
@@ -82,18 +84,18 @@ class DeepSpeedAdapter:
                            self.where)
         return chunks
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> DeepSpeedRecord:
         engine = self.engine
-        return {
-            "global_steps": int(engine.global_steps),
-            "global_samples": int(engine.global_samples),
-            "skipped_steps": int(getattr(engine, "skipped_steps", 0)),
-            "train_batch_size": int(engine.train_batch_size()),
-            "zero_stage": engine_layout(engine).zero_stage,
-            "optimizer": optimizer_json(inner_optimizer(engine)),
-            "scheduler": _scheduler_json(engine),
-            "extra": self.client_state,
-        }
+        return DeepSpeedRecord(
+            global_steps=int(engine.global_steps),
+            global_samples=int(engine.global_samples),
+            skipped_steps=int(getattr(engine, "skipped_steps", 0)),
+            train_batch_size=int(engine.train_batch_size()),
+            zero_stage=engine_layout(engine).zero_stage,
+            optimizer=optimizer_json(inner_optimizer(engine)),
+            scheduler=_scheduler_json(engine),
+            extra=self.client_state,
+        )
 
     def restore(self, metadata: Metadata) -> None:
         engine = self.engine

@@ -50,9 +50,6 @@ class EngineLayout:
     dp_rank: int
     stage_id: int
 
-    def to_json(self) -> dict[str, int]:
-        return {"tp": 1, "pp": self.pp, "dp": self.dp, "zero_stage": self.zero_stage}
-
 
 def engine_layout(engine: Any) -> EngineLayout:
     """The engine's ZeRO stage, DP/PP sizes and this rank's DP rank and pipeline stage."""

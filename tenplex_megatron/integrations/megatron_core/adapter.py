@@ -36,6 +36,7 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
     restore_optimizer_state,
     sub_optimizers,
 )
+from tenplex_megatron.integrations.megatron_core.record import MegatronCoreRecord
 from tenplex_megatron.integrations.megatron_core.sharded import ModelArgumentError, describe_job, model_chunks, unwrap
 from tenplex_megatron.plan.experts import check_expert_kind
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -45,8 +46,8 @@ from tenplex_megatron.storage import lease
 from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.source import Metadata
 
-__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "SaveResult", "adopt_megatron_checkpoint",
-           "live_job", "load_job", "save_job"]
+__all__ = ["LiveJob", "LiveSpec", "LoadResult", "MegatronCoreAdapter", "MegatronCoreRecord", "SaveResult",
+           "adopt_megatron_checkpoint", "live_job", "load_job", "save_job"]
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,8 @@ class MegatronCoreAdapter:
     def seed(self) -> int:
         return int(self.job.spec.seed)
 
-    def layout(self) -> dict[str, Any]:
-        return self.job.layout.to_json()
+    def layout(self) -> ParallelLayout:
+        return self.job.layout
 
     def iteration(self) -> int:
         return int(self.job.iteration)
@@ -126,20 +127,19 @@ class MegatronCoreAdapter:
         """The saved ``_extra_state`` back at the same layout, else left out with one warning."""
         return extra_state.prepare(self.job, metadata, read, rank())
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> MegatronCoreRecord:
         job = self.job
-        full = self.save_scope.optimizer
-        return {
-            "consumed_samples": int(job.consumed_samples),
-            "model": job.spec.to_json(),
-            "padded_vocab_size": int(job.padded_vocab_size),
-            "use_distributed_optimizer": bool(job.use_distributed_optimizer),
-            **({} if full else {"weights_only": True}),  # --no-save-optim: a load knows it holds no optimizer
-            "optimizer": optimizer_state_json(job.optimizer) if full else None,
-            "scheduler": job.scheduler.state_dict() if job.scheduler is not None and full else None,
-            "extra": self.extra,
-            "megatron_core": mcore_versions.record(),  # its version and state layout (a load checks them)
-        }
+        full = self.save_scope.optimizer  # --no-save-optim: no optimizer, no schedule (a load knows it holds none)
+        return MegatronCoreRecord(
+            consumed_samples=int(job.consumed_samples),
+            model=job.spec.to_json(),
+            padded_vocab_size=int(job.padded_vocab_size),
+            use_distributed_optimizer=bool(job.use_distributed_optimizer),
+            optimizer=optimizer_state_json(job.optimizer) if full else None,
+            scheduler=job.scheduler.state_dict() if job.scheduler is not None and full else None,
+            extra=self.extra,
+            megatron_core=mcore_versions.record(),
+        )
 
     def restore(self, metadata: Metadata) -> None:
         job, scope = self.job, self.load_scope
