@@ -7,6 +7,8 @@ command line is said so in one line at start. On an unclassified flag: add it to
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +17,7 @@ from tenplex_megatron.plan import megatron_ckpt_flags as ckpt
 from tenplex_megatron.plan import megatron_flag_snapshot as snap
 from tenplex_megatron.plan import megatron_flags as flags
 from tenplex_megatron.plan.megatron_flags_neutral import NEUTRAL_GROUPS, RULES
+from tenplex_megatron.plan.unsupported import UNSUPPORTED
 
 SNAPSHOT = snap.read()
 LINES = ("core_v0.15", "core_v0.16", "core_v0.17", "core_v0.18", "core_v0.19")
@@ -61,6 +64,27 @@ def test_each_fact_has_one_place_and_every_row_is_a_flag_of_some_line() -> None:
     assert len(RULES) <= 10  # families sparingly
 
 
+def _refused_value(dest: str) -> object:
+    """A value of ``dest`` that --tenplex refuses: past plan/unsupported.py's number that means off, else True (no
+    table accepts True: a switch turned on, or a value of the wrong type for the others)."""
+    off = {attr: o for attr, o, _, _ in UNSUPPORTED}.get(dest)
+    return off + 1 if type(off) is int else True
+
+
+def test_every_refused_flag_is_refused_by_the_hooks_start_check() -> None:
+    from tenplex_megatron.frontdoor import megatron_lm
+
+    rows = flags.refused(SNAPSHOT)
+    assert len(rows) >= 45
+    for verdict, options, lines in rows:
+        args = argparse.Namespace(tenplex=True, load=None, **{verdict.dest: _refused_value(verdict.dest)})
+        problems, _ = megatron_lm.start_check(args, [])
+        assert any(p.startswith(options) for p in problems), (verdict.dest, options, problems)
+        assert lines, verdict.dest
+        off = argparse.Namespace(tenplex=False, **{verdict.dest: _refused_value(verdict.dest)})
+        assert megatron_lm.start_check(off, []) == ([], [])  # without --tenplex nothing is checked
+
+
 def test_megatron_lms_defaults_are_refused_nothing() -> None:
     assert flags.refusals(argparse.Namespace()) == []
     assert flags.refusals(argparse.Namespace(**{r.dest: r.accepted[0] for r in flags.REFUSALS})) == []
@@ -82,6 +106,16 @@ def test_a_refusal_names_the_flag_its_value_and_why(given: dict, line: str) -> N
     assert "it would take" in got[0] or "refuses" in got[0] or "replaces" in got[0] or "incomplete" in got[0]
 
 
+def test_the_hook_stops_on_a_new_refusal_before_megatron_lm_checks_anything(caplog) -> None:
+    from tenplex_megatron.frontdoor import megatron_lm
+
+    args = argparse.Namespace(tenplex=True, load=None, rampup_batch_size=["16", "8", "300000"])
+    with caplog.at_level("ERROR", logger="tenplex_megatron"), pytest.raises(SystemExit) as e:
+        megatron_lm._validate_args(args)
+    assert e.value.code == 2
+    assert "pretrain_gpt.py: with --tenplex, --rampup-batch-size 16 8 300000: " in caplog.text
+
+
 def test_a_flag_of_no_effect_given_is_named_once_with_why() -> None:
     argv = ["--save", "ckpt", "--ckpt-format", "torch_dist", "--dist-ckpt-strictness=log_all",
             "--disable-ckpt-fully-parallel-save", "--ckpt-fully-parallel-load", "--ckpt-formatx"]
@@ -93,6 +127,29 @@ def test_a_flag_of_no_effect_given_is_named_once_with_why() -> None:
     # without the snapshot's aliases: the table's own flag
     assert flags.no_effect_given(["--disable-ckpt-fully-parallel-save"], options={}) == []
     assert len(flags.no_effect_given(["--no-ckpt-fully-parallel-save"], options={})) == 1
+
+
+class _Hook:
+    in_place = None
+    originals = {"validate_args": lambda args, *a, **kw: "validated"}
+
+
+def test_the_hook_says_it_at_start_only_for_flags_given_and_only_with_tenplex(monkeypatch, caplog) -> None:
+    from tenplex_megatron.frontdoor import megatron_lm
+
+    monkeypatch.setattr(megatron_lm, "installed", lambda: _Hook())
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--tenplex", "--ckpt-format", "torch_dist"])
+    args = argparse.Namespace(tenplex=True, load=None, ckpt_format="torch_dist", dist_ckpt_strictness="log_all")
+    with caplog.at_level(logging.INFO, logger="tenplex_megatron"):
+        assert megatron_lm._validate_args(args) == "validated"
+    lines = [r.getMessage() for r in caplog.records if "has no effect" in r.getMessage()]
+    assert lines == [f"pretrain_gpt.py: --ckpt-format has no effect under --tenplex: {ckpt.BY_NAME['ckpt_format'].why}"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if "has no effect" in r.getMessage())
+    caplog.clear()
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--ckpt-format", "torch"])
+    with caplog.at_level(logging.INFO, logger="tenplex_megatron"):
+        assert megatron_lm._validate_args(argparse.Namespace(tenplex=False, ckpt_format="torch")) == "validated"
+    assert "has no effect" not in caplog.text
 
 
 def test_a_snapshot_of_another_kind_or_version_is_named() -> None:
