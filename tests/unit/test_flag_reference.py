@@ -124,5 +124,5 @@ def test_the_support_page_and_the_reference_show_megatron_lms_flags_per_line() -
         assert row in support and row in page, row
     for verdict, options, _ in megatron_flags.refused(snapshot):
         assert f"`{ref._long(options)}`" in support and verdict.why in page, verdict.dest
-    with pytest.raises(ValueError, match="no generated block"):
+    with pytest.raises(ref.GeneratedBlockError, match="no generated block"):
         ref.with_support_block("# What is supported\n")
