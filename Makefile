@@ -118,7 +118,8 @@ bench: $(VENV)/.installed
 # extension mkdocs.yml does not enable: a literal `!!!`, a table shown as text). The flag reference
 # (docs/reference.md), the CLI reference (docs/cli-reference.md) and the error types (docs/errors.md) are checked
 # first: they must be what `python -m tenplex_megatron.docs_reference` writes from tenplex_megatron/flags.py, the
-# CLI's parser and the package's exception classes; so is README.md's support table, a copy of docs/support.md's (scripts/support_table.py).
+# CLI's parser and the package's exception classes (and docs/support.md's block of Megatron-LM's flags, from
+# tenplex_megatron/plan/megatron_flags.py); so is README.md's support table, a copy of docs/support.md's (scripts/support_table.py).
 docs: $(VENV)/.installed
 	$(PY) -m tenplex_megatron.docs_reference --check
 	$(PY) -m scripts.support_table --check

@@ -1,8 +1,10 @@
 """Write ``docs/reference.md`` (every ``--tenplex*`` flag and ``TENPLEX_*`` variable, from
-``tenplex_megatron/flags.py``), ``docs/cli-reference.md`` (the ``--help`` of the CLI and of every subcommand) and
-``docs/errors.md`` (every error class, from the package: ``error_reference.py``).
+``tenplex_megatron/flags.py``; every flag of Megatron-LM's ``pretrain_gpt.py`` under ``--tenplex``, from
+``megatron_flags_reference.py``), ``docs/cli-reference.md`` (the ``--help`` of the CLI and of every subcommand),
+``docs/errors.md`` (every error class, from the package: ``error_reference.py``) and the generated block of
+``docs/support.md`` (Megatron-LM's flags per release line).
 
-    python -m tenplex_megatron.docs_reference            # (re)write the three pages in this checkout
+    python -m tenplex_megatron.docs_reference            # (re)write the pages in this checkout
     python -m tenplex_megatron.docs_reference --check    # exit 1 if any is stale
 
 ``tests/unit/test_flag_reference.py`` runs the check, and checks the table against both front doors' parsers
@@ -16,7 +18,7 @@ import html
 import os
 import sys
 
-from tenplex_megatron import cli, flags
+from tenplex_megatron import cli, flags, megatron_flags_reference
 from tenplex_megatron.error_reference import OUT_NAME as ERRORS_NAME
 from tenplex_megatron.error_reference import render_errors
 from tenplex_megatron.plan import megatron_ckpt_flags as ckpt_table
@@ -25,6 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "docs", "reference.md")
 CLI_OUT = os.path.join(ROOT, "docs", "cli-reference.md")
 ERRORS_OUT = os.path.join(ROOT, "docs", ERRORS_NAME)
+SUPPORT_OUT = os.path.join(ROOT, "docs", "support.md")
 #: the width the help is wrapped at: argparse reads the terminal's (COLUMNS), which must not change the page
 HELP_COLUMNS = 112
 
@@ -80,6 +83,7 @@ def render() -> str:
             out.append(f"| {_code(f.usage())} | {doors} | {_cell(f.default_text())} | {_cell(f.help)} |")
         out.append("")
     out += _megatron_settings()
+    out += megatron_flags_reference.reference_section()
     out += ["## Environment variables", ""]
     for key, title, intro in _AUDIENCES:
         rows = [v for v in flags.ENV_VARS if v.audience == key]
@@ -163,10 +167,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=DEFAULT_OUT, help="the flag reference to write (default: docs/reference.md)")
     p.add_argument("--cli-out", default=CLI_OUT, help="the CLI reference to write (default: docs/cli-reference.md)")
     p.add_argument("--errors-out", default=ERRORS_OUT, help="the error types to write (default: docs/errors.md)")
+    p.add_argument("--support", default=SUPPORT_OUT,
+                   help="the support page whose generated block of Megatron-LM's flags to rewrite (default: "
+                        "docs/support.md)")
     p.add_argument("--check", action="store_true", help="do not write; exit 1 if a page differs")
     args = p.parse_args(argv)
+    with open(args.support, encoding="utf-8") as f:
+        support = megatron_flags_reference.with_support_block(f.read())
     ok = [_write_or_check(args.out, render(), args.check), _write_or_check(args.cli_out, render_cli(), args.check),
-          _write_or_check(args.errors_out, render_errors(), args.check)]
+          _write_or_check(args.errors_out, render_errors(), args.check),
+          _write_or_check(args.support, support, args.check)]
     return 0 if all(ok) else 1
 
 

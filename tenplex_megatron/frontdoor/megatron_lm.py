@@ -57,6 +57,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
+from tenplex_megatron.plan import megatron_flags
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
@@ -207,15 +208,26 @@ def arm_with_tenplex(args: Any) -> str:
     return orphan.die_with_agent() if getattr(args, "tenplex", False) else ""
 
 
-def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
-    """Megatron-LM's ``validate_args``, after the layout choice (which it then checks like any flags) and the
-    host-memory flags' checks (refused before any process group starts)."""
-    arm_with_tenplex(args)
+def start_check(args: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """What the hook says at start about Megatron-LM's parsed ``args`` and its command line ``argv``: the problems
+    that stop the job (every flag --tenplex refuses, ``plan/megatron_flags.py``; the host-memory flags' checks) and
+    one note per flag given that has no effect under --tenplex."""
+    tenplex = bool(getattr(args, "tenplex", False))
     problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args),
-                *filter(None, [missing_transformer_engine(args, _have_te())])] \
-        if getattr(args, "tenplex", False) else []
+                *megatron_flags.refusals(args), *filter(None, [missing_transformer_engine(args, _have_te())])] \
+        if tenplex else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
+    return problems, megatron_flags.no_effect_given(argv) if tenplex else []
+
+
+def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
+    """Megatron-LM's ``validate_args``, after the hook's start check (:func:`start_check`: refused before any process
+    group starts) and the layout choice (which Megatron-LM then checks like any flags)."""
+    arm_with_tenplex(args)
+    problems, notes = start_check(args, sys.argv[1:])
+    for note in notes:
+        _log.info("pretrain_gpt.py: %s", note)
     if problems:
         for problem in problems:
             _log.error("pretrain_gpt.py: with --tenplex, %s", problem)

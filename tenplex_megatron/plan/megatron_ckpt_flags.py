@@ -169,7 +169,8 @@ SETTINGS: tuple[Setting, ...] = (
 BY_NAME: Mapping[str, Setting] = MappingProxyType({name: s for s in SETTINGS for name in s.names})
 
 
-def _is(value: Any, accepted: tuple[Any, ...]) -> bool:
+def accepts(value: Any, accepted: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``accepted``: the same type and value (``True`` is not ``1``)."""
     return any(value is a or (type(value) is type(a) and value == a) for a in accepted)
 
 
@@ -181,7 +182,7 @@ def refusals(args: Any) -> list[str]:
             continue
         for name in s.names:
             value = getattr(args, name, s.accepted[0])
-            if not _is(value, s.accepted):
+            if not accepts(value, s.accepted):
                 shown = "" if value is True else f" {value}"
                 out.append(f"{s.flag}{shown}: {s.why if s.verdict == REFUSED else 'refused here: ' + s.why}")
                 break

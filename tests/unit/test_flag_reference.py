@@ -105,3 +105,24 @@ def test_every_flag_and_variable_is_on_the_page() -> None:
         assert docs_reference._code(f.usage()) in page, f.name
     for v in flags.ENV_VARS:
         assert f"`{v.name}`" in page, v.name
+
+
+def test_the_support_page_and_the_reference_show_megatron_lms_flags_per_line() -> None:
+    from tenplex_megatron import megatron_flags_reference as ref
+    from tenplex_megatron.plan import megatron_flag_snapshot as snap
+    from tenplex_megatron.plan import megatron_flags
+
+    snapshot = snap.read()
+    with open(docs_reference.SUPPORT_OUT, encoding="utf-8") as f:
+        support = f.read()
+    assert ref.with_support_block(support) == support, "docs/support.md's block is stale: python -m " \
+                                                       "tenplex_megatron.docs_reference"
+    page = docs_reference.render()
+    for line in snapshot.lines:
+        c = megatron_flags.counts(line)
+        row = f"| {line.name} | {line.tag} | {len(line.flags)} | {c['neutral']} | {c['honoured']} | {c['refused']} |"
+        assert row in support and row in page, row
+    for verdict, options, _ in megatron_flags.refused(snapshot):
+        assert f"`{ref._long(options)}`" in support and verdict.why in page, verdict.dest
+    with pytest.raises(ref.GeneratedBlockError, match="no generated block"):
+        ref.with_support_block("# What is supported\n")
