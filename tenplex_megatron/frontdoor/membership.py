@@ -34,6 +34,7 @@ from tenplex_megatron.errors import TenplexError
 log = tlog.get("membership")
 
 PREFIX = "tenplex-members/"
+REFORM_ENV = "TENPLEX_REFORM"  # set by the launcher's --reform ("run") and --join ("join") for its ranks
 
 
 class MembershipError(TenplexError, RuntimeError):
@@ -114,6 +115,14 @@ class Membership:
     def publish(self, gen: Generation) -> None:
         """Generation ``gen`` decided (by the running world's rank 0, or the initial one)."""
         self.store.set(f"{PREFIX}gen/{gen.number}", gen.to_json())
+
+    def start(self, member: str, rank: int, world: int) -> Generation:
+        """Every initial rank: generation 0, the launchers' ranks in their order (rank 0 gathers and publishes)."""
+        self.store.set(f"{PREFIX}start/{rank}", member)
+        if rank == 0:
+            ids = tuple(self._get(f"start/{r}").decode() for r in range(world))
+            self.publish(Generation(0, ids))  # a registration already made is pending for it
+        return self.generation(0)
 
     def end(self) -> None:
         """The job is over: newcomers still waiting stop waiting."""

@@ -109,5 +109,15 @@ def test_a_key_that_never_comes_is_a_tenplex_error() -> None:
         Generation.from_json("{}")
 
 
+def test_the_initial_ranks_make_generation_zero_in_rank_order() -> None:
+    m = Membership(dist.HashStore(), timeout=5)
+    got: list[Generation] = []
+    t = threading.Thread(target=lambda: got.append(m.start("h:1", 1, 2)))
+    t.start()
+    gen = m.start("h:0", 0, 2)
+    t.join(timeout=10)
+    assert got == [gen] and gen == Generation(0, ("h:0", "h:1"))
+
+
 def test_member_ids_name_host_and_pid() -> None:
     assert member_id(12, "node-a") == "node-a:12" and member_id().endswith(":" + str(__import__("os").getpid()))
