@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tenplex_megatron import TenplexError
-from tenplex_megatron.frontdoor.membership import Generation, Membership, MembershipError, member_id
+from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, MembershipError, member_id
 
 
 def first(m: Membership, n: int = 2) -> Generation:
@@ -121,3 +121,29 @@ def test_the_initial_ranks_make_generation_zero_in_rank_order() -> None:
 
 def test_member_ids_name_host_and_pid() -> None:
     assert member_id(12, "node-a") == "node-a:12" and member_id().endswith(":" + str(__import__("os").getpid()))
+
+
+def test_the_launchers_reform_and_join_flags_reach_the_ranks() -> None:
+    from tenplex_megatron.frontdoor import launch
+
+    plain = launch.rank_env(launch.parse(["--nproc-per-node", "2", "x.py"]), 0)
+    assert REFORM_ENV not in plain
+    run = launch.parse(["--reform", "--nproc-per-node", "2", "x.py"])
+    assert launch.rank_env(run, 1)[REFORM_ENV] == "run"
+    join = launch.parse(["--join", "--node-rank", "1", "--master-addr", "10.0.0.1", "--nproc-per-node", "2", "x.py"])
+    env = launch.rank_env(join, 0)
+    assert join.reform and env[REFORM_ENV] == "join" and env["TENPLEX_INPROCESS_STORE"] == "10.0.0.1:29500"
+
+
+def test_a_reform_without_the_stores_or_host_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from argparse import Namespace
+
+    from tenplex_megatron.training import reform
+
+    ok = Namespace(tenplex=True, tenplex_memory="/dev/shm/m", tenplex_inprocess=False)
+    monkeypatch.delenv("TENPLEX_INPROCESS_STORE", raising=False)
+    assert "--reform" in (reform.refusal(ok) or "")
+    monkeypatch.setenv("TENPLEX_INPROCESS_STORE", "127.0.0.1:29500")
+    assert reform.refusal(ok) is None
+    assert "--tenplex-memory" in (reform.refusal(Namespace(**{**vars(ok), "tenplex_memory": None})) or "")
+    assert "give one" in (reform.refusal(Namespace(**{**vars(ok), "tenplex_inprocess": True})) or "")
