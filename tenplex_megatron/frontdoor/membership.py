@@ -165,12 +165,16 @@ class Membership:
         n = first
         while True:
             key = f"{PREFIX}gen/{n}"
-            if not self.store.check([key]):
-                if self.store.check([PREFIX + "over"]):
-                    return None
-                time.sleep(poll)
-                continue
-            gen = Generation.from_json(bytes(self.store.get(key)))
+            try:
+                if not self.store.check([key]):
+                    if self.store.check([PREFIX + "over"]):
+                        return None
+                    time.sleep(poll)
+                    continue
+                gen = Generation.from_json(bytes(self.store.get(key)))
+            except RuntimeError as e:  # torch's DistNetworkError: the job's store (its node 0's launcher) is gone
+                raise MembershipError(f"the job's store went away while {member} waited to join "
+                                      f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
             if member in gen.members:
                 return gen
             n += 1

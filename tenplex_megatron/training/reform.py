@@ -27,7 +27,7 @@ from tenplex_megatron.execute.collective import broadcast_json
 from tenplex_megatron.frontdoor import inprocess
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
-from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, member_id
+from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, MembershipError, member_id
 from tenplex_megatron.training import cpu_shim
 from tenplex_megatron.training.inprocess import PROG, why_not
 
@@ -52,10 +52,13 @@ class Boundary:
             if g.number != self.gen.number:
                 self.members.publish(g)
             decided = g.to_json()
-        decided = broadcast_json(decided, 0)
-        if decided is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
+            else torch.device("cpu")
+        flag = torch.tensor([decided is not None], dtype=torch.int32, device=device)
+        torch.distributed.broadcast(flag, 0)  # the one collective of an iteration without a change
+        if not int(flag.item()):
             return False
-        g = Generation.from_json(decided)
+        g = Generation.from_json(broadcast_json(decided, 0))
         if g.number == self.gen.number:  # refused (no legal layout) or nothing left to change: seen
             self.gen = g
             return False
@@ -127,7 +130,10 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         cpu_shim.install()
     members = Membership(inprocess.job_store(settings.barrier), settings.barrier)
     me, reason = member_id(), why_not(parser, argv)
-    gen = first_generation(members, me)
+    try:
+        gen = first_generation(members, me)
+    except MembershipError as e:
+        raise SystemExit(f"{PROG}: error: {e}") from None
     if gen is None:
         _say(f"re-form: {me}: the job ended before admitting it")
     while gen is not None:

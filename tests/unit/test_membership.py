@@ -147,3 +147,11 @@ def test_a_reform_without_the_stores_or_host_memory_is_refused(monkeypatch: pyte
     assert reform.refusal(ok) is None
     assert "--tenplex-memory" in (reform.refusal(Namespace(**{**vars(ok), "tenplex_memory": None})) or "")
     assert "give one" in (reform.refusal(Namespace(**{**vars(ok), "tenplex_inprocess": True})) or "")
+
+
+def test_a_newcomer_whose_job_store_went_away_gets_a_tenplex_error() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=2), wait_for_workers=False)
+    client = Membership(dist.TCPStore("127.0.0.1", server.port, None, False, timeout=timedelta(seconds=2)))
+    del server
+    with pytest.raises(MembershipError, match="went away"):
+        client.admitted("h:7")
