@@ -277,6 +277,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_INPROCESS_STORE", "`HOST:PORT`", "set by the in-process launcher",
            "the job's store served outside the ranks (`python -m tenplex_megatron.frontdoor.launch`); NVRx's own "
            "store listens on the next port. `--tenplex-inprocess` is refused without it", "internal"),
+    EnvVar("TENPLEX_REFORM", "`run`, `join`", "set by the in-process launcher",
+           "the launcher's `--reform` (`run`) or `--join` (`join`): the reference trainer re-forms in place on plan "
+           "(newcomers join, ranks leave on notice) on the job's store, without NVRx", "internal"),
     EnvVar("TENPLEX_INPROCESS_LOGDIR", "a directory", "unset",
            "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here (made if missing)", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",

@@ -5,6 +5,14 @@ job's stores served outside every rank.
     # several nodes: one launcher per node, the first one serving the stores
     python -m tenplex_megatron.frontdoor.launch --nnodes 2 --node-rank R --master-addr NODE0 --nproc-per-node 4 ...
 
+With ``--reform`` the job re-forms in place on plan, without NVRx (``training/reform.py``): a launcher started
+later with ``--join`` (against node 0's stores) adds its ranks at the next iteration boundary, and SIGTERM to a
+launcher other than node 0's makes the job continue without its ranks (they exit 0 there); SIGTERM to node 0's
+launcher, which serves the stores, stops the whole job on notice as without ``--reform``.
+
+    python -m tenplex_megatron.frontdoor.launch --reform --nproc-per-node 2 scripts/pretrain_gpt.py ... --tenplex-memory M0
+    python -m tenplex_megatron.frontdoor.launch --join --node-rank 1 --master-addr NODE0 --nproc-per-node 2 ...
+
 The first node's launcher (``--node-rank 0``) serves two TCP stores: the job's, on ``--master-port`` (every
 restart's process group is made on a prefix of it), and NVIDIA Resiliency Extension's, on the next port. Every
 launcher starts its node's ranks (global ranks from ``node-rank x nproc-per-node``) with torchrun's environment
@@ -30,6 +38,7 @@ from datetime import timedelta
 
 from tenplex_megatron.frontdoor.inprocess import NVRX_STORE_OFFSET, STORE_ENV
 from tenplex_megatron.frontdoor.lease_flags import FENCED_EXIT
+from tenplex_megatron.frontdoor.membership import REFORM_ENV, Membership, member_id
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -41,12 +50,19 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--master-addr", default="127.0.0.1", help="the first node's address (where the stores are)")
     p.add_argument("--master-port", type=int, default=29500, help="the job's store (NVRx's store: the next port)")
     p.add_argument("--timeout", type=float, default=None, help="end every rank still running after this many seconds")
+    p.add_argument("--reform", action="store_true",
+                   help="re-form in place on plan, without NVRx: newcomers join (--join), and SIGTERM to a launcher "
+                        "makes the job continue without its ranks (they exit 0 at the next iteration boundary)")
+    p.add_argument("--join", action="store_true",
+                   help="join a running --reform job (its stores at --master-addr:--master-port): this node's ranks "
+                        "register and train from the next re-form on")
     p.add_argument("script", help="the training script (run with this interpreter)")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     a = p.parse_args(argv)
     if a.nproc_per_node < 1:
         p.error(f"--nproc-per-node must be >= 1, got {a.nproc_per_node}")
-    if a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes:
+    a.reform = a.reform or a.join
+    if not a.join and (a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes):
         p.error(f"--node-rank must be in [0, --nnodes) and --nnodes >= 1, got --node-rank {a.node_rank} --nnodes "
                 f"{a.nnodes}")
     return a
@@ -67,7 +83,8 @@ def rank_env(a: argparse.Namespace, local: int) -> dict[str, str]:
     env.setdefault("TORCH_CPP_LOG_LEVEL", "error")  # NVRx polls its store with short waits: each a c10d warning
     return dict(env, RANK=str(a.node_rank * n + local), LOCAL_RANK=str(local), WORLD_SIZE=str(a.nnodes * n),
                 LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(a.node_rank), MASTER_ADDR=a.master_addr,
-                MASTER_PORT=str(a.master_port), **{STORE_ENV: f"{a.master_addr}:{a.master_port}"})
+                MASTER_PORT=str(a.master_port), **{STORE_ENV: f"{a.master_addr}:{a.master_port}"},
+                **({REFORM_ENV: "join" if a.join else "run"} if a.reform else {}))
 
 
 def exit_status(codes: list[int | None]) -> int:
@@ -78,36 +95,69 @@ def exit_status(codes: list[int | None]) -> int:
     return 0 if any(c == 0 for c in codes) else 1
 
 
+def notice_leave(a: argparse.Namespace, procs: list[subprocess.Popen]) -> None:
+    """``--reform``: this node's running ranks leave the job at its next iteration boundary (a notice in the job's
+    store)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore(a.master_addr, a.master_port, None, False, timeout=timedelta(seconds=60),
+                          wait_for_workers=False, use_libuv=True)
+    ids = [member_id(p.pid) for p in procs if p.poll() is None]
+    Membership(store).notice_leave(ids)
+    print(f"> tenplex launch: SIGTERM: ranks {' '.join(ids)} leave the job at its next iteration boundary", flush=True)
+
+
+def _end_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def watch(a: argparse.Namespace, procs: list[subprocess.Popen], first: int, notices: list[int]) -> None:
+    """Until every rank exited: end them at ``--timeout`` or when one is fenced; with ``--reform``, a SIGTERM
+    recorded in ``notices`` is turned into a leave notice (once)."""
+    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+    noticed = False
+    while any(p.poll() is None for p in procs):
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"> tenplex launch: --timeout {a.timeout:g} s reached: ending the ranks left", flush=True)
+            return _end_all(procs)
+        fenced = [first + r for r, p in enumerate(procs) if p.poll() == FENCED_EXIT]
+        if fenced:
+            print(f"> tenplex launch: rank {fenced[0]} exited {FENCED_EXIT} (fenced: another job owns a checkpoint "
+                  "directory): ending the ranks left", flush=True)
+            return _end_all(procs)
+        if notices and not noticed:
+            noticed = True
+            notice_leave(a, procs)
+        time.sleep(0.2)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
-    stores = serve_stores(a.master_addr, a.master_port) if a.node_rank == 0 else []
+    stores = serve_stores(a.master_addr, a.master_port) if a.node_rank == 0 and not a.join else []
     first = a.node_rank * a.nproc_per_node
     procs = [subprocess.Popen([sys.executable, a.script, *a.script_args], env=rank_env(a, r))
              for r in range(a.nproc_per_node)]
     print(f"> tenplex launch: ranks started, pids {' '.join(f'{first + r}:{p.pid}' for r, p in enumerate(procs))}; "
           f"stores on {a.master_addr}:{a.master_port} and :{a.master_port + NVRX_STORE_OFFSET}"
-          f"{'' if a.node_rank == 0 else ' (served by node 0)'}; launcher pid {os.getpid()}", flush=True)
-    forward = (signal.SIGTERM, signal.SIGINT)
-    previous = {s: signal.signal(s, lambda sig, _f: [p.send_signal(sig) for p in procs if p.poll() is None])
-                for s in forward}
-    deadline = None if a.timeout is None else time.monotonic() + a.timeout
+          f"{'' if stores else ' (served by node 0)'}; launcher pid {os.getpid()}"
+          f"{' (joining)' if a.join else ''}", flush=True)
+    notices: list[int] = []
+    serving = bool(stores)
+
+    def forward(sig: int, _f: object) -> None:
+        if sig == signal.SIGTERM and a.reform and not serving and not notices:  # node 0 serves the stores: the
+            notices.append(sig)  # job stops on notice; another node's ranks leave (the notice written by the loop)
+            return
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(sig)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while any(p.poll() is None for p in procs):
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"> tenplex launch: --timeout {a.timeout:g} s reached: ending the ranks left", flush=True)
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            fenced = [first + r for r, p in enumerate(procs) if p.poll() == FENCED_EXIT]
-            if fenced:
-                print(f"> tenplex launch: rank {fenced[0]} exited {FENCED_EXIT} (fenced: another job owns a checkpoint "
-                      "directory): ending the ranks left", flush=True)
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-                break
-            time.sleep(0.2)
+        watch(a, procs, first, notices)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

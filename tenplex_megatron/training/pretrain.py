@@ -33,6 +33,7 @@ from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import ckpt_flags, memory_flags
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.frontdoor.membership import REFORM_ENV
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -44,6 +45,7 @@ from tenplex_megatron.training import (
     inprocess,
     layout_choice,
     measure,
+    reform,
 )
 from tenplex_megatron.training.console import print0 as _print0
 from tenplex_megatron.training.console import print_tenplex
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     orphan.die_with_agent()  # a worker whose torchrun agent dies exits at once (no save, no commit)
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if os.environ.get(REFORM_ENV):  # re-formed in place on plan (the launcher's --reform/--join)
+        return reform.main(argv, args, build_parser(), parse_args, run)
     if args.tenplex_inprocess:  # in place under NVRx: re-entered after a fault (training/inprocess.py)
         return inprocess.main(argv, args, build_parser(), parse_args, run)
     ckpt = Checkpointer(JobConfig.from_args(args, PROG))  # before any process group: another job's directory refused
@@ -507,6 +511,9 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, datase
             if stopper is not None and stopper.agreed():
                 _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                         + ("" if args.save else " (no --save: nothing is saved)"))
+                break
+            if getattr(args, "tenplex_boundary", None) is not None and args.tenplex_boundary():
+                _print0(f"> tenplex: the world changes: re-forming after iteration {job.iteration}")
                 break
     if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
         checkpoints.save(job, args, ckpt)
