@@ -642,6 +642,35 @@ def test_megatron_lm_falls_back_past_a_damaged_checkpoint(tmp_path, script: str)
         assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it])
 
 
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+def test_megatron_lm_async_save_is_written_in_the_background_and_resumes_at_another_layout(tmp_path,
+                                                                                         script: str) -> None:
+    """Megatron-LM's --async-save with the hook: each save is a snapshot into the node's memory (in /dev/shm, one
+    directory per --save), written to --save by the helper in the background and committed before the next save
+    and at exit; with the memory gone, the restart at TP1 x DP2 loads the durable checkpoint and continues the
+    uninterrupted run's losses."""
+    from tenplex_megatron.frontdoor.memory_flags import async_save_dir
+
+    ref = _reference(script, 95)
+    ckpt = tmp_path / "ckpt"
+    mem = async_save_dir(str(ckpt))
+    try:
+        log = _run(script, 2, 95, ["--save", str(ckpt), "--save-interval", "2", "--exit-interval", "4",
+                                   "--async-save"])
+        assert "snapshot of iteration 4 in host memory" in log and "persisting in the background" in log, log[-3000:]
+        assert directory.committed_iterations(str(ckpt)) == [2, 4], log[-3000:]
+        shutil.rmtree(mem)  # the node's memory is gone: the restart reads the durable checkpoint
+        log = _run(script, 1, 95, ["--load", str(ckpt)])
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
+    assert re.search(r"> tenplex: loaded iteration 4 from \S+iter_0000004: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2",
+                     log), log[-3000:]
+    resumed = _losses(log)
+    assert sorted(resumed) == [5, 6, 7, 8], log[-3000:]
+    for it, loss in resumed.items():
+        assert loss == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, loss, ref[it])
+
+
 def _plain_torchrun(script: str, nproc: int, out: pathlib.Path, extra: list[str], restarts: int = 0) -> subprocess.Popen:
     """Megatron-LM's pretrain_gpt.py with the hook under ``torchrun --nproc_per_node N --master-port P`` without
     --rdzv-id (run id ``none``: the launch line of Megatron-LM's examples), its output into ``out``."""
