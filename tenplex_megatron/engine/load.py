@@ -42,9 +42,19 @@ from tenplex_megatron.plan.verify_share import Interval, blocks, share_blocks
 from tenplex_megatron.storage import directory
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.faults import maybe_fail
+from tenplex_megatron.storage.files import CheckpointNotFoundError
 from tenplex_megatron.storage.source import Metadata, Opened
 from tenplex_megatron.storage.source_files import SourceFiles
 from tenplex_megatron.storage.steps import checkpoint_at
+
+
+class LoadScopeError(TenplexError, ValueError):
+    """A load asks for what the checkpoint does not hold (the optimizer of a weights-only checkpoint, weights of one
+    without a model); the message names the checkpoint and the flag."""
+
+
+class OtherFrameworkError(TenplexError, ValueError):
+    """A checkpoint another framework wrote (megatron-core's loaded into DeepSpeed, or the reverse)."""
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,7 @@ def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opene
     iterations there), checked and opened."""
     path = directory.find_checkpoint(load_dir) if iteration is None else checkpoint_at(load_dir, iteration)
     if path is None:
-        raise FileNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
+        raise CheckpointNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
     meta = directory.read_checkpoint_metadata(path)  # every field checked: a malformed one is a damaged copy
     source = meta.require_ptc()
     # every file name the metadata uses is confined to the checkpoint here, before anything is read
@@ -94,10 +104,10 @@ def check_scope(meta: Metadata, scope: LoadScope, where: str) -> None:
     if not isinstance(meta, CheckpointMetadata):
         return
     if scope.optimizer and meta.weights_only:
-        raise ValueError(f"{where}: the checkpoint of iteration {meta.iteration} holds the weights only (saved "
+        raise LoadScopeError(f"{where}: the checkpoint of iteration {meta.iteration} holds the weights only (saved "
                          "with --no-save-optim): load it with --no-load-optim (fresh optimizer) or --finetune")
     if scope.finetune and meta.ptc is not None and all(k.startswith("optimizer.") for k in meta.ptc.tensors):
-        raise ValueError(f"{where}: --finetune: the checkpoint of iteration {meta.iteration} holds no model "
+        raise LoadScopeError(f"{where}: --finetune: the checkpoint of iteration {meta.iteration} holds no model "
                          "weights")
 
 
@@ -310,7 +320,7 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
     def describe(meta: Metadata) -> list[LocalChunk]:
         found = meta.framework if isinstance(meta, CheckpointMetadata) else None
         if opener is None and found is not None and found != adapter.framework:
-            raise ValueError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
+            raise OtherFrameworkError(f"{load_dir}: checkpoint was written by {found!r}, not by {adapter.framework!r}")
         check_scope(meta, scope, load_dir)
         return adapter.describe_for_load(meta)
 

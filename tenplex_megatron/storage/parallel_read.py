@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from tenplex_megatron import log as tlog
+from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.planner import Piece
 from tenplex_megatron.storage import prefetch
 from tenplex_megatron.storage.block_verify import piece_runs, touched_blocks
@@ -56,9 +57,9 @@ def default_threads() -> int:
         try:
             n = int(env)
         except ValueError:
-            raise ValueError(f"TENPLEX_READ_THREADS={env!r}: expected an integer >= 1") from None
+            raise FlagError(f"TENPLEX_READ_THREADS={env!r}: expected an integer >= 1") from None
         if n < 1:
-            raise ValueError(f"TENPLEX_READ_THREADS={env!r}: expected an integer >= 1")
+            raise FlagError(f"TENPLEX_READ_THREADS={env!r}: expected an integer >= 1")
         return n
     cpus = usable_cpus()
     return max(1, min(MAX_THREADS, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
