@@ -29,13 +29,16 @@ from typing import Any
 import torch
 
 from tenplex_megatron import __version__
+from tenplex_megatron.engine.load import LoadResult
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.execute.collective import RankFailure, check_all
-from tenplex_megatron.integrations.megatron_core.adapter import load_job
+from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
 from tenplex_megatron.integrations.megatron_core.sharded import model_keys, unwrap
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
-from tenplex_megatron.storage.directory import find_checkpoint, iter_dir_name, read_checkpoint_metadata
+from tenplex_megatron.storage.directory import iter_dir_name, read_checkpoint_metadata
+from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.training import gpt, mcore_dist_ckpt
 
 #: the distributed optimizer's formats an export writes (megatron-core's names; the first is the default)
@@ -133,12 +136,8 @@ def export(ckpt: str, out: str, layout: ParallelLayout, *, optimizer_format: str
         raise ExportError(f"export to {layout} needs {layout.world_size} processes, not {world}")
     if optimizer_format not in OPTIMIZER_FORMATS:
         raise ExportError(f"optimizer format {optimizer_format!r}: expected one of {', '.join(OPTIMIZER_FORMATS)}")
-    path = find_checkpoint(ckpt)
-    if path is None:
-        raise ExportError(f"{ckpt}: no complete tenplex checkpoint here")
-    meta = read_checkpoint_metadata(path)
-    job = build_target(meta, layout)
-    res = load_job(job, path, verify=verify)
+    job, meta, res = _load(ckpt, layout, verify)
+    path = res.path
     flops = float(res.extra.get("num_floating_point_operations_so_far", 0.0))
     md = megatron_metadata(job.use_distributed_optimizer, optimizer_format)
     state = megatron_state_dict(job, md, megatron_args(job, model_record(meta), path, optimizer_format), flops)
@@ -155,6 +154,26 @@ def export(ckpt: str, out: str, layout: ParallelLayout, *, optimizer_format: str
     mcore_dist_ckpt.write_tracker(out, job.iteration)
     return ExportResult(target, job.iteration, layout, optimizer_format if job.use_distributed_optimizer else None,
                         time.perf_counter() - t0)
+
+
+def _load(ckpt: str, layout: ParallelLayout, verify: bool) -> tuple[gpt.GPTJob, CheckpointMetadata, LoadResult]:
+    """Collective: the job at ``layout`` for the model ``ckpt`` holds, loaded through a Checkpointer's resume
+    sequence (the newest complete copy; a damaged one falls back to the previous, naming it)."""
+    checkpointer = Checkpointer.for_api("tenplex-megatron export-megatron")
+    try:
+        try:
+            found = checkpointer.sources(ckpt, memory=False).tenplex
+        except CheckpointFileError as e:  # every copy damaged
+            raise ExportError(f"{ckpt}: {e}") from None
+        if found is None:
+            raise ExportError(f"{ckpt}: no complete tenplex checkpoint here")
+        meta = read_checkpoint_metadata(found)
+        job = build_target(meta, layout)
+        res = checkpointer.resume(MegatronCoreEngine(job, verify), ckpt, own=False).result
+    finally:
+        checkpointer.close()
+    assert res is not None  # the query found a tenplex copy: the sequence loads it or raises
+    return job, meta, res
 
 
 def main(argv: list[str] | None = None) -> int:
