@@ -13,7 +13,7 @@ from tenplex_megatron.plan.sim.sharding import layout_chunks, resize_vocab
 from tenplex_megatron.storage import copies
 from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.confine import confine_all
-from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint, read_checkpoint_metadata
+from tenplex_megatron.storage.directory import find_checkpoint, find_megatron_checkpoint
 from tenplex_megatron.storage.files import CheckpointFileError
 
 
@@ -33,13 +33,13 @@ def fmt_bytes(n: float) -> str:
 def read_tenplex(path: str) -> tuple[str, CheckpointMetadata, PTC]:
     """The tenplex checkpoint under ``path``, its metadata checked field by field (a bad one: one error line)."""
     try:
-        ckpt, _ = copies.choose(path)  # every copy damaged: an error naming each
+        copy, _ = copies.choose(path)  # every copy damaged: an error naming each
     except CheckpointFileError as e:
         raise CLIError(str(e)) from None
-    if ckpt is None:
+    if copy is None or copy.metadata is None:
         raise CLIError(f"{path}: no complete tenplex checkpoint here")
+    ckpt, meta = copy.path, copy.metadata  # read and checked once, by the choice
     try:
-        meta = read_checkpoint_metadata(ckpt)
         ptc = meta.require_ptc()
         confine_all(ckpt, (sc.location.file for sc in ptc.chunks))
     except (CheckpointFileError, PTCError) as e:

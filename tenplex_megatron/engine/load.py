@@ -81,13 +81,18 @@ class LoadResult:
     layout: LayoutRecord | None = None  # the saved layout, of the job's layout type (ParallelLayout; DeepSpeed: DeepSpeedLayout)
 
 
-def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool) -> Opened:
+def open_tenplex(load_dir: str, iteration: int | None, *, verify: bool,
+                 metadata: CheckpointMetadata | None = None) -> Opened:
     """The newest complete tenplex checkpoint under ``load_dir`` (or ``iteration``'s: else an error listing the
-    iterations there), checked and opened."""
-    path = directory.find_checkpoint(load_dir) if iteration is None else checkpoint_at(load_dir, iteration)
-    if path is None:
-        raise CheckpointNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
-    meta = directory.read_checkpoint_metadata(path)  # every field checked: a malformed one is a damaged copy
+    iterations there), checked and opened; ``metadata``: ``load_dir`` is the checkpoint and this is its record,
+    read and checked already (by the restart's query: never found or read twice)."""
+    if metadata is not None:
+        path, meta = load_dir, metadata
+    else:
+        path = directory.find_checkpoint(load_dir) if iteration is None else checkpoint_at(load_dir, iteration)
+        if path is None:
+            raise CheckpointNotFoundError(f"no complete tenplex checkpoint under {load_dir}")
+        meta = directory.read_checkpoint_metadata(path)  # every field checked: a malformed one is a damaged copy
     source = meta.require_ptc()
     # every file name the metadata uses is confined to the checkpoint here, before anything is read
     files = SourceFiles(path, {k: m.dtype for k, m in source.tensors.items()},
@@ -254,6 +259,7 @@ def load_chunks(
     fetch: Callable[[Any, tuple, Any], None] | None = None,
     local: Callable[[Metadata, Callable[[str], torch.Tensor]], Callable[[], None] | None] | None = None,
     left_out: tuple[str, ...] = (),
+    metadata: CheckpointMetadata | None = None,
 ) -> ChunksLoaded:
     """Collective: fill this rank's live chunks from the newest complete checkpoint under ``load_dir``.
 
@@ -268,14 +274,16 @@ def load_chunks(
     (host-memory snapshots: receive what other nodes hold). ``local(metadata, read)``: decides whether this
     rank's rank-local state applies and reads it (``engine/rank_local.py``) before any byte is copied; returns
     what to call after ``restore`` (or None). ``left_out``: key prefixes of stored tensors the job does not take
-    back on purpose (``optimizer.`` for a weights-only load), exempt from ``strict``.
+    back on purpose (``optimizer.`` for a weights-only load), exempt from ``strict``. ``metadata``: ``load_dir``'s
+    record, read already (:func:`open_tenplex`).
     """
     me = rank()
     host = host or socket.gethostname()
 
     def plan() -> tuple[Opened, list[LocalChunk], Any, Any]:
         with gc_paused():  # metadata JSON, PTC and plan objects: no full collections over the job's heap meanwhile
-            opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify=verify)
+            opened = opener() if opener is not None else open_tenplex(load_dir, iteration, verify=verify,
+                                                                      metadata=metadata)
             return (opened, *_plan_rank(opened, describe, me, host))
 
     opened, chunks, mine, sources = run_phase(f"load from {load_dir}: planning", plan)
@@ -304,14 +312,16 @@ def load_chunks(
 
 def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, strict: bool = True, verify: bool = True,
          opener: Callable[[], Opened] | None = None, source_format: str = "tenplex", host: str | None = None,
-         fetch: Callable[[Any, tuple, Any], None] | None = None, scope: LoadScope | None = None) -> LoadResult:
+         fetch: Callable[[Any, tuple, Any], None] | None = None, scope: LoadScope | None = None,
+         metadata: CheckpointMetadata | None = None) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` into the adapter, re-sharded.
 
     ``verify``: check the CRC-32 of every stored block this rank reads from
     (only those blocks, not whole chunks). ``opener``: read a foreign format in
     place. ``host``, ``fetch``: see :func:`load_chunks`. Then the RNG policy: exact on the same layout,
     re-seeded otherwise. ``scope``: which iteration and which state (the adapter was made with the same scope:
-    it leaves out the optimizer where asked); without the RNG, the job's own streams are left alone.
+    it leaves out the optimizer where asked); without the RNG, the job's own streams are left alone. ``metadata``:
+    ``load_dir`` is the checkpoint and this its record, read already (never read twice).
     """
     t0 = time.perf_counter()
     scope = scope or LoadScope()
@@ -328,7 +338,7 @@ def load(adapter: Adapter, load_dir: str, iteration: int | None = None, *, stric
         loaded = load_chunks(load_dir, iteration, describe, adapter.restore,
                              strict=strict, verify=verify, opener=opener,
                              host=host, fetch=fetch, local=getattr(adapter, "prepare_rank_local", None),
-                             left_out=() if scope.optimizer else ("optimizer.",))
+                             left_out=() if scope.optimizer else ("optimizer.",), metadata=metadata)
     meta, stats = loaded.metadata, loaded.stats
     run_phase(f"load from {loaded.path}: finishing", lambda: adapter.after_load(meta))
     job_layout = adapter.layout()

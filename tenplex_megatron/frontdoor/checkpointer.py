@@ -29,7 +29,7 @@ from tenplex_megatron.execute.collective import rank, run_phase
 from tenplex_megatron.frontdoor import lease_flags, memory_flags, restart_sources, resume
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.frontdoor.resume import Engine, Resumed
-from tenplex_megatron.memory import fallback, state
+from tenplex_megatron.memory import state
 from tenplex_megatron.memory.settings import MemorySettings
 from tenplex_megatron.memory.snapshot import SnapshotResult, snapshot
 from tenplex_megatron.memory.state import MemoryTier
@@ -160,17 +160,6 @@ class Checkpointer:
         if self.config.resave and got.kind in ("scoped", "memory", "durable", "adopted"):
             engine.save(self.config.resave, None, SaveScope(), self.fence)
         return got
-
-    def restart(self, adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult],
-                sources: restart_sources.Sources, load_dir: str | None, *,
-                memory: bool = True, verify: bool | None = None) -> fallback.Restart:
-        """Collective: load ``sources``' snapshot or durable checkpoint, re-sharded (``verify``, by default as the
-        job's configuration says); a damaged copy falls back to the next (``memory/fallback.py``). The step of
-        :meth:`resume` a front door without a whole :class:`Engine` takes (DeepSpeed's own calls)."""
-        self._check_open()
-        tier = self._tier if memory else None
-        return restart_sources.restart(adapter, load_durable, tier, sources, load_dir,
-                                       verify=self.config.verify if verify is None else verify)
 
     # -- the save ----------------------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from tenplex_megatron.integrations.deepspeed import native
 from tenplex_megatron.integrations.deepspeed.adapter import DeepSpeedAdapter
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.storage import formats, lease
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 
 PROG = "tenplex_megatron.deepspeed"
 
@@ -61,9 +62,11 @@ class DeepSpeedEngine:
         """A fresh adapter over the engine (each load, each save)."""
         return DeepSpeedAdapter(self.engine, self.seed, dict(self.client_state), where=self.where)
 
-    def load(self, path: str, scope: LoadScope | None = None) -> LoadResult:
-        """Collective: tenplex's checkpoint ``path`` into the engine, re-sharded."""
-        return load(self.adapter(), path, None, strict=True, verify=self.verify, scope=scope)
+    def load(self, path: str, scope: LoadScope | None = None,
+             metadata: CheckpointMetadata | None = None) -> LoadResult:
+        """Collective: tenplex's checkpoint ``path`` into the engine, re-sharded (``metadata``: its record, read
+        already)."""
+        return load(self.adapter(), path, None, strict=True, verify=self.verify, scope=scope, metadata=metadata)
 
     def adopt(self, path: str, scope: LoadScope | None = None) -> LoadResult:
         """Refused on every rank: Megatron's own checkpoint ``path`` is not a DeepSpeed engine's."""

@@ -18,6 +18,7 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.storage import lease
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class MegatronCoreEngine:
         """A fresh adapter over the job (a host-memory load or snapshot)."""
         return MegatronCoreAdapter(self.job, dict(self.extra))
 
-    def load(self, path: str, scope: LoadScope | None = None) -> LoadResult:
-        """Collective: tenplex's checkpoint ``path`` into the job, re-sharded, ``scope`` taken back."""
-        return load_job(self.job, path, strict=self.strict, verify=self.verify, scope=scope)
+    def load(self, path: str, scope: LoadScope | None = None,
+             metadata: CheckpointMetadata | None = None) -> LoadResult:
+        """Collective: tenplex's checkpoint ``path`` into the job, re-sharded, ``scope`` taken back (``metadata``:
+        its record, read already)."""
+        return load_job(self.job, path, strict=self.strict, verify=self.verify, scope=scope, metadata=metadata)
 
     def adopt(self, path: str, scope: LoadScope | None = None) -> LoadResult:
         """Collective: Megatron's own checkpoint ``path`` into the job, re-sharded."""

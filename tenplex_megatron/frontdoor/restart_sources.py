@@ -22,6 +22,7 @@ from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.restart_policy import Choice
 from tenplex_megatron.storage import copies
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
     find_megatron_checkpoint,
@@ -39,6 +40,7 @@ class Sources:
     tenplex: str | None
     megatron: str | None
     damaged: tuple[copies.Copy, ...] = ()  # tenplex copies newer than ``tenplex`` that cannot be loaded, and why
+    tenplex_meta: CheckpointMetadata | None = None  # ``tenplex``'s metadata, read and checked once by the query
 
     @property
     def ours(self) -> bool:
@@ -76,19 +78,26 @@ def find_sources(tier: MemoryTier | None, load_dir: str | None, *, tenplex: bool
     if load_dir and not tenplex and (met := tenplex_checkpoint_met(load_dir)) is not None:
         raise TenplexCheckpointWithoutFlag(without_flag_message(met))
     memory = memory_restart.choose(tier, load_dir) if tier is not None else None
-    ckpt, damaged = copies.choose(load_dir) if (load_dir and tenplex and memory is None) else (None, ())
+    copy, damaged = copies.choose(load_dir) if (load_dir and tenplex and memory is None) else (None, ())
+    ckpt = copy.path if copy is not None else None
     mck = find_megatron_checkpoint(load_dir) if (load_dir and memory is None and ckpt is None) else None
-    return Sources(memory, ckpt, mck, damaged)
+    return Sources(memory, ckpt, mck, damaged, copy.metadata if copy is not None else None)
 
 
-def restart(adapter: Callable[[], Adapter], load_durable: Callable[[str], LoadResult], tier: MemoryTier | None,
+def restart(adapter: Callable[[], Adapter], load_durable: Callable[..., LoadResult], tier: MemoryTier | None,
             sources: Sources, load_dir: str | None, *, verify: bool) -> fallback.Restart:
     """Collective: load ``sources``' snapshot (through a fresh ``adapter()``) or durable checkpoint (``load_durable``
-    of its path) into the job, re-sharded; a damaged copy falls back to the next (``memory/fallback.py``). The
-    engine comes in as an adapter and a loader, so that every front door shares this order."""
+    of its path, and of its metadata where the query read it: never read twice) into the job, re-sharded; a damaged
+    copy falls back to the next (``memory/fallback.py``). The engine comes in as an adapter and a loader, so that
+    every front door shares this order."""
+    def durable(path: str) -> LoadResult:
+        if sources.tenplex_meta is not None and path == sources.tenplex:
+            return load_durable(path, metadata=sources.tenplex_meta)
+        return load_durable(path)
+
     return fallback.restart(
         lambda c: memory_restart.load_snapshot(adapter(), tier, c, verify=verify),
-        load_durable, tier, sources.memory, load_dir, sources.tenplex, sources.damaged)
+        durable, tier, sources.memory, load_dir, sources.tenplex, sources.damaged)
 
 
 def loaded_line(res: LoadResult, layout: ParallelLayout) -> str:

@@ -30,6 +30,7 @@ from tenplex_megatron.memory.restart import MemoryLoadResult, discard_after
 from tenplex_megatron.memory.state import MemoryTier
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.storage import lease
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 
 KINDS = ("scoped", "memory", "durable", "adopted", "hf", "native", "scratch")
 
@@ -41,8 +42,10 @@ class Engine(Protocol):
         """A fresh adapter over the live job (a host-memory load, a snapshot)."""
         ...
 
-    def load(self, path: str, scope: LoadScope | None = None) -> LoadResult:
-        """Collective: tenplex's durable checkpoint ``path`` into the job, re-sharded, ``scope`` taken back."""
+    def load(self, path: str, scope: LoadScope | None = None,
+             metadata: CheckpointMetadata | None = None) -> LoadResult:
+        """Collective: tenplex's durable checkpoint ``path`` into the job, re-sharded, ``scope`` taken back
+        (``metadata``: its record, where the restart's query read it already)."""
         ...
 
     def adopt(self, path: str, scope: LoadScope | None = None) -> LoadResult:

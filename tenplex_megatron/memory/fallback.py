@@ -18,7 +18,7 @@ load writes every element of every tensor again (the plan covers each exactly on
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from tenplex_megatron import log as tlog
@@ -58,15 +58,17 @@ def damage(error: BaseException) -> str | None:
     return str(error) if isinstance(error, CheckpointFileError) else None
 
 
-def durable_candidates(load_dir: str, first: str | None) -> list[str]:
+def durable_candidates(load_dir: str, first: str | None) -> Iterator[str]:
     """The durable checkpoints to try, in order: ``first`` (the one a restart chose), then every older complete
-    one under ``load_dir``, newest first (``load_dir`` itself a checkpoint: only it)."""
-    if first is not None and os.path.abspath(first) == os.path.abspath(load_dir):
-        return [first]
+    one under ``load_dir``, newest first (``load_dir`` itself a checkpoint: only it). Lazy: the older ones are
+    listed (their metadata read) only once ``first`` has failed."""
+    if first is not None:
+        yield first
+        if os.path.abspath(first) == os.path.abspath(load_dir):
+            return
     its = directory.committed_iterations(load_dir)
     top = directory.iteration_of(first) if first is not None else None  # by name: its metadata may be the damage
-    older = [os.path.join(load_dir, directory.iter_dir_name(it)) for it in reversed(its) if top is None or it < top]
-    return ([first] if first is not None else []) + older
+    yield from (os.path.join(load_dir, directory.iter_dir_name(it)) for it in reversed(its) if top is None or it < top)
 
 
 def _skip(what: str, why: str, skipped: list[str]) -> None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tenplex_megatron.storage import directory, formats
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.files import CheckpointFileError
 
 _ITER_RE = re.compile(r"iter_([0-9]{7,})")
@@ -35,6 +36,7 @@ class Copy:
     path: str
     iteration: int | None
     why: str | None
+    metadata: CheckpointMetadata | None = field(default=None, compare=False)  # its record, read once (good copies)
 
     def describe(self) -> str:
         return f"{self.path}: {self.why}" if self.why else self.path
@@ -42,13 +44,7 @@ class Copy:
 
 def _foreign(path: str) -> bool:
     """Megatron's own checkpoint (megatron-core's torch_dist or the legacy format): not a tenplex copy."""
-    if formats.is_legacy_megatron_checkpoint(path):
-        return True
-    try:
-        meta = formats.load_metadata_json(path)
-    except (OSError, CheckpointFileError):
-        return False
-    return isinstance(meta, dict) and "sharded_backend" in meta
+    return formats.is_megatron_checkpoint(path)
 
 
 def _holds_tenplex_files(path: str) -> bool:
@@ -60,31 +56,39 @@ def _holds_tenplex_files(path: str) -> bool:
         return False
 
 
-def _check(path: str, iteration: int | None) -> Copy:
-    """Whether the copy at ``path`` has a metadata file that reads and checks, and why not."""
+def _classify(path: str, iteration: int | None) -> Copy | None:
+    """The copy at ``path`` with its metadata read once and checked (its record kept), or why it cannot be loaded;
+    None for Megatron's own checkpoint (not a tenplex copy: the adoption path's)."""
+    if formats.is_legacy_megatron_checkpoint(path):
+        return None
     try:
-        directory.read_metadata(path)
+        raw = formats.load_metadata_json(path)
+        if isinstance(raw, dict) and "sharded_backend" in raw:
+            return None
+        return Copy(path, iteration, None, directory.checked_metadata(path, raw))
+    except FileNotFoundError:
+        return Copy(path, iteration, f"{directory.METADATA_FILE}: missing (not a complete tenplex checkpoint)")
     except CheckpointFileError as e:
         return Copy(path, iteration, str(e).removeprefix(path + "/").removeprefix(path + ": "))
     except OSError as e:
         return Copy(path, iteration, f"cannot be read ({e.strerror or e})")
-    return Copy(path, iteration, None)
 
 
 def scan(load_dir: str) -> list[Copy]:
     """Every tenplex copy under ``load_dir``, newest first: ``load_dir`` itself when it is one, else its real
     ``iter_NNNNNNN`` directories holding tenplex files, and the tracker's iteration (missing, or unreadable, it is a
     copy that cannot be loaded: a committed save wrote the tracker). Raises nothing for damage: it is recorded."""
-    if os.path.isdir(load_dir) and _holds_tenplex_files(load_dir) and not _foreign(load_dir):
-        return [_check(load_dir, None)]
+    itself = _classify(load_dir, None) if os.path.isdir(load_dir) and _holds_tenplex_files(load_dir) else None
+    if itself is not None:
+        return [itself]
     found: dict[int, Copy] = {}
     if os.path.isdir(load_dir):
         for name in os.listdir(load_dir):
             m = _ITER_RE.fullmatch(name)
             path = os.path.join(load_dir, name)
             if m and os.path.isdir(path) and not os.path.islink(path) and _holds_tenplex_files(path) \
-                    and not _foreign(path):
-                found[int(m.group(1))] = _check(path, int(m.group(1)))
+                    and (copy := _classify(path, int(m.group(1)))) is not None:
+                found[int(m.group(1))] = copy
     tracker = os.path.join(load_dir, directory.TRACKER_FILE)
     try:
         named = directory.tracker_iteration(load_dir)
@@ -102,8 +106,9 @@ def scan(load_dir: str) -> list[Copy]:
     return [found[k] for k in sorted(found, reverse=True)]
 
 
-def choose(load_dir: str) -> tuple[str | None, tuple[Copy, ...]]:
-    """The newest copy under ``load_dir`` whose metadata reads (None: ``load_dir`` holds no tenplex copy at all) and
+def choose(load_dir: str) -> tuple[Copy | None, tuple[Copy, ...]]:
+    """The newest copy under ``load_dir`` whose metadata reads, with its record (None: ``load_dir`` holds no tenplex
+    copy at all) and
     the damaged copies newer than it, each with why; :class:`NoGoodCopyError` when there are copies and none
     reads. The tracker's iteration is preferred when it reads (a newer directory may be another job's, or one the
     tracker was not yet moved to)."""
@@ -126,7 +131,7 @@ def choose(load_dir: str) -> tuple[str | None, tuple[Copy, ...]]:
     pick = next((c for c in good if named is not None and c.iteration == named), good[0])
     newer = tuple(c for c in copies if c.why is not None
                   and (c.iteration is None or pick.iteration is None or c.iteration > pick.iteration))
-    return pick.path, newer
+    return pick, newer
 
 
 __all__ = ["Copy", "NoGoodCopyError", "choose", "scan"]

@@ -135,6 +135,13 @@ def read_checkpoint_metadata(ckpt_dir: str) -> CheckpointMetadata:
         meta = load_metadata_json(ckpt_dir)
     except FileNotFoundError:
         raise CheckpointFileError(f"{path}: missing (not a complete tenplex checkpoint)") from None
+    return checked_metadata(ckpt_dir, meta)
+
+
+def checked_metadata(ckpt_dir: str, meta: Any) -> CheckpointMetadata:
+    """``ckpt_dir``'s ``metadata.json`` document (parsed once by the caller) checked as :func:`read_checkpoint_metadata`
+    checks it: the format and version, every field, every file name confined."""
+    path = os.path.join(ckpt_dir, METADATA_FILE)
     METADATA_FORMAT.check(meta, path)
     typed = CheckpointMetadata.from_json(meta, path)
     for name in typed.files or {}:

@@ -17,7 +17,6 @@ from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_voc
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan.hf_map import ModelFacts
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
-from tenplex_megatron.storage.directory import read_checkpoint_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
 from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.training import gpt, legacy_ckpt, mcore_dist_ckpt
@@ -47,7 +46,7 @@ def padded_vocab(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout
     """The padded vocabulary: the restart source's (``--tenplex-vocab-padding keep``) where this TP allows it, else
     Megatron's rule. A legacy Megatron-LM checkpoint without ``--tenplex`` is refused here, before anything is built."""
     from_memory, ckpt, mck = found.memory, found.tenplex, found.megatron
-    saved_meta = from_memory.metadata if from_memory else read_checkpoint_metadata(ckpt) if ckpt else None
+    saved_meta = from_memory.metadata if from_memory else found.tenplex_meta if ckpt else None
     saved_padded = saved_meta.padded_vocab_size if saved_meta is not None else None
     legacy = mck is not None and is_legacy_megatron_checkpoint(mck)
     if legacy and not args.tenplex:

@@ -327,7 +327,9 @@ def checkpointer_rebuilt(out: str) -> list[dict[str, Any]]:
         ckpt = Checkpointer(JobConfig.from_args(args, "memory_run.py"))
         held = list(ckpt.leases)
         back = Tiny(0.0, axis=1)
-        r = ckpt.resume(SimpleNamespace(adapter=lambda b=back: b, load=lambda path, scope=None, b=back: load(b, path)))
+        engine = SimpleNamespace(adapter=lambda b=back: b,
+                                 load=lambda path, scope=None, metadata=None, b=back: load(b, path, metadata=metadata))
+        r = ckpt.resume(engine)
         loaded = [r.result.iteration, r.memory is not None, back.matches(r.result.iteration)] if r.loaded else None
         a = Tiny(value)
         a.it = int(value)

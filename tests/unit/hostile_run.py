@@ -56,9 +56,10 @@ def load(load_dir: str) -> dict[str, Any]:
     def describe(meta: dict[str, Any]) -> list[LocalChunk]:
         return [LocalChunk(TensorMeta("w", SHAPE, "float32"), Chunk("w", (0, 0), SHAPE), dst, True)]
 
-    newest, damaged = copies.choose(load_dir)
-    if newest is None:
+    copy, damaged = copies.choose(load_dir)
+    if copy is None:
         return {"fresh": True}
+    newest = copy.path
     got = fallback.restart(lambda c: None, lambda path: load_chunks(path, None, describe, lambda meta: None),
                            None, None, load_dir, newest, damaged)
     return {"path": got.result.path, "iteration": got.result.metadata.iteration, "skipped": list(got.skipped),

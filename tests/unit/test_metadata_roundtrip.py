@@ -127,3 +127,34 @@ def test_deepspeed_records() -> None:
     assert saved_layout(DeepSpeedLayout, {"tp": 2, "pp": 1, "dp": 1}) is None  # no ZeRO stage: not DeepSpeed's
     rec = DeepSpeedRecord(5, 40, 0, 8, 2, {"param_groups": [], "step": 5}, None, {"k": 1})
     assert rec.to_json()["extra"] == {"k": 1} and rec.to_json()["zero_stage"] == 2
+
+
+def test_a_restart_reads_each_copys_metadata_once(tmp_path, monkeypatch) -> None:
+    """The resume sequence finds and reads a checkpoint once: the query reads each copy's metadata.json once (and
+    checks it), and the load of the chosen copy takes that record instead of finding and reading it again; the
+    older copies are not listed while the newest loads."""
+    from tenplex_megatron.frontdoor.checkpointer import Checkpointer
+    from tenplex_megatron.storage import directory, formats
+
+    ckpt = str(tmp_path / "ckpt")
+    first = _Adapter(_record())
+    save(first, ckpt)
+    first.it = 13
+    newest = save(first, ckpt).path
+    reads: list[str] = []
+    real = formats.load_metadata_json
+
+    def counted(path: str) -> Any:
+        reads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(formats, "load_metadata_json", counted)
+    monkeypatch.setattr(directory, "load_metadata_json", counted)
+    back = _Adapter(_record())
+    back.it = 0
+    engine = types.SimpleNamespace(adapter=lambda: back,
+                                   load=lambda path, scope=None, metadata=None: load(back, path, metadata=metadata))
+    with Checkpointer.for_api("test") as checkpointer:
+        got = checkpointer.resume(engine, ckpt, own=False)
+    assert got.kind == "durable" and got.result.path == newest and back.it == 13
+    assert sorted(reads) == sorted({*reads}) and newest in reads, reads  # each copy read once, the newest among them

@@ -34,8 +34,9 @@ class Recording:
         self.calls.append(("adapter", None))
         return object()
 
-    def load(self, path: str, scope: LoadScope | None = None) -> Any:
+    def load(self, path: str, scope: LoadScope | None = None, metadata: Any = None) -> Any:
         self.calls.append(("load", (path, scope)))
+        self.metadata = metadata
         return type("Res", (), {"iteration": 7, "path": path})()
 
     def adopt(self, path: str, scope: LoadScope | None = None) -> Any:

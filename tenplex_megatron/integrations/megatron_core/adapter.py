@@ -43,6 +43,7 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.plan.megatron_ckpt_flags import LoadScope, Retention, SaveScope
 from tenplex_megatron.plan.planner import PlanError
 from tenplex_megatron.storage import lease
+from tenplex_megatron.storage.checkpoint_metadata import CheckpointMetadata
 from tenplex_megatron.storage.formats import is_legacy_megatron_checkpoint
 from tenplex_megatron.storage.source import Metadata
 
@@ -171,14 +172,16 @@ def save_job(job: Any, save_dir: str, extra: dict[str, Any] | None = None, keep:
 
 
 def load_job(job: Any, load_dir: str, iteration: int | None = None, *, strict: bool = True,
-             verify: bool = True, scope: LoadScope | None = None) -> LoadResult:
+             verify: bool = True, scope: LoadScope | None = None,
+             metadata: CheckpointMetadata | None = None) -> LoadResult:
     """Collective: load the newest complete checkpoint under ``load_dir`` re-sharded to ``job``'s layout.
 
     ``verify``: check the CRC-32 of every stored block this rank reads from (only those blocks, not whole chunks).
     ``scope``: a given iteration, the weights alone, no RNG, a fine-tune (iteration 0, fresh data position).
+    ``metadata``: ``load_dir`` is the checkpoint and this its record, read already.
     """
     return load(MegatronCoreAdapter(job, load_scope=scope), load_dir, iteration, strict=strict, verify=verify,
-                scope=scope)
+                scope=scope, metadata=metadata)
 
 
 def adopt_megatron_checkpoint(job: Any, path: str, *, trust_pickles: bool = False,
