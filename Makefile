@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels gpu-mlm lint bench venv dist docs clean etcd
+.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels gpu-mlm lint bench venv dist docs clean etcd slurm
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -26,6 +26,13 @@ etcd:
 	@command -v etcd >/dev/null 2>&1 || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null 2>&1 \
 	  || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }; } \
 	  || { echo "make etcd: install Debian's etcd-server (as root: apt-get install etcd-server)" >&2; exit 1; }
+
+# A real Slurm on this machine for the tests marked slurm (tests/multiproc/test_slurm.py, never skipped): munged,
+# slurmctld and two slurmd nodes n1, n2 on localhost (scripts/slurm/start.sh: Debian's slurmctld, slurmd,
+# slurm-client and munge installed once, quietly, as root; idempotent). scripts/slurm/stop.sh stops it; the tests
+# start it through the same script when it is not running, and stop it after.
+slurm:
+	@bash scripts/slurm/start.sh
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
