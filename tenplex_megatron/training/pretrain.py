@@ -504,8 +504,9 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, datase
                 _print0(f"> tenplex: {stopper.name} received: stopping after iteration {job.iteration}"
                         + ("" if args.save else " (no --save: nothing is saved)"))
                 break
-    if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        checkpoints.save(job, args, ckpt)
+        # still under the handler: the notice's second SIGTERM (torchrun's agent forwards the scheduler's) is recorded
+        if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
+            checkpoints.save(job, args, ckpt)
 
 
 def _metrics_file(args: argparse.Namespace) -> contextlib.AbstractContextManager[TextIO | None]:
