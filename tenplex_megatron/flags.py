@@ -282,4 +282,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here (made if missing)", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",
            "the training process a host-memory helper belongs to (the helper exits when it is gone)", "internal"),
+    EnvVar("TENPLEX_AGENT_IGNORES_SIGTERM", "`1`", "set by `python -m tenplex_megatron.frontdoor.slurm`",
+           "its torchrun agent ignores SIGTERM (Slurm signals every process of a step); a worker takes SIGTERM's "
+           "default back at start", "internal"),
 )

@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 
 from tenplex_megatron import flags
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import ckpt_flags, memory_flags
+from tenplex_megatron.frontdoor import ckpt_flags, memory_flags, slurm
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
@@ -274,6 +274,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if problem:
         parser.error(problem)
     check_ckpt_flags(parser, args, argv)
+    if problem := slurm.start_problem(os.environ, args, layout_choice.choose_for):  # the allocation disagrees
+        raise SystemExit(f"{PROG}: error: {problem}")
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
