@@ -36,12 +36,13 @@ TORCHRUN_SWITCHES = frozenset({"--standalone", "--run-path", "--run_path", "--no
                                "--virtual-local-rank", "--virtual_local_rank", "-h", "--help"})
 TORCHRUN_MODULE = frozenset({"-m", "--module"})  # the next word is the training module: torchrun's own options end
 #: the torchrun options read here, by each spelling torchrun accepts
-TORCHRUN_READ = MappingProxyType({"--nnodes": "nnodes", "--node-rank": "node_rank", "--node_rank": "node_rank",
-                 "--master-addr": "master_addr", "--master_addr": "master_addr",
-                 "--rdzv-endpoint": "rdzv_endpoint", "--rdzv_endpoint": "rdzv_endpoint",
-                 "--rdzv-backend": "rdzv_backend", "--rdzv_backend": "rdzv_backend",
-                 "--max-restarts": "max_restarts", "--max_restarts": "max_restarts",
-                 "--signals-to-handle": "signals", "--signals_to_handle": "signals"})
+TORCHRUN_READ = MappingProxyType({
+    "--nnodes": "nnodes", "--node-rank": "node_rank", "--node_rank": "node_rank",
+    "--master-addr": "master_addr", "--master_addr": "master_addr",
+    "--rdzv-endpoint": "rdzv_endpoint", "--rdzv_endpoint": "rdzv_endpoint",
+    "--rdzv-backend": "rdzv_backend", "--rdzv_backend": "rdzv_backend",
+    "--max-restarts": "max_restarts", "--max_restarts": "max_restarts",
+    "--signals-to-handle": "signals", "--signals_to_handle": "signals"})
 #: the signals torchrun's agent handles when it leaves SIGTERM to its workers (torch's default list, less SIGTERM)
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 #: set for a worker whose agent was started ignoring SIGTERM: the worker takes SIGTERM's default back
