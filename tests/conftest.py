@@ -108,8 +108,11 @@ def slurm_cluster() -> Iterator[None]:
     was_up = slurm.cluster_up()
     try:
         slurm.start_cluster()
+        why = ""
     except slurm.SlurmError as e:
-        pytest.fail(f"no local Slurm for the tests marked slurm (`make slurm` starts one, as root): {e}", pytrace=False)
+        why = str(e)
+    if why:
+        pytest.fail(f"no local Slurm for the tests marked slurm (`make slurm` starts one, as root): {why}", pytrace=False)
     yield
     if not was_up:
         slurm.stop_cluster()
