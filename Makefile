@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 export OMP_NUM_THREADS ?= 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels gpu-mlm lint bench venv dist docs clean etcd
+.PHONY: demo test test-bench test-compat test-fast test-gpu gpu-check gpu-wheels gpu-mlm lint bench venv dist docs clean etcd slurm
 
 # torch first and on its own (the CPU wheel: an unpinned torch pulls a multi-GB CUDA build), then the pinned
 # set (requirements.txt), then this checkout, editable, with no dependency resolution of its own.
@@ -27,6 +27,13 @@ etcd:
 	  || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }; } \
 	  || { echo "make etcd: install Debian's etcd-server (as root: apt-get install etcd-server)" >&2; exit 1; }
 
+# A real Slurm on this machine for the tests marked slurm (tests/multiproc/test_slurm.py, never skipped): munged,
+# slurmctld and two slurmd nodes n1, n2 on localhost (scripts/slurm/start.sh: Debian's slurmctld, slurmd,
+# slurm-client and munge installed once, quietly, as root; idempotent). scripts/slurm/stop.sh stops it; the tests
+# start it through the same script when it is not running, and stop it after.
+slurm:
+	@bash scripts/slurm/start.sh
+
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py
 
@@ -39,13 +46,15 @@ test: $(VENV)/.installed etcd
 	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests examples
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
-# The benchmarks' --quick runs with their checks (tests/multiproc/test_bench_*.py, marker bench) and the longer
-# multi-process runs (marker slow: the MoE re-shard row, losing a whole node in place): every benchmark still runs end
-# to end and its systems reproduce the losses, apart from make test's 15-minute budget (they are a quarter of its CPU
-# time, the elastic replay alone three policies of torchrun agents).
+# The benchmarks' --quick runs with their checks (tests/multiproc/test_bench_*.py, marker bench), the longer
+# multi-process runs (marker slow: the MoE re-shard row, losing a whole node in place) and the batch scripts of
+# docs/slurm.md against a real local Slurm (marker slurm, about 3 minutes: the tests start it with
+# scripts/slurm/start.sh, installing its packages where missing): every benchmark still runs end to end and its
+# systems reproduce the losses, apart from make test's 15-minute budget (they are a quarter of its CPU time, the
+# elastic replay alone three policies of torchrun agents).
 test-bench: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests
-	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "bench or slow" tests/multiproc
+	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "bench or slow or slurm" tests/multiproc
 
 # Both ends of the supported megatron-core range (tenplex_megatron/mcore_versions.py), each in a venv of its own
 # (scripts/compat_venv.sh: the pinned set with that megatron-core in place of 0.16.1): the re-shard matrix's core

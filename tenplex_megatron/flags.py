@@ -179,10 +179,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--tenplex-memory-fallback", "with --tenplex-memory: a snapshot that does not fit is saved to --save "
          "instead of failing", "memory", action="store_true"),
     # --- one writer per directory (storage/lease.py; the default TTL is lease.DEFAULT_TTL, checked by a test)
-    Flag("--tenplex-job-id", "this job's identity for the checkpoint directories' leases (default: torchrun's run "
-         "id unless it is 'none'; else SLURM_JOB_ID; else, under torchrun, a token its agents' store keeps for the "
-         "launch; else MASTER_ADDR:MASTER_PORT; else host:pid). A job with another id is refused a directory while "
-         "its holder lives", "lease", metavar="ID", doc_default="the launch's id"),
+    Flag("--tenplex-job-id", "this job's identity for the checkpoint directories' leases (default: the Slurm job, "
+         "slurm-SLURM_JOB_ID@SLURM_CLUSTER_NAME, the same after each requeue; else torchrun's run id unless it is "
+         "'none'; else, under torchrun, a token its agents' store keeps for the launch; else MASTER_ADDR:MASTER_PORT; "
+         "else host:pid). A job with another id is refused a directory while its holder lives", "lease",
+         metavar="ID", doc_default="the launch's id"),
     Flag("--tenplex-take-over", "take the leases of --save and --tenplex-memory over at once, even from a job whose "
          "heartbeat is fresh (that job is known to be gone); it cannot commit there any more", "lease",
          action="store_true"),
@@ -284,4 +285,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here (made if missing)", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",
            "the training process a host-memory helper belongs to (the helper exits when it is gone)", "internal"),
+    EnvVar("TENPLEX_AGENT_IGNORES_SIGTERM", "`1`", "set by `python -m tenplex_megatron.frontdoor.slurm`",
+           "its torchrun agent ignores SIGTERM (Slurm signals every process of a step); a worker takes SIGTERM's "
+           "default back at start", "internal"),
 )

@@ -18,7 +18,7 @@ import json
 import os
 import resource
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import Any
 
 import pytest
@@ -96,3 +96,23 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
                            "cpu_pytest": round(s1.ru_utime - s0.ru_utime + s1.ru_stime - s0.ru_stime, 2)})
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[None]:
+    """A real Slurm on this machine for the tests marked ``slurm`` (scripts/slurm/start.sh: munged, slurmctld, two
+    slurmd nodes; its packages installed where missing), started once per session and stopped at its end (left
+    running where it ran before the session). One that cannot be started fails the test, naming ``make slurm``."""
+    from benchmarks.kit import slurm
+
+    was_up = slurm.cluster_up()
+    try:
+        slurm.start_cluster()
+        why = ""
+    except slurm.SlurmError as e:
+        why = str(e)
+    if why:
+        pytest.fail(f"no local Slurm for the tests marked slurm (`make slurm` starts one, as root): {why}", pytrace=False)
+    yield
+    if not was_up:
+        slurm.stop_cluster()

@@ -22,6 +22,8 @@ Driver side (no torch):
   agents            torchrun elastic agents standing for nodes: started, SIGKILLed, their workers watched
   inplace           in-process launchers standing for nodes (the elastic benchmark's in-place policy)
   etcd              a real etcd server for torchrun's ``etcd-v2`` rendezvous (also used by a cluster-safety test)
+  slurm             a real local Slurm (scripts/slurm/start.sh) and the batch scripts of docs/slurm.md: submitted,
+                    followed, their logs read (also used by the Slurm tests)
   fault_rows        the fault benchmark's row, and the survivors and timeouts read from an in-place run's logs
   faults_mlm        the fault benchmark's Megatron-LM rows: its own script's process restart and in-place runs
   mlm_checkout      a Megatron-LM checkout found, its release read, its scripts copied with our patch (also the

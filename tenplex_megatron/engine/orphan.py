@@ -21,6 +21,7 @@ from tenplex_megatron import log as tlog
 log = tlog.get("orphan")
 
 OFF_ENV = "TENPLEX_ORPHAN_EXIT"
+AGENT_IGNORES_SIGTERM = "TENPLEX_AGENT_IGNORES_SIGTERM"  # frontdoor/slurm.py's SIGTERM_ENV (engine imports no frontdoor)
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _PR_GET_PDEATHSIG = 2
 POLL_SECONDS = 0.5  # the watchdog's period where prctl is missing
@@ -49,6 +50,8 @@ def armed() -> str:
 
 def die_with_agent() -> str:
     """Arm the parent-death kill in a torchrun worker; returns how ("prctl", "watchdog") or "" where not armed."""
+    if os.environ.pop(AGENT_IGNORES_SIGTERM, None) == "1":  # frontdoor/slurm.py: the agent alone ignores SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     how = armed()
     if how:
         return how

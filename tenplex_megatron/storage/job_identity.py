@@ -1,13 +1,15 @@
 """A job's identity for the directories' leases (``lease.py``): the same on every rank and every elastic round of one
 launch, different for an unrelated launch, so that a second job on a directory is refused and a restart is not.
 
-In order: an explicit id (``--tenplex-job-id``); torchrun's run id unless it is its default ``none`` (``--rdzv-id``;
-``--standalone`` and torch 2.13's single-node launch without ``--master-port`` make a fresh uuid per launch); the
-scheduler's ``SLURM_JOB_ID``; under torchrun with run id ``none`` (a static rendezvous: ``--master-port``,
-``--master-addr``/``--node-rank``; a c10d rendezvous without ``--rdzv-id``) a random token kept in the agents' store
-at ``MASTER_ADDR:MASTER_PORT`` (the first reader of a launch creates it, every rank and restart round of the same
-agents reads it back, another launch has another store), or ``none`` with a warning where the agents share no store
-with the workers; without torchrun ``MASTER_ADDR:MASTER_PORT``, else ``host:pid``.
+In order: an explicit id (``--tenplex-job-id``); the Slurm job (``SLURM_JOB_ID``: a requeued job takes its
+directory back at once, whatever torchrun's run id, and a run id copied into two jobs' batch scripts cannot make
+them one); torchrun's run id unless it is its default ``none`` (``--rdzv-id``; ``--standalone`` and torch 2.13's
+single-node launch without ``--master-port`` make a fresh uuid per launch); under torchrun with run id ``none`` (a
+static rendezvous: ``--master-port``, ``--master-addr``/``--node-rank``; a c10d rendezvous without ``--rdzv-id``) a
+random token kept in the agents' store at ``MASTER_ADDR:MASTER_PORT`` (the first reader of a launch creates it,
+every rank and restart round of the same agents reads it back, another launch has another store), or ``none`` with
+a warning where the agents share no store with the workers; without torchrun ``MASTER_ADDR:MASTER_PORT``, else
+``host:pid``.
 """
 
 from __future__ import annotations
@@ -38,11 +40,12 @@ def job_id(explicit: str | None = None, env: Mapping[str, str] | None = None) ->
     if explicit:
         return str(explicit)
     env = os.environ if env is None else env
+    slurm = slurm_job_id(env)
+    if slurm:
+        return slurm
     run_id = env.get("TORCHELASTIC_RUN_ID")
     if run_id and run_id != _DEFAULT_RUN_ID:
         return run_id
-    if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}"
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     if run_id == _DEFAULT_RUN_ID:
         if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and addr and port:
@@ -55,6 +58,18 @@ def job_id(explicit: str | None = None, env: Mapping[str, str] | None = None) ->
     if addr and port:
         return f"{addr}:{port}"
     return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def slurm_job_id(env: Mapping[str, str]) -> str | None:
+    """The Slurm job's identity, ``slurm-ID@CLUSTER``: the same on every node and task of the job and after each
+    requeue (``SLURM_JOB_ID`` stays, ``SLURM_RESTART_COUNT`` grows), another for every other job (an array's tasks
+    each have their own ``SLURM_JOB_ID``; a heterogeneous job's components share ``SLURM_HET_JOB_ID``; the cluster's
+    name keeps two clusters' job ids apart on a shared filesystem); None outside Slurm."""
+    job = env.get("SLURM_HET_JOB_ID") or env.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    cluster = env.get("SLURM_CLUSTER_NAME")
+    return f"slurm-{job}@{cluster}" if cluster else f"slurm-{job}"
 
 
 def launch_token(addr: str, port: int, timeout: float = STORE_TIMEOUT_S) -> str:

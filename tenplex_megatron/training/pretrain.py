@@ -30,7 +30,7 @@ from megatron.core import parallel_state
 
 from tenplex_megatron import flags
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import ckpt_flags, memory_flags
+from tenplex_megatron.frontdoor import ckpt_flags, memory_flags, slurm
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.frontdoor.membership import REFORM_ENV
@@ -280,6 +280,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if problem:
         parser.error(problem)
     check_ckpt_flags(parser, args, argv)
+    if problem := slurm.start_problem(os.environ, args, layout_choice.choose_for):  # the allocation disagrees
+        raise SystemExit(f"{PROG}: error: {problem}")
     chosen = layout_choice.apply(args)  # before any process group: an impossible world size fails here
     if chosen is not None:
         args.tenplex_layout_why = chosen.why
@@ -515,8 +517,9 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, datase
             if getattr(args, "tenplex_boundary", None) is not None and args.tenplex_boundary():
                 _print0(f"> tenplex: the world changes: re-forming after iteration {job.iteration}")
                 break
-    if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
-        checkpoints.save(job, args, ckpt)
+        # still under the handler: the notice's second SIGTERM (torchrun's agent forwards the scheduler's) is recorded
+        if args.save and (args.save_interval is None or job.iteration % args.save_interval != 0):
+            checkpoints.save(job, args, ckpt)
 
 
 def _metrics_file(args: argparse.Namespace) -> contextlib.AbstractContextManager[TextIO | None]:
