@@ -17,7 +17,6 @@ from tenplex_megatron.plan.hf_map import HFMapError, parse_size
 from tenplex_megatron.plan.layout import LayoutError, ModelShape, ParallelLayout, padded_vocab_size
 from tenplex_megatron.plan.planner import PlanError
 from tenplex_megatron.plan.ptc import PTCError
-from tenplex_megatron.storage.directory import find_checkpoint
 from tenplex_megatron.storage.files import CheckpointFileError
 
 
@@ -25,10 +24,9 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     """Export a checkpoint as a Hugging Face model (torch and transformers are imported only here)."""
     try:
         max_shard = parse_size(args.max_shard_size)
-        if find_checkpoint(args.checkpoint) is None:
-            raise CLIError(f"{args.checkpoint}: no complete tenplex checkpoint here")
+        ckpt, meta, _ = read_tenplex(args.checkpoint)  # the restart's choice of copy: damage skipped, read once
         export = require("tenplex_megatron.integrations.hf.export", "hf", needed_by="export-hf")
-        res = export.export_hf(args.checkpoint, args.out, args.dtype, max_shard, args.force)
+        res = export.export_hf(ckpt, args.out, args.dtype, max_shard, args.force, metadata=meta)
     except (HFMapError, PlanError, PTCError, CheckpointFileError, FileExistsError) as e:
         raise CLIError(str(e)) from None
     print(f"export-hf: {res.arch} model, {res.tensors} tensors, {fmt_bytes(res.bytes)} in {len(res.files)} "

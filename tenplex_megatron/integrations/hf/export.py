@@ -82,16 +82,17 @@ def _assemble(t: HFTensor, plans: list[RankPlan], sources: tuple, files: object,
 
 
 def export_hf(ckpt: str, out: str, dtype: str | None = None, max_shard_bytes: int = 5 * 10**9,
-              force: bool = False, verify: bool = True) -> ExportResult:
+              force: bool = False, verify: bool = True, metadata: CheckpointMetadata | None = None) -> ExportResult:
     """Write ``ckpt`` (a tenplex checkpoint directory or a save directory) to ``out`` as a transformers model.
 
-    ``dtype``: ``bf16``, ``fp32`` or ``fp16`` (default: the checkpoint's model dtype).
+    ``dtype``: ``bf16``, ``fp32`` or ``fp16`` (default: the checkpoint's model dtype). ``metadata``: ``ckpt`` is the
+    checkpoint and this its record, read already (by the CLI's choice of copy).
     """
     t0 = time.perf_counter()
     transformers = require("transformers", "hf", needed_by="export-hf")
     if dtype is not None and dtype not in DTYPES:
         raise HFMapError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    opened = open_tenplex(ckpt, None, verify=verify)
+    opened = open_tenplex(ckpt, None, verify=verify, metadata=metadata)
     meta = opened.metadata
     assert isinstance(meta, CheckpointMetadata)  # open_tenplex's
     if meta.framework not in (None, "megatron-core"):
