@@ -97,6 +97,15 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, script: str = PR
     return run_logged(torchrun_cmd(nproc, script, args, python, rdzv), env, timeout)
 
 
+def kill_groups(procs: Sequence[subprocess.Popen]) -> None:
+    """SIGKILL the process group of every launcher of ``procs`` still running (started with its own session), and
+    reap it: what a test that ran several launchers leaves behind, whatever happened."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 def layout_flags(tp: int, pp: int, vpp: int = 1) -> list[str]:
     """Megatron-LM's layout flags; ``vpp`` > 1: the interleaved schedule with that many model chunks per rank."""
     flags = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]

@@ -26,7 +26,7 @@ from collections import defaultdict
 
 import pytest
 
-from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, Run, layout_flags, metrics, torchrun
+from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, Run, kill_groups, layout_flags, metrics, torchrun
 from tests.multiproc.test_inprocess import STATUSES, assert_uninterrupted, calls, memory_loads, pairs
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -70,10 +70,7 @@ def launch_nodes(d: object, args: list[str], timeout: float = 420) -> tuple[list
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_groups(procs)
     runs = []
     for node, p in enumerate(procs):
         with open(f"{d}/node-{node}.log") as f:

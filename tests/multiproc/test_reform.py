@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, Run, layout_flags, metrics, torchrun
+from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, Run, kill_groups, layout_flags, metrics, torchrun
 from tests.multiproc.test_inprocess import STARTED, STATUSES, assert_uninterrupted, memory_loads, pairs
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -62,10 +62,7 @@ def grow_then_leave(d: object, args: list[str], timeout: float = 360) -> dict[st
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_groups(procs)
     runs = [Run(p.returncode, read(f"{d}/node-{n}.log")) for n, p in enumerate(procs)]
     return {"node0": runs[0], "node1": runs[1], "noticed": noticed}
 
@@ -79,10 +76,7 @@ def refused(d: object, args: list[str], timeout: float = 240) -> tuple[Run, Run]
     except subprocess.TimeoutExpired:
         pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_groups(procs)
     return Run(procs[0].returncode, read(f"{d}/node-0.log")), Run(procs[1].returncode, read(f"{d}/node-1.log"))
 
 
