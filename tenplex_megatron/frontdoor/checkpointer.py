@@ -109,11 +109,6 @@ class Checkpointer:
         """Whether the job runs the host-memory tier (``--tenplex --tenplex-memory DIR``, or an API caller's)."""
         return self.config.memory is not None
 
-    @property
-    def memory_opened(self) -> bool:
-        """Whether :meth:`memory` has run (the tier opened, or found not wanted)."""
-        return self._opened
-
     def memory(self) -> MemoryTier | None:
         """Collective at the first call (every rank reaches it): the job's host-memory tier, its helper processes
         started; None without one. Later calls return the same tier."""
