@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron.errors import TenplexError
+from tenplex_megatron.plan.pipeline_split import SplitError, chunk_layers, even
 
 
 class LayoutError(TenplexError, ValueError):
@@ -62,7 +63,9 @@ class ParallelLayout:
     """Tensor-, pipeline- and data-parallel degrees of a job, its virtual pipeline stages per rank (``vpp``,
     Megatron's interleaved schedule), whether sequence parallelism is on (``sp``: no tensor changes, recorded), and
     for mixture-of-experts models the expert-parallel size (``ep``) and the experts' own TP (``etp``; 0: the same as
-    ``tp``, megatron-core's default). The experts' data-parallel size follows: world / (ETP x EP x PP)."""
+    ``tp``, megatron-core's default). The experts' data-parallel size follows: world / (ETP x EP x PP).
+    ``split``: the layer count of each of the PP x VPP model chunks (``plan/pipeline_split.py``: megatron-core's
+    order) for an uneven pipeline; empty (also for records written before it existed) is the even split."""
 
     tp: int = 1
     pp: int = 1
@@ -71,8 +74,10 @@ class ParallelLayout:
     sp: bool = False
     ep: int = 1
     etp: int = 0
+    split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_split()
         if not isinstance(self.etp, int) or isinstance(self.etp, bool) or self.etp < 0:
             raise LayoutError(f"etp={self.etp!r}: the expert tensor-parallel size is an integer >= 1 (0: TP's)")
         if self.etp == self.tp:
@@ -91,6 +96,26 @@ class ParallelLayout:
         if self.world_size % expert_mp:
             raise LayoutError(f"expert TP x EP x PP = {self.expert_tp} x {self.ep} x {self.pp} = {expert_mp} does not "
                               f"divide the world size TP x PP x DP = {self.world_size}")
+
+    def _check_split(self) -> None:
+        """``split``: PP x VPP counts >= 0, kept as a tuple, the even one spelt ``()`` (so equal layouts compare
+        equal)."""
+        split = self.split
+        if not isinstance(split, (tuple, list)) or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
+                                                           for n in split):
+            raise LayoutError(f"split={split!r}: the layers of each pipeline chunk, integers >= 0")
+        pp, vpp = self.pp if isinstance(self.pp, int) else 1, self.vpp if isinstance(self.vpp, int) else 1
+        if split and len(split) != pp * vpp:
+            raise LayoutError(f"split={'/'.join(map(str, split))} gives {len(split)} pipeline chunks, PP x VPP = "
+                              f"{pp} x {vpp} = {pp * vpp}")
+        object.__setattr__(self, "split", even(tuple(split)))
+
+    def layers(self, num_layers: int, pp_rank: int, vp_stage: int = 0) -> range:
+        """The global layers of pipeline rank ``pp_rank``'s virtual stage ``vp_stage`` (megatron-core's numbering)."""
+        try:
+            return chunk_layers(self.split, num_layers, self.pp, self.vpp, pp_rank, vp_stage)
+        except SplitError as e:
+            raise LayoutError(str(e)) from None
 
     @property
     def expert_tp(self) -> int:
@@ -113,11 +138,13 @@ class ParallelLayout:
 
     def __str__(self) -> str:
         return f"tp={self.tp},pp={self.pp},dp={self.dp}" + (f",vpp={self.vpp}" if self.vpp > 1 else "") + (
-            ",sp" if self.sp else "") + (f",ep={self.ep}" if self.ep > 1 else "") + (f",etp={self.etp}" if self.etp else "")
+            ",sp" if self.sp else "") + (f",ep={self.ep}" if self.ep > 1 else "") + (f",etp={self.etp}" if self.etp else "") + (
+            f",split={'/'.join(map(str, self.split))}" if self.split else "")
 
     @classmethod
     def parse(cls, text: str) -> ParallelLayout:
-        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1), with optional ``vpp=N``, ``sp``, ``ep=N``, ``etp=N``."""
+        """Parse ``tp=2,pp=2,dp=1`` (missing degrees default to 1), with optional ``vpp=N``, ``sp``, ``ep=N``, ``etp=N``,
+        ``split=3/1`` (each pipeline chunk's layers)."""
         values: dict[str, Any] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, sep, num = part.partition("=")
@@ -125,18 +152,18 @@ class ParallelLayout:
             if name == "sp" and (not sep or num.strip() in ("1", "true", "on")):
                 values["sp"] = True
                 continue
-            if not sep or name not in ("tp", "pp", "dp", "vpp", "ep", "etp"):
+            if not sep or name not in ("tp", "pp", "dp", "vpp", "ep", "etp", "split"):
                 raise LayoutError(f"cannot parse layout {text!r}: expected e.g. tp=2,pp=2,dp=1 (optionally vpp=2, sp, "
-                                  "ep=2, etp=1)")
+                                  "ep=2, etp=1, split=3/1)")
             try:
-                values[name] = int(num)
+                values[name] = tuple(int(n) for n in num.split("/")) if name == "split" else int(num)
             except ValueError:
                 raise LayoutError(f"cannot parse layout {text!r}: {name}={num!r} is not an integer") from None
         return cls(**values)
 
     def to_json(self) -> dict[str, Any]:
-        """``tp``, ``pp``, ``dp``; ``vpp``, ``sp``, ``ep`` and ``etp`` only when set (records written before they
-        existed match)."""
+        """``tp``, ``pp``, ``dp``; ``vpp``, ``sp``, ``ep``, ``etp`` and ``split`` only when set (records written before
+        they existed match)."""
         out: dict[str, Any] = {"tp": self.tp, "pp": self.pp, "dp": self.dp}
         if self.vpp > 1:
             out["vpp"] = self.vpp
@@ -146,12 +173,15 @@ class ParallelLayout:
             out["ep"] = self.ep
         if self.etp:
             out["etp"] = self.etp
+        if self.split:
+            out["split"] = list(self.split)
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ParallelLayout:
         return cls(tp=int(d["tp"]), pp=int(d["pp"]), dp=int(d["dp"]), vpp=int(d.get("vpp") or 1),
-                   sp=bool(d.get("sp", False)), ep=int(d.get("ep") or 1), etp=int(d.get("etp") or 0))
+                   sp=bool(d.get("sp", False)), ep=int(d.get("ep") or 1), etp=int(d.get("etp") or 0),
+                   split=tuple(int(n) for n in d.get("split") or ()))
 
     def rank_coords(self, rank: int) -> tuple[int, int, int]:
         """(tp_rank, pp_rank, dp_rank) of a global rank in megatron-core's default order (tp-dp-pp)."""
@@ -180,7 +210,11 @@ class ParallelLayout:
             )
         if shape.hidden_size % self.tp:
             problems.append(f"TP={self.tp} does not divide the hidden size ({shape.hidden_size})")
-        if self.vpp > 1 and shape.num_layers % (self.pp * self.vpp):
+        if self.split:
+            if sum(self.split) != shape.num_layers:
+                problems.append(f"the uneven pipeline split {'/'.join(map(str, self.split))} holds "
+                                f"{sum(self.split)} layers, the model {shape.num_layers}")
+        elif self.vpp > 1 and shape.num_layers % (self.pp * self.vpp):
             problems.append(f"PP x VPP = {self.pp} x {self.vpp} does not divide the number of layers "
                             f"({shape.num_layers})")
         elif shape.num_layers % self.pp:

@@ -148,7 +148,7 @@ class CheckpointMetadata:
     format_version: int
     iteration: int | None
     framework: str | None
-    layout: Mapping[str, int] | None
+    layout: Mapping[str, Any] | None  # degrees; ``split`` (an uneven pipeline) a list
     files: Mapping[str, int] | None  # None: a record without sizes (written before they were recorded)
     ptc: PTC | None
     consumed_samples: int | None
@@ -262,9 +262,14 @@ class CheckpointMetadata:
                    rng=dict(rng), records=own)
 
 
-def _layout(f: _Fields, v: object, field: str) -> dict[str, int]:
-    out = {}
+def _layout(f: _Fields, v: object, field: str) -> dict[str, Any]:
+    """The layout record: degrees, ``sp`` a flag, ``split`` (an uneven pipeline: layers per chunk) a list of counts;
+    a record without ``split`` is an even pipeline (every record written before it existed)."""
+    out: dict[str, Any] = {}
     for k, x in f.obj(v, field).items():
+        if k == "split":
+            out[k] = f.counts(x, f"{field}.split", 0, MAX_SIZE, MAX_LAYOUT)
+            continue
         out[k] = f.flag(x, f"{field}.{k}") if k == "sp" else f.count(x, f"{field}.{k}", 1 if k in ("tp", "pp", "dp")
                                                                    else 0, MAX_LAYOUT)
     return out

@@ -89,8 +89,9 @@ def expert_group(dims: GPTDims, src: ParallelLayout, dst: ParallelLayout) -> tup
     hold whole ((1, 1) for a dense model)."""
     if not dims.num_experts:
         return 1, 1
-    return (math.gcd(dims.num_layers // src.stages, dims.num_layers // dst.stages),
-            math.gcd(dims.num_experts // src.ep, dims.num_experts // dst.ep))
+    counts = [len(lay.layers(dims.num_layers, r, v)) for lay in (src, dst) for r in range(lay.pp)
+              for v in range(lay.vpp)]
+    return math.gcd(*counts) or 1, math.gcd(dims.num_experts // src.ep, dims.num_experts // dst.ep)
 
 
 def _distinct_runs(runs: dict[int, tuple[Run, ...]]) -> list[tuple[tuple[Chunk, ...], list[int]]]:

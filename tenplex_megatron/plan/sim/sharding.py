@@ -2,8 +2,8 @@
 
 This mirrors megatron-core's sharding so that a plan can be made without
 building the model: TP splits ``tp_axis`` in ``tp_parts`` groups (SwiGLU's fc1
-is two), PP x VPP splits the layer axis evenly (pipeline rank r holds virtual
-stages r, r + PP, ...), the embedding lives on the first
+is two), PP x VPP splits the layer axis evenly or as the layout's uneven split says
+(pipeline rank r holds virtual stages r, r + PP, ...), the embedding lives on the first
 stage (and, tied, on the last), the final norm and output layer on the last.
 A routed expert's tensor (layer, expert, ...) is split whole along the expert axis by EP (EP rank r holds experts
 r E/EP to (r + 1) E/EP - 1, one box per expert as megatron-core's SequentialMLP describes them, or one box for all of
@@ -75,25 +75,23 @@ def _local_params(t: TensorMeta, layout: ParallelLayout, tp_rank: int, pp_rank: 
     (``expert_group`` (layers, experts): one box spans that many consecutive layers and experts, for dry runs)."""
     shape = list(t.global_shape)
     zeros = [0] * len(shape)
-    if t.stage == "layers":  # PP x VPP stages of equal size; pipeline rank r holds stages r, r + PP, r + 2 PP, ...
-        layers = shape[0]
-        if layers % layout.stages:
-            raise LayoutError(f"PP x VPP = {layout.pp} x {layout.vpp} does not divide the number of layers ({layers})")
-        per = layers // layout.stages
+    if t.stage == "layers":  # PP x VPP chunks (even, or the layout's split); pipeline rank r holds r, r + PP, ...
+        chunks = [layout.layers(shape[0], pp_rank, v) for v in range(layout.vpp)]
         expert = is_expert(t)
         group_layers, group_experts = expert_group if expert else (1, 1)
         if expert and shape[1] % (layout.ep * group_experts):
             raise LayoutError(f"tensor {t.key!r}: EP={layout.ep} does not divide its {shape[1]} experts"
                               + (f" in groups of {group_experts}" if group_experts > 1 else ""))
-        if per % group_layers:
-            raise LayoutError(f"tensor {t.key!r}: a stage's {per} layers do not split into groups of {group_layers}")
+        if any(len(c) % group_layers for c in chunks):
+            raise LayoutError(f"tensor {t.key!r}: a stage's {[len(c) for c in chunks]} layers do not split into groups "
+                              f"of {group_layers}")
         local = shape[1] // layout.ep if expert else 0
         if expert and is_grouped(t):  # GroupedMLP: one parameter holds all of the EP rank's experts of a layer
             group_experts = local
         tp = layout.expert_tp if expert else layout.tp
         out = []
-        for stage in range(pp_rank, layout.stages, layout.pp):
-            for layer in range(stage * per, (stage + 1) * per, group_layers):
+        for chunk in chunks:
+            for layer in chunk[::group_layers]:
                 if not expert:
                     out.append(_tp_boxes(t, [layer, *zeros[1:]], [1, *shape[1:]], tp, tp_rank))
                     continue
