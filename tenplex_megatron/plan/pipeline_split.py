@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from tenplex_megatron.errors import TenplexError
 
@@ -170,3 +171,27 @@ def chunk_layers(split: tuple[int, ...], num_layers: int, pp: int, vpp: int, pp_
 def even(split: tuple[int, ...]) -> tuple[int, ...]:
     """One spelling of the even split: the empty tuple where every chunk holds the same count."""
     return () if len(set(split)) <= 1 else tuple(split)
+
+
+def megatron_kwargs(split: tuple[int, ...], pp: int, vpp: int = 1) -> dict[str, Any]:
+    """megatron-core's ``TransformerConfig`` arguments that build ``split``: the first/last counts where they say it
+    (each rank's layers even over its VPP chunks, the ranks between alike), else the equivalent
+    ``pipeline_model_parallel_layout`` string; nothing for the even split."""
+    if not split:
+        return {}
+    ranks = [[split[v * pp + r] for v in range(vpp)] for r in range(pp)]
+    uniform = all(len(set(chunks)) == 1 for chunks in ranks)
+    totals = [sum(chunks) for chunks in ranks]
+    middle = set(totals[1:-1])
+    if uniform and pp == 2 and totals[0] > 0 and totals[1] > 0:
+        return {"num_layers_in_first_pipeline_stage": totals[0]}
+    if uniform and pp > 2 and len(middle) == 1 and min(totals) > 0:
+        out = {}
+        if totals[0] != totals[1]:
+            out["num_layers_in_first_pipeline_stage"] = totals[0]
+        if totals[-1] != totals[1]:
+            out["num_layers_in_last_pipeline_stage"] = totals[-1]
+        return out
+    stages = ["t" * n for n in split]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    return {"pipeline_model_parallel_layout": "|".join(stages)}

@@ -21,6 +21,7 @@ from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.flags import FlagError
 from tenplex_megatron.plan.data_position import num_microbatches
 from tenplex_megatron.plan.layout import ModelShape, ParallelLayout, padded_vocab_size
+from tenplex_megatron.plan.pipeline_split import megatron_kwargs
 from tenplex_megatron.training import cpu_shim
 
 
@@ -187,6 +188,7 @@ def build_job(
     init_model_parallel(spec, layout)
     config = transformer_config(spec, layout)
     model = build_model(spec, layout, config, padded_vocab, ddp, use_distributed_optimizer=use_distributed_optimizer)
+    _check_chunks(model, layout)
     optimizer = build_optimizer(spec, config, model, use_distributed_optimizer=use_distributed_optimizer)
     return GPTJob(
         spec=spec,
@@ -235,6 +237,16 @@ def check_job(
     return padded_vocab
 
 
+def _check_chunks(model: list[Any], layout: ParallelLayout) -> None:
+    """Each model chunk holds the layers the layout's pipeline split gives it (megatron-core built it from the
+    split's flags: ``plan/pipeline_split.megatron_kwargs``)."""
+    from megatron.core import parallel_state
+
+    from tenplex_megatron.integrations.megatron_core.pipeline import check_chunks
+
+    check_chunks(model, layout, parallel_state.get_pipeline_model_parallel_rank())
+
+
 def init_model_parallel(spec: GPTSpec, layout: ParallelLayout) -> None:
     """Collective: megatron-core's parallel state for ``layout``, built afresh (one process group can run several
     jobs in turn), and its seeded RNGs."""
@@ -272,6 +284,7 @@ def transformer_config(spec: GPTSpec, layout: ParallelLayout) -> Any:
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        **megatron_kwargs(layout.split, layout.pp, layout.vpp),  # an uneven pipeline: the same chunks
         # Megatron-LM's defaults: interleaving overlaps its p2p transfers, each direction in its own group (batched,
         # PP=2 would post a send of gradients and one of activations to the same peer, matched in posting order)
         overlap_p2p_comm=layout.vpp > 1,

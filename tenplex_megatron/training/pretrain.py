@@ -45,6 +45,7 @@ from tenplex_megatron.training import (
     inprocess,
     layout_choice,
     measure,
+    pipeline_flags,
     reform,
 )
 from tenplex_megatron.training.console import print0 as _print0
@@ -110,6 +111,7 @@ def _parallelism_flags(g: argparse._ArgumentGroup) -> None:
                    help="interleaved pipeline: layers per virtual stage (VPP = layers / PP / this)")
     g.add_argument("--num-virtual-stages-per-pipeline-rank", type=int, default=None,
                    help="interleaved pipeline: virtual stages (model chunks) per pipeline rank (VPP)")
+    pipeline_flags.add_split_flags(g)
     g.add_argument("--sequence-parallel", action="store_true",
                    help="split the sequence over the TP ranks outside attention and MLP (off at TP 1, as in "
                    "Megatron-LM)")
@@ -292,7 +294,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.expert_model_parallel_size = args.expert_model_parallel_size or 1
     if args.tensor_model_parallel_size == 1:  # Megatron-LM's rule: a restart at TP 1 keeps its command line
         args.sequence_parallel = False
-    args.virtual_pipeline_model_parallel_size = virtual_stages(parser, args)
+    args.virtual_pipeline_model_parallel_size = pipeline_flags.virtual_stages(parser, args)
+    args.pipeline_split = pipeline_flags.pipeline_split(parser, args)
     if args.group_query_attention and args.num_query_groups % args.tensor_model_parallel_size:
         parser.error(f"--tensor-model-parallel-size {args.tensor_model_parallel_size} does not divide "
                      f"--num-query-groups {args.num_query_groups} (TP splits the key/value head groups)")
@@ -314,24 +317,6 @@ def check_ckpt_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         problems = ckpt_flags.start_problems(args)
         if problems:
             parser.error("; ".join(problems))
-
-
-def virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """VPP from Megatron-LM's two interleaving flags (at most one), checked against PP and the layers."""
-    per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
-    if per_stage is None and per_rank is None:
-        return 1
-    if per_stage is not None and per_rank is not None:
-        parser.error("give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank")
-    pp = args.pipeline_model_parallel_size
-    flag, value = (("--num-layers-per-virtual-pipeline-stage", per_stage) if per_stage is not None
-                   else ("--num-virtual-stages-per-pipeline-rank", per_rank))
-    if pp < 2:
-        parser.error(f"{flag} needs --pipeline-model-parallel-size >= 2 (here {pp}): interleaving splits each "
-                     "pipeline rank's layers into several model chunks")
-    if value < 1 or args.num_layers % (pp * value):
-        parser.error(f"{flag} {value}: PP x it = {pp} x {value} must divide --num-layers {args.num_layers}")
-    return per_rank if per_stage is None else args.num_layers // (pp * per_stage)
 
 
 def check_model_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> None:
@@ -447,7 +432,8 @@ def layout_from_args(args: argparse.Namespace) -> ParallelLayout:
             f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp} x {ep} x {pp}"
         )
     return ParallelLayout(tp, pp, world // (tp * pp), vpp=args.virtual_pipeline_model_parallel_size,
-                          sp=bool(args.sequence_parallel and tp > 1), ep=ep, etp=etp)
+                          sp=bool(args.sequence_parallel and tp > 1), ep=ep, etp=etp,
+                          split=getattr(args, "pipeline_split", ()))
 
 
 def _build_job(args: argparse.Namespace, spec: GPTSpec, layout: ParallelLayout, padded: int) -> gpt.GPTJob:

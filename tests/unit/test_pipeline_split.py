@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from tenplex_megatron.plan.layout import LayoutError, ModelShape, ParallelLayout
-from tenplex_megatron.plan.pipeline_split import SplitError, SplitRule, chunk_layers, layout_stages
+from tenplex_megatron.plan.pipeline_split import SplitError, SplitRule, chunk_layers, layout_stages, megatron_kwargs
 
 torch = pytest.importorskip("torch")
 with warnings.catch_warnings():
@@ -74,7 +74,17 @@ def vpp_world():
     parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
 
 
-def test_first_last_and_account_for_equal_megatron_core() -> None:
+def _built(split: tuple[int, ...], num_layers: int, pp: int, vpp: int, vpp_world) -> tuple[int, ...] | None:
+    """The chunks megatron-core builds from :func:`megatron_kwargs` of a split."""
+    kwargs = megatron_kwargs(split if len(set(split)) > 1 else (), pp, vpp)
+    vpp_world(vpp)
+    rule = SplitRule(first=kwargs.get("num_layers_in_first_pipeline_stage"),
+                     last=kwargs.get("num_layers_in_last_pipeline_stage"),
+                     layout=kwargs.get("pipeline_model_parallel_layout"))
+    return megatron_counts(rule, num_layers, pp, vpp)
+
+
+def test_first_last_and_account_for_equal_megatron_core(vpp_world) -> None:
     agreed = refused = 0
     for num_layers, pp, vpp in itertools.product(range(1, 10), range(1, 5), (1, 2, 3)):
         if vpp > 1 and pp < 2:
@@ -90,6 +100,8 @@ def test_first_last_and_account_for_equal_megatron_core() -> None:
             assert got == want, (rule, num_layers, pp, vpp)
             agreed += got is not None
             refused += got is None
+            if got is not None:  # the trainer builds megatron-core from the counts alone: the same chunks
+                assert _built(got, num_layers, pp, vpp, vpp_world) == got, (rule, num_layers, pp, vpp)
     assert agreed > 100 and refused > 100  # both sides of the rule are exercised
 
 

@@ -36,6 +36,7 @@ from tenplex_megatron.integrations.megatron_core.optimizer import (
     restore_optimizer_state,
     sub_optimizers,
 )
+from tenplex_megatron.integrations.megatron_core.pipeline import check_chunks, config_split
 from tenplex_megatron.integrations.megatron_core.record import MegatronCoreRecord
 from tenplex_megatron.integrations.megatron_core.sharded import ModelArgumentError, describe_job, model_chunks, unwrap
 from tenplex_megatron.plan.experts import check_expert_kind
@@ -229,18 +230,21 @@ def stores_moments(metadata: Metadata) -> bool:
 
 def current_layout(chunks: list[Any]) -> ParallelLayout:
     """The running job's layout from megatron-core's parallel state: TP, PP, DP, VPP (one model chunk per virtual
-    stage), sequence parallelism (from the model's config), EP and expert TP."""
+    stage), sequence parallelism (from the model's config), EP and expert TP, and the pipeline split (the config's;
+    each chunk's layers checked against it)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     if len(chunks) != vpp:
         raise ModelArgumentError(f"tenplex: {len(chunks)} model chunks, but megatron-core's virtual pipeline size is "
                                  f"{vpp}: pass every model chunk (one per virtual stage), in order")
     config = getattr(unwrap(chunks[0]), "config", None)
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    return ParallelLayout(tp, parallel_state.get_pipeline_model_parallel_world_size(),
-                          parallel_state.get_data_parallel_world_size(), vpp=vpp,
-                          sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1,
-                          ep=parallel_state.get_expert_model_parallel_world_size() or 1,
-                          etp=parallel_state.get_expert_tensor_parallel_world_size() or tp)
+    tp, pp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size()
+    layout = ParallelLayout(tp, pp, parallel_state.get_data_parallel_world_size(), vpp=vpp,
+                            sp=bool(getattr(config, "sequence_parallel", False)) and tp > 1,
+                            ep=parallel_state.get_expert_model_parallel_world_size() or 1,
+                            etp=parallel_state.get_expert_tensor_parallel_world_size() or tp,
+                            split=config_split(config, pp, vpp))
+    check_chunks(chunks, layout, parallel_state.get_pipeline_model_parallel_rank())
+    return layout
 
 
 def live_job(model: Any, optimizer: Any, scheduler: Any, vocab_size: int | None = None, seed: int = 1234,
