@@ -62,6 +62,8 @@ from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
 from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, refusals
+from tenplex_megatron.plan.pipeline_split import rule_of as split_rule_of
+from tenplex_megatron.plan.pipeline_split import start_problem as split_problem
 from tenplex_megatron.plan.unsupported import missing_transformer_engine, unsupported_flags, unsupported_job_flags
 from tenplex_megatron.storage.directory import (
     find_checkpoint,
@@ -159,7 +161,7 @@ def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int)
                          distributed_optimizer=bool(args.use_distributed_optimizer),
                          make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by),
                          expert_tp=fixed.get("expert_tp"),
-                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)))
+                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)), split=split_rule_of(args))
 
 
 def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chosen | None:
@@ -214,7 +216,9 @@ def start_check(args: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     one note per flag given that has no effect under --tenplex."""
     tenplex = bool(getattr(args, "tenplex", False))
     problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args),
-                *megatron_flags.refusals(args), *filter(None, [missing_transformer_engine(args, _have_te())])] \
+                *megatron_flags.refusals(args), *filter(None, [missing_transformer_engine(args, _have_te())]),
+                # an uneven split that does not fit PP; with --tenplex-layout the choice keeps to it
+                *filter(None, [None if getattr(args, "tenplex_layout", None) else split_problem(args)])] \
         if tenplex else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))

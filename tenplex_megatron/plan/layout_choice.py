@@ -9,11 +9,18 @@ rank ahead of modelled ones. Explicitly given TP, PP, EP, expert TP or micro-bat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from tenplex_megatron.plan.autolayout import DEFAULT_MICRO_BATCH_SIZES, LayoutCandidate, LayoutChoice, choose_layout
-from tenplex_megatron.plan.layout import ParallelLayout
+from tenplex_megatron.plan.autolayout import (
+    DEFAULT_MICRO_BATCH_SIZES,
+    LayoutCandidate,
+    LayoutChoice,
+    choose_layout,
+    describe_refused,
+)
+from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
 from tenplex_megatron.plan.layout_files import load_layout_table
+from tenplex_megatron.plan.pipeline_split import SplitError, SplitRule
 from tenplex_megatron.plan.sim.gpt_catalogue import GPTDims
 
 RANKED_SPECS = ("auto", "measure")
@@ -41,6 +48,7 @@ class LayoutRequest:
     make_vocab_size_divisible_by: int = 128
     expert_tp: int | None = None  # a mixture of experts' expert TP, when given (else chosen, TP's or another)
     sequence_parallel: bool = True  # --sequence-parallel: without it a mixture of experts stays at TP 1
+    split: SplitRule = SplitRule()  # an uneven pipeline's flags: only a PP x VPP they fit is chosen
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,38 @@ def rank(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> Lay
     fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep), ("vpp", req.vpp),
                                ("expert_tp", req.expert_tp)) if v is not None}
     mbs = (req.micro_batch_size,) if req.micro_batch_size is not None else DEFAULT_MICRO_BATCH_SIZES
-    return choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
+    return _keep_split(req, choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
                          memory_gb=req.memory_gb, micro_batch_sizes=mbs, fixed=fixed or None, measured=measured,
                          distributed_optimizer=req.distributed_optimizer,
                          make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
-                         sequence_parallel=req.sequence_parallel)
+                         sequence_parallel=req.sequence_parallel))
+
+
+def split_problem(req: LayoutRequest, layout: ParallelLayout) -> str | None:
+    """Why the request's uneven-split flags do not fit ``layout``'s PP x VPP (None: they fit, or none given)."""
+    if not req.split.given:
+        return None
+    try:
+        req.split.counts(req.dims.num_layers, layout.pp, layout.vpp)
+    except SplitError as e:
+        return str(e)
+    return None
+
+
+def _keep_split(req: LayoutRequest, choice: LayoutChoice) -> LayoutChoice:
+    """The ranking with every candidate the uneven split does not fit refused, saying why (the throughput and
+    memory model itself splits the layers evenly); :class:`LayoutError` listing them all when none is left."""
+    if not req.split.given:
+        return choice
+    ranking = []
+    for c in choice.ranking:
+        why = split_problem(req, c.layout) if c.usable else None
+        ranking.append(replace(c, legal=False, reasons=(*c.reasons, why)) if why else c)
+    ranking.sort(key=lambda c: not c.usable)  # stable: the order among the usable and among the refused stays
+    if not ranking[0].usable:
+        raise LayoutError(f"no usable layout for world size {req.world_size} that fits {req.split.flags()}; every "
+                          "candidate is refused:\n" + "\n".join(describe_refused(ranking)))
+    return LayoutChoice(choice.world_size, ranking[0], tuple(ranking))
 
 
 def describe_layout(layout: ParallelLayout, micro_batch_size: int, moe: bool) -> str:
@@ -87,6 +122,8 @@ def choose(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> C
     if req.spec not in RANKED_SPECS:
         row = load_layout_table(req.spec, req.dims, gpus_per_node=req.gpus_per_node,
                                 global_batch_size=req.global_batch_size).row(req.world_size)
+        if why := split_problem(req, row.layout):
+            raise LayoutError(f"{req.spec}: the row for world size {req.world_size} ({row.layout}): {why}")
         return Chosen(row.layout, row.micro_batch_size, f"from {req.spec}")
     choice = rank(req, measured)
     best = choice.best

@@ -102,18 +102,27 @@ HONOURED_GROUPS: tuple[Group, ...] = (
           "(tests/megatron_lm/test_megatron_lm_inprocess.py, core_v0.15-0.17; from core_v0.18 pretrain_gpt.py "
           "parses its flags outside the wrapper and the hook stops, saying so)",
           ("inprocess_restart", "inprocess_active_world_size")),
+    Group(HONOURED, "uneven pipeline stages: the layout records each model chunk's layers (plan/pipeline_split.py, "
+          "equal to megatron-core's get_transformer_layer_offset and get_num_layers_to_build over every small "
+          "configuration: tests/unit/test_pipeline_split.py) and a restart re-shards by global layer to any other "
+          "split or PP (tests/multiproc/test_uneven_pipeline.py: PP2 3/1 -> PP2 even, 1/3, the layout string, PP1; "
+          "PP1 -> PP2 3/1; PP2 x VPP2 -> PP1; the account-for split -> PP1; tests/megatron_lm -k uneven); a split "
+          "that does not fit the PP is refused at start naming the flags and numbers",
+          ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+           "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")),
     Group(HONOURED, _TE, ("fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
                           "fp8_wgrad", "fp4", "fp4_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
                           "num_layers_at_end_in_bf16", "te_precision_config_file", "fp8_quantizer_factory",
                           "fp4_quantizer_factory", "fp8_output_proj")),
 )
 
-_UNEVEN = ("uneven pipeline stages: tenplex's layout model (plan/layout.py, --tenplex-layout, plan) splits the layers "
-           "evenly over PP x VPP; it would take the layout model taking per-stage layer counts and a restart test "
-           "across uneven stages")
-_PRECISION = ("Transformer Engine's precision-aware optimizer keeps the main weights and Adam's moments in its own "
-              "dtypes, which tenplex does not describe (it saves fp32 main weights and moments); it would take "
-              "describing them and a restart test")
+_PRECISION = ("the precision-aware optimizer is Transformer Engine's FusedAdam: megatron-core's OptimizerConfig "
+              "refuses it without TE (core_v0.16 fails in is_te_min_version, core_v0.19 raises '--use-precision-"
+              "aware-optimizer requires FusedAdam from TransformerEngine'; its one other host, --optimizer-cpu-offload, "
+              "is refused too), so it cannot run on tenplex's CPU runners. Its moments and main weights live in "
+              "FusedAdam's state in the dtypes given, which tenplex does not describe (it saves fp32 moments and main "
+              "weights); honouring it would take describing that state (and TE's store_param_remainders) and a "
+              "restart test on a GPU with TE comparing the re-sharded moments element by element")
 _QUANTIZED = ("parameters kept quantized (Transformer Engine's FP8 or FP4 tensors, their scales per rank): tenplex "
               "describes bf16 and fp32 parameters; it would take reading and re-sharding TE's quantized parameters")
 _HETERO = ("heterogeneous blocks (a shape per layer) have not run with tenplex, whose layer-stacked tensors have one "
@@ -140,12 +149,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("decrease_batch_size_if_needed", "--decrease-batch-size-if-needed", (False,),
             "a global batch shrunk to fit the DP size would change which samples batch i holds (tenplex's sampler "
             "keeps --global-batch-size at any DP size); it would take the sampler following the shrink"),
-    Refusal("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers", (None,), _UNEVEN),
-    Refusal("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers", (None,), _UNEVEN),
-    Refusal("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", (None,), _UNEVEN),
-    Refusal("account_for_embedding_in_pipeline_split", "--account-for-embedding-in-pipeline-split", (False,),
-            _UNEVEN),
-    Refusal("account_for_loss_in_pipeline_split", "--account-for-loss-in-pipeline-split", (False,), _UNEVEN),
     Refusal("use_precision_aware_optimizer", "--use-precision-aware-optimizer", (False,), _PRECISION),
     Refusal("exp_avg_dtype", "--exp-avg-dtype", ("fp32",), _PRECISION),
     Refusal("exp_avg_sq_dtype", "--exp-avg-sq-dtype", ("fp32",), _PRECISION),

@@ -195,3 +195,37 @@ def megatron_kwargs(split: tuple[int, ...], pp: int, vpp: int = 1) -> dict[str, 
     stages = ["t" * n for n in split]
     stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
     return {"pipeline_model_parallel_layout": "|".join(stages)}
+
+
+def rule_of(args: Any) -> SplitRule:
+    """The uneven-split flags of Megatron-LM's parsed ``args`` (its attribute names; missing ones: not given)."""
+    return SplitRule(first=getattr(args, "decoder_first_pipeline_num_layers", None),
+                     last=getattr(args, "decoder_last_pipeline_num_layers", None),
+                     embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+                     loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
+                     layout=getattr(args, "pipeline_model_parallel_layout", None) or None)
+
+
+def start_problem(args: Any) -> str | None:
+    """Why Megatron-LM's uneven-split flags do not fit its PP (and VPP) as given, naming the flags and the numbers;
+    None where they fit or none is given. Read before any process group (Megatron-LM's own checks come later, one
+    assertion at a time)."""
+    rule = rule_of(args)
+    if not rule.given:
+        return None
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if rule.layout:
+        stages = layout_stages(rule.layout)
+        if stages % pp:
+            return f"{LAYOUT} {rule.layout!r} has {stages} stages: --pipeline-model-parallel-size {pp} must divide them"
+        vpp = stages // pp
+    else:
+        vpp = int(getattr(args, "num_virtual_stages_per_pipeline_rank", None) or 1)
+        if getattr(args, "num_layers_per_virtual_pipeline_stage", None) is not None:
+            return (f"{rule.flags()} with --num-layers-per-virtual-pipeline-stage: give the interleaving as "
+                    "--num-virtual-stages-per-pipeline-rank (Megatron-LM's rule)")
+    try:
+        rule.counts(int(args.num_layers), pp, vpp)
+    except SplitError as e:
+        return str(e)
+    return None

@@ -242,7 +242,7 @@ class PTC:
 
     tensors: dict[str, TensorMeta]
     chunks: tuple[StoredChunk, ...]
-    layout: dict[str, int] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)  # degrees; ``split`` (an uneven pipeline) a list
 
     def validate(self) -> None:
         for sc in self.chunks:
@@ -280,7 +280,8 @@ class PTC:
         try:
             tensors = {t.key: t for t in (TensorMeta.from_json(x) for x in d["tensors"])}
             chunks = tuple(StoredChunk.from_json(x) for x in d["chunks"])
-            layout = {str(k): int(v) for k, v in d.get("layout", {}).items()}
+            layout = {str(k): [int(n) for n in v] if isinstance(v, list) else int(v)  # split: layers per chunk
+                      for k, v in d.get("layout", {}).items()}
         except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as e:
             raise PTCError(f"malformed PTC metadata: {type(e).__name__}: {e}") from None
         ptc = cls(tensors=tensors, chunks=chunks, layout=layout)

@@ -29,6 +29,7 @@ from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.plan.layout import LayoutError
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose
 from tenplex_megatron.plan.layout_files import LAYOUT_TIMES_FILE, read_layout_times
+from tenplex_megatron.training import pipeline_flags
 
 
 def request(args: argparse.Namespace, world: int, local_world: int) -> LayoutRequest:
@@ -39,7 +40,8 @@ def request(args: argparse.Namespace, world: int, local_world: int) -> LayoutReq
                          micro_batch_size=args.micro_batch_size, ep=args.expert_model_parallel_size,
                          distributed_optimizer=args.use_distributed_optimizer,
                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                         expert_tp=args.expert_tensor_parallel_size, sequence_parallel=bool(args.sequence_parallel))
+                         expert_tp=args.expert_tensor_parallel_size, sequence_parallel=bool(args.sequence_parallel),
+                         split=pipeline_flags.split_rule(args))
 
 
 def times_path(args: argparse.Namespace) -> str | None:

@@ -4,8 +4,11 @@ Megatron-LM's ``--decoder-first-pipeline-num-layers`` / ``--decoder-last-pipelin
 and the pure layout model (dry runs, ``plan``) placing every chunk where megatron-core did at the uneven split.
 
 Three launches (``matrix_run.py``, jobs of one world size share a process group): the references at PP2 3/1 (4
-layers), PP2 x VPP2 4/2 (6 layers: chunks 2/1/2/1) and PP1; the resumes at PP2 even, PP2 1/3, PP2 3/1 from
-PP1; and the resumes at PP1. Slow (``make test-bench``): about a minute and a half on the 2-core runner.
+layers), PP2 x VPP2 4/2 (6 layers: chunks 2/1/2/1), PP2 with the embedding counted as a layer (5 layers: 2/3) and
+PP1; the resumes at PP2 even, PP2 1/3, PP2 x VPP2 by a layout string (chunks 0/2/1/1: the embedding alone), PP2 3/1
+from PP1; and the resumes at PP1. The trainer builds megatron-core from the recorded split (``megatron_kwargs``: the
+first/last counts, else the equivalent layout string) and checks each chunk's layers; Megatron-LM's own flags go to
+megatron-core as given (tests/megatron_lm -k uneven). Slow (``make test-bench``).
 """
 
 from __future__ import annotations
@@ -42,8 +45,15 @@ LAYOUTS = {
     "vpp-4-2": (6, ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2", FIRST, "4"],
                 ParallelLayout(1, 2, 1, vpp=2, split=(2, 1, 2, 1))),
     "l6-pp1": (6, [], ParallelLayout(1, 1, 1)),
+    # Megatron-LM's layout string: the embedding alone in the first chunk (no layer), PP2 x VPP2
+    "pp2-layout": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|tt|t|tL"],
+                   ParallelLayout(1, 2, 1, vpp=2, split=(0, 2, 1, 1))),
+    # the embedding counted as a layer: (5 + 1) / 2 per rank, one fewer on the first
+    "l5-acct": (5, ["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"],
+                ParallelLayout(1, 2, 1, split=(2, 3))),
+    "l5-pp1": (5, [], ParallelLayout(1, 1, 1)),
 }
-REFERENCES = ("pp2-3-1", "vpp-4-2", "pp1")
+REFERENCES = ("pp2-3-1", "vpp-4-2", "pp1", "l5-acct")
 #: resume name -> (source reference, destination layout)
 RESUMES = {
     "pp2-3-1>pp2": ("pp2-3-1", "pp2"),
@@ -51,6 +61,8 @@ RESUMES = {
     "pp1>pp2-3-1": ("pp1", "pp2-3-1"),
     "pp2-3-1>pp1": ("pp2-3-1", "pp1"),
     "vpp-4-2>l6-pp1": ("vpp-4-2", "l6-pp1"),
+    "pp2-3-1>pp2-layout": ("pp2-3-1", "pp2-layout"),
+    "l5-acct>l5-pp1": ("l5-acct", "l5-pp1"),
 }
 
 
