@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from tenplex_megatron.errors import TenplexError
 from tenplex_megatron.flags import FlagError
+from tenplex_megatron.integrations.megatron_core.pipeline import check_chunks
 from tenplex_megatron.plan.data_position import num_microbatches
 from tenplex_megatron.plan.layout import ModelShape, ParallelLayout, padded_vocab_size
 from tenplex_megatron.plan.pipeline_split import megatron_kwargs
@@ -241,8 +242,6 @@ def _check_chunks(model: list[Any], layout: ParallelLayout) -> None:
     """Each model chunk holds the layers the layout's pipeline split gives it (megatron-core built it from the
     split's flags: ``plan/pipeline_split.megatron_kwargs``)."""
     from megatron.core import parallel_state
-
-    from tenplex_megatron.integrations.megatron_core.pipeline import check_chunks
 
     check_chunks(model, layout, parallel_state.get_pipeline_model_parallel_rank())
 

@@ -94,8 +94,9 @@ def test_megatron_lms_defaults_are_refused_nothing() -> None:
 @pytest.mark.parametrize("given,line", [
     ({"rampup_batch_size": ["16", "8", "300000"]}, "--rampup-batch-size 16 8 300000: tenplex's sampler serves"),
     ({"optimizer": "sgd"}, "--optimizer sgd: tenplex describes and re-shards Adam's state"),
-    ({"exp_avg_dtype": "bf16"}, "--exp-avg-dtype bf16: Transformer Engine's precision-aware optimizer"),
-    ({"decoder_first_pipeline_num_layers": 3}, "--decoder-first-pipeline-num-layers 3: uneven pipeline stages"),
+    ({"exp_avg_dtype": "bf16"}, "--exp-avg-dtype bf16: the precision-aware optimizer is Transformer Engine's "
+                                "FusedAdam"),
+    ({"optimizer_cpu_offload": True}, "--optimizer-cpu-offload: the optimizer's state offloaded"),
     ({"multi_latent_attention": True}, "--multi-latent-attention: multi-latent attention's"),
     ({"mtp_num_layers": 1}, "--mtp-num-layers 1: multi-token prediction layers"),
     ({"fp8_param_gather": True}, "--fp8-param-gather: parameters kept quantized"),
