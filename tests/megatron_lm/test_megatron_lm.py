@@ -531,6 +531,25 @@ def test_megatron_lm_gpu_flags_restart_continues_losses(tmp_path, script: str, n
         assert m["use_distributed_optimizer"] == (PLAIN_OPTIMIZER not in a), m["use_distributed_optimizer"]
 
 
+#: uneven pipeline stages (Megatron-LM's flags, handed to megatron-core as given): 4 layers, 3 on the first rank
+UNEVEN = {
+    "uneven-PP2first3-DP2": (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                              "--decoder-first-pipeline-num-layers", "3"], ["--num-layers", "4"], [3, 1], None),
+    "uneven-DP2-PP2last3": (["--num-layers", "4"], ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                                                    "--decoder-last-pipeline-num-layers", "3"], None, [1, 3]),
+}
+
+
+@pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_megatron_lm_uneven_pipeline_restart_continues_losses(tmp_path, script: str, name: str) -> None:
+    """An uneven pipeline under Megatron-LM: saved at one split, restarted at another layout (or the reverse), and
+    iterations 5-8 equal the uninterrupted run; each checkpoint records its split (none: even)."""
+    a, b, split_a, split_b = UNEVEN[name]
+    meta, meta_b, _ = _restart_oracle(script, tmp_path, a, b)
+    assert meta["layout"].get("split") == split_a and meta_b["layout"].get("split") == split_b
+
+
 def _transformer_engine_importable() -> bool:
     import importlib.util
 
