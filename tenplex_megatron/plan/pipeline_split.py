@@ -198,12 +198,16 @@ def megatron_kwargs(split: tuple[int, ...], pp: int, vpp: int = 1) -> dict[str, 
 
 
 def rule_of(args: Any) -> SplitRule:
-    """The uneven-split flags of Megatron-LM's parsed ``args`` (its attribute names; missing ones: not given)."""
-    return SplitRule(first=getattr(args, "decoder_first_pipeline_num_layers", None),
-                     last=getattr(args, "decoder_last_pipeline_num_layers", None),
-                     embedding=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
-                     loss=bool(getattr(args, "account_for_loss_in_pipeline_split", False)),
-                     layout=getattr(args, "pipeline_model_parallel_layout", None) or None)
+    """The uneven-split flags of Megatron-LM's parsed ``args`` (a namespace or a dict; its attribute names; missing
+    ones: not given)."""
+    def get(name: str) -> Any:
+        return args.get(name) if isinstance(args, dict) else getattr(args, name, None)
+
+    layout = get("pipeline_model_parallel_layout")
+    return SplitRule(first=get("decoder_first_pipeline_num_layers"), last=get("decoder_last_pipeline_num_layers"),
+                     embedding=bool(get("account_for_embedding_in_pipeline_split")),
+                     loss=bool(get("account_for_loss_in_pipeline_split")),
+                     layout=None if not layout else layout if isinstance(layout, str) else str(layout))
 
 
 def start_problem(args: Any) -> str | None:

@@ -14,9 +14,11 @@ import math
 import re
 from dataclasses import replace
 from types import MappingProxyType
+from typing import Any
 
 from tenplex_megatron.plan.experts import is_expert_key
 from tenplex_megatron.plan.layout import LayoutError, ParallelLayout
+from tenplex_megatron.plan.pipeline_split import rule_of
 from tenplex_megatron.plan.ptc import PTC, Chunk, PTCError, StoredChunk, TensorMeta
 from tenplex_megatron.plan.sim.gpt_catalogue import LAYER_TP_AXES
 from tenplex_megatron.storage.megatron_buckets import (
@@ -63,6 +65,17 @@ def _saved_tp(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], experts: boo
     return None
 
 
+def _refuse_uneven(ck: TorchDistCheckpoint, args: Any, pp: int) -> None:
+    """Megatron's own checkpoint saved with uneven pipeline stages: refused naming the saved flags (adopting it would
+    take the distributed optimizer's per-stage buffers at the saved split, which no test has run; a tenplex
+    checkpoint of the same job re-shards across splits)."""
+    rule = rule_of(args) if args is not None else None
+    if pp > 1 and rule is not None and rule.given:
+        raise MegatronCheckpointError(f"{ck.path}: saved with uneven pipeline stages ({rule.flags()}): adopting "
+                                      "Megatron's own checkpoint at an uneven split is not supported; save it with "
+                                      "--tenplex (or at an even split) and restart from that")
+
+
 def saved_layout(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], groups: dict) -> ParallelLayout:
     """The layout the checkpoint was saved at: TP (and the experts' TP) from the model's chunks, PP from the dense
     buffer's groups, EP from the expert buffer's groups (TP x EP x PP of the experts; without them, the saved
@@ -89,6 +102,7 @@ def saved_layout(ck: TorchDistCheckpoint, live: dict[str, TensorMeta], groups: d
         raise MegatronCheckpointError(f"{ck.path}: the saved args record expert_model_parallel_size={saved_ep}, but "
                                       "the checkpoint has no expert buffer (chained_1.optimizer.distributed.*)")
     dp = max(ck.world() // (tp * pp), 1)
+    _refuse_uneven(ck, args, pp)
     try:
         return ParallelLayout(tp, pp, dp, ep=ep, etp=etp)
     except LayoutError as e:

@@ -29,8 +29,9 @@ from tenplex_megatron.integrations.megatron_core.adapter import load_job
 from tenplex_megatron.plan.layout import ParallelLayout, padded_vocab_size, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import MEASURE_TIMED, MEASURE_TRIALS, MEASURE_WARMUP, choose, rank, to_measure
 from tenplex_megatron.plan.layout_files import read_layout_times, with_measurement, write_layout_times
+from tenplex_megatron.plan.pipeline_split import even
 from tenplex_megatron.storage.directory import find_checkpoint, read_checkpoint_metadata
-from tenplex_megatron.training import gpt, layout_choice
+from tenplex_megatron.training import gpt, layout_choice, pipeline_flags
 from tenplex_megatron.training.console import print0 as _print0
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.synthetic_data import microbatches
@@ -44,8 +45,9 @@ def _time_candidate(spec: GPTSpec, args: argparse.Namespace, tp: int, pp: int, m
     """Collective: seconds per forward+backward of one global batch at (tp, pp, mbs; EP and expert TP for a mixture
     of experts, VPP for an interleaved pipeline), the slowest rank's median."""
     world = torch.distributed.get_world_size()
+    rule = pipeline_flags.split_rule(args)  # an uneven pipeline: the candidate's split (the choice kept to fits)
     layout = ParallelLayout(tp, pp, world // (tp * pp), vpp=vpp, sp=bool(args.sequence_parallel and tp > 1), ep=ep,
-                            etp=etp)
+                            etp=etp, split=even(rule.counts(spec.num_layers, pp, vpp)) if rule.given else ())
     saved = read_checkpoint_metadata(ckpt).padded_vocab_size if ckpt else None
     padded = (restart_padded_vocab_size(spec.vocab_size, spec.make_vocab_size_divisible_by, tp, saved)
               if args.tenplex_vocab_padding == "keep"

@@ -49,9 +49,9 @@ def virtual_stages(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     per_stage, per_rank = args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank
     pp, uneven = args.pipeline_model_parallel_size, split_rule(args).given
     if args.pipeline_model_parallel_layout:
-        if per_stage is not None or per_rank is not None:
-            parser.error("--pipeline-model-parallel-layout sets VPP itself: leave out the interleaving flags")
         stages = layout_stages(args.pipeline_model_parallel_layout)
+        if per_stage is not None or per_rank not in (None, stages // pp):  # a chosen VPP the layout has: the same
+            parser.error("--pipeline-model-parallel-layout sets VPP itself: leave out the interleaving flags")
         if stages % pp:
             parser.error(f"--pipeline-model-parallel-layout has {stages} stages: --pipeline-model-parallel-size "
                          f"{pp} must divide them")

@@ -5,12 +5,15 @@ table) chooses only a PP x VPP the split fits, and the hook's classification let
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from tenplex_megatron.frontdoor.megatron_lm import choose_layout_for_args, start_check
 from tenplex_megatron.plan import megatron_flags
 from tenplex_megatron.plan.pipeline_split import SplitRule
+from tenplex_megatron.storage.megatron_ptc import _refuse_uneven
+from tenplex_megatron.storage.megatron_torch_dist import MegatronCheckpointError
 from tenplex_megatron.training.pretrain import parse_args
 from tests.harness import TINY_GPT
 from tests.unit.test_layout_choice import _megatron_args
@@ -75,3 +78,14 @@ def test_auto_and_a_table_keep_to_the_split(tmp_path, monkeypatch, capsys) -> No
         parse_args([*BASE, FIRST, "3", "--tenplex-layout", str(table)])
     out = capsys.readouterr()
     assert f"the row for world size 2 (tp=1,pp=1,dp=2): {FIRST} 3 at --num-layers 4, PP 1" in out.out + out.err
+
+
+def test_megatron_own_checkpoint_at_an_uneven_split_is_refused_naming_the_flags() -> None:
+    """Adopting Megatron's own torch_dist checkpoint saved with uneven stages is refused (its optimizer buffers per
+    stage have not been read at a split); at PP1 or an even split nothing is said."""
+    ck = SimpleNamespace(path="ckpt/iter_0000003")
+    with pytest.raises(MegatronCheckpointError, match="ckpt/iter_0000003: saved with uneven pipeline stages "
+                                                      r"\(--decoder-first-pipeline-num-layers 3\)"):
+        _refuse_uneven(ck, {"decoder_first_pipeline_num_layers": 3}, 2)
+    _refuse_uneven(ck, {"decoder_first_pipeline_num_layers": 3}, 1)
+    _refuse_uneven(ck, SimpleNamespace(decoder_first_pipeline_num_layers=None), 2)
