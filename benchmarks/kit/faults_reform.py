@@ -147,16 +147,16 @@ class Job:
                 kill_tree(p)
         return "; ".join(bad)
 
-    def row(self, fault: str, t0: float, seconds: float, done: int, note: str, in_place: bool) -> Row:
-        """The change's row once every process has ended."""
+    def row(self, fault: str, first: dict, seconds: float, done: int, note: str, in_place: bool) -> Row:
+        """The change's row once every process has ended: ``first``, the first iteration at the new layout;
+        ``done``, the newest iteration before the change."""
         problem = self.stop(in_place)
         logs = self.run.logs()
         reported = {int(a or b) for a, b in SAVED_RE.findall(logs)}
         ckpt = self.run.ckpt
         whole = {it for it in directory.committed_iterations(ckpt)
                  if verify_checkpoint(os.path.join(ckpt, directory.iter_dir_name(it)), workers=1).ok}
-        after = [m for m in self.run.metrics() if m["time"] > t0]
-        lost = max(0, done - (after[0]["iteration"] - 1)) if after else None
+        lost = max(0, done - (first["iteration"] - 1))
         loads = [x for x in LOADED_RE.findall(logs)]
         mb = None
         if loads:
@@ -170,14 +170,14 @@ class Job:
             note += f"; node 0's processes {'kept' if kept else 'NOT kept'}"
         if problem:
             note += f"; at the stop: {problem}"
-        return Row(fault, len(reported - whole), None if lost is None else max(0, lost - self.run.every),
+        return Row(fault, len(reported - whole), max(0, lost - self.run.every),
                    mb, seconds, note, in_place=in_place, survivors_kept=kept, iterations_lost=lost)
 
 
 def _grown(job: Job, first: Callable[[int], subprocess.Popen], ready: Callable[[], bool]) -> tuple[float, float,
-                                                                                                     float, int]:
+                                                                                                     dict, int]:
     """Node 0 trains 2 x S iterations at DP2, then node 1 starts: (its start, its ready time, the first iteration at
-    DP4's time, the newest iteration before the change)."""
+    DP4, the newest iteration before the change)."""
     first(0)
     job.wait("2 x S iterations at DP2", lambda: len(job.iterations(2)) >= 2 * job.run.every)
     t_start = time.time()
@@ -187,14 +187,14 @@ def _grown(job: Job, first: Callable[[int], subprocess.Popen], ready: Callable[[
     grown = job.wait("an iteration at DP4", lambda: job.iterations(4))
     done = max(m["iteration"] for m in job.run.metrics() if m["time"] <= grown[0]["time"] and
                m["layout"]["dp"] == 2)
-    return t_start, t_ready, grown[0]["time"], done
+    return t_start, t_ready, grown[0], done
 
 
 def reform_join(run: RunDir) -> Row:
     job = Job(run)
     t_start, t_ready, t_first, done = _grown(job, lambda n: job.launcher(n, join=n == 1),
                                              lambda: job.log("node1").count(REGISTERED) >= 2)
-    return job.row(f"{JOIN}, in place (--reform)", t_ready, t_first - t_ready, done,
+    return job.row(f"{JOIN}, in place (--reform)", t_first, t_first["time"] - t_ready, done,
                    f"from the newcomer's ranks registered; their own start (interpreter, imports) "
                    f"{t_ready - t_start:.1f} s before it", True)
 
@@ -203,7 +203,7 @@ def restart_join(run: RunDir) -> Row:
     job = Job(run)
     t_start, t_ready, t_first, done = _grown(job, job.agent,
                                              lambda: "Rendezvous'ing worker group" in job.log("node1"))
-    return job.row(f"{JOIN}, process restart", t_ready, t_first - t_ready, done,
+    return job.row(f"{JOIN}, process restart", t_first, t_first["time"] - t_ready, done,
                    f"from the newcomer's agent ready (its rendezvous); its own start {t_ready - t_start:.1f} s "
                    "before it", False)
 
@@ -223,7 +223,7 @@ def reform_leave(run: RunDir) -> Row:
     t = time.time()
     job.procs["node1"].send_signal(signal.SIGTERM)
     first = job.wait("an iteration at DP2 after the notice", lambda: job.iterations(2, t))
-    return job.row(f"{LEAVE} on notice, in place (--reform)", t, first[0]["time"] - t, done,
+    return job.row(f"{LEAVE} on notice, in place (--reform)", first[0], first[0]["time"] - t, done,
                    "from SIGTERM to the node's launcher", True)
 
 
@@ -234,7 +234,7 @@ def restart_leave(run: RunDir) -> Row:
     t = time.time()
     job.procs["node1"].send_signal(signal.SIGKILL)  # the agent alone: its workers exit with it (engine/orphan.py)
     first = job.wait("an iteration at DP2 after the kill", lambda: job.iterations(2, t))
-    return job.row(f"{LEAVE} (agent SIGKILLed), process restart", t, first[0]["time"] - t, done,
+    return job.row(f"{LEAVE} (agent SIGKILLed), process restart", first[0], first[0]["time"] - t, done,
                    "from SIGKILL to the node's agent (torchrun has no leave on notice)", False)
 
 
