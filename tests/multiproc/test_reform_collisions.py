@@ -10,7 +10,8 @@
 - *a fault during a grow*: node 0 (2 ranks) grows with A (2 ranks); node 0's rank 1 dies as the 4-rank generation
   starts: the job continues at 2 ranks (node 0's rank 0 and A's first), A's second a spare;
 - *a leave notice and a fault at once*: two nodes of 2 ranks (4 ranks from the start); SIGTERM to node 1's launcher
-  and SIGKILL to node 0's rank 1 at the same moment: rank 0 continues alone, node 1's ranks exit 0.
+  and SIGKILL to node 0's rank 1 at the same moment: rank 0 continues alone, node 1's ranks exit 0; this launch
+  runs with ``--tenplex-layout auto``: TP2 x DP2 at 4 ranks, then the chooser's layout for 1 rank.
 
 Oracle for each: every logged iteration's loss equals an uninterrupted run's (1e-5; iterations trained again after
 a fault to the same loss), every launcher exits 0, every committed durable checkpoint verifies. The leases: one
@@ -30,6 +31,7 @@ import pytest
 
 from tenplex_megatron.storage import directory, lease
 from tenplex_megatron.storage.verify_ckpt import verify_checkpoint
+from tenplex_megatron.training import layout_choice, pretrain
 from tests.harness import CHILD_PYTHONPATH, PRETRAIN, TINY_GPT, Run, kill_groups, layout_flags, metrics, torchrun
 from tests.multiproc.test_inprocess import LAUNCHER, STARTED, STATUSES, assert_uninterrupted, pairs
 
@@ -40,16 +42,20 @@ PORTS = {"hold": 29811, "grow": 29821, "leave": 29831}
 BASE = [*TINY_GPT, "--vocab-size", "96", "--train-iters", str(ITERS), *layout_flags(1, 1),
         "--use-distributed-optimizer", "--micro-batch-size", "1",  # legal worlds: 1, 2, 4, 8
         "--tenplex-inprocess-timeout", "600", "--save-interval", "5"]  # a held rank's peers wait in a collective
+_MBS = TINY_GPT.index("--micro-batch-size")
+# the leave launch: --tenplex-layout auto chooses TP, PP, DP and the micro-batch size for each generation's world
+AUTO = [*TINY_GPT[:_MBS], *TINY_GPT[_MBS + 2:], "--vocab-size", "96", "--train-iters", str(ITERS),
+        "--use-distributed-optimizer", "--tenplex-layout", "auto", "--save-interval", "5"]
 GENERATION = re.compile(r"re-form: generation (\d+): rank (\d+) of (\d+) \(pid (\d+)\)")
 REGISTERED = "registered, waiting for the next re-form"
 DEADLINE = 600.0
 
 
 def launcher(d: str, name: str, node: int, nproc: int, port: int, *, join: bool = False, nnodes: int = 1,
-             fault: str = "") -> subprocess.Popen:
+             fault: str = "", flags: list[str] = BASE) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--reform", *(["--join"] if join else []),
            "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port",
-           str(port), "--timeout", str(DEADLINE), PRETRAIN, *BASE, "--save", f"{d}/ckpt", "--tenplex-metrics",
+           str(port), "--timeout", str(DEADLINE), PRETRAIN, *flags, "--save", f"{d}/ckpt", "--tenplex-metrics",
            f"{d}/out.jsonl", "--tenplex-memory", f"{d}/mem-{name}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=CHILD_PYTHONPATH, PYTHONUNBUFFERED="1")
     if fault:
@@ -123,9 +129,9 @@ def lose_a_rank_in_a_grow(d: str) -> dict[str, Run]:
 
 def leave_and_fault_at_once(d: str) -> dict[str, Run]:
     port = PORTS["leave"]
-    procs = {"node0": launcher(d, "node0", 0, 2, port, nnodes=2), "node1": launcher(d, "node1", 1, 2, port, nnodes=2)}
+    procs = {n: launcher(d, n, r, 2, port, nnodes=2, flags=AUTO) for r, n in enumerate(("node0", "node1"))}
     until("5 iterations at 4 ranks", lambda: os.path.exists(f"{d}/out.jsonl") and sum(
-        m["layout"]["dp"] == 4 for m in metrics(f"{d}/out.jsonl")) >= 5, d)
+        m["layout"]["tp"] * m["layout"]["dp"] == 4 for m in metrics(f"{d}/out.jsonl")) >= 5, d)
     rank1 = pairs(STARTED, read(f"{d}/node0.log"))[1]
     procs["node1"].send_signal(signal.SIGTERM)
     os.kill(rank1, signal.SIGKILL)
@@ -188,7 +194,12 @@ def test_a_leave_notice_and_a_fault_at_once(runs: dict) -> None:
     assert pairs(STATUSES, node1.log) == {2: 0, 3: 0} and node1.log.count("leaves at generation") == 2, \
         node1.log[-3000:]
     assert pairs(STATUSES, node0.log) == {0: 0, 1: -signal.SIGKILL}
-    assert by_it[ITERS][-1]["layout"]["dp"] == 1 and by_it[1][0]["layout"]["dp"] == 4
+    # --tenplex-layout auto: each generation at the auto chooser's layout for its world (TP2 x DP2, then 1 rank)
+    args, _ = pretrain.build_parser().parse_known_args(AUTO)
+    seen = {(m["layout"]["tp"], m["layout"]["pp"], m["layout"]["dp"]) for v in by_it.values() for m in v}
+    chosen = {w: layout_choice.choose_for(args, w, 2).layout for w in (4, 1)}
+    assert seen == {(c.tp, c.pp, c.dp) for c in chosen.values()} and chosen[4].tp == 2, (seen, chosen)
+    assert by_it[ITERS][-1]["layout"]["tp"] * by_it[ITERS][-1]["layout"]["dp"] == 1
 
 
 def test_one_lease_generation_across_reforms_and_faults(runs: dict) -> None:
