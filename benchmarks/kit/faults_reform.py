@@ -11,9 +11,9 @@ exits 0); 2 ranks per node, ``--tenplex-memory`` (a directory per node), the fau
 * ``restart-join``: the same under torchrun's agents (``--nnodes 1:2``, c10d): the newcomer's agent ready (its
   rendezvous begins: ``LOGLEVEL=INFO``'s line, its own imports reported apart), both agents restart every worker
   (new processes, imports), which load from host memory at DP4;
-* ``reform-leave``: node 0 and a joined node at DP4; SIGTERM to the joined node's launcher (a leave notice). Seconds
+* ``reform-leave``: node 0 and a node joined as above, at DP4 for S iterations; SIGTERM to the joined node's launcher (a leave notice). Seconds
   from the notice to the first iteration at DP2;
-* ``restart-leave``: two agents at DP4; torchrun has no leave on notice for one node (SIGTERM to an agent closes the
+* ``restart-leave``: two agents at DP4 (grown as above) for S iterations; torchrun has no leave on notice for one node (SIGTERM to an agent closes the
   rendezvous: the job ends), so the node's agent is SIGKILLed (its workers exit with it) and the other agent
   restarts its workers at DP2. Seconds from the kill to the first iteration at DP2.
 
@@ -208,17 +208,17 @@ def restart_join(run: RunDir) -> Row:
                    "before it", False)
 
 
-def _at_four(job: Job, start: Callable[[int], subprocess.Popen]) -> int:
-    """Both nodes at DP4 for S iterations: the newest iteration."""
-    start(0)
-    start(1)
+def _at_four(job: Job, start: Callable[[int], subprocess.Popen], ready: Callable[[], bool]) -> int:
+    """Node 0 grows with node 1 (as in the join rows: two agents started together may each form a world of their
+    own on two busy cores), then trains S iterations at DP4: the newest iteration."""
+    _grown(job, start, ready)
     got = job.wait("S iterations at DP4", lambda: len(job.iterations(4)) >= job.run.every and job.iterations(4))
     return got[-1]["iteration"]
 
 
 def reform_leave(run: RunDir) -> Row:
     job = Job(run)
-    _at_four(job, lambda n: job.launcher(n, join=n == 1))
+    _at_four(job, lambda n: job.launcher(n, join=n == 1), lambda: job.log("node1").count(REGISTERED) >= 2)
     done = job.run.metrics()[-1]["iteration"]
     t = time.time()
     job.procs["node1"].send_signal(signal.SIGTERM)
@@ -229,7 +229,7 @@ def reform_leave(run: RunDir) -> Row:
 
 def restart_leave(run: RunDir) -> Row:
     job = Job(run)
-    _at_four(job, job.agent)
+    _at_four(job, job.agent, lambda: "Rendezvous'ing worker group" in job.log("node1"))
     done = job.run.metrics()[-1]["iteration"]
     t = time.time()
     job.procs["node1"].send_signal(signal.SIGKILL)  # the agent alone: its workers exit with it (engine/orphan.py)
