@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Protocol
 
-from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
+from benchmarks.kit.agents import free_port, kill_tree, rdzv_conf, wait_listening
 from benchmarks.kit.fault_rows import Row
 from benchmarks.kit.launch import ROOT, env
 from benchmarks.kit.report import ratio_line
@@ -47,6 +47,9 @@ RESTART_OF = {f"{JOIN}, in place (--reform)": f"{JOIN}, process restart",
 TARGET_S, TARGET_RATIO = 3.0, 0.25
 LONG = 100000  # --train-iters: each job runs until it is stopped on notice
 TIMEOUT = 600.0
+# the elastic tests' keep-alives: on two busy cores a live agent taken for lost (3 missed 1 s heartbeats) had the
+# newcomer form a world of its own beside the job; a lost agent is then detected 10 s after its last heartbeat
+RDZV = rdzv_conf(keep_alive_attempts=10)
 REGISTERED = "registered, waiting for the next re-form"
 GENERATION_RE = re.compile(r"re-form: generation \d+: rank \d+ of \d+ \(pid (\d+)\)")
 PIDS_RE = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")
@@ -102,7 +105,7 @@ class Job:
     def agent(self, node: int) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench-reform",
-               "--rdzv-conf", RDZV_CONF, "--max-restarts", "3", "--monitor-interval", "0.5", PRETRAIN,
+               "--rdzv-conf", RDZV, "--max-restarts", "3", "--monitor-interval", "0.5", PRETRAIN,
                *self.run.flags(self.mem(node))]
         p = self._start(f"node{node}", cmd, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "LOGLEVEL": "INFO"})
         if node == 0:
