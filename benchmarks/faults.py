@@ -29,6 +29,9 @@ present) under real torchrun agents on this machine, and the job must carry on b
   8 x --iters; once node 1's part of a snapshot from iteration 2 x S on is in node 0's memory, node 1's process
   group (launcher, ranks, helper) is SIGKILLed and its memory removed; node 0's ranks continue in place at DP2;
 * ``inprocess-stop@rank1``: as ``inprocess@rank1`` but the rank SIGSTOPped (hung): NVRx's progress timeouts end it;
+* ``reform-join``, ``restart-join``, ``reform-leave``, ``restart-leave``: planned changes, a node joining or
+  leaving on notice in place (the launcher's ``--reform``) beside torchrun's agents restarting every process for the
+  same change (``benchmarks/kit/faults_reform.py``; ``RATIO reform_over_restart ...``, targets 3 s and 0.25);
 * with ``--megatron-lm DIR``, Megatron-LM's own ``pretrain_gpt.py`` (``benchmarks/kit/faults_mlm.py``): its process
   restart and its in-place rows (``mlm-restart@rank3``, ``mlm-inprocess@rank3``, ``mlm-inprocess@rank0``).
 
@@ -60,7 +63,7 @@ from dataclasses import asdict, dataclass, replace
 
 import psutil
 
-from benchmarks.kit import faults_mlm
+from benchmarks.kit import faults_mlm, faults_reform
 from benchmarks.kit.agents import RDZV_CONF, free_port, kill_tree, wait_listening
 from benchmarks.kit.etcd import EtcdError, start_etcd
 from benchmarks.kit.fault_rows import Row, inplace_timeouts, survivors
@@ -449,7 +452,7 @@ def with_ratios(rows: list[Row]) -> tuple[list[Row], list[str]]:
     out, lines = [], []
     for r in rows:
         restart = restarts["Megatron-LM" in r.fault]
-        if r.in_place and r.seconds_to_first_iteration is not None and restart is not None:
+        if r.in_place and r.fault not in faults_reform.RESTART_OF and r.seconds_to_first_iteration is not None and restart is not None:
             x = r.seconds_to_first_iteration / restart.seconds_to_first_iteration
             r = replace(r, ratio_to_restart=x)
             who = "mlm_" if "Megatron-LM" in r.fault else ""
@@ -475,6 +478,7 @@ FAULTS: dict[str, Callable[[Run], Row]] = {
     "inprocess@rank0": inprocess_fault(0),
     "inprocess@node1": inprocess_node,
     "inprocess-stop@rank1": inprocess_fault(1, "stop"),
+    **faults_reform.FAULTS,
 }
 
 
@@ -513,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     table = dict(FAULTS)
     if a.megatron_lm:
         table.update(faults_mlm.faults(faults_mlm.setup(a.megatron_lm, base)))
-    rows = []
+    rows, load_start = [], os.getloadavg()
     for name in names:
         root = os.path.join(base, name.replace("@", "_"))
         shutil.rmtree(root, ignore_errors=True)
@@ -525,10 +529,15 @@ def main(argv: list[str] | None = None) -> int:
     if a.keep is None:
         shutil.rmtree(base, ignore_errors=True)
     rows, ratios = with_ratios(rows)
+    rows, planned = faults_reform.with_ratios(rows)
+    ratios += planned
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    info = {**machine(), "commit": commit_id(), "date": when, "iters": iters, "save_interval": every}
+    info = {**machine(), "commit": commit_id(), "date": when, "iters": iters, "save_interval": every,
+            "load_average_start": load_start}
     print(f"fault benchmark: {iters} iterations, a checkpoint every {every}; {info['cpus']} CPUs, torch "
-          f"{info['torch']}, gpu {info['gpu']}; commit {info['commit']}; {when}")
+          f"{info['torch']}, gpu {info['gpu']}; commit {info['commit']}; {when}; load average (1/5/15 min) at the "
+          f"start {' '.join(f'{x:.1f}' for x in load_start)}, at the end "
+          f"{' '.join(f'{x:.1f}' for x in info['load_average'])}")
     t = Table([Column("fault", 40, "<"), Column("ckpts lost", 10), Column("iters lost", 10), Column("> S", 4),
                Column("durable MB (rank 0)", 19), Column("s to 1st iter", 13), Column("/ restart", 9),
                Column("note", 0, "<", "  ")])

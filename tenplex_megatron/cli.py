@@ -1,5 +1,6 @@
 """``python -m tenplex_megatron``: inspect or verify a checkpoint, dry-run a re-shard plan, rank layouts, export. Only
-the export commands import torch (and megatron-core); the others never do (tested).
+the export commands import torch (and megatron-core), and ``leave`` torch's store client; the others never do
+(tested).
 
     python -m tenplex_megatron --version        (or the console script: tenplex-megatron --version)
     python -m tenplex_megatron inspect CKPT [--tensors] [--json]
@@ -12,6 +13,7 @@ the export commands import torch (and megatron-core); the others never do (teste
         [--optimizer-format auto|dp_reshardable|fully_reshardable]
     python -m tenplex_megatron simulate --trace TRACE --model NAME --global-batch-size N --target-iteration N
         [--times FILE] [--policies auto,dp_only,table,measure] [--out r.json] [--plot r.png]
+    python -m tenplex_megatron leave --node-rank R [--master-addr NODE0] [--master-port 29500]
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ import argparse
 import os
 import sys
 
-from tenplex_megatron import __version__, cli_export, cli_inspect, cli_layouts, cli_plan, cli_simulate, cli_verify
+from tenplex_megatron import (
+    __version__,
+    cli_export,
+    cli_inspect,
+    cli_layouts,
+    cli_plan,
+    cli_reform,
+    cli_simulate,
+    cli_verify,
+)
 from tenplex_megatron.cli_common import CLIError  # also importable from here, as before the commands moved out
 from tenplex_megatron.memory import node_dir
 
@@ -54,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     cm.add_argument("directory")
     cm.set_defaults(fn=cmd_clean_memory)
     cli_simulate.add_parser(sub)
+    cli_reform.add_parser(sub)
     return p
 
 

@@ -26,6 +26,8 @@ Driver side (no torch):
                     followed, their logs read (also used by the Slurm tests)
   fault_rows        the fault benchmark's row, and the survivors and timeouts read from an in-place run's logs
   faults_mlm        the fault benchmark's Megatron-LM rows: its own script's process restart and in-place runs
+  faults_reform     the fault benchmark's planned changes: a node joining or leaving on notice in place (--reform)
+                    beside torchrun's agents restarting every process for the same change
   mlm_checkout      a Megatron-LM checkout found, its release read, its scripts copied with our patch (also the
                     GPU check's mlm step; standard library only)
   elastic_analysis  what a replayed trace did: progress, throughput, each change's breakdown, loss deviation

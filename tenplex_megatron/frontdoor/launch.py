@@ -95,15 +95,19 @@ def exit_status(codes: list[int | None]) -> int:
     return 0 if any(c == 0 for c in codes) else 1
 
 
+def job_store(a: argparse.Namespace) -> object:
+    """A client of the job's store (node 0's launcher serves it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore(a.master_addr, a.master_port, None, False, timeout=timedelta(seconds=60),
+                         wait_for_workers=False, use_libuv=True)
+
+
 def notice_leave(a: argparse.Namespace, procs: list[subprocess.Popen]) -> None:
     """``--reform``: this node's running ranks leave the job at its next iteration boundary (a notice in the job's
     store)."""
-    import torch.distributed as dist
-
-    store = dist.TCPStore(a.master_addr, a.master_port, None, False, timeout=timedelta(seconds=60),
-                          wait_for_workers=False, use_libuv=True)
     ids = [member_id(p.pid) for p in procs if p.poll() is None]
-    Membership(store).notice_leave(ids)
+    Membership(job_store(a)).notice_leave(ids)
     print(f"> tenplex launch: SIGTERM: ranks {' '.join(ids)} leave the job at its next iteration boundary", flush=True)
 
 
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{' (joining)' if a.join else ''}", flush=True)
     notices: list[int] = []
     serving = bool(stores)
+    if a.reform:  # a leave by command (tenplex-megatron leave --node-rank R) finds this node's ranks by it
+        Membership(stores[0] if serving else job_store(a)).name_node(a.node_rank, [member_id(p.pid) for p in procs],
+                                                                     serving)
 
     def forward(sig: int, _f: object) -> None:
         if sig == signal.SIGTERM and a.reform and not serving and not notices:  # node 0 serves the stores: the

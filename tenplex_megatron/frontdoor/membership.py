@@ -8,7 +8,9 @@ members in rank order (dense ranks 0..n-1) and the registrations and notices it 
 - ``joins`` (a counter) and ``join/<k>`` (the k-th newcomer's id): :meth:`Membership.register`;
 - ``leaves`` (a counter) and ``leave/<k>`` (a JSON list of the ids that leave): :meth:`Membership.notice_leave`;
 - ``changes``: a counter raised by both, the one key the running ranks read at an iteration boundary;
-- ``gen/<n>``: generation n as JSON, written once by the rank 0 that decided it; ``over``: the job ended.
+- ``gen/<n>``: generation n as JSON, written once by the rank 0 that decided it; ``over``: the job ended;
+- ``node/<r>``: the ids of node ``r``'s ranks (a JSON list, written by its launcher) and ``store-node``: the node
+  whose launcher serves the store; a leave by command (``tenplex-megatron leave``) names a node by them.
 
 At a boundary rank 0 reads ``changes`` (:meth:`Membership.pending`); when it moved, rank 0 proposes the next world
 (:meth:`Membership.propose`: the members that do not leave, in their order, then the newcomers in registration
@@ -123,6 +125,21 @@ class Membership:
             ids = tuple(self._get(f"start/{r}").decode() for r in range(world))
             self.publish(Generation(0, ids))  # a registration already made is pending for it
         return self.generation(0)
+
+    def name_node(self, node: int, ids: Sequence[str], serving: bool) -> None:
+        """Node ``node``'s launcher: its ranks' ids (a leave by command names the node); ``serving``: it serves the
+        job's store."""
+        self.store.set(f"{PREFIX}node/{node}", json.dumps(list(ids)))
+        if serving:
+            self.store.set(PREFIX + "store-node", str(node))
+
+    def node(self, node: int) -> tuple[list[str] | None, int | None]:
+        """Node ``node``'s rank ids (None: no launcher named it) and the node serving the store (None: unnamed)."""
+        ids = json.loads(bytes(self.store.get(f"{PREFIX}node/{node}"))) if self.store.check(
+            [f"{PREFIX}node/{node}"]) else None
+        serving = int(bytes(self.store.get(PREFIX + "store-node"))) if self.store.check(
+            [PREFIX + "store-node"]) else None
+        return ids, serving
 
     def end(self) -> None:
         """The job is over: newcomers still waiting stop waiting."""

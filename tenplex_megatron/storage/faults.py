@@ -21,7 +21,8 @@ before its read: ``eio`` raises ``OSError(EIO)``, ``short`` makes that read stop
 ``memory.write`` (a rank's snapshot file half written in node memory), ``memory.replicate`` (replicas being
 received), ``memory.commit`` (before a node's snapshot is renamed into place), ``persist.copy`` (the background
 helper half way through copying a file to durable storage). ``lease.link`` (taking a lease generation by
-``link(2)``; with ``eperm``: a filesystem without hard links).
+``link(2)``; with ``eperm``: a filesystem without hard links). ``reform.start`` (a re-forming job's generation,
+its process group just made; ``#`` names the generation, not an iteration: ``training/reform.py``).
 ``TENPLEX_FAULT_ONCE=<file>``: the fault fires once, in whichever process reaches it first (it creates ``<file>``
 exclusively; afterwards the fault is inert), so that a job restarted by torchrun's agent runs on (the fault
 benchmark, ``benchmarks/faults.py``); with several faults, each fires once (its own file, ``<file>.<index>``).
@@ -43,7 +44,8 @@ POINTS = ("save.gather", "save.pwrite", "save.tensors", "save.metadata_callback"
           "load.read", "load.verify", "load.copy", "load.preadv", "load.restore")
 MEMORY_POINTS = ("memory.write", "memory.replicate", "memory.commit", "persist.copy")  # --tenplex-memory saves
 LEASE_POINTS = ("lease.link",)  # taking a lease (storage/lease.py)
-ALL_POINTS = POINTS + MEMORY_POINTS + LEASE_POINTS  # the one registry: maybe_fail refuses any other name
+REFORM_POINTS = ("reform.start",)  # a generation's process group made (training/reform.py; # is the generation)
+ALL_POINTS = POINTS + MEMORY_POINTS + LEASE_POINTS + REFORM_POINTS  # the one registry: maybe_fail refuses any other name
 RANK0_ONLY = ("save.metadata_callback", "save.metadata", "save.commit")  # only rank 0 builds metadata and commits
 KINDS = ("kill", "stop", "enospc", "eperm", "eio", "short", "error", "typeerror")
 FAULT_ENV = "TENPLEX_FAULT"

@@ -19,16 +19,18 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import psutil
 import torch
 
 from tenplex_megatron.execute.collective import broadcast_json
-from tenplex_megatron.frontdoor import inprocess
+from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, MembershipError, member_id
-from tenplex_megatron.training import cpu_shim
+from tenplex_megatron.storage import faults
+from tenplex_megatron.training import cpu_shim, reform_fault
 from tenplex_megatron.training.inprocess import PROG, why_not
 
 
@@ -92,23 +94,27 @@ def first_generation(members: Membership, me: str) -> Generation | None:
 
 def call(argv: list[str], parse: Callable[[list[str]], argparse.Namespace], run: Callable[..., None],
          members: Membership, gen: Generation, me: str, legal: Callable[[int], bool],
-         timeout: float) -> Generation | None:
+         timeout: float, leases: Any = None) -> Generation | None:
     """One generation's job: train until the world changes (returns the next generation) or training is over
-    (None)."""
+    (None). ``leases``: the job's leases, claimed once for the process and kept across generations."""
     rank, world = gen.rank(me), len(gen.members)
     assert rank is not None
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     _say(f"re-form: generation {gen.number}: rank {rank} of {world} (pid {os.getpid()})")
+    if leases is not None:
+        inprocess_lease.check_kept(leases, PROG)  # another job took a directory over: this rank stops (exit 3)
     a = parse(argv)  # the layout for this world
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(
         f"tenplex-reform/{gen.number}", members.store), rank=rank, world_size=world,
         timeout=timedelta(seconds=timeout))
+    faults.maybe_fail("reform.start", rank, gen.number)  # tests: a member lost as a generation starts
     a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
                           "generation": gen.number}
     boundary = Boundary(members, gen, legal)
     a.tenplex_boundary = boundary
-    run(a, Checkpointer(JobConfig.from_args(a, PROG)))
+    with lease_flags.stop_when_fenced(PROG):
+        run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     if boundary.next is None:
@@ -130,15 +136,26 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         cpu_shim.install()
     members = Membership(inprocess.job_store(settings.barrier), settings.barrier)
     me, reason = member_id(), why_not(parser, argv)
+    # one lease set for the process, in its launcher's name, kept across generations (no new lease generation)
+    leases = inprocess_lease.claim(JobConfig.from_args(args, PROG), members.store, settings.barrier)
     try:
         gen = first_generation(members, me)
     except MembershipError as e:
         raise SystemExit(f"{PROG}: error: {e}") from None
     if gen is None:
         _say(f"re-form: {me}: the job ended before admitting it")
+
+    def legal(n: int) -> bool:
+        return not reason(n)
+
     while gen is not None:
-        gen = call(argv, parse, run, members, gen, me, lambda n: not reason(n), settings.timeout)
+        try:
+            gen = call(argv, parse, run, members, gen, me, legal, settings.timeout, leases)
+        except Exception as e:  # a member lost: the survivors agree on the next world (else raised again)
+            gen = reform_fault.after_fault(members, gen, me, legal, settings.timeout, e)
         if gen is not None and gen.rank(me) is None:
             _say(f"re-form: {me} leaves at generation {gen.number} (pid {os.getpid()})")
-            break
+            leases.stop_heartbeat_when_idle()  # nothing given back: the ranks that stay hold these leases
+            return 0
+    inprocess_lease.release(leases)
     return 0

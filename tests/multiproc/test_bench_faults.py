@@ -52,3 +52,32 @@ def test_bench_faults_quick(tmp_path) -> None:
         name = r["fault"].split(",")[0].replace(" ", "_")
         assert f"RATIO in_place_over_restart {name} = {r['ratio_to_restart']:.2f} (target <= 0.25)" in p.stdout
     assert got["machine"]["commit"] and got["machine"]["save_interval"] == 5
+
+
+PLANNED = "restart-join,reform-join,restart-leave,reform-leave"
+
+
+def test_bench_faults_planned_changes(tmp_path) -> None:
+    """The planned-change rows: a node joining and one leaving on notice in place (``--reform``), each beside
+    torchrun's agents restarting every process for the same change; node 0's processes kept in place, nothing lost,
+    nothing read from durable storage in place, each ratio and the 3 s target printed (no timing threshold)."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, "-m", "benchmarks.faults", "--quick", "--faults", PLANNED, "--out", str(out)],
+                       env=env, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = {r["fault"]: r for r in json.loads(out.read_text())["rows"]}
+    assert len(rows) == 4, rows
+    for r in rows.values():
+        assert r["checkpoints_lost"] == 0 and r["iterations_lost_beyond_interval"] == 0, r
+        assert r["seconds_to_first_iteration"] > 0 and "at the stop" not in r["note"], r
+    for name, restart in (("join", "a node of 2 ranks joins, process restart"),
+                          ("leave", "a node of 2 ranks leaves (agent SIGKILLed), process restart")):
+        r = next(x for f, x in rows.items() if f.startswith(f"a node of 2 ranks {name}") and "in place" in f)
+        assert r["in_place"] and r["survivors_kept"] and r["iterations_lost"] == 0 and r["durable_mb_rank0"] == 0, r
+        assert r["ratio_to_restart"] == pytest.approx(r["seconds_to_first_iteration"] /
+                                                      rows[restart]["seconds_to_first_iteration"]), r
+        assert f"RATIO reform_over_restart {name} = {r['ratio_to_restart']:.2f} (target <= 0.25)" in p.stdout
+        assert f"TARGET reform_{name}_seconds = {r['seconds_to_first_iteration']:.2f}" in p.stdout
+    join = next(r for f, r in rows.items() if f.startswith("a node of 2 ranks joins, in place"))
+    assert "their own start (interpreter, imports)" in join["note"], join
