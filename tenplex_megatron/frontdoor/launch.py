@@ -24,7 +24,8 @@ directory over, ends the job on its node: the node's other ranks are ended too. 
 process id at the start and each rank's exit status at the end, and exits 0 when every rank that exited on its own
 exited 0 and at least one did (ranks ended by a signal are the faults the job survived), else with the first
 failure's status. The stores live as long as the first node's launcher: the job continues in place after losing
-any rank or any other node.
+any rank or any other node. ``srun``-ed one per node (docs/slurm.md), its ``--nnodes``, ``--node-rank`` and
+``--master-addr`` are checked against the Slurm step at its start (``frontdoor/slurm.py``: one line, exit 2).
 """
 
 from __future__ import annotations

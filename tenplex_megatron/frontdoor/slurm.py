@@ -12,6 +12,8 @@ Two callers, the same pure functions over an environment mapping:
   and a head node (``--master-addr``, ``--rdzv-endpoint``) that does not resolve. Its torchrun agent ignores
   SIGTERM (Slurm's notice reaches every process of the step): the workers save on it and exit 0, and so does the
   agent, with no 30-s grace of torch's to cut a long save short.
+- the in-place launcher (``frontdoor/launch.py``) srun-ed one per node: the same ``--nnodes``, ``--node-rank`` and
+  head-node checks (:func:`inplace_problems`), in an srun step only.
 
 Without ``SLURM_JOB_ID`` nothing is checked.
 """
