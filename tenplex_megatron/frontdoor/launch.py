@@ -7,7 +7,8 @@ job's stores served outside every rank.
 
 With ``--reform`` the job re-forms in place on plan, without NVRx (``training/reform.py``): a launcher started
 later with ``--join`` (against node 0's stores) adds its ranks at the next iteration boundary, and SIGTERM to a
-launcher other than node 0's makes the job continue without its ranks (they exit 0 there); SIGTERM to node 0's
+launcher other than node 0's makes the job continue without its ranks (they exit 0 there; they ignore SIGTERM
+themselves, so that Slurm's, which reaches every process of an srun step, leaves the job too); SIGTERM to node 0's
 launcher, which serves the stores, stops the whole job on notice as without ``--reform``.
 
     python -m tenplex_megatron.frontdoor.launch --reform --nproc-per-node 2 scripts/pretrain_gpt.py ... --tenplex-memory M0
@@ -23,7 +24,8 @@ directory over, ends the job on its node: the node's other ranks are ended too. 
 process id at the start and each rank's exit status at the end, and exits 0 when every rank that exited on its own
 exited 0 and at least one did (ranks ended by a signal are the faults the job survived), else with the first
 failure's status. The stores live as long as the first node's launcher: the job continues in place after losing
-any rank or any other node.
+any rank or any other node. ``srun``-ed one per node (docs/slurm.md), its ``--nnodes``, ``--node-rank`` and
+``--master-addr`` are checked against the Slurm step at its start (``frontdoor/slurm.py``: one line, exit 2).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import sys
 import time
 from datetime import timedelta
 
+from tenplex_megatron.frontdoor import slurm
 from tenplex_megatron.frontdoor.inprocess import NVRX_STORE_OFFSET, STORE_ENV
 from tenplex_megatron.frontdoor.lease_flags import FENCED_EXIT
-from tenplex_megatron.frontdoor.membership import REFORM_ENV, Membership, member_id
+from tenplex_megatron.frontdoor.membership import LEAVES_ENV, REFORM_ENV, Membership, member_id
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -65,6 +68,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if not a.join and (a.nnodes < 1 or not 0 <= a.node_rank < a.nnodes):
         p.error(f"--node-rank must be in [0, --nnodes) and --nnodes >= 1, got --node-rank {a.node_rank} --nnodes "
                 f"{a.nnodes}")
+    try:  # in an srun step: the options against the allocation (a rendezvous that never forms, otherwise)
+        problems = slurm.inplace_problems(os.environ, a.nnodes, a.node_rank, a.master_addr, a.join)
+    except slurm.SlurmLaunchError as e:
+        problems = [str(e)]
+    if problems:
+        p.error("; ".join(problems))
     return a
 
 
@@ -84,7 +93,13 @@ def rank_env(a: argparse.Namespace, local: int) -> dict[str, str]:
     return dict(env, RANK=str(a.node_rank * n + local), LOCAL_RANK=str(local), WORLD_SIZE=str(a.nnodes * n),
                 LOCAL_WORLD_SIZE=str(n), GROUP_RANK=str(a.node_rank), MASTER_ADDR=a.master_addr,
                 MASTER_PORT=str(a.master_port), **{STORE_ENV: f"{a.master_addr}:{a.master_port}"},
-                **({REFORM_ENV: "join" if a.join else "run"} if a.reform else {}))
+                **({REFORM_ENV: "join" if a.join else "run"} if a.reform else {}),
+                **({LEAVES_ENV: "1"} if leaves_on_sigterm(a) else {}))
+
+
+def leaves_on_sigterm(a: argparse.Namespace) -> bool:
+    """``--reform`` on a node that does not serve the stores: SIGTERM means this node's ranks leave the job."""
+    return a.reform and (a.join or a.node_rank != 0)
 
 
 def exit_status(codes: list[int | None]) -> int:
@@ -142,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     stores = serve_stores(a.master_addr, a.master_port) if a.node_rank == 0 and not a.join else []
     first = a.node_rank * a.nproc_per_node
+    if leaves_on_sigterm(a):  # the ranks inherit it: Slurm's SIGTERM reaches every process of a step, and here it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # means that this node leaves (the notice: this launcher's)
     procs = [subprocess.Popen([sys.executable, a.script, *a.script_args], env=rank_env(a, r))
              for r in range(a.nproc_per_node)]
     print(f"> tenplex launch: ranks started, pids {' '.join(f'{first + r}:{p.pid}' for r, p in enumerate(procs))}; "

@@ -37,6 +37,9 @@ log = tlog.get("membership")
 
 PREFIX = "tenplex-members/"
 REFORM_ENV = "TENPLEX_REFORM"  # set by the launcher's --reform ("run") and --join ("join") for its ranks
+#: set for the ranks of a --reform launcher that does not serve the stores: their SIGTERM is ignored (Slurm signals
+#: every process of a step), their launcher turns its own into their leave notice
+LEAVES_ENV = "TENPLEX_REFORM_LEAVE_ON_SIGTERM"
 
 
 class MembershipError(TenplexError, RuntimeError):

@@ -12,6 +12,8 @@ Two callers, the same pure functions over an environment mapping:
   and a head node (``--master-addr``, ``--rdzv-endpoint``) that does not resolve. Its torchrun agent ignores
   SIGTERM (Slurm's notice reaches every process of the step): the workers save on it and exit 0, and so does the
   agent, with no 30-s grace of torch's to cut a long save short.
+- the in-place launcher (``frontdoor/launch.py``) srun-ed one per node: the same ``--nnodes``, ``--node-rank`` and
+  head-node checks (:func:`inplace_problems`), in an srun step only.
 
 Without ``SLURM_JOB_ID`` nothing is checked.
 """
@@ -99,46 +101,62 @@ def allocation(env: Mapping[str, str]) -> Allocation | None:
                       env.get("SLURM_JOB_NODELIST", "?"), _int(env, "SLURM_RESTART_COUNT", 0) or 0)
 
 
-def _launchers_text(alloc: Allocation) -> str:
+def _launchers_text(alloc: Allocation, who: str = "torchrun") -> str:
     """The step's launchers, named by the variable a batch script passes as ``--nnodes``."""
     if alloc.launchers == alloc.nodes:
-        return f"SLURM_NNODES={alloc.nodes} node(s), one torchrun each"
-    return f"SLURM_STEP_NUM_TASKS={alloc.launchers} torchruns on SLURM_NNODES={alloc.nodes} node(s)"
+        return f"SLURM_NNODES={alloc.nodes} node(s), one {who} each"
+    return f"SLURM_STEP_NUM_TASKS={alloc.launchers} {who}s on SLURM_NNODES={alloc.nodes} node(s)"
 
 
-def nnodes_problem(alloc: Allocation, nnodes: str) -> str | None:
-    """torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) against the torchruns the allocation runs; None when they agree."""
+def nnodes_problem(alloc: Allocation, nnodes: str, who: str = "torchrun") -> str | None:
+    """``who``'s ``--nnodes`` (``N`` or ``MIN:MAX``) against the launchers the allocation runs; None when they
+    agree."""
     lo, _, hi = str(nnodes).partition(":")
     try:
         low, high = int(lo), int(hi or lo)
     except ValueError:
-        return f"torchrun --nnodes {nnodes!r} is not N or MIN:MAX"
+        return f"{who} --nnodes {nnodes!r} is not N or MIN:MAX"
     if low <= alloc.launchers <= high:
         return None
-    return (f"torchrun --nnodes {nnodes} disagrees with {alloc.where()}: {_launchers_text(alloc)}; pass "
+    return (f"{who} --nnodes {nnodes} disagrees with {alloc.where()}: {_launchers_text(alloc, who)}; pass "
             '--nnodes "$SLURM_NNODES" (a node count the batch script hard-codes waits for nodes that never come)')
 
 
-def node_rank_problem(alloc: Allocation, node_rank: str) -> str | None:
-    """torchrun's static ``--node-rank`` against this task's rank in the step (``SLURM_NODEID`` at one per node)."""
+def node_rank_problem(alloc: Allocation, node_rank: str, who: str = "torchrun") -> str | None:
+    """``who``'s static ``--node-rank`` against this task's rank in the step (``SLURM_NODEID`` at one per node)."""
     try:
         rank = int(node_rank)
     except ValueError:
-        return f"torchrun --node-rank {node_rank!r} is not a number"
+        return f"{who} --node-rank {node_rank!r} is not a number"
     if rank == alloc.task:
         return None
-    return (f"torchrun --node-rank {rank} on the node of SLURM_NODEID={alloc.node_id} (task SLURM_PROCID="
+    return (f"{who} --node-rank {rank} on the node of SLURM_NODEID={alloc.node_id} (task SLURM_PROCID="
             f"{alloc.task} of {alloc.where()}): pass --node-rank \"$SLURM_NODEID\" expanded on each node, inside "
             "the srun step (srun bash -c '... --node-rank \"$SLURM_NODEID\" ...'), not in the batch shell")
 
 
-def head_problem(flag: str, host: str, resolve: Callable[[str], Any] | None = None) -> str | None:
+def head_problem(flag: str, host: str, resolve: Callable[[str], Any] | None = None,
+                 who: str = "torchrun") -> str | None:
     """A head node (``--master-addr``, ``--rdzv-endpoint``'s host) that does not resolve; None when it does."""
     try:
         (resolve or _resolve)(host)
     except (OSError, UnicodeError) as e:
-        return f"torchrun {flag} {host!r}: the head node does not resolve ({e}); {HEAD_HINT}"
+        return f"{who} {flag} {host!r}: the head node does not resolve ({e}); {HEAD_HINT}"
     return None
+
+
+def inplace_problems(env: Mapping[str, str], nnodes: int, node_rank: int, master_addr: str, join: bool,
+                     resolve: Callable[[str], Any] | None = None) -> list[str]:
+    """The in-place launcher's (``frontdoor.launch``) options in an srun step, one line each: ``--nnodes`` and
+    ``--node-rank`` against the step (not for ``--join``: a joining step adds nodes), the head node resolvable.
+    Outside an srun step (no Slurm, or the batch shell) nothing is checked."""
+    alloc = allocation(env)
+    if alloc is None or alloc.step_tasks is None:
+        return []
+    who = "launcher"
+    problems = [] if join else [nnodes_problem(alloc, str(nnodes), who), node_rank_problem(alloc, str(node_rank), who)]
+    problems.append(head_problem("--master-addr", master_addr, resolve, who))
+    return [p for p in problems if p]
 
 
 def _resolve(host: str) -> Any:

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from types import MappingProxyType
@@ -33,7 +34,7 @@ from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import ckpt_flags, memory_flags, slurm
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
-from tenplex_megatron.frontdoor.membership import REFORM_ENV
+from tenplex_megatron.frontdoor.membership import LEAVES_ENV, REFORM_ENV
 from tenplex_megatron.integrations.megatron_core.optimizer import sub_optimizers
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import ParallelLayout
@@ -485,7 +486,9 @@ def _train(args: argparse.Namespace, job: gpt.GPTJob, ckpt: Checkpointer, datase
     stop = args.train_iters if args.exit_interval is None else min(args.train_iters, args.exit_interval)
     dp_rank = parallel_state.get_data_parallel_rank()
     on_signal = args.tenplex and not args.tenplex_no_save_on_signal
-    with _metrics_file(args) as metrics, (StopOnSignal() if on_signal else contextlib.nullcontext()) as stopper:
+    # a re-formed rank whose launcher turns SIGTERM into its leave notice records none, but agrees with those that do
+    heeded = () if os.environ.get(LEAVES_ENV) else (signal.SIGTERM,)
+    with _metrics_file(args) as metrics, (StopOnSignal(heeded) if on_signal else contextlib.nullcontext()) as stopper:
         while job.iteration < stop:
             t0 = time.perf_counter()
             start, skipped = job.consumed_samples, job.skipped_iterations

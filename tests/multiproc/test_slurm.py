@@ -18,6 +18,7 @@ import json
 import os
 import re
 import subprocess
+import time
 
 import pytest
 
@@ -31,6 +32,7 @@ SIZES = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4
          "--max-position-embeddings": "32", "--vocab-size": "96", "--global-batch-size": "8",
          "--lr-warmup-iters": "2"}
 JOB_TIMEOUT = 300  # seconds for one job of a few torch processes on a busy 2-core machine
+PACE = 0.9  # seconds an iteration at least in the timer test's first run: 100 outlast the 90 s to Slurm's signal
 
 
 def _text(name: str, ckpt: str, **more: str) -> str:
@@ -49,9 +51,13 @@ def _script(tmp_path, name: str, ckpt: str, **more: str) -> str:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[int, tuple[float, float]]:
+    """The uninterrupted run at the first layout the scripts get on 2 nodes: :func:`uninterrupted`."""
+    return uninterrupted(tmp_path_factory.mktemp("reference"))
+
+
+def uninterrupted(where) -> dict[int, tuple[float, float]]:
     """The uninterrupted run at the first layout the scripts get on 2 nodes (tp=1,pp=1,dp=2, micro-batch 4: what
     ``--tenplex-layout auto`` chooses at 2 nodes of 1 process, asserted in the tests): iteration -> (lr, loss)."""
-    where = tmp_path_factory.mktemp("reference")
     flags = slurm.trainer_args(_text("train.sbatch", str(where / "ckpt")))  # the page's flags, this test's sizes
     assert flags[:10] == TINY_GPT[:10] and flags[-2:] == ["--tenplex-layout", "auto"], flags
     out = str(where / "m.jsonl")
@@ -131,6 +137,44 @@ def test_the_signal_saves_and_the_job_requeues_itself_at_another_node_count(tmp_
         in text, text[-4000:]
     assert text.count(": requeued") == 1 and "took the lease over" not in text
     _same_curve(slurm.iterations(text), reference)
+
+
+def test_slurms_own_timer_signals_before_the_time_limit_and_the_requeued_job_continues(tmp_path, slurm_cluster,
+                                                                                       reference) -> None:
+    """train-requeue.sbatch submitted with a 2-minute ``--time`` and ``--signal=TERM@30`` on sbatch's command line
+    (the script's own ``#SBATCH`` lines overridden, nothing else): Slurm's timer, nobody else, sends SIGTERM to the
+    step's tasks before the time limit (it looks every 30 s: 60 to 90 s into each run here, leaving a busy machine
+    60 s to start the workers); every rank stops after the
+    same iteration and saves it, the job exits and requeues itself, and the requeued run (not paced; its limit raised
+    to 10 minutes while it waits, so that a slow start is not cut short by a second signal) continues from that
+    iteration to the end with the uninterrupted losses. The first run is paced (``TENPLEX_TEST_SECONDS_PER_
+    ITERATION``, tests/site) so that the tiny model is still training when the signal comes."""
+    ckpt = str(tmp_path / "ckpt")
+    env = slurm.job_env({"TENPLEX_TEST_SECONDS_PER_ITERATION": str(PACE)})
+    job_id = slurm.sbatch(_script(tmp_path, "train-requeue.sbatch", ckpt), str(tmp_path), "--time=2",
+                          "--signal=TERM@30", env=env)
+    log = str(tmp_path / f"gpt-{job_id}.out")
+    info = slurm.wait_for(job_id, "RUNNING", JOB_TIMEOUT, log)
+    assert info["TimeLimit"] == "00:02:00", info
+    m = slurm.wait_for_text(log, r"> tenplex: SIGTERM received: stopping after iteration (\d+)", 180, job_id)
+    noticed = time.time() - _epoch(info["StartTime"])
+    stopped = int(m.group(1))
+    assert 0 < stopped < ITERS and noticed < 120, (stopped, noticed, slurm.tail(log))  # before the time limit
+    slurm.wait_for_text(log, rf"saved iteration {stopped} of {ITERS}: requeued", JOB_TIMEOUT, job_id)
+    slurm.wait_for(job_id, "PENDING", JOB_TIMEOUT, log)  # a longer limit for the requeued run: its start on a busy
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], check=True, timeout=30)  # machine
+    info = slurm.wait_for(job_id, "ENDED", JOB_TIMEOUT + 60, log)
+    text = slurm.read(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (info, text[-4000:])
+    assert text.count("stopping after iteration") == 1 and text.count(": requeued") == 1, text[-4000:]
+    assert f"loaded iteration {stopped} from {ckpt}/iter_{stopped:07d}: layout tp=1,pp=1,dp=2 -> tp=1,pp=1,dp=2" \
+        in text, text[-4000:]
+    _same_curve(slurm.iterations(text), reference)
+
+
+def _epoch(stamp: str) -> float:
+    """``scontrol``'s local ``YYYY-MM-DDTHH:MM:SS`` as seconds since the epoch."""
+    return time.mktime(time.strptime(stamp, "%Y-%m-%dT%H:%M:%S"))
 
 
 def test_a_second_slurm_job_on_the_same_save_is_refused(tmp_path, slurm_cluster) -> None:

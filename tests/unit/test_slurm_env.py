@@ -21,6 +21,7 @@ import pytest
 from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import lease_flags, slurm
 from tenplex_megatron.frontdoor.job_config import JobConfig, LeaseConfig
+from tenplex_megatron.frontdoor.membership import LEAVES_ENV
 from tenplex_megatron.storage import job_identity, lease
 from tenplex_megatron.training import layout_choice, pretrain
 from tests.harness import TINY_GPT
@@ -76,6 +77,40 @@ def test_a_launch_that_disagrees_with_the_allocation_is_one_line_naming_the_flag
     (endpoint,) = slurm.launch_problems(STEP, ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                                "nohost:29400", "x.py"], _resolves)
     assert endpoint.startswith("torchrun --rdzv-endpoint 'nohost': the head node does not resolve"), endpoint
+
+
+def test_the_inplace_launcher_in_an_srun_step_refuses_in_one_line_what_the_allocation_cannot_run(monkeypatch,
+                                                                                              capsys) -> None:
+    """``python -m tenplex_megatron.frontdoor.launch`` srun-ed one per node: ``--nnodes`` and ``--node-rank`` against
+    the step (a joining step adds nodes: not checked), the head node resolvable; in the batch shell or without
+    Slurm nothing is checked. Through the launcher's parser: exit 2 naming the flag and the variable."""
+    from tenplex_megatron.frontdoor import launch
+
+    one = {**STEP, "SLURM_NNODES": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0"}
+    assert slurm.inplace_problems(STEP, 2, 1, "n1", False, _resolves) == []
+    (nnodes,) = slurm.inplace_problems(one, 2, 0, "n1", False, _resolves)
+    assert nnodes.startswith("launcher --nnodes 2 disagrees with Slurm job 41 (SLURM_NNODES=1, SLURM_JOB_NODELIST="
+                             "n[1-2]): SLURM_NNODES=1 node(s), one launcher each; pass --nnodes \"$SLURM_NNODES\""), nnodes
+    (rank,) = slurm.inplace_problems(STEP, 2, 0, "n1", False, _resolves)
+    assert rank.startswith("launcher --node-rank 0 on the node of SLURM_NODEID=1"), rank
+    (head,) = slurm.inplace_problems(STEP, 2, 1, "n[1-2]", False, _resolves)
+    assert head.startswith("launcher --master-addr 'n[1-2]': the head node does not resolve"), head
+    assert slurm.inplace_problems(one, 1, 1, "n1", True, _resolves) == []  # a joining step: --join's own ranks
+    assert slurm.inplace_problems({**STEP, "SLURM_STEP_ID": "batch"}, 1, 0, "n1", False, _resolves) == []
+    assert slurm.inplace_problems({}, 9, 0, "n1", False, _resolves) == []
+    for k in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(k)
+    for k, v in one.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        launch.parse(["--nnodes", "2", "--nproc-per-node", "1", "--master-addr", "localhost", "x.py"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("python -m tenplex_megatron.frontdoor.launch: error: launcher "
+                                                    "--nnodes 2 disagrees with Slurm job 41"), err
+    a = launch.parse(["--join", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "localhost", "x.py"])
+    assert launch.leaves_on_sigterm(a) and launch.rank_env(a, 0)[LEAVES_ENV] == "1"  # Slurm's SIGTERM: a leave
+    a = launch.parse(["--reform", "--nproc-per-node", "1", "--master-addr", "localhost", "x.py"])
+    assert not launch.leaves_on_sigterm(a) and LEAVES_ENV not in launch.rank_env(a, 0)  # node 0: the job stops
 
 
 def test_the_launcher_refuses_in_one_line_or_runs_torchrun_with_sigterm_left_to_the_workers(monkeypatch,
