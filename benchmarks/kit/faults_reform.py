@@ -126,6 +126,9 @@ class Job:
             if self.procs["node0"].poll() is not None:  # another node may end by design (a leave, a kill)
                 break
             time.sleep(0.02)
+        for p in self.procs.values():  # nothing of a failed row outlives the benchmark
+            if p.poll() is None:
+                kill_tree(p)
         raise SystemExit(f"bench_faults: {self.run.root}: {what} did not happen\n{self.run.logs()[-4000:]}")
 
     def iterations(self, dp: int, after: float = 0.0) -> list[dict]:

@@ -70,11 +70,12 @@ def test_bench_faults_planned_changes(tmp_path) -> None:
     assert len(rows) == 4, rows
     for r in rows.values():
         assert r["checkpoints_lost"] == 0 and r["iterations_lost_beyond_interval"] == 0, r
-        assert r["seconds_to_first_iteration"] > 0 and "at the stop" not in r["note"], r
+        assert r["seconds_to_first_iteration"] > 0, r
     for name, restart in (("join", "a node of 2 ranks joins, process restart"),
                           ("leave", "a node of 2 ranks leaves (agent SIGKILLed), process restart")):
         r = next(x for f, x in rows.items() if f.startswith(f"a node of 2 ranks {name}") and "in place" in f)
         assert r["in_place"] and r["survivors_kept"] and r["iterations_lost"] == 0 and r["durable_mb_rank0"] == 0, r
+        assert "at the stop" not in r["note"], r  # node 0's stop on notice: every launcher exited 0
         assert r["ratio_to_restart"] == pytest.approx(r["seconds_to_first_iteration"] /
                                                       rows[restart]["seconds_to_first_iteration"]), r
         assert f"RATIO reform_over_restart {name} = {r['ratio_to_restart']:.2f} (target <= 0.25)" in p.stdout
