@@ -142,7 +142,7 @@ def test_ckpt_step_not_there_lists_the_steps_there(tmp_path) -> None:
 
 @pytest.mark.parametrize("flags,named", [({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
                                          ({"non_persistent_ckpt_type": "global"}, "--non-persistent-ckpt-type global"),
-                                         ({"use_checkpoint_args": True}, "--use-checkpoint-args"),
+                                         ({"use_mp_args_from_checkpoint_args": True}, "--use-mp-args-from-checkpoint-args"),
                                          ({"most_recent_k": 0}, "--most-recent-k 0")])
 def test_the_hook_refuses_at_start_naming_the_flag(flags: dict, named: str, caplog) -> None:
     """The Megatron-LM hook's validate_args (before any process group): a refused setting stops the job, exit 2."""
