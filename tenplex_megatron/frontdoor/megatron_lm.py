@@ -557,7 +557,7 @@ def install() -> None:
     # calls the validate_args it imported by name
     checks = args_mod if hasattr(args_mod, "parse_and_validate_args") else init_mod
     originals["validate_args"] = checks.validate_args
-    # --use-checkpoint-args reads them before validate_args (refused: ckpt_flags)
+    # --use-checkpoint-args reads them before validate_args (from a tenplex checkpoint: use_checkpoint_args.py)
     args_readers = [mod for mod in (init_mod, ckpt_mod) if hasattr(mod, "load_args_from_checkpoint")]
     if args_readers:
         originals["load_args_from_checkpoint"] = args_readers[0].load_args_from_checkpoint

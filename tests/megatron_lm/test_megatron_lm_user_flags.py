@@ -7,7 +7,7 @@
   ``--no-load-optim`` loads them and trains on.
 - ``--exit-signal-handler --num-workers 1``: the training split's DataLoader is Megatron-LM's own (its
   ``worker_init_fn`` in the worker) with tenplex's sampler; a restart at TP1 x DP2 continues the losses.
-- Evaluation: the validation split is Megatron-LM's own loader (with core_v0.19, ``--eval-micro-batch-size`` and
+- Evaluation: the validation split is Megatron-LM's own loader (from core_v0.18, ``--eval-micro-batch-size`` and
   ``--eval-global-batch-size``); its position is restored, and the validation losses after the restart at TP1 x DP2
   equal the uninterrupted run's.
 
@@ -100,10 +100,10 @@ def test_no_save_optim_with_tenplex_memory_snapshot_holds_no_optimizer(tmp_path,
         assert not [k for k in read_full_tensors(str(copy)) if k.startswith("optimizer.")], copy
     # a restart that wants the optimizer: the snapshot in memory is refused naming the flags
     log = _run(script, 1, 95, ["--load", str(ckpt), "--save", str(ckpt), "--tenplex-memory", str(mem),
-                               "--train-iters", "10"], ok=False)
+                               "--save-interval", "4", "--train-iters", "10"], ok=False)
     assert "holds the weights only (saved with --no-save-optim): load it with --no-load-optim" in log, log[-3000:]
     log = _run(script, 1, 95, ["--load", str(ckpt), "--save", str(ckpt), "--tenplex-memory", str(mem),
-                               "--train-iters", "10", "--no-load-optim"])
+                               "--save-interval", "4", "--train-iters", "10", "--no-load-optim"])
     assert re.search(r"> tenplex: loaded iteration 8 from \S+iter_0000008: layout tp=2,pp=1,dp=1 -> tp=1,pp=1,dp=2.*"
                      r"optimizer and LR schedule left fresh", log), log[-3000:]
     lines = _log_lines(log)
@@ -134,18 +134,18 @@ def _valid(log: str) -> dict[int, float]:
 
 
 def test_eval_batch_sizes_and_validation_position_across_a_restart(tmp_path, script: str) -> None:
-    """Evaluation every 2 iterations (2 steps each); from core_v0.19 at its own batch sizes (4, micro-batch 1).
+    """Evaluation every 2 iterations (2 steps each); from core_v0.18 at its own batch sizes (4, micro-batch 1).
     The validation losses at 6 and 8 after a restart at 4 at TP1 x DP2 equal the uninterrupted TP2 run's, as do
     the training losses."""
     ev = ["--eval-iters", "2", "--eval-interval", "2",
-          *(["--eval-global-batch-size", "4", "--eval-micro-batch-size", "1"] if RELEASE[:2] >= (0, 19) else [])]
+          *(["--eval-global-batch-size", "4", "--eval-micro-batch-size", "1"] if RELEASE[:2] >= (0, 18) else [])]
     ref_log = _run(script, 2, 95, ev)
     ref, ref_valid = _losses(ref_log), _valid(ref_log)
     assert sorted(ref_valid) == [2, 4, 6, 8], ref_log[-3000:]
     ckpt = tmp_path / "ckpt"
     log = _run(script, 2, 95, [*ev, "--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"])
     extra = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())["extra"]
-    eval_gbs = 4 if RELEASE[:2] >= (0, 19) else 8
+    eval_gbs = 4 if RELEASE[:2] >= (0, 18) else 8
     assert extra["consumed_valid_samples"] == 2 * 2 * eval_gbs, extra
     log = _run(script, 1, 95, [*ev, "--load", str(ckpt)])
     resumed, valid = _losses(log), _valid(log)

@@ -185,3 +185,18 @@ def test_a_load_asking_for_what_the_checkpoint_lacks_is_refused() -> None:
         check_scope(no_weights, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
     megatron = ForeignMetadata.of("megatron torch_dist", {"iteration": 4, "layout": {"tp": 1}})  # Megatron's own
     check_scope(megatron, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
+
+
+def test_a_host_memory_snapshot_takes_the_jobs_save_scope() -> None:
+    """--no-save-optim on the memory path: the adapter the Checkpointer snapshots through records no optimizer and
+    no LR schedule, marked weights-only (the optimizer is never read: the job here has none)."""
+    from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
+    from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec
+    from tenplex_megatron.plan.layout import ParallelLayout
+
+    job = LiveJob([], None, None, ParallelLayout(tp=2), LiveSpec(95, 1234), 96, True, iteration=4)
+    adapter = MegatronCoreEngine(job).adapter(table.SaveScope(optimizer=False, rng=False))
+    assert adapter.save_scope == table.SaveScope(optimizer=False, rng=False)
+    record = adapter.metadata().to_json()
+    assert record["weights_only"] is True and record["optimizer"] is None and record["scheduler"] is None
+    assert MegatronCoreEngine(job).adapter().save_scope == table.SaveScope()
