@@ -34,13 +34,13 @@ class _Samples:
     def __getitem__(self, i: int) -> tuple[int, bool]:
         import os
 
-        return i, os.environ.get("TENPLEX_TEST_WORKER_INIT") == "1"
+        return i, os.environ.get("SAMPLER_TEST_WORKER_INIT") == "1"
 
 
 def _init_worker(_: int) -> None:
     import os
 
-    os.environ["TENPLEX_TEST_WORKER_INIT"] = "1"  # in the worker process only
+    os.environ["SAMPLER_TEST_WORKER_INIT"] = "1"  # in the worker process only
 
 
 def _collate(batch: list) -> tuple[str, list]:
