@@ -99,7 +99,8 @@ HONOURED_GROUPS: tuple[Group, ...] = (
           "--full-validation's sampler: each evaluation covers the same samples at any DP size, and their position "
           "(consumed_valid_samples) is recorded in the tenplex checkpoint and restored as Megatron-LM's own load does "
           "(tests/megatron_lm/test_megatron_lm_user_flags.py -k eval: the validation losses after TP2 -> TP1 x DP2 "
-          "equal the uninterrupted run's; the evaluation batch sizes exist from core_v0.18)",
+          "equal the uninterrupted run's; the evaluation batch sizes exist from core_v0.18; --full-validation is "
+          "Megatron-LM's own loader as without --tenplex, not run in a test here)",
           ("eval_micro_batch_size", "eval_global_batch_size", "full_validation")),
     Group(HONOURED, "the padded vocabulary: the checkpoint's kept when the new TP divides it, else the real rows "
           "move and new padding rows start at zero (tests/megatron_lm: vocabularies of 95 and 96, TP2 -> TP1 x DP2)",
