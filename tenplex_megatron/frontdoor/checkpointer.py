@@ -172,17 +172,18 @@ class Checkpointer:
                 if not self._resumed:  # nothing was loaded (no --load): the snapshots older runs left are discarded
                     resume.forget_other_timelines(self._tier, Resumed("scratch"))
                     self._resumed = True
-                return self.snapshot(engine.adapter(), persist=persist)
+                scope = self.config.save_scope  # --no-save-optim, --no-save-rng: the snapshot holds what a save would
+                return self.snapshot(engine.adapter(scope), persist=persist, rng_state=scope.rng)
             return engine.save(self.config.save, self.config.retention, self.config.save_scope, self.fence)
 
-    def snapshot(self, adapter: Adapter, *, persist: bool | None = None) -> SnapshotResult:
-        """Collective: a snapshot of ``adapter``'s state into the host-memory tier (``persist`` as
-        :func:`~tenplex_megatron.memory.snapshot.snapshot` takes it); a job without the tier is refused."""
+    def snapshot(self, adapter: Adapter, *, persist: bool | None = None, rng_state: bool = True) -> SnapshotResult:
+        """Collective: a snapshot of ``adapter``'s state into the host-memory tier (``persist`` and ``rng_state`` as
+        :func:`~tenplex_megatron.memory.snapshot.snapshot` takes them); a job without the tier is refused."""
         tier = self.memory()
         if tier is None:
             raise NoMemoryTierError(f"{self.prog}: a host-memory snapshot needs the host-memory tier "
                                     "(--tenplex-memory)")
-        return snapshot(adapter, tier, persist=persist)
+        return snapshot(adapter, tier, persist=persist, rng_state=rng_state)
 
     @contextlib.contextmanager
     def fenced(self) -> Iterator[None]:

@@ -58,8 +58,9 @@ class DeepSpeedEngine:
     seed: int = 1234
     client_state: dict[str, Any] = field(default_factory=dict)
 
-    def adapter(self) -> DeepSpeedAdapter:
-        """A fresh adapter over the engine (each load, each save)."""
+    def adapter(self, scope: SaveScope | None = None) -> DeepSpeedAdapter:
+        """A fresh adapter over the engine (each load, each save; ``scope``: a DeepSpeed engine always saves it all,
+        and its front doors take no flag that narrows it)."""
         return DeepSpeedAdapter(self.engine, self.seed, dict(self.client_state), where=self.where)
 
     def load(self, path: str, scope: LoadScope | None = None,

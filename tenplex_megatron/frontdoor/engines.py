@@ -33,9 +33,9 @@ class MegatronCoreEngine:
     extra: dict[str, Any] = field(default_factory=dict)
     strict: bool = True  # every tensor of the checkpoint must have a place in the job
 
-    def adapter(self) -> MegatronCoreAdapter:
-        """A fresh adapter over the job (a host-memory load or snapshot)."""
-        return MegatronCoreAdapter(self.job, dict(self.extra))
+    def adapter(self, scope: SaveScope | None = None) -> MegatronCoreAdapter:
+        """A fresh adapter over the job (a host-memory load, or a snapshot of what ``scope`` keeps)."""
+        return MegatronCoreAdapter(self.job, dict(self.extra), save_scope=scope)
 
     def load(self, path: str, scope: LoadScope | None = None,
              metadata: CheckpointMetadata | None = None) -> LoadResult:

@@ -44,7 +44,14 @@ from typing import Any
 from tenplex_megatron import flags, log, mcore_versions
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import ckpt_flags, elastic, megatron_lm_inprocess, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import (
+    ckpt_flags,
+    elastic,
+    megatron_lm_inprocess,
+    memory_flags,
+    restart_sources,
+    use_checkpoint_args,
+)
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
@@ -57,11 +64,11 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 )
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
-from tenplex_megatron.plan import megatron_flags
+from tenplex_megatron.plan import checkpoint_args, megatron_flags
 from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
-from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, refusals
+from tenplex_megatron.plan.megatron_ckpt_flags import refusals
 from tenplex_megatron.plan.pipeline_split import rule_of as split_rule_of
 from tenplex_megatron.plan.pipeline_split import start_problem as split_problem
 from tenplex_megatron.plan.unsupported import missing_transformer_engine, unsupported_flags, unsupported_job_flags
@@ -291,13 +298,22 @@ def _maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> tuple[Cal
     return run, store
 
 
-def _load_args_from_checkpoint(args: Any, *a: Any, **kw: Any) -> Any:
-    """Megatron-LM's ``--use-checkpoint-args`` reader; with ``--tenplex`` refused before it reads anything."""
+def _load_args_from_checkpoint(args: Any, load_arg: str = "load", *a: Any, **kw: Any) -> Any:
+    """Megatron-LM's ``--use-checkpoint-args`` reader; with ``--tenplex`` the model flags come from the tenplex
+    checkpoint's metadata.json (``frontdoor/use_checkpoint_args.py``), a refused checkpoint setting stopping the job
+    first; Megatron's own checkpoint is left to its reader."""
     if getattr(args, "tenplex", False):
-        for problem in refusals(args) or ["--use-checkpoint-args: " + BY_NAME["use_checkpoint_args"].why]:
+        problems = refusals(args)
+        for problem in problems:
             _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
-        raise SystemExit(2)
-    return _original("load_args_from_checkpoint")(args, *a, **kw)
+        if problems:
+            raise SystemExit(2)
+        if getattr(args, load_arg, None) is None:
+            return args
+        got = use_checkpoint_args.apply(args, load_arg, sys.argv[1:])
+        if got is not None:
+            return got
+    return _original("load_args_from_checkpoint")(args, load_arg, *a, **kw)
 
 
 def extra_args_provider(previous: Callable | None = None) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
@@ -326,6 +342,9 @@ _RECORDED_ARGS = (
     "moe_router_pre_softmax", "moe_layer_freq", "moe_router_topk_scaling_factor", "moe_router_num_groups",
     "moe_router_group_topk", "moe_expert_capacity_factor", "moe_input_jitter_eps",
 )
+# and every other arg --use-checkpoint-args copies (plan/checkpoint_args.py; the padded vocabulary has its own field)
+_RECORDED_ARGS += tuple(r.dest for r in checkpoint_args.COPIED
+                        if r.dest not in _RECORDED_ARGS and r.dest != "padded_vocab_size")
 
 
 def _job(model: list[Any], optimizer: Any, scheduler: Any) -> LiveJob:
@@ -360,7 +379,9 @@ def save_checkpoint(iteration: int, model: list[Any], optimizer: Any, opt_param_
     job.iteration = iteration
     job.consumed_samples = int(args.consumed_train_samples)
     ckpt = installed().checkpointer_for(args)
-    engine = _engine(job, ckpt, {"num_floating_point_operations_so_far": num_floating_point_operations_so_far})
+    # the validation split's position is Megatron-LM's own loader's: recorded as its own checkpoint records it
+    engine = _engine(job, ckpt, {"num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+                                 "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0)})
     # a snapshot into node memory (replication and persist go on in the background), else a durable save; a newer
     # generation of this job owning the directory stops this one
     res = ckpt.save(engine)
@@ -414,7 +435,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
         return 0, 0.0
     if got.result is None:  # Megatron's own checkpoint without --tenplex, or nothing: Megatron's own loader
         return _original("load_checkpoint")(ddp_model, optimizer, opt_param_scheduler, load_arg, strict, *a, **kw)
-    flops = _resumed(args, job, got.result)
+    flops = _resumed(args, job, got.result, got.scope.finetune)
     if got.memory is not None:
         _log.info(memory_flags.describe_memory_load(got.memory, job.layout))
     else:
@@ -423,10 +444,13 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     return got.result.iteration, flops
 
 
-def _resumed(args: Any, job: LiveJob, res: Any) -> float:
-    """Megatron-LM's args after a load: the data position the checkpoint recorded; returns its FLOP count."""
+def _resumed(args: Any, job: LiveJob, res: Any, finetune: bool = False) -> float:
+    """Megatron-LM's args after a load: the data positions the checkpoint recorded (the validation split's too,
+    except in a fine-tune, as Megatron-LM's own loader does); returns its FLOP count."""
     args.consumed_train_samples = job.consumed_samples
     args.skipped_train_samples = 0
+    if not finetune and "consumed_valid_samples" in res.extra:
+        args.consumed_valid_samples = int(res.extra["consumed_valid_samples"])
     return float(res.extra.get("num_floating_point_operations_so_far", 0.0))
 
 
@@ -449,20 +473,48 @@ class TenplexBatchSampler:
 
 
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
-    """Megatron-LM's data-loader builder; with ``--tenplex``, the DP-independent sampler for training data."""
-    import torch
-    from megatron.core import mpu
+    """Megatron-LM's data-loader builder; with ``--tenplex``, the training split read through the DP-independent
+    sampler, in the DataLoader Megatron-LM's own builder makes (its workers, ``--exit-signal-handler``'s
+    ``worker_init_fn``, collate, pinning): only the sampler differs. The validation and test splits are Megatron-LM's
+    own loaders (their batch sizes, ``--full-validation``; their position is ``consumed_valid_samples``)."""
     from megatron.training import get_args
 
     args = get_args()
+    original = _original("build_pretraining_data_loader")
     if dataset is None or not getattr(args, "tenplex", False) or consumed_samples is None \
-            or getattr(args, "dataloader_type", None) == "external":  # external: the dataset is its own loader
-        return _original("build_pretraining_data_loader")(dataset, consumed_samples)
+            or getattr(args, "dataloader_type", None) == "external" \
+            or not _training_split(dataset):  # external: the dataset is its own loader
+        return original(dataset, consumed_samples)
+    import torch
+    from megatron.core import mpu
+
+    stock = original(dataset, 0)  # its settings are taken; its sampler (at the start: always in range) is not
+    if not isinstance(stock, torch.utils.data.DataLoader):
+        return stock
     sampler = TenplexBatchSampler(len(dataset), consumed_samples, args.global_batch_size, args.micro_batch_size,
                                   mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
-                                       pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=args.num_workers > 0)
+    return with_sampler(stock, sampler)
+
+
+def _training_split(dataset: Any) -> bool:
+    """Whether ``dataset`` is the training split, as Megatron-LM's builder tells (``split``, else ``index_split``);
+    a dataset naming none is taken for one."""
+    split = getattr(dataset, "split", getattr(dataset, "index_split", None))
+    return split is None or getattr(split, "name", split) == "train"
+
+
+#: the settings of a DataLoader that :func:`with_sampler` keeps (those a torch release lacks are left out)
+_LOADER_SETTINGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
+                    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
+
+
+def with_sampler(stock: Any, batch_sampler: Any) -> Any:
+    """A DataLoader over ``stock``'s dataset with every setting of ``stock`` (a ``torch.utils.data.DataLoader``) but
+    its batch sampler, which is ``batch_sampler``."""
+    import torch
+
+    kw = {k: getattr(stock, k) for k in _LOADER_SETTINGS if hasattr(stock, k)}
+    return torch.utils.data.DataLoader(stock.dataset, batch_sampler=batch_sampler, **kw)
 
 
 def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any) -> int:
@@ -509,7 +561,7 @@ def install() -> None:
     # calls the validate_args it imported by name
     checks = args_mod if hasattr(args_mod, "parse_and_validate_args") else init_mod
     originals["validate_args"] = checks.validate_args
-    # --use-checkpoint-args reads them before validate_args (refused: ckpt_flags)
+    # --use-checkpoint-args reads them before validate_args (from a tenplex checkpoint: use_checkpoint_args.py)
     args_readers = [mod for mod in (init_mod, ckpt_mod) if hasattr(mod, "load_args_from_checkpoint")]
     if args_readers:
         originals["load_args_from_checkpoint"] = args_readers[0].load_args_from_checkpoint

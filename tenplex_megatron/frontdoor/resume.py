@@ -38,8 +38,9 @@ KINDS = ("scoped", "memory", "durable", "adopted", "hf", "native", "scratch")
 class Engine(Protocol):
     """What a front door supplies for its framework: a fresh adapter over the live job, and its loads."""
 
-    def adapter(self) -> Adapter:
-        """A fresh adapter over the live job (a host-memory load, a snapshot)."""
+    def adapter(self, scope: SaveScope | None = None) -> Adapter:
+        """A fresh adapter over the live job (a host-memory load; a snapshot of what ``scope`` keeps: without the
+        optimizer, the adapter describes and records none)."""
         ...
 
     def load(self, path: str, scope: LoadScope | None = None,

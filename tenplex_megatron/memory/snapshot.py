@@ -85,10 +85,13 @@ class _Clock:
         return tuple((n, t - s) for (n, t), s in zip(self.marks, starts, strict=True))
 
 
-def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None) -> SnapshotResult:
+def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None,
+             rng_state: bool = True) -> SnapshotResult:
     """Collective: snapshot the adapter's state into host memory (replicated); persist it in the background.
 
     ``persist``: True forces a durable copy of this snapshot, False skips it, None follows ``persist_interval``.
+    ``rng_state``: False (``--no-save-rng``) records no RNG streams, in the snapshot and its durable copy alike (a
+    load re-seeds); what else it holds is the adapter's (``--no-save-optim``: an adapter that describes no optimizer).
     """
     if persist and tier.pending is not None:
         background.drain(tier)  # a forced persist waits for the one under way
@@ -104,7 +107,7 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
     clock.mark("assign")
     short = _shortfall(tier, holdings, writers, gathered)
     if short and tier.settings.fallback and tier.settings.save_dir:
-        return _save_durable_instead(adapter, tier, it, f"{what}: does not fit ({'; '.join(short)})")
+        return _save_durable_instead(adapter, tier, it, f"{what}: does not fit ({'; '.join(short)})", rng_state)
     persisting = _persist_now(tier, persist) and (tier.pending is None or commit_durable)
     removed: list[str] = []
     persisted: list[str] = []
@@ -116,8 +119,8 @@ def snapshot(adapter: Adapter, tier: MemoryTier, *, persist: bool | None = None)
     size, sums = run_phase(f"{what}: copying into node memory",
                            lambda: _write_rank_file(tier, chunks, writers, it, local))
     clock.mark("copy")
-    infos = gather_records(f"{what}: gathering file lists", lambda: _file_info(adapter, tier, size, sums, local),
-                           RankFile)
+    infos = gather_records(f"{what}: gathering file lists",
+                           lambda: _file_info(adapter, tier, size, sums, local, rng_state), RankFile)
     clock.mark("infos")
     meta = broadcast_json(run_phase(f"{what}: building metadata",
                                     lambda: _metadata(adapter, tier, writers, infos, all_meta, it)), 0)
@@ -186,13 +189,13 @@ def _shortfall(tier: MemoryTier, holdings: Any, writers: dict[Any, int], gathere
     return short
 
 
-def _save_durable_instead(adapter: Adapter, tier: MemoryTier, it: int, why: str) -> SnapshotResult:
+def _save_durable_instead(adapter: Adapter, tier: MemoryTier, it: int, why: str, rng_state: bool) -> SnapshotResult:
     """Collective (``--tenplex-memory-fallback``): a durable save where the snapshot does not fit."""
     save_dir = tier.settings.save_dir
     assert save_dir is not None
     if rank() == 0:
         log.warning("%s: saving to %s instead", why, save_dir)
-    res = save(adapter, save_dir, tier.settings.durable_keep, fence=tier.fence)
+    res = save(adapter, save_dir, tier.settings.durable_keep, rng_state=rng_state, fence=tier.fence)
     return SnapshotResult(res.path, it, res.seconds, res.bytes_written, 0, False, (res.path,), res.removed, res)
 
 
@@ -256,10 +259,10 @@ def _write_rank_file(tier: MemoryTier, chunks: Any, writers: dict[Any, int], it:
 
 
 def _file_info(adapter: Adapter, tier: MemoryTier, size: int, sums: dict[str, tuple[int, ...]],
-               local: RankLocal) -> RankFile:
-    """This rank's part of the metadata: its RNG state and rank-local records, its file (name, size, block CRCs)
-    and node."""
-    return RankFile({"rng": rng.capture(tracker=adapter.rng_tracker), **local_records(local)},
+               local: RankLocal, rng_state: bool) -> RankFile:
+    """This rank's part of the metadata: its RNG state (unless left out) and rank-local records, its file (name,
+    size, block CRCs) and node."""
+    return RankFile({**({"rng": rng.capture(tracker=adapter.rng_tracker)} if rng_state else {}), **local_records(local)},
                     directory.rank_file_name(rank()) if sums else None, size, tier.node, BLOCK_BYTES, sums)
 
 

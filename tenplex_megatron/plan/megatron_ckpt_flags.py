@@ -47,9 +47,11 @@ SETTINGS: tuple[Setting, ...] = (
             "two (a CheckpointConfig field without a command-line flag in Megatron-LM core_v0.15-0.19)"),
     Setting(("save_optim", "no_save_optim"), "--no-save-optim", HONOURED,
             "a weights-only tenplex checkpoint, marked so in metadata.json: a load from it needs --no-load-optim "
-            "or --finetune"),
+            "or --finetune; with --tenplex-memory or --async-save the snapshot and its durable copy alike "
+            "(tests/megatron_lm/test_megatron_lm_user_flags.py -k no_save_optim)"),
     Setting(("save_rng", "no_save_rng"), "--no-save-rng", HONOURED,
-            "the checkpoint holds no RNG state: a load from it re-seeds from (seed, iteration)"),
+            "the checkpoint holds no RNG state: a load from it re-seeds from (seed, iteration); with "
+            "--tenplex-memory or --async-save the snapshot and its durable copy alike"),
     Setting(("load",), "--load", HONOURED, "the newest complete tenplex checkpoint there, re-sharded"),
     Setting(("load_optim", "no_load_optim"), "--no-load-optim", HONOURED,
             "the weights alone are loaded (at any layout): fresh optimizer and LR schedule, main weights from the "
@@ -80,14 +82,15 @@ SETTINGS: tuple[Setting, ...] = (
             "listing the steps there"),
     Setting(("perform_initialization",), "--no-initialization", HONOURED,
             "Megatron-LM builds the model without initialising it; the load fills it"),
-    Setting(("use_checkpoint_args",), "--use-checkpoint-args", REFUSED,
-            "Megatron-LM reads the model flags from its own checkpoint format before tenplex can load; tenplex "
-            "records them in metadata.json but does not override the command line: give the model flags",
-            (None, False)),
+    Setting(("use_checkpoint_args",), "--use-checkpoint-args", HONOURED,
+            "the model flags Megatron-LM's load_args_from_checkpoint copies come from the tenplex checkpoint's "
+            "metadata.json (plan/checkpoint_args.py), the layout from the command line; a flag given that the "
+            "checkpoint contradicts stops the job at start, naming both values (tests/megatron_lm/"
+            "test_megatron_lm_user_flags.py -k use_checkpoint_args: TP2 -> TP1 x DP2, the model flags left out)"),
     Setting(("use_mp_args_from_checkpoint_args",), "--use-mp-args-from-checkpoint-args", REFUSED,
             "tenplex re-shards to the job's own layout: the saved one is not copied", (None, False)),
     Setting(("use_tokenizer_model_from_checkpoint_args",), "--no-use-tokenizer-model-from-checkpoint-args",
-            NO_EFFECT, "only with --use-checkpoint-args, which --tenplex refuses"),
+            HONOURED, "with --use-checkpoint-args: the tokenizer type and model from the checkpoint's record, or not"),
     Setting(("exit_on_missing_checkpoint",), "--exit-on-missing-checkpoint", HONOURED,
             "no checkpoint (tenplex's, Megatron's or a host-memory snapshot) under --load: Megatron-LM exits"),
     Setting(("ckpt_format",), "--ckpt-format", NO_EFFECT,

@@ -91,6 +91,17 @@ HONOURED_GROUPS: tuple[Group, ...] = (
     Group(HONOURED, "tenplex's sampler: global batch i holds samples [i x G, (i+1) x G) at any DP size and "
           "micro-batch size (tests/unit/test_megatron_lm_sampler.py; the tests/megatron_lm restarts)",
           ("global_batch_size", "micro_batch_size")),
+    Group(HONOURED, "the training split's DataLoader is the one Megatron-LM's builder makes, its sampler alone "
+          "replaced by tenplex's: its workers (persistent), --exit-signal-handler's worker_init_fn in each worker, "
+          "its collate (tests/megatron_lm/test_megatron_lm_user_flags.py -k exit_signal_handler: --num-workers 1, "
+          "TP2 -> TP1 x DP2)", ("exit_signal_handler", "num_workers")),
+    Group(HONOURED, "the validation and test splits are Megatron-LM's own loaders, with their own batch sizes and "
+          "--full-validation's sampler: each evaluation covers the same samples at any DP size, and their position "
+          "(consumed_valid_samples) is recorded in the tenplex checkpoint and restored as Megatron-LM's own load does "
+          "(tests/megatron_lm/test_megatron_lm_user_flags.py -k eval: the validation losses after TP2 -> TP1 x DP2 "
+          "equal the uninterrupted run's; the evaluation batch sizes exist from core_v0.18; --full-validation is "
+          "Megatron-LM's own loader as without --tenplex, not run in a test here)",
+          ("eval_micro_batch_size", "eval_global_batch_size", "full_validation")),
     Group(HONOURED, "the padded vocabulary: the checkpoint's kept when the new TP divides it, else the real rows "
           "move and new padding rows start at zero (tests/megatron_lm: vocabularies of 95 and 96, TP2 -> TP1 x DP2)",
           ("vocab_size", "make_vocab_size_divisible_by")),
@@ -136,9 +147,6 @@ _TE_GROUPED = ("an MLP built as Transformer Engine's GroupedLinear, whose weight
                "not run with tenplex); it would take a restart test with TE")
 _KITCHEN = ("quantization through NVIDIA's Kitchen extension (per-layer quantizers) has not run with tenplex; it would "
             "take describing the quantizers' state and a restart test")
-_EVAL = ("tenplex's sampler serves the validation and test splits with the training batch sizes; an evaluation "
-         "batch size of its own would take the sampler reading each split's sizes, as Megatron-LM's builder does")
-
 REFUSALS: tuple[Refusal, ...] = (
     Refusal("rampup_batch_size", "--rampup-batch-size", (None,),
             "tenplex's sampler serves the final --global-batch-size from step 1; it would take the sampler "
@@ -207,11 +215,6 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal("perform_rl_step", "--perform-rl-step", (False,),
             "RL rollouts replace the dataset whose position tenplex's sampler keeps; it would take describing the "
             "rollout state and a restart test"),
-    Refusal("eval_global_batch_size", "--eval-global-batch-size", (None,), _EVAL),
-    Refusal("eval_micro_batch_size", "--eval-micro-batch-size", (None,), _EVAL),
-    Refusal("full_validation", "--full-validation", (False,),
-            "tenplex's sampler serves the validation split in global batches from the consumed position, not "
-            "Megatron-LM's full-validation sampler; it would take the hook leaving that split to Megatron-LM"),
     Refusal("phase_transition_iterations", "--phase-transition-iterations", (None,),
             "data phases (a dataset per phase, its position counted from the last transition) have not run with "
             "tenplex's sampler; it would take a restart test across a transition"),

@@ -201,8 +201,7 @@ NEUTRAL_GROUPS: tuple[Group, ...] = (
               "iterations_to_skip")),
     Group(NEUTRAL, "how long to train and when to stop, evaluate or exit (the exits save through the hook's "
           "save_checkpoint); NVIDIA's fault-tolerance and autoresume services; the in-process restart's timeouts", (
-              "train_iters", "train_samples", "exit_interval", "exit_duration_in_mins", "exit_signal_handler",
-              "exit_signal", "exit_signal_handler_for_dataloader", "exit_signal_handler_for_training",
+              "train_iters", "train_samples", "exit_interval", "exit_duration_in_mins", "exit_signal", "exit_signal_handler_for_dataloader", "exit_signal_handler_for_training",
               "eval_iters", "eval_interval", "start_eval_at_iter", "test_mode", "skip_train",
               "multiple_validation_sets", "validation_set_names", "adlr_autoresume", "adlr_autoresume_interval",
               "enable_ft_package", "calc_ft_timeouts", "ft_num_warmup_iters", "inprocess_max_iterations",
@@ -215,7 +214,7 @@ NEUTRAL_GROUPS: tuple[Group, ...] = (
           "samples each global batch holds, whatever the dataset", (
               "data_path", "split", "train_data_path", "valid_data_path", "test_data_path", "data_args_path",
               "per_split_data_args_path", "data_cache_path", "mmap_bin_files", "mock_data", "sample_rate",
-              "mask_prob", "short_seq_prob", "num_workers", "reset_position_ids", "reset_attention_mask",
+              "mask_prob", "short_seq_prob", "reset_position_ids", "reset_attention_mask",
               "eod_mask_loss", "create_attention_mask_in_dataloader", "num_dataset_builder_threads",
               "object_storage_cache_path", "mid_level_dataset_surplus", "per_dataset_sequences_path",
               "dataloader_fast_cache_load", "dataloader_defer_npy_index_mmap", "dataloader_inter_document_masking",

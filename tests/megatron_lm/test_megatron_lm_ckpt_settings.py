@@ -91,3 +91,30 @@ def test_every_dataloader_type_is_honoured_or_refused() -> None:
         refused = table.refusals(type("Args", (), {"dataloader_type": kind})())
         assert kind in row.accepted or (refused and refused[0].startswith(f"--dataloader-type {kind}")), kind
         assert kind in row.why, f"--dataloader-type {kind}: the table does not say what it does"
+
+
+def copied_by_checkout() -> dict[str, bool]:
+    """What the checkout's ``load_args_from_checkpoint`` copies: each ``_set_arg`` call's arg and its ``force``,
+    the model-parallel ones (``--use-mp-args-from-checkpoint-args``, refused under --tenplex) left out."""
+    tree = _tree("megatron/training/checkpointing.py")
+    assert tree is not None, f"{MLM}: no megatron/training/checkpointing.py"
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "load_args_from_checkpoint")
+    mp = [n for n in ast.walk(fn) if isinstance(n, ast.If) and "use_mp_args_from_checkpoint_args" in ast.unparse(n.test)]
+    skip = {id(c) for n in mp for c in ast.walk(n)}
+    out = {}
+    for c in ast.walk(fn):
+        if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "_set_arg" and id(c) not in skip:
+            force = next((k.value.value for k in c.keywords if k.arg == "force"), False)
+            out[c.args[0].value] = bool(force)
+    return out
+
+
+def test_use_checkpoint_args_copies_what_the_checkouts_reader_copies() -> None:
+    """plan/checkpoint_args.py's list is the union of the lines': every arg this checkout copies is there, with the
+    same force (a new line's new arg fails here until the list has it)."""
+    from tenplex_megatron.plan import checkpoint_args
+
+    got = copied_by_checkout()
+    assert len(got) > 30, f"{MLM}: only {sorted(got)} read: the reader no longer matches the source"
+    ours = {r.dest: r.force for r in checkpoint_args.COPIED}
+    assert {k: v for k, v in got.items() if ours.get(k) != v} == {}, "add them to plan/checkpoint_args.py COPIED"

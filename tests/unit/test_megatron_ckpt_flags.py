@@ -142,7 +142,7 @@ def test_ckpt_step_not_there_lists_the_steps_there(tmp_path) -> None:
 
 @pytest.mark.parametrize("flags,named", [({"dataloader_type": "cyclic"}, "--dataloader-type cyclic"),
                                          ({"non_persistent_ckpt_type": "global"}, "--non-persistent-ckpt-type global"),
-                                         ({"use_checkpoint_args": True}, "--use-checkpoint-args"),
+                                         ({"use_mp_args_from_checkpoint_args": True}, "--use-mp-args-from-checkpoint-args"),
                                          ({"most_recent_k": 0}, "--most-recent-k 0")])
 def test_the_hook_refuses_at_start_naming_the_flag(flags: dict, named: str, caplog) -> None:
     """The Megatron-LM hook's validate_args (before any process group): a refused setting stops the job, exit 2."""
@@ -185,3 +185,18 @@ def test_a_load_asking_for_what_the_checkpoint_lacks_is_refused() -> None:
         check_scope(no_weights, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
     megatron = ForeignMetadata.of("megatron torch_dist", {"iteration": 4, "layout": {"tp": 1}})  # Megatron's own
     check_scope(megatron, table.LoadScope(optimizer=False, rng=False, finetune=True), "ckpt")
+
+
+def test_a_host_memory_snapshot_takes_the_jobs_save_scope() -> None:
+    """--no-save-optim on the memory path: the adapter the Checkpointer snapshots through records no optimizer and
+    no LR schedule, marked weights-only (the optimizer is never read: the job here has none)."""
+    from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
+    from tenplex_megatron.integrations.megatron_core.adapter import LiveJob, LiveSpec
+    from tenplex_megatron.plan.layout import ParallelLayout
+
+    job = LiveJob([], None, None, ParallelLayout(tp=2), LiveSpec(95, 1234), 96, True, iteration=4)
+    adapter = MegatronCoreEngine(job).adapter(table.SaveScope(optimizer=False, rng=False))
+    assert adapter.save_scope == table.SaveScope(optimizer=False, rng=False)
+    record = adapter.metadata().to_json()
+    assert record["weights_only"] is True and record["optimizer"] is None and record["scheduler"] is None
+    assert MegatronCoreEngine(job).adapter().save_scope == table.SaveScope()

@@ -30,7 +30,7 @@ class Recording:
 
     calls: list[tuple[str, Any]] = field(default_factory=list)
 
-    def adapter(self) -> Any:
+    def adapter(self, scope: Any = None) -> Any:
         self.calls.append(("adapter", None))
         return object()
 
