@@ -44,7 +44,14 @@ from typing import Any
 from tenplex_megatron import flags, log, mcore_versions
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
-from tenplex_megatron.frontdoor import ckpt_flags, elastic, megatron_lm_inprocess, memory_flags, restart_sources
+from tenplex_megatron.frontdoor import (
+    batch_flags,
+    ckpt_flags,
+    elastic,
+    megatron_lm_inprocess,
+    memory_flags,
+    restart_sources,
+)
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
@@ -58,7 +65,8 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan import megatron_flags
-from tenplex_megatron.plan.data_position import microbatch_sample_indices
+from tenplex_megatron.plan.batch_schedule import BatchSchedule, constant
+from tenplex_megatron.plan.data_position import batch_sample_indices
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
 from tenplex_megatron.plan.megatron_ckpt_flags import BY_NAME, refusals
@@ -214,11 +222,11 @@ def start_check(args: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     one note per flag given that has no effect under --tenplex."""
     tenplex = bool(getattr(args, "tenplex", False))
     problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args),
-                *megatron_flags.refusals(args), *filter(None, [missing_transformer_engine(args, _have_te())])] \
-        if tenplex else []
+                *megatron_flags.refusals(args), *filter(None, [missing_transformer_engine(args, _have_te())]),
+                *batch_flags.start_problems(args)] if tenplex else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
-    return problems, megatron_flags.no_effect_given(argv) if tenplex else []
+    return problems, [*megatron_flags.no_effect_given(argv), *batch_flags.start_notes(args)] if tenplex else []
 
 
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
@@ -241,7 +249,12 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
         except SystemExit as e:
             _log.error("%s", e.code)
             raise SystemExit(2) from None
-    choose_layout_for_args(args)
+    if choose_layout_for_args(args) is not None:  # the chosen DP and micro-batch against the batch schedule
+        problems = batch_flags.start_problems(args)
+        for problem in problems:
+            _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
+        if problems:
+            raise SystemExit(2)
     return hook.originals["validate_args"](args, *a, **kw)
 
 
@@ -427,21 +440,28 @@ def _resumed(args: Any, job: LiveJob, res: Any) -> float:
 
 
 class TenplexBatchSampler:
-    """Micro-batches of global indices: global batch i is samples [i*G, (i+1)*G), DP rank r reads share r."""
+    """Micro-batches of global indices: the global batch at consumed position c is samples [c, c + g(c)) (g: Megatron-LM's
+    batch schedule, or one ``global_batch_size``), DP rank r reads share r."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                 dp_size: int, dp_rank: int):
-        self.total, self.consumed = total_samples, consumed_samples
-        self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
+    def __init__(self, total_samples: int, consumed_samples: int, schedule: BatchSchedule | int,
+                 micro_batch_size: int, dp_size: int, dp_rank: int):
+        self.schedule = constant(schedule) if isinstance(schedule, int) else schedule
+        self.total, self.mbs, self.dp, self.rank = total_samples, micro_batch_size, dp_size, dp_rank
+        fixed = self.schedule.ramp is None and not self.schedule.steps  # a fixed batch: whole batches from 0
+        self.consumed = consumed_samples - consumed_samples % self.schedule.final if fixed else consumed_samples
 
     def __iter__(self) -> Iterator[list[int]]:
-        start = self.consumed - self.consumed % self.gbs
-        while start + self.gbs <= self.total:
-            yield from microbatch_sample_indices(start, self.gbs, self.mbs, self.dp, self.rank)
-            start += self.gbs
+        for start, size in self.schedule.batches(self.consumed, self.total):
+            yield from batch_sample_indices(start, size, self.mbs, self.dp, self.rank)
 
     def __len__(self) -> int:
         return (self.total - self.consumed) // (self.mbs * self.dp)
+
+
+def _is_training_split(dataset: Any) -> bool:
+    """Whether Megatron-LM's dataset is its training split (its evaluation takes --global-batch-size, not the ramp)."""
+    split = getattr(dataset, "split", getattr(dataset, "index_split", None))
+    return split is None or getattr(split, "name", None) == "train"
 
 
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
@@ -454,7 +474,8 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
     if dataset is None or not getattr(args, "tenplex", False) or consumed_samples is None \
             or getattr(args, "dataloader_type", None) == "external":  # external: the dataset is its own loader
         return _original("build_pretraining_data_loader")(dataset, consumed_samples)
-    sampler = TenplexBatchSampler(len(dataset), consumed_samples, args.global_batch_size, args.micro_batch_size,
+    schedule = batch_flags.schedule_for_args(args) if _is_training_split(dataset) else int(args.global_batch_size)
+    sampler = TenplexBatchSampler(len(dataset), consumed_samples, schedule, args.micro_batch_size,
                                   mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
     return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=args.num_workers,
                                        pin_memory=torch.cuda.is_available(),

@@ -91,6 +91,12 @@ HONOURED_GROUPS: tuple[Group, ...] = (
     Group(HONOURED, "tenplex's sampler: global batch i holds samples [i x G, (i+1) x G) at any DP size and "
           "micro-batch size (tests/unit/test_megatron_lm_sampler.py; the tests/megatron_lm restarts)",
           ("global_batch_size", "micro_batch_size")),
+    Group(HONOURED, "Megatron-LM's batch-size ramp (core_v0.15-0.17; from 0.18 Megatron-LM parses and ignores it, and "
+          "so does the sampler) and core_v0.18's step schedule: the global batch at consumed sample c is Megatron-LM's "
+          "own for c, samples [c, c + g(c)) at any DP size; a restart inside the ramp resumes at the saved position, "
+          "and batch sizes still to come that micro-batch x the new DP size does not divide are refused at start "
+          "(tests/unit/test_batch_schedule.py; tests/megatron_lm -k rampup: DP2 inside the ramp -> TP2)",
+          ("rampup_batch_size", "step_batch_size_schedule")),
     Group(HONOURED, "the padded vocabulary: the checkpoint's kept when the new TP divides it, else the real rows "
           "move and new padding rows start at zero (tests/megatron_lm: vocabularies of 95 and 96, TP2 -> TP1 x DP2)",
           ("vocab_size", "make_vocab_size_divisible_by")),
@@ -131,12 +137,6 @@ _EVAL = ("tenplex's sampler serves the validation and test splits with the train
          "batch size of its own would take the sampler reading each split's sizes, as Megatron-LM's builder does")
 
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("rampup_batch_size", "--rampup-batch-size", (None,),
-            "tenplex's sampler serves the final --global-batch-size from step 1; it would take the sampler "
-            "following Megatron-LM's ramp-up and a restart test during the ramp"),
-    Refusal("step_batch_size_schedule", "--step-batch-size-schedule", (None,),
-            "tenplex's sampler keeps one --global-batch-size; it would take the sampler following the schedule and "
-            "a restart test across a step"),
     Refusal("decrease_batch_size_if_needed", "--decrease-batch-size-if-needed", (False,),
             "a global batch shrunk to fit the DP size would change which samples batch i holds (tenplex's sampler "
             "keeps --global-batch-size at any DP size); it would take the sampler following the shrink"),
