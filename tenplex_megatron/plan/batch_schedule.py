@@ -13,14 +13,15 @@ with Megatron-LM's batch for it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from tenplex_megatron.errors import TenplexError
 
 RAMP_FLAG = "--rampup-batch-size"
 STEP_FLAG = "--step-batch-size-schedule"
-_SUFFIX = {"K": 1_000, "M": 1_000_000, "B": 1_000_000_000, "T": 1_000_000_000_000}
+_SUFFIX: Mapping[str, int] = MappingProxyType({"K": 1_000, "M": 1_000_000, "B": 1_000_000_000, "T": 1_000_000_000_000})
 
 
 class BatchScheduleError(TenplexError, ValueError):
