@@ -52,20 +52,28 @@ def _dp_size(args: Any) -> int | None:
     return world // model if world and world % model == 0 else None
 
 
-def start_problems(args: Any) -> list[str]:
-    """With a batch ramp or step schedule: one line per batch size still to come (from the checkpoint's position)
-    that micro-batch x the DP size of this start does not divide, or the schedule's own error; none otherwise."""
+def problems_at(args: Any, dp: int, consumed: int) -> list[str]:
+    """With a batch ramp or step schedule Megatron-LM follows: one line per batch size from ``consumed`` on that
+    micro-batch x ``dp`` does not divide, or the schedule's own error; none otherwise."""
     if getattr(args, "rampup_batch_size", None) is None and getattr(args, "step_batch_size_schedule", None) is None:
         return []
     try:
         schedule = schedule_for_args(args)
     except BatchScheduleError as e:
         return [str(e)]
-    dp, mbs = _dp_size(args), getattr(args, "micro_batch_size", None)
-    if schedule.ramp is None and not schedule.steps or dp is None or not mbs:
+    mbs = getattr(args, "micro_batch_size", None)
+    if schedule.ramp is None and not schedule.steps or not mbs:
         return []  # Megatron-LM ignores the ramp (core_v0.18+), or its own check of the sizes comes first
     until = getattr(args, "train_samples", None)
-    return schedule.divisibility_problems(_resume_position(args), int(mbs), dp, int(until) if until else None)
+    return schedule.divisibility_problems(consumed, int(mbs), dp, int(until) if until else None)
+
+
+def start_problems(args: Any) -> list[str]:
+    """:func:`problems_at` for the DP size of this start, from the position of the checkpoint it will load."""
+    dp = _dp_size(args)
+    if dp is None:
+        return []
+    return problems_at(args, dp, _resume_position(args))
 
 
 def start_notes(args: Any) -> list[str]:

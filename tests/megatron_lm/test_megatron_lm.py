@@ -171,11 +171,12 @@ def _env() -> tuple[dict[str, str], bool]:
 
 
 def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True, nproc: int = 2,
-         ok: bool = True) -> str:
+         ok: bool = True, base: list[str] | None = None) -> str:
+    """One launch of ``nproc`` processes: ``base`` (default FLAGS), ``--tenplex``, the vocabulary, TP, ``extra``."""
     env, cpu = _env()
     backend = ["--distributed-backend", "gloo"] if cpu else []
     plain = PLAIN_OPTIMIZER in extra
-    flags = [f for f in FLAGS if not (plain and f == "--use-distributed-optimizer")]
+    flags = [f for f in (FLAGS if base is None else base) if not (plain and f == "--use-distributed-optimizer")]
     extra = [f for f in extra if f != PLAIN_OPTIMIZER]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), RUNNER, script,
            *flags, *(["--tenplex"] if tenplex else []), *backend, "--vocab-size", _vocab_flag(vocab),

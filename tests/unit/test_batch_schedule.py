@@ -155,3 +155,15 @@ def test_megatron_lms_choice_of_schedule() -> None:
     assert batch_schedule.for_megatron(8, [2, 2, 16], None, 64, False) == batch_schedule.constant(8)  # core_v0.18+
     assert batch_schedule.for_megatron(2, None, "0:4 128:8", 64, False).steps == ((0, 4), (2, 8))
     assert batch_flags.rampup_honoured() == hasattr(calc_mod, "RampupBatchsizeNumMicroBatchesCalculator")
+
+
+def test_an_in_place_shrink_or_grow_admits_only_world_sizes_the_ramp_still_to_come_splits_over() -> None:
+    from tenplex_megatron.frontdoor import megatron_lm_inprocess
+
+    args = _args(expert_model_parallel_size=1, consumed_train_samples=6)  # next batches: 4, 4, 6, 8, ...
+    reasons = {n: megatron_lm_inprocess.fixed_layout_reason(args, n) for n in (1, 2, 4)}
+    assert reasons[1] == reasons[2] == ""
+    assert reasons[4] == ("--rampup-batch-size 2 2 16: the global batch of 6 (from consumed sample 14) is not "
+                          "divisible by --micro-batch-size x DP = 1 x 4")
+    args.consumed_train_samples = 20  # past the ramp: only the final 8
+    assert megatron_lm_inprocess.fixed_layout_reason(args, 8) == ""
