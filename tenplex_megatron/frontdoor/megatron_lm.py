@@ -37,7 +37,7 @@ import argparse
 import atexit
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -45,6 +45,7 @@ from tenplex_megatron import flags, log, mcore_versions
 from tenplex_megatron._optional import require
 from tenplex_megatron.engine import orphan
 from tenplex_megatron.frontdoor import (
+    batch_flags,
     ckpt_flags,
     elastic,
     megatron_lm_inprocess,
@@ -56,6 +57,7 @@ from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.dims import gpt_dims
 from tenplex_megatron.frontdoor.engines import MegatronCoreEngine
 from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.frontdoor.megatron_lm_loader import TenplexBatchSampler, _training_split, with_sampler
 from tenplex_megatron.frontdoor.resume import MissingCheckpointError
 from tenplex_megatron.integrations.megatron_core.adapter import (
     LiveJob,
@@ -65,7 +67,6 @@ from tenplex_megatron.integrations.megatron_core.adapter import (
 from tenplex_megatron.integrations.megatron_core.legacy import legacy_padded_vocab
 from tenplex_megatron.integrations.megatron_core.native import saved_padded_vocab
 from tenplex_megatron.plan import checkpoint_args, megatron_flags
-from tenplex_megatron.plan.data_position import microbatch_sample_indices
 from tenplex_megatron.plan.layout import LayoutError, restart_padded_vocab_size
 from tenplex_megatron.plan.layout_choice import Chosen, LayoutRequest, choose, describe_layout
 from tenplex_megatron.plan.megatron_ckpt_flags import refusals
@@ -225,11 +226,11 @@ def start_check(args: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     problems = [*unsupported_flags(args), *unsupported_job_flags(args), *ckpt_flags.start_problems(args),
                 *megatron_flags.refusals(args), *filter(None, [missing_transformer_engine(args, _have_te())]),
                 # an uneven split that does not fit PP; with --tenplex-layout the choice keeps to it
-                *filter(None, [None if getattr(args, "tenplex_layout", None) else split_problem(args)])] \
-        if tenplex else []
+                *filter(None, [None if getattr(args, "tenplex_layout", None) else split_problem(args)]),
+                *batch_flags.start_problems(args)] if tenplex else []
     if hasattr(args, "tenplex_memory"):
         problems.extend(filter(None, [memory_flags.check_memory_args(args)]))
-    return problems, megatron_flags.no_effect_given(argv) if tenplex else []
+    return problems, [*megatron_flags.no_effect_given(argv), *batch_flags.start_notes(args)] if tenplex else []
 
 
 def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
@@ -252,7 +253,12 @@ def _validate_args(args: Any, *a: Any, **kw: Any) -> Any:
         except SystemExit as e:
             _log.error("%s", e.code)
             raise SystemExit(2) from None
-    choose_layout_for_args(args)
+    if choose_layout_for_args(args) is not None:  # the chosen DP and micro-batch against the batch schedule
+        problems = batch_flags.start_problems(args)
+        for problem in problems:
+            _log.error("pretrain_gpt.py: with --tenplex, %s", problem)
+        if problems:
+            raise SystemExit(2)
     return hook.originals["validate_args"](args, *a, **kw)
 
 
@@ -454,24 +460,6 @@ def _resumed(args: Any, job: LiveJob, res: Any, finetune: bool = False) -> float
     return float(res.extra.get("num_floating_point_operations_so_far", 0.0))
 
 
-class TenplexBatchSampler:
-    """Micro-batches of global indices: global batch i is samples [i*G, (i+1)*G), DP rank r reads share r."""
-
-    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
-                 dp_size: int, dp_rank: int):
-        self.total, self.consumed = total_samples, consumed_samples
-        self.gbs, self.mbs, self.dp, self.rank = global_batch_size, micro_batch_size, dp_size, dp_rank
-
-    def __iter__(self) -> Iterator[list[int]]:
-        start = self.consumed - self.consumed % self.gbs
-        while start + self.gbs <= self.total:
-            yield from microbatch_sample_indices(start, self.gbs, self.mbs, self.dp, self.rank)
-            start += self.gbs
-
-    def __len__(self) -> int:
-        return (self.total - self.consumed) // (self.mbs * self.dp)
-
-
 def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
     """Megatron-LM's data-loader builder; with ``--tenplex``, the training split read through the DP-independent
     sampler, in the DataLoader Megatron-LM's own builder makes (its workers, ``--exit-signal-handler``'s
@@ -491,30 +479,10 @@ def build_pretraining_data_loader(dataset: Any, consumed_samples: int) -> Any:
     stock = original(dataset, 0)  # its settings are taken; its sampler (at the start: always in range) is not
     if not isinstance(stock, torch.utils.data.DataLoader):
         return stock
-    sampler = TenplexBatchSampler(len(dataset), consumed_samples, args.global_batch_size, args.micro_batch_size,
+    sampler = TenplexBatchSampler(len(dataset), consumed_samples, batch_flags.schedule_for_args(args),
+                                  args.micro_batch_size,
                                   mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
     return with_sampler(stock, sampler)
-
-
-def _training_split(dataset: Any) -> bool:
-    """Whether ``dataset`` is the training split, as Megatron-LM's builder tells (``split``, else ``index_split``);
-    a dataset naming none is taken for one."""
-    split = getattr(dataset, "split", getattr(dataset, "index_split", None))
-    return split is None or getattr(split, "name", split) == "train"
-
-
-#: the settings of a DataLoader that :func:`with_sampler` keeps (those a torch release lacks are left out)
-_LOADER_SETTINGS = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
-                    "generator", "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
-
-
-def with_sampler(stock: Any, batch_sampler: Any) -> Any:
-    """A DataLoader over ``stock``'s dataset with every setting of ``stock`` (a ``torch.utils.data.DataLoader``) but
-    its batch sampler, which is ``batch_sampler``."""
-    import torch
-
-    kw = {k: getattr(stock, k) for k in _LOADER_SETTINGS if hasattr(stock, k)}
-    return torch.utils.data.DataLoader(stock.dataset, batch_sampler=batch_sampler, **kw)
 
 
 def _vocab_size_with_padding(orig_vocab_size: int, args: Any, *a: Any, **kw: Any) -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.frontdoor import inprocess, inprocess_lease
+from tenplex_megatron.frontdoor import batch_flags, inprocess, inprocess_lease
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.storage.lease import LeaseSet
 
@@ -50,7 +50,8 @@ def wanted(argv: list[str]) -> bool:
 
 def fixed_layout_reason(args: Any, n: int) -> str:
     """Why Megatron-LM's layout flags as given cannot run at world size ``n`` ("" when they can): TP x PP (x CP)
-    divides it, expert TP x EP x PP divides it, the global batch splits into micro-batches over DP."""
+    divides it, expert TP x EP x PP divides it, the global batch (and each batch of a ramp still to come) splits into
+    micro-batches over DP."""
     tp, pp = int(args.tensor_model_parallel_size), int(args.pipeline_model_parallel_size)
     cp = int(getattr(args, "context_parallel_size", 1) or 1)
     ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
@@ -64,7 +65,8 @@ def fixed_layout_reason(args: Any, n: int) -> str:
     dp, mbs, gbs = n // (tp * pp * cp), int(args.micro_batch_size), args.global_batch_size
     if gbs and int(gbs) % (mbs * dp):
         return f"--global-batch-size {gbs} is not a multiple of --micro-batch-size x DP = {mbs} x {dp}"
-    return ""
+    # a batch ramp: every batch size still to come from the live position
+    return next(iter(batch_flags.problems_at(args, dp, int(getattr(args, "consumed_train_samples", 0) or 0))), "")
 
 
 def start(args: Any, argv: list[str]) -> tuple[InPlace, Any]:

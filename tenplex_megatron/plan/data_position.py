@@ -38,9 +38,15 @@ def microbatch_sample_indices(
         raise DataPositionError(
             f"consumed samples {consumed_samples} is not a multiple of the global batch size {global_batch_size}"
         )
-    n = num_microbatches(global_batch_size, micro_batch_size, dp_size)
+    return batch_sample_indices(consumed_samples, global_batch_size, micro_batch_size, dp_size, dp_rank)
+
+
+def batch_sample_indices(start: int, batch_size: int, micro_batch_size: int, dp_size: int,
+                         dp_rank: int) -> list[list[int]]:
+    """This DP rank's micro-batches of the global batch ``[start, start + batch_size)``: its contiguous share, whatever
+    ``start`` (a batch-size ramp starts batches anywhere)."""
+    n = num_microbatches(batch_size, micro_batch_size, dp_size)
     if not 0 <= dp_rank < dp_size:  # else it would silently read another step's samples
         raise DataPositionError(f"DP rank {dp_rank} is out of range for DP size {dp_size} (valid: 0 to {dp_size - 1})")
-    share = global_batch_size // dp_size
-    start = consumed_samples + dp_rank * share
-    return [list(range(start + m * micro_batch_size, start + (m + 1) * micro_batch_size)) for m in range(n)]
+    first = start + dp_rank * (batch_size // dp_size)
+    return [list(range(first + m * micro_batch_size, first + (m + 1) * micro_batch_size)) for m in range(n)]

@@ -102,6 +102,13 @@ HONOURED_GROUPS: tuple[Group, ...] = (
           "equal the uninterrupted run's; the evaluation batch sizes exist from core_v0.18; --full-validation is "
           "Megatron-LM's own loader as without --tenplex, not run in a test here)",
           ("eval_micro_batch_size", "eval_global_batch_size", "full_validation")),
+    Group(HONOURED, "Megatron-LM's batch-size ramp (core_v0.15-0.17; from 0.18 Megatron-LM parses and ignores it, and "
+          "so does the sampler) and core_v0.18's step schedule: the global batch at consumed sample c is Megatron-LM's "
+          "own for c, samples [c, c + g(c)) at any DP size; a restart inside the ramp resumes at the saved position, "
+          "and batch sizes still to come that micro-batch x the new DP size does not divide are refused at start "
+          "(tests/unit/test_batch_schedule.py; tests/megatron_lm/test_megatron_lm_rampup.py: DP2 saved inside the ramp "
+          "-> TP2, core_v0.16.1's ramp and core_v0.19.0's step schedule)",
+          ("rampup_batch_size", "step_batch_size_schedule")),
     Group(HONOURED, "the padded vocabulary: the checkpoint's kept when the new TP divides it, else the real rows "
           "move and new padding rows start at zero (tests/megatron_lm: vocabularies of 95 and 96, TP2 -> TP1 x DP2)",
           ("vocab_size", "make_vocab_size_divisible_by")),
@@ -148,12 +155,6 @@ _TE_GROUPED = ("an MLP built as Transformer Engine's GroupedLinear, whose weight
 _KITCHEN = ("quantization through NVIDIA's Kitchen extension (per-layer quantizers) has not run with tenplex; it would "
             "take describing the quantizers' state and a restart test")
 REFUSALS: tuple[Refusal, ...] = (
-    Refusal("rampup_batch_size", "--rampup-batch-size", (None,),
-            "tenplex's sampler serves the final --global-batch-size from step 1; it would take the sampler "
-            "following Megatron-LM's ramp-up and a restart test during the ramp"),
-    Refusal("step_batch_size_schedule", "--step-batch-size-schedule", (None,),
-            "tenplex's sampler keeps one --global-batch-size; it would take the sampler following the schedule and "
-            "a restart test across a step"),
     Refusal("decrease_batch_size_if_needed", "--decrease-batch-size-if-needed", (False,),
             "a global batch shrunk to fit the DP size would change which samples batch i holds (tenplex's sampler "
             "keeps --global-batch-size at any DP size); it would take the sampler following the shrink"),

@@ -172,7 +172,7 @@ def _env() -> tuple[dict[str, str], bool]:
 
 def _run(script: str, tp: int | None, vocab: int, extra: list[str], tenplex: bool = True, nproc: int = 2,
          ok: bool = True, base: list[str] | None = None) -> str:
-    """One launch of ``script`` with ``base`` (default: FLAGS), ``extra`` after; asserts its exit (``ok``)."""
+    """One launch of ``nproc`` processes: ``base`` (default FLAGS), ``--tenplex``, the vocabulary, TP, ``extra``."""
     env, cpu = _env()
     backend = ["--distributed-backend", "gloo"] if cpu else []
     plain = PLAIN_OPTIMIZER in extra

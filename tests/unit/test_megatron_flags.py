@@ -92,7 +92,7 @@ def test_megatron_lms_defaults_are_refused_nothing() -> None:
 
 
 @pytest.mark.parametrize("given,line", [
-    ({"rampup_batch_size": ["16", "8", "300000"]}, "--rampup-batch-size 16 8 300000: tenplex's sampler serves"),
+    ({"decrease_batch_size_if_needed": True}, "--decrease-batch-size-if-needed: a global batch shrunk"),
     ({"optimizer": "sgd"}, "--optimizer sgd: tenplex describes and re-shards Adam's state"),
     ({"exp_avg_dtype": "bf16"}, "--exp-avg-dtype bf16: the precision-aware optimizer is Transformer Engine's "
                                 "FusedAdam"),
@@ -110,11 +110,11 @@ def test_a_refusal_names_the_flag_its_value_and_why(given: dict, line: str) -> N
 def test_the_hook_stops_on_a_new_refusal_before_megatron_lm_checks_anything(caplog) -> None:
     from tenplex_megatron.frontdoor import megatron_lm
 
-    args = argparse.Namespace(tenplex=True, load=None, rampup_batch_size=["16", "8", "300000"])
+    args = argparse.Namespace(tenplex=True, load=None, decrease_batch_size_if_needed=True)
     with caplog.at_level("ERROR", logger="tenplex_megatron"), pytest.raises(SystemExit) as e:
         megatron_lm._validate_args(args)
     assert e.value.code == 2
-    assert "pretrain_gpt.py: with --tenplex, --rampup-batch-size 16 8 300000: " in caplog.text
+    assert "pretrain_gpt.py: with --tenplex, --decrease-batch-size-if-needed: " in caplog.text
 
 
 def test_a_flag_of_no_effect_given_is_named_once_with_why() -> None:
