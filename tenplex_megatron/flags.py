@@ -264,6 +264,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "append each test's wall time and the CPU seconds of the processes it started (JSON lines)", "tests"),
     EnvVar("TENPLEX_TEST_SAMPLES", "a file path", "unset",
            "the Megatron-LM runner records every sample Megatron-LM's dataset hands out", "tests"),
+    EnvVar("TENPLEX_TEST_SECONDS_PER_ITERATION", "seconds", "unset",
+           "tests/site paces the reference trainer's iterations (a first Slurm run, so that the tiny model is still "
+           "training when Slurm's signal or a lost node comes)", "tests"),
     EnvVar("TENPLEX_TEST_HIDE_NVRX", "`1`", "unset",
            "the Megatron-LM runner's sitecustomize makes nvidia-resiliency-ext unimportable (the opt-in suite sets it "
            "for core_v0.19, whose megatron.core does not import beside nvidia-resiliency-ext older than 0.6)",
@@ -281,6 +284,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("TENPLEX_REFORM", "`run`, `join`", "set by the in-process launcher",
            "the launcher's `--reform` (`run`) or `--join` (`join`): the reference trainer re-forms in place on plan "
            "(newcomers join, ranks leave on notice) on the job's store, without NVRx", "internal"),
+    EnvVar("TENPLEX_REFORM_LEAVE_ON_SIGTERM", "`1`", "set by the in-process launcher",
+           "for the ranks of a `--reform` launcher that does not serve the stores: they ignore SIGTERM (Slurm signals "
+           "every process of a step) and their launcher turns its own into their leave notice", "internal"),
     EnvVar("TENPLEX_INPROCESS_LOGDIR", "a directory", "unset",
            "with `--tenplex-inprocess`: NVRx's monitor processes write their logs here (made if missing)", "user"),
     EnvVar("TENPLEX_HELPER_PARENT", "a process id", "set by the package",

@@ -147,8 +147,8 @@ def test_slurms_own_timer_signals_before_the_time_limit_and_the_requeued_job_con
     60 s to start the workers); every rank stops after the
     same iteration and saves it, the job exits and requeues itself, and the requeued run (not paced; its limit raised
     to 10 minutes while it waits, so that a slow start is not cut short by a second signal) continues from that
-    iteration to the end with the uninterrupted losses. The first run is paced (``TENPLEX_TEST_SECONDS_PER_
-    ITERATION``, tests/site) so that the tiny model is still training when the signal comes."""
+    iteration to the end with the uninterrupted losses. The first run is paced
+    (``TENPLEX_TEST_SECONDS_PER_ITERATION``, tests/site) so that the tiny model is still training when the signal comes."""
     ckpt = str(tmp_path / "ckpt")
     env = slurm.job_env({"TENPLEX_TEST_SECONDS_PER_ITERATION": str(PACE)})
     job_id = slurm.sbatch(_script(tmp_path, "train-requeue.sbatch", ckpt), str(tmp_path), "--time=2",
