@@ -78,6 +78,11 @@ def checked_settings(prog: str, timeout: float) -> InprocessSettings:
         nvrx()
     except (_optional.MissingExtraError, mcore_versions.NVRxMismatchError) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
+    return timeouts(prog, timeout)
+
+
+def timeouts(prog: str, timeout: float) -> InprocessSettings:
+    """The timeouts alone (a planned re-form needs no NVRx), else ``SystemExit`` naming the flag."""
     try:
         return InprocessSettings(timeout=timeout)
     except ValueError as e:

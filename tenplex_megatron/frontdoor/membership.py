@@ -8,7 +8,8 @@ members in rank order (dense ranks 0..n-1) and the registrations and notices it 
 - ``joins`` (a counter) and ``join/<k>`` (the k-th newcomer's id): :meth:`Membership.register`;
 - ``leaves`` (a counter) and ``leave/<k>`` (a JSON list of the ids that leave): :meth:`Membership.notice_leave`;
 - ``changes``: a counter raised by both, the one key the running ranks read at an iteration boundary;
-- ``gen/<n>``: generation n as JSON, written once by the rank 0 that decided it; ``over``: the job ended.
+- ``gen/<n>``: generation n as JSON, written once by the rank 0 that decided it; ``over``: the job ended;
+- ``job``: the flags that define the job (model, global batch) as JSON, which a newcomer's must equal.
 
 At a boundary rank 0 reads ``changes`` (:meth:`Membership.pending`); when it moved, rank 0 proposes the next world
 (:meth:`Membership.propose`: the members that do not leave, in their order, then the newcomers in registration
@@ -23,7 +24,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -123,6 +124,17 @@ class Membership:
             ids = tuple(self._get(f"start/{r}").decode() for r in range(world))
             self.publish(Generation(0, ids))  # a registration already made is pending for it
         return self.generation(0)
+
+    def publish_job(self, flags: Mapping[str, Any]) -> None:
+        """The initial rank 0: the flags that define the job (model, global batch), which a newcomer must match."""
+        self.store.set(PREFIX + "job", json.dumps(dict(flags), sort_keys=True, default=str))
+
+    def job(self) -> dict[str, Any]:
+        """The running job's defining flags (:meth:`publish_job`), waited for."""
+        try:
+            return dict(json.loads(self._get("job")))
+        except (ValueError, TypeError) as e:
+            raise MembershipError(f"a malformed job record in the job's store: {e}") from None
 
     def end(self) -> None:
         """The job is over: newcomers still waiting stop waiting."""

@@ -3,7 +3,7 @@ newcomers join and ranks leave on notice at an iteration boundary, on torch's st
 NVRx (which admits only the processes it started).
 
 Each generation of the job's membership (:mod:`tenplex_megatron.frontdoor.membership`) is one call of the trainer's
-``run`` at that world: the flags parsed again for it (``--tenplex-layout`` chooses anew; fixed layout flags must
+``run`` at that world, made by the runner every front door shares (:mod:`tenplex_megatron.frontdoor.reform_runner`): the flags parsed again for it (``--tenplex-layout`` chooses anew; fixed layout flags must
 fit), a process group made on the launcher's store under ``tenplex-reform/<generation>``. At every iteration
 boundary rank 0 reads the membership's change counter and broadcasts what it decided; when the world changes the
 call ends there (its last iteration snapshotted into host memory and replicated, so nothing is trained twice), the
@@ -15,55 +15,27 @@ parts all from peers).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import psutil
 import torch
 
-from tenplex_megatron.execute.collective import broadcast_json
-from tenplex_megatron.frontdoor import inprocess
+from tenplex_megatron.frontdoor import inprocess, reform_runner
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
-from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, MembershipError, member_id
+from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, member_id
+from tenplex_megatron.frontdoor.reform_runner import Boundary, first_generation  # noqa: F401  (their home before)
 from tenplex_megatron.training import cpu_shim
+from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.inprocess import PROG, why_not
 
-
-def _say(msg: str) -> None:
-    """A line of every rank's (before a process group, and naming the pid the tests check)."""
-    print(f"> tenplex-megatron: {msg}", flush=True)
-
-
-class Boundary:
-    """The trainer's hook at each iteration boundary (``args.tenplex_boundary``), collective: True when the world
-    changes after this iteration (the next generation kept in :attr:`next`)."""
-
-    def __init__(self, members: Membership, gen: Generation, legal: Callable[[int], bool]) -> None:
-        self.members, self.gen, self.legal = members, gen, legal
-        self.next: Generation | None = None
-
-    def __call__(self) -> bool:
-        decided = None
-        if torch.distributed.get_rank() == 0 and self.members.pending(self.gen):
-            g = self.members.propose(self.gen, self.legal)
-            if g.number != self.gen.number:
-                self.members.publish(g)
-            decided = g.to_json()
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.distributed.get_backend() == "nccl" \
-            else torch.device("cpu")
-        flag = torch.tensor([decided is not None], dtype=torch.int32, device=device)
-        torch.distributed.broadcast(flag, 0)  # the one collective of an iteration without a change
-        if not int(flag.item()):
-            return False
-        g = Generation.from_json(broadcast_json(decided, 0))
-        if g.number == self.gen.number:  # refused (no legal layout) or nothing left to change: seen
-            self.gen = g
-            return False
-        self.next = g
-        return True
+#: the flags that define the job (the model and its optimizer, the global batch): a newcomer's must equal them
+JOB_FLAGS = (*(f.name for f in dataclasses.fields(GPTSpec)), "global_batch_size")
 
 
 def refusal(args: argparse.Namespace) -> str | None:
@@ -80,42 +52,23 @@ def refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def first_generation(members: Membership, me: str) -> Generation | None:
-    """This process's first world: generation 0 for the launchers' initial ranks, the first that admits it for a
-    newcomer (None: the job ended before it was admitted)."""
-    if os.environ.get(REFORM_ENV) == "join":
-        members.register(me)
-        _say(f"re-form: {me} registered, waiting for the next re-form")
-        return members.admitted(me)
-    return members.start(me, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+def one_call(argv: list[str], parse: Callable[[list[str]], argparse.Namespace], run: Callable[..., None],
+             timeout: float) -> reform_runner.OneCall:
+    """The trainer's part of a generation (:mod:`~tenplex_megatron.frontdoor.reform_runner` does the rest): the
+    flags parsed for this world, a process group on the generation's store, ``run`` with the boundary hook."""
 
+    def one(gen: Generation, store: Any, boundary: reform_runner.Boundary) -> None:
+        a = parse(argv)  # the layout for this world
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                             world_size=int(os.environ["WORLD_SIZE"]),
+                                             timeout=timedelta(seconds=timeout))
+        a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
+                              "generation": gen.number}
+        a.tenplex_boundary = boundary
+        run(a, Checkpointer(JobConfig.from_args(a, PROG)))
 
-def call(argv: list[str], parse: Callable[[list[str]], argparse.Namespace], run: Callable[..., None],
-         members: Membership, gen: Generation, me: str, legal: Callable[[int], bool],
-         timeout: float) -> Generation | None:
-    """One generation's job: train until the world changes (returns the next generation) or training is over
-    (None)."""
-    rank, world = gen.rank(me), len(gen.members)
-    assert rank is not None
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
-    _say(f"re-form: generation {gen.number}: rank {rank} of {world} (pid {os.getpid()})")
-    a = parse(argv)  # the layout for this world
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(
-        f"tenplex-reform/{gen.number}", members.store), rank=rank, world_size=world,
-        timeout=timedelta(seconds=timeout))
-    a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
-                          "generation": gen.number}
-    boundary = Boundary(members, gen, legal)
-    a.tenplex_boundary = boundary
-    run(a, Checkpointer(JobConfig.from_args(a, PROG)))
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    if boundary.next is None:
-        if rank == 0:
-            members.end()
-        return None
-    return boundary.next
+    return one
 
 
 def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
@@ -125,20 +78,11 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     problem = refusal(args)
     if problem:
         raise SystemExit(problem)
-    settings = inprocess.checked_settings(PROG, args.tenplex_inprocess_timeout)
+    settings = inprocess.timeouts(PROG, args.tenplex_inprocess_timeout)  # planned: no NVRx needed
     if not torch.cuda.is_available():
         cpu_shim.install()
     members = Membership(inprocess.job_store(settings.barrier), settings.barrier)
-    me, reason = member_id(), why_not(parser, argv)
-    try:
-        gen = first_generation(members, me)
-    except MembershipError as e:
-        raise SystemExit(f"{PROG}: error: {e}") from None
-    if gen is None:
-        _say(f"re-form: {me}: the job ended before admitting it")
-    while gen is not None:
-        gen = call(argv, parse, run, members, gen, me, lambda n: not reason(n), settings.timeout)
-        if gen is not None and gen.rank(me) is None:
-            _say(f"re-form: {me} leaves at generation {gen.number} (pid {os.getpid()})")
-            break
-    return 0
+    reason = why_not(parser, argv)
+    flags = reform_runner.job_flags(args, JOB_FLAGS)  # a newcomer's must equal the job's
+    return reform_runner.run(PROG, members, member_id(), lambda n: not reason(n),
+                             one_call(argv, parse, run, settings.timeout), flags=flags)
