@@ -130,7 +130,13 @@ class NVRxMismatchError(TenplexError, ImportError):
 
 
 def nvrx_installed() -> str | None:
-    """The installed nvidia-resiliency-ext's version (None: not installed)."""
+    """The installed nvidia-resiliency-ext's version (None: not installed, or not importable here: megatron-core
+    asserts its version only where it imports)."""
+    try:
+        if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+            return None
+    except (ImportError, ValueError):
+        return None
     try:
         return importlib.metadata.version("nvidia-resiliency-ext")
     except importlib.metadata.PackageNotFoundError:
