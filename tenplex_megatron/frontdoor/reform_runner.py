@@ -101,15 +101,22 @@ def enter(gen: Generation, me: str) -> None:
     say(f"re-form: generation {gen.number}: rank {rank} of {len(gen.members)} (pid {os.getpid()})")
 
 
+def session(store: Any, prefix: str, body: Callable[[Any], Any]) -> Any:
+    """One world of every in-place sequence (planned or after a fault): ``body`` given a store on the fresh
+    ``prefix`` (it makes its process group there and trains), then that process group destroyed."""
+    out = body(torch.distributed.PrefixStore(prefix, store))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return out
+
+
 def call(members: Membership, gen: Generation, me: str, legal: Callable[[int], bool], one: OneCall,
          teardown: Callable[[], None] | None = None) -> Generation | None:
     """One generation's job (``one``), then its process group destroyed and ``teardown`` run: the next generation,
     or None when training is over."""
     enter(gen, me)
     boundary = Boundary(members, gen, legal)
-    one(gen, torch.distributed.PrefixStore(f"tenplex-reform/{gen.number}", members.store), boundary)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    session(members.store, f"tenplex-reform/{gen.number}", lambda store: one(gen, store, boundary))
     if teardown is not None:
         teardown()
     if boundary.next is None:

@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
-import psutil
 import torch
 
 from tenplex_megatron.frontdoor import inprocess, reform_runner
-from tenplex_megatron.frontdoor.checkpointer import Checkpointer
-from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, member_id
 from tenplex_megatron.frontdoor.reform_runner import Boundary, first_generation  # noqa: F401  (their home before)
 from tenplex_megatron.training import cpu_shim
 from tenplex_megatron.training.gpt import GPTSpec
-from tenplex_megatron.training.inprocess import PROG, why_not
+from tenplex_megatron.training.inprocess import PROG, train_in_world, why_not
 
 #: the flags that define the job (the model and its optimizer, the global batch): a newcomer's must equal them
 JOB_FLAGS = (*(f.name for f in dataclasses.fields(GPTSpec)), "global_batch_size")
@@ -58,15 +52,7 @@ def one_call(argv: list[str], parse: Callable[[list[str]], argparse.Namespace], 
     flags parsed for this world, a process group on the generation's store, ``run`` with the boundary hook."""
 
     def one(gen: Generation, store: Any, boundary: reform_runner.Boundary) -> None:
-        a = parse(argv)  # the layout for this world
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
-                                             world_size=int(os.environ["WORLD_SIZE"]),
-                                             timeout=timedelta(seconds=timeout))
-        a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
-                              "generation": gen.number}
-        a.tenplex_boundary = boundary
-        run(a, Checkpointer(JobConfig.from_args(a, PROG)))
+        train_in_world(argv, parse, run, store, timeout, {"generation": gen.number}, boundary=boundary)
 
     return one
 

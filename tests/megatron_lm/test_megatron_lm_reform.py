@@ -5,7 +5,8 @@ launcher). Oracle: every logged iteration's loss equals an uninterrupted torchru
 global batch fixed, the same samples), each iteration logged once with its data position, the first launcher's
 ranks in the same processes throughout, the departing ranks exit 0, every restore from host memory (0 bytes read
 from durable storage; the newcomers' parts from their peers'). Mirrors tests/multiproc/test_reform.py for the
-reference trainer."""
+reference trainer. A third launcher joining at the same time with another model and global batch is refused before
+it registers, one line naming both flags; the job never counts it."""
 
 from __future__ import annotations
 
@@ -40,12 +41,14 @@ LOADED = re.compile(r"loaded iteration (\d+) from host memory .*: layout (\S+) -
                     r"from durable storage")
 
 
-def launcher(d: object, script: str, node: int, join: bool, port: int, extra: list[str] = ()) -> subprocess.Popen:
-    """Node ``node``'s in-process launcher with ``--reform`` (``join``: ``--join``), 2 ranks, its own memory."""
+def launcher(d: object, script: str, node: int, join: bool, port: int, extra: list[str] = (),
+             nproc: int = 2) -> subprocess.Popen:
+    """Node ``node``'s in-process launcher with ``--reform`` (``join``: ``--join``), ``nproc`` ranks, its own memory;
+    ``extra``: flags after the job's (the later one wins)."""
     env, cpu = _env()
     env.update(PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--reform", *(["--join"] if join else []),
-           "--node-rank", str(node), "--nproc-per-node", "2", "--master-port", str(port), "--timeout", "900",
+           "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port", str(port), "--timeout", "900",
            RUNNER, script, *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []),
            "--vocab-size", _vocab_flag(95), "--train-iters", str(ITERS), "--save", f"{d}/ckpt", "--load", f"{d}/ckpt",
            "--save-interval", "5", *extra, "--tenplex-memory", f"{d}/mem-{node}"]
@@ -68,11 +71,17 @@ def segments(log: str) -> dict[int, str]:
     return {g: log[at:(cuts[i + 1][1] if i + 1 < len(cuts) else len(log))] for i, (g, at) in enumerate(cuts)}
 
 
+#: node 2's flags after the job's: another model and global batch (refused before it registers)
+OTHER = ["--hidden-size", "128", "--global-batch-size", "16"]
+
+
 def grow_then_leave(d: object, script: str, timeout: float = 900) -> dict[str, object]:
-    """Node 0's launcher and node 1's joining, started together; once node 1's rank (the last rank of the world of
-    4, the one Megatron-LM logs on) logged an iteration, SIGTERM to node 1's launcher (its ranks leave)."""
+    """Node 0's launcher and node 1's joining, started together, and node 2's joining with :data:`OTHER`; once node
+    1's rank (the last rank of the world of 4, the one Megatron-LM logs on) logged an iteration, SIGTERM to node
+    1's launcher (its ranks leave)."""
     port = _port_pair()
-    procs = [launcher(d, script, 0, False, port), launcher(d, script, 1, True, port)]
+    procs = [launcher(d, script, 0, False, port), launcher(d, script, 1, True, port),
+             launcher(d, script, 2, True, port, OTHER, nproc=1)]
     deadline, noticed = time.monotonic() + timeout, False
     try:
         while procs[0].poll() is None and time.monotonic() < deadline:
@@ -90,7 +99,7 @@ def grow_then_leave(d: object, script: str, timeout: float = 900) -> dict[str, o
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     return {"codes": [p.returncode for p in procs], "node0": _read(f"{d}/node-0.log"),
-            "node1": _read(f"{d}/node-1.log"), "noticed": noticed}
+            "node1": _read(f"{d}/node-1.log"), "node2": _read(f"{d}/node-2.log"), "noticed": noticed}
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +113,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def test_megatron_lm_grows_and_shrinks_in_place_with_the_uninterrupted_losses(runs: dict) -> None:
     node0, node1 = runs["node0"], runs["node1"]
-    assert runs["codes"] == [0, 0], node0[-5000:] + node1[-5000:]
+    assert runs["codes"][:2] == [0, 0], node0[-5000:] + node1[-5000:]
     assert runs["noticed"], node1[-5000:]
     parts = [(0, g, seg) for g, seg in segments(node0).items()] + [(1, g, seg) for g, seg in segments(node1).items()]
     logged = {}
@@ -142,3 +151,17 @@ def test_megatron_lm_every_re_form_restored_from_host_memory(runs: dict) -> None
     loads = [(a, b, int(dur)) for _, a, b, dur in LOADED.findall(runs["node0"])]
     assert [(a.rstrip(","), b.rstrip(","), dur) for a, b, dur in loads] == [
         ("tp=1,pp=1,dp=2", "tp=1,pp=1,dp=4", 0), ("tp=1,pp=1,dp=4", "tp=1,pp=1,dp=2", 0)], runs["node0"][-5000:]
+
+
+def test_megatron_lm_newcomer_with_other_flags_is_refused_and_the_job_untouched(runs: dict) -> None:
+    """Node 2 (another --hidden-size and --global-batch-size) is refused before it registers, one line naming both
+    flags with both values; the job's worlds are the 2 and 4 ranks above (the losses: the first test)."""
+    node2 = runs["node2"]
+    assert runs["codes"][2] not in (0, None), node2[-3000:]
+    line = ("pretrain_gpt.py: error: --join: this launcher's flags differ from the running job's: "
+            "--global-batch-size 16 (the job's: 8); --hidden-size 128 (the job's: 64); not registered "
+            "(the job goes on unchanged)")
+    assert node2.count(line) == 1, node2[-3000:]
+    assert "registered, waiting" not in node2 and not GENERATION.search(node2), node2[-3000:]
+    worlds = {int(w) for _, _, w, _ in GENERATION.findall(runs["node0"])}
+    assert worlds == {2, 4}, worlds  # never 3 or 5: node 2 was not counted
