@@ -17,7 +17,7 @@ function again in the same process, the dead or hung ranks excluded. What this m
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -78,6 +78,11 @@ def checked_settings(prog: str, timeout: float) -> InprocessSettings:
         nvrx()
     except (_optional.MissingExtraError, mcore_versions.NVRxMismatchError) as e:
         raise SystemExit(f"{prog}: error: {e}") from None
+    return timeouts(prog, timeout)
+
+
+def timeouts(prog: str, timeout: float) -> InprocessSettings:
+    """The timeouts alone (a planned re-form needs no NVRx), else ``SystemExit`` naming the flag."""
     try:
         return InprocessSettings(timeout=timeout)
     except ValueError as e:
@@ -164,12 +169,15 @@ def end_aborted_call() -> None:
 
 def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
             finalize: Callable[[], None] | None = None, logfile: str | None = None,
-            why_not: Callable[[int], str] = lambda n: "", active: int | None = None) -> Any:
+            why_not: Callable[[int], str] = lambda n: "", active: int | None = None,
+            abort_outer: Sequence[Any] = (), abort_inner: Sequence[Any] = (), health_check: Any = None) -> Any:
     """NVRx's ``Wrapper`` for a job whose world may shrink to any size ``legal`` admits (:func:`admitted`); the
     stores are the launcher's; ``finalize`` runs in each survivor after a fault, before the next call. ``active``
     (default: every rank) is how many ranks train at most, the rest waiting as spares that replace lost ranks
     first. With no legal world left, every rank's wrapper ends (NVRx's ``RestartAbort``, see
-    :func:`no_layout_left`), the error naming the ranks left and ``why_not`` their world size."""
+    :func:`no_layout_left`), the error naming the ranks left and ``why_not`` their world size. A front door adds
+    its framework's own protections: NVRx aborts run after the process groups are aborted (``abort_outer``) or
+    before (``abort_inner``), and a ``health_check``."""
     inprocess = nvrx()
     ra = inprocess.rank_assignment
     _, port = store_address() or ("127.0.0.1", 0)
@@ -205,8 +213,8 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
         initialize=inprocess.initialize.RetryController(min_world_size=1),
         finalize=Finalize(),
         # run right to left: the pending gloo operations ended first, then the process groups destroyed
-        abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), EndPendingGloo()),
-        health_check=None,
+        abort=inprocess.Compose(*abort_outer, inprocess.abort.AbortTorchDistributed(), *abort_inner, EndPendingGloo()),
+        health_check=health_check,
         rank_assignment=ra.Tree([ra.Layer(min_ranks=1, max_ranks=active, flag=ra.LayerFlag.RESERVE)],
                                 world_size_filter=world_size_filter),
         monitor_thread_interval=iv, monitor_process_interval=iv, progress_watchdog_interval=iv,

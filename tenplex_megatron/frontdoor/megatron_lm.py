@@ -49,7 +49,9 @@ from tenplex_megatron.frontdoor import (
     ckpt_flags,
     elastic,
     megatron_lm_inprocess,
+    megatron_lm_reform,
     memory_flags,
+    reform_runner,
     restart_sources,
     use_checkpoint_args,
 )
@@ -95,6 +97,7 @@ class Hook:
         self.originals: Mapping[str, Callable[..., Any]] = MappingProxyType(dict(originals))
         self.checkpointer: Checkpointer | None = None
         self.in_place: megatron_lm_inprocess.InPlace | None = None  # Megatron-LM's --inprocess-restart, --tenplex
+        self.boundary: Any = None  # re-forming on plan (the launcher's --reform): the membership's, during a call
 
     def checkpointer_for(self, args: Any) -> Checkpointer:
         """The job's Checkpointer, built from Megatron-LM's parsed ``args`` at the first call (the leases claimed,
@@ -283,11 +286,18 @@ def layout_reason(args: Any, argv: Sequence[str]) -> Callable[[int], str]:
 
 def _maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> tuple[Callable[..., Any], Any]:
     """Megatron-LM's ``maybe_wrap_for_inprocess_restart``; with ``--tenplex`` the wrapper shrinks the world to a
-    legal layout instead of ending when no spare is left (``frontdoor/megatron_lm_inprocess.py``)."""
+    legal layout instead of ending when no spare is left (``frontdoor/megatron_lm_inprocess.py``); under the
+    launcher's ``--reform``/``--join`` ``pretrain`` is called once per world, which grows and shrinks on plan
+    (``frontdoor/megatron_lm_reform.py``; a newcomer's model and batch flags must equal the job's)."""
     argv = sys.argv[1:]
+    import megatron.training.arguments as args_mod
+
+    if megatron_lm_reform.wanted():  # planned re-forms (the launcher's --reform/--join): no NVRx
+        args = args_mod.parse_args(add_tenplex_args, ignore_unknown_args=True)
+        flags = reform_runner.job_flags(args, (*(n for n in _RECORDED_ARGS if n != "micro_batch_size"), "vocab_size"))
+        return megatron_lm_reform.wrap(pretrain, args, argv, layout_reason(args, argv), installed(), flags)
     if not megatron_lm_inprocess.wanted(argv):
         return _original("maybe_wrap_for_inprocess_restart")(pretrain)
-    import megatron.training.arguments as args_mod
     from megatron.training.inprocess_restart import destroy_state
 
     if hasattr(args_mod, "parse_and_validate_args"):
@@ -302,6 +312,10 @@ def _maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> tuple[Cal
     run, store, hook.in_place = megatron_lm_inprocess.wrap(pretrain, args, argv, layout_reason(args, argv),
                                                            after_fault)
     return run, store
+
+
+#: core_v0.18+ (the patch): ``pretrain``'s config made at each call when the job re-forms in place
+per_call = megatron_lm_reform.per_call
 
 
 def _load_args_from_checkpoint(args: Any, load_arg: str = "load", *a: Any, **kw: Any) -> Any:
@@ -548,6 +562,7 @@ def install() -> None:
     originals["load_checkpoint"] = ckpt_mod.load_checkpoint
     originals["build_pretraining_data_loader"] = train_mod.build_pretraining_data_loader
     originals["maybe_finalize_async_save"] = train_mod.maybe_finalize_async_save
+    originals["checkpoint_and_decide_exit"] = train_mod.checkpoint_and_decide_exit
     # Megatron-LM's --inprocess-restart (NVRx's wrapper at a fixed world): with --tenplex, one that shrinks
     try:
         restart_mod: Any = importlib.import_module("megatron.training.inprocess_restart")
@@ -563,6 +578,9 @@ def install() -> None:
         mod.load_checkpoint = load_checkpoint
     train_mod.build_pretraining_data_loader = build_pretraining_data_loader
     train_mod.maybe_finalize_async_save = maybe_finalize_async_save
+    # re-forming on plan: the membership asked at each iteration boundary (nothing otherwise)
+    train_mod.checkpoint_and_decide_exit = megatron_lm_reform.boundary_exit(
+        originals["checkpoint_and_decide_exit"], lambda: installed().boundary)
     for mod in args_readers:
         mod.load_args_from_checkpoint = _load_args_from_checkpoint
     if restart_mod is not None:  # pretrain_gpt.py looks it up on the module when it starts (after install)

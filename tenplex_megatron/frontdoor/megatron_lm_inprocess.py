@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.frontdoor import batch_flags, inprocess, inprocess_lease
+from tenplex_megatron.frontdoor import batch_flags, inprocess, inprocess_lease, inprocess_runner
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.storage.lease import LeaseSet
 
@@ -89,50 +89,58 @@ def start(args: Any, argv: list[str]) -> tuple[InPlace, Any]:
     return InPlace(settings, leases), store
 
 
+def megatron_protections(args: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], Any]:
+    """What Megatron-LM's own in-process wrapper (``megatron/training/inprocess_restart.py``) installs to keep a GPU
+    job sound after a fault, for :func:`~tenplex_megatron.frontdoor.inprocess.wrapper`: Transformer Engine's
+    userbuffers aborted after the process groups, the persistent async checkpoint worker reset before them, and the
+    CUDA context's health checked (each a no-op where there is no Transformer Engine, async worker or GPU)."""
+    import inspect
+    from datetime import timedelta
+
+    from megatron.training.async_utils import reset_persistent_async_worker
+
+    nvrx = inprocess.nvrx()
+    takes = len(inspect.signature(reset_persistent_async_worker).parameters)  # core_v0.17+: the async strategy
+
+    class AbortCheckpoint(nvrx.abort.Abort):  # type: ignore[misc, name-defined]
+        def __call__(self, state: Any) -> Any:
+            reset_persistent_async_worker(*([getattr(args, "async_strategy", None)] if takes else []))
+            return state
+
+    return ((nvrx.abort.AbortTransformerEngine(),), (AbortCheckpoint(),),
+            nvrx.health_check.CudaHealthCheck(timeout=timedelta(seconds=10)))
+
+
 def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Callable[[int], str],
          finalize: Callable[[], None]) -> tuple[Callable[..., Any], Any, InPlace]:
     """``pretrain`` inside NVRx's ``Wrapper`` with the world allowed to shrink to any size ``reason`` admits (its
     ``""``), and the store ``pretrain_gpt.py`` passes on to ``pretrain``. ``finalize`` runs in each survivor after
     a fault (Megatron-LM's global state and the hook's Checkpointer torn down). No legal world left: exit 2."""
     state, store = start(args, argv)
-    initial, pid = int(os.environ["RANK"]), os.getpid()
-    logfile = inprocess.monitor_logfile(PROG, initial)
+    logfile = inprocess.monitor_logfile(PROG, int(os.environ["RANK"]))
     active = getattr(args, "inprocess_active_world_size", None)
+    outer, inner, health = megatron_protections(args)
 
     def after_fault() -> None:  # the helpers killed first: closing one waits for its background persist
-        inprocess.end_aborted_call()
-        finalize()
-
-    wrapper = inprocess.wrapper(state.settings, lambda n: not reason(n), finalize=after_fault, logfile=logfile,
-                                why_not=reason, active=int(active) if active else None)
-
-    def call(*a: Any, call_wrapper: Any = None, **kw: Any) -> Any:
         import torch
 
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        it = call_wrapper.iteration  # a call after a fault is a warning, so that every survivor says it
-        (_log.warning if it else _log.info)("in place: call %d: rank %d of %d (initial rank %d, pid %d)", it, rank,
-                                            world, initial, pid)
-        inprocess_lease.check_kept(state.leases, PROG)  # another job took a directory over: exit 3
-        out = pretrain(*a, **{**kw, "inprocess_call_wrapper": call_wrapper})
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-        return out
+        inprocess.end_aborted_call()
+        finalize()
+        if getattr(args, "inprocess_empty_cuda_cache", False) and torch.cuda.is_available():
+            torch.cuda.empty_cache()  # as Megatron-LM's own wrapper with --inprocess-empty-cuda-cache
 
-    # NVRx passes its CallWrapper to the parameter annotated with that class, and checks every parameter's
-    # annotation as a class: only that one, a real class (not this module's postponed string annotations)
-    call.__annotations__ = {"call_wrapper": inprocess.nvrx().CallWrapper}
-    wrapped = wrapper(call)
+    wrapper = inprocess.wrapper(state.settings, lambda n: not reason(n), finalize=after_fault, logfile=logfile,
+                                why_not=reason, active=int(active) if active else None, abort_outer=outer,
+                                abort_inner=inner, health_check=health)
 
-    def run(*a: Any, **kw: Any) -> Any:
-        try:
-            out = wrapped(*a, **kw)
-        except BaseException as e:  # the wrapper's own end: no legal world left (logged with every reason)
-            if not inprocess.no_layout_left(e):
-                raise
-            _log.error("%s: %s with --tenplex: no legal layout for the ranks left; exiting", PROG, FLAG)
-            raise SystemExit(2) from None
-        inprocess_lease.release(state.leases)
-        return out
+    def call(it: int, call_store: Any, *a: Any, **kw: Any) -> Any:  # Megatron-LM makes its process group there
+        return pretrain(*a, **{**kw, "store": call_store})
 
+    def say(it: int, line: str) -> None:  # a call after a fault is a warning, so that every survivor says it
+        (_log.warning if it else _log.info)("%s", line)
+
+    def no_layout() -> None:
+        _log.error("%s: %s with --tenplex: no legal layout for the ranks left; exiting", PROG, FLAG)
+
+    run = inprocess_runner.wrapped(PROG, wrapper, state.leases, store, call, say, no_layout)
     return run, store, state

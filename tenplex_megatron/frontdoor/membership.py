@@ -11,6 +11,7 @@ members in rank order (dense ranks 0..n-1) and the registrations and notices it 
 - ``gen/<n>``: generation n as JSON, written once by the rank 0 that decided it; ``over``: the job ended;
 - ``node/<r>``: the ids of node ``r``'s ranks (a JSON list, written by its launcher) and ``store-node``: the node
   whose launcher serves the store; a leave by command (``tenplex-megatron leave``) names a node by them.
+- ``job``: the flags that define the job (model, global batch) as JSON, which a newcomer's must equal.
 
 At a boundary rank 0 reads ``changes`` (:meth:`Membership.pending`); when it moved, rank 0 proposes the next world
 (:meth:`Membership.propose`: the members that do not leave, in their order, then the newcomers in registration
@@ -25,7 +26,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -143,6 +144,16 @@ class Membership:
         serving = int(bytes(self.store.get(PREFIX + "store-node"))) if self.store.check(
             [PREFIX + "store-node"]) else None
         return ids, serving
+    def publish_job(self, flags: Mapping[str, Any]) -> None:
+        """The initial rank 0: the flags that define the job (model, global batch), which a newcomer must match."""
+        self.store.set(PREFIX + "job", json.dumps(dict(flags), sort_keys=True, default=str))
+
+    def job(self) -> dict[str, Any]:
+        """The running job's defining flags (:meth:`publish_job`), waited for."""
+        try:
+            return dict(json.loads(self._get("job")))
+        except (ValueError, TypeError) as e:
+            raise MembershipError(f"a malformed job record in the job's store: {e}") from None
 
     def end(self) -> None:
         """The job is over: newcomers still waiting stop waiting."""

@@ -14,6 +14,7 @@ and kept across calls (``frontdoor/inprocess_lease.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ from typing import Any
 import psutil
 import torch
 
-from tenplex_megatron.frontdoor import inprocess, inprocess_lease, lease_flags
+from tenplex_megatron.frontdoor import inprocess, inprocess_lease, inprocess_runner, lease_flags
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.elastic import world as launch_world
 from tenplex_megatron.frontdoor.job_config import JobConfig
@@ -64,6 +65,23 @@ def why_not(parser: argparse.ArgumentParser, argv: list[str]) -> Callable[[int],
     return reason
 
 
+def train_in_world(argv: list[str], parse: Callable[[list[str]], argparse.Namespace], run: Callable[..., None],
+                   store: Any, timeout: float, timeline: dict[str, Any], leases: Any = None,
+                   boundary: Any = None) -> None:
+    """The trainer's part of one world in place (after a fault or planned; the runners do the rest): the flags
+    parsed for this world (``RANK``/``WORLD_SIZE`` set by the runner), a process group on ``store``, ``run`` with
+    the job's Checkpointer (``leases``: held across worlds) and, planned, the ``boundary`` hook."""
+    a = parse(argv)  # the layout for this world
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                         world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout))
+    a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(), **timeline}
+    a.tenplex_boundary = boundary
+    held = lease_flags.stop_when_fenced(PROG) if leases is not None else contextlib.nullcontext()
+    with held:  # leases held across worlds: a job that took a directory over stops this one (exit 3)
+        run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
+
+
 def _say(msg: str) -> None:
     """A line of every rank's (the trainer prints; rank 0's ``print0`` needs a process group)."""
     print(f"> tenplex-megatron: {msg}", flush=True)
@@ -84,39 +102,17 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         cpu_shim.install()
     store = inprocess.job_store(settings.barrier)
     leases = inprocess_lease.claim(JobConfig.from_args(args, PROG), store, settings.barrier)  # kept through every call (no new generation)
-    initial, pid = int(os.environ["RANK"]), os.getpid()
-    logfile = inprocess.monitor_logfile(PROG, initial)
+    logfile = inprocess.monitor_logfile(PROG, int(os.environ["RANK"]))
     reason = why_not(parser, argv)
     wrap = inprocess.wrapper(settings, lambda n: not reason(n), finalize=inprocess.end_aborted_call, logfile=logfile,
                              why_not=reason)
 
-    def train(call_wrapper: Any = None) -> None:
-        it = call_wrapper.iteration
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        _say(f"in place: call {it}: rank {rank} of {world} (initial rank {initial}, pid {pid})")
-        inprocess_lease.check_kept(leases, PROG)  # another job took a directory over: this rank stops (exit 3)
-        a = parse(argv)  # the layout for this world
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend, store=torch.distributed.PrefixStore(f"tenplex-inprocess/{it}",
-                                                                                          store),
-                                             rank=rank, world_size=world, timeout=timedelta(seconds=settings.timeout))
-        a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(),
-                              "inprocess_call": it}
-        with lease_flags.stop_when_fenced(PROG):  # the job's leases are this process's across calls (claimed above)
-            run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    def train(it: int, store: Any) -> None:  # the job's leases are this process's across calls (claimed above)
+        train_in_world(argv, parse, run, store, settings.timeout, {"inprocess_call": it}, leases)
 
-    # NVRx passes its CallWrapper to the parameter annotated with that class (a real class, not this module's
-    # postponed string annotation)
-    train.__annotations__["call_wrapper"] = inprocess.nvrx().CallWrapper
-    try:
-        wrap(train)()
-    except BaseException as e:  # the wrapper's own end: no legal world left (logged with every reason by the filter)
-        if not inprocess.no_layout_left(e):
-            raise
+    def no_layout() -> None:
         print(f"{PROG}: error: --tenplex-inprocess: no legal layout for the ranks left; exiting", file=sys.stderr,
               flush=True)
-        raise SystemExit(2) from None
-    inprocess_lease.release(leases)
+
+    inprocess_runner.wrapped(PROG, wrap, leases, store, train, lambda _it, line: _say(line), no_layout)()
     return 0
