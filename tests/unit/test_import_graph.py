@@ -17,6 +17,8 @@ PKG = "tenplex_megatron"
 FUNCTION_LEVEL_ALLOWED = {
     ("tenplex_megatron", "tenplex_megatron.frontdoor.api"):
         "PEP 562 lazy public API: `import tenplex_megatron` (and its pure plan/) must not import torch or megatron-core",
+    ("tenplex_megatron.cli_reform", "tenplex_megatron.frontdoor.membership"):
+        "`tenplex-megatron leave` alone needs torch (the job's store): the CLI's other commands must not import it",
 }
 
 
