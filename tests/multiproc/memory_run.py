@@ -333,7 +333,7 @@ def checkpointer_rebuilt(out: str) -> list[dict[str, Any]]:
         loaded = [r.result.iteration, r.memory is not None, back.matches(r.result.iteration)] if r.loaded else None
         a = Tiny(value)
         a.it = int(value)
-        ckpt.save(SimpleNamespace(adapter=lambda t=a: t))
+        ckpt.save(SimpleNamespace(adapter=lambda scope=None, t=a: t))
         ckpt.finish(over=True, say=lambda line: None)
         helper = ckpt.tier.helper if ckpt.tier is not None else None
         ckpt.close()
