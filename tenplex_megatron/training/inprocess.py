@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 import torch
 
-from tenplex_megatron.frontdoor import inprocess, inprocess_lease, inprocess_runner, lease_flags
+from tenplex_megatron.frontdoor import inprocess, inprocess_lease, inprocess_runner, lease_flags, reform_runner
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.elastic import world as launch_world
 from tenplex_megatron.frontdoor.job_config import JobConfig
@@ -82,10 +82,6 @@ def train_in_world(argv: list[str], parse: Callable[[list[str]], argparse.Namesp
         run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
 
 
-def _say(msg: str) -> None:
-    """A line of every rank's (the trainer prints; rank 0's ``print0`` needs a process group)."""
-    print(f"> tenplex-megatron: {msg}", flush=True)
-
 
 def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
          parse: Callable[[list[str]], argparse.Namespace], run: Callable[..., None]) -> int:
@@ -114,5 +110,5 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
         print(f"{PROG}: error: --tenplex-inprocess: no legal layout for the ranks left; exiting", file=sys.stderr,
               flush=True)
 
-    inprocess_runner.wrapped(PROG, wrap, leases, store, train, lambda _it, line: _say(line), no_layout)()
+    inprocess_runner.wrapped(PROG, wrap, leases, store, train, lambda _it, line: reform_runner.say(line), no_layout)()
     return 0

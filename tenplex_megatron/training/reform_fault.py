@@ -16,10 +16,7 @@ import torch
 
 from tenplex_megatron.frontdoor import gloo_abort, inprocess, membership_recovery
 from tenplex_megatron.frontdoor.membership import Generation, Membership
-
-
-def _say(msg: str) -> None:
-    print(f"> tenplex-megatron: {msg}", flush=True)
+from tenplex_megatron.frontdoor.reform_runner import say
 
 
 def end_generation() -> None:
@@ -46,17 +43,17 @@ def after_fault(members: Membership, gen: Generation, me: str, legal: object, ti
     ``me`` out: ``me`` leaves on its notice), a later one that admits ``me`` (a spare, registered again), or None
     (the job ended before it did). ``error`` is raised again when the survivors abort (no member was lost, or no
     legal world is left)."""
-    _say(f"re-form: generation {gen.number} failed on {me} ({type(error).__name__}: "
+    say(f"re-form: generation {gen.number} failed on {me} ({type(error).__name__}: "
          f"{str(error).splitlines()[0] if str(error) else ''}); agreeing on the members left")
     end_generation()
     d = membership_recovery.recover(members, gen, me, legal, settle_seconds(timeout))  # type: ignore[arg-type]
     if d.gen is None:
         members.end()
-        _say(f"re-form: no recovery after generation {gen.number}: {d.why}")
+        say(f"re-form: no recovery after generation {gen.number}: {d.why}")
         raise error
     gone, _ = membership_recovery.leaving(members, gen)
     if me in d.gen.members or me in gone:
         return d.gen
     members.register(me)  # a spare (no legal layout with it) or reported too late: a newcomer again
-    _say(f"re-form: {me} waits as a spare from generation {d.gen.number} on (pid {os.getpid()})")
+    say(f"re-form: {me} waits as a spare from generation {d.gen.number} on (pid {os.getpid()})")
     return members.admitted(me, first=d.gen.number + 1)
