@@ -47,11 +47,10 @@ test: $(VENV)/.installed etcd
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 # The benchmarks' --quick runs with their checks (tests/multiproc/test_bench_*.py, marker bench), the longer
-# multi-process runs (marker slow: the MoE re-shard row, losing a whole node in place) and the batch scripts of
-# docs/slurm.md against a real local Slurm (marker slurm, about 3 minutes: the tests start it with
-# scripts/slurm/start.sh, installing its packages where missing): every benchmark still runs end to end and its
-# systems reproduce the losses, apart from make test's 15-minute budget (they are a quarter of its CPU time, the
-# elastic replay alone three policies of torchrun agents).
+# multi-process runs (marker slow: tests/README.md lists them) and the batch scripts of docs/slurm.md against a
+# real local Slurm (marker slurm: the tests start it with scripts/slurm/start.sh, installing its packages where
+# missing): every benchmark still runs end to end and its systems reproduce the losses, apart from make test's
+# 15-minute budget.
 test-bench: $(VENV)/.installed
 	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests
 	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "bench or slow or slurm" tests/multiproc

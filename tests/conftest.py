@@ -3,7 +3,8 @@
 ``pytest -n 2 --dist loadfile`` (the Makefile's ``make test``) gets the scheduler below: each test file is one unit
 of work, so its module- and session-scoped fixtures (the shared torchrun launches) run once, on one worker; the
 files whose jobs are torchrun elastic agents meeting at a rendezvous or killed on a clock (RENDEZVOUS) are one unit
-together, so they never run beside each other; the longest unit left (tests/multiproc/durations.json) goes to the
+together, so they never run beside each other, and so are the files submitting to the local Slurm (SLURM: each
+worker's session fixture stops the cluster it started); the longest unit left (tests/multiproc/durations.json) goes to the
 next free worker, so that the two workers finish together; in a session with the unit tests, their files come last,
 filling in. (pytest-xdist's own ``loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which
 pytest 9 no longer reads.)
@@ -33,13 +34,17 @@ DURATIONS = os.path.join(HERE, "multiproc", "durations.json")
 #: test files whose agents rendezvous or are killed on a clock: one unit of work, never run beside each other
 RENDEZVOUS = ("test_elastic.py", "test_bench_elastic.py", "test_memory_nodes.py", "test_signal_save.py",
               "test_cluster_safety.py", "test_inprocess_nodes.py")
+#: test files that submit to the local Slurm: one unit of work, on one worker, so that the session fixture of one
+#: worker never stops the cluster (cancelling every job) under the other's jobs
+SLURM = ("test_slurm.py", "test_slurm_inplace.py")
+GROUPS = {"rendezvous": RENDEZVOUS, "slurm": SLURM}
 DEFAULT_SECONDS = 30.0  # a multi-process test file not in durations.json yet (a unit test file: 0, they fill in last)
 
 
 def unit_of(nodeid: str) -> str:
-    """The unit of work of a test: its file, or ``rendezvous`` for the RENDEZVOUS files."""
+    """The unit of work of a test: its file, or the name of its group (``rendezvous``, ``slurm``)."""
     path = nodeid.split("::", 1)[0]
-    return "rendezvous" if os.path.basename(path) in RENDEZVOUS else path
+    return next((g for g, files in GROUPS.items() if os.path.basename(path) in files), path)
 
 
 def unit_seconds(units: list[str]) -> dict[str, float]:
@@ -51,7 +56,7 @@ def unit_seconds(units: list[str]) -> dict[str, float]:
     seconds = {k: float(v) for k, v in data["cpu_seconds"].items()}
     out = {}
     for u in units:
-        files = RENDEZVOUS if u == "rendezvous" else (os.path.basename(u),)
+        files = GROUPS.get(u, (os.path.basename(u),))
         default = 0.0 if u.startswith("tests/unit/") else DEFAULT_SECONDS
         out[u] = sum(seconds.get(f, default) for f in files)
     return out

@@ -20,7 +20,7 @@ import torch
 
 from tests.harness import ROOT, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # about 100 CPU seconds: make test-bench
 RUNNER = os.path.join(ROOT, "tests", "multiproc", "ds_memory_run.py")
 STAGES = (1, 3)
 

@@ -125,10 +125,10 @@ def _wait_replicated(mem: str, timeout: float = 120) -> int:
     raise AssertionError(f"{mem}: no replicated 2-process snapshot after {timeout} s")
 
 
-# the durable case (the longest of make test, about 3 minutes) runs in make test-bench: make test keeps the path
-# with host memory, which is the same loss and layout oracle through the same lost and returning node
-@pytest.mark.parametrize("memory", [pytest.param(False, id="durable", marks=pytest.mark.slow),
-                                    pytest.param(True, id="host_memory")])
+# both cases (each about 3 minutes of make test's budget, most of it the agents' waits) run in make test-bench;
+# make test keeps the elastic agents' chain of tests/multiproc/test_demo.py
+@pytest.mark.slow
+@pytest.mark.parametrize("memory", [pytest.param(False, id="durable"), pytest.param(True, id="host_memory")])
 def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path, memory: bool) -> None:
     """With ``memory`` each node keeps snapshots in its own memory directory (K=2): both restarts load from the
     live nodes' memory, none from the durable checkpoint."""
@@ -195,8 +195,8 @@ def test_node_lost_then_back_continues_the_same_loss_curve(tmp_path, memory: boo
                  "build+plan+re-shard": t["loaded"] - t["process_group"], "of which load": t["load_seconds"],
                  "first iteration": t["first_iteration"] - t["loaded"]}
         total = t["first_iteration"] - since
+        # printed, not asserted: speed is measured by benchmarks.elastic, apart from the tests
         print(f"{what}: {total:.1f} s to the first iteration: " + ", ".join(f"{k} {v:.2f} s" for k, v in parts.items()))
-        assert total < 120, parts
 
 
 def test_no_legal_layout_fails_once_with_every_reason(tmp_path) -> None:

@@ -31,7 +31,7 @@ from tenplex_megatron.plan.layout import ParallelLayout
 from tenplex_megatron.storage.directory import find_checkpoint
 from tests.harness import CHILD_PYTHONPATH, ROOT, TINY_GPT, layout_flags, metrics, read_full_tensors, torchrun
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # about 4 CPU minutes: make test-bench and make test-compat
 
 RUNNER = os.path.join(ROOT, "tests", "multiproc", "megatron_adopt_run.py")
 MODEL = [a for a in TINY_GPT if a != "--tenplex"] + ["--vocab-size", "96", "--swiglu", "--train-iters", "6"]

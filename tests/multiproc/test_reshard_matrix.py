@@ -7,7 +7,9 @@ second job at layout B loads that checkpoint, immediately saves what it loaded
 (``--tenplex-resave``), then trains steps 4..8. The 89 jobs run in 7 torchrun
 launches (``matrix_run.py``: jobs of one world size share a process group, each
 with megatron-core's parallel state built afresh); every case keeps its own
-assertions. GPT-style models (learned positions, LayerNorm, biases) and a
+assertions. The Llama-style, SP/VPP, fp16, overlapped-DDP and MoE families
+(SLOW_FAMILIES) are marked slow: they run in launches of their own in
+``make test-bench``. GPT-style models (learned positions, LayerNorm, biases) and a
 Llama-style one (RoPE, RMSNorm, no biases, grouped-query attention) share them.
 
 - Tensors: every tensor of the re-saved checkpoint (weights, Adam moments, fp32
@@ -223,15 +225,29 @@ class Runs:
         return os.path.join(self.root, name)
 
 
+#: the families marked slow (make test-bench): Llama-style, SP/VPP, fp16, overlapped DDP and MoE, by scenario name
+SLOW_FAMILIES = ("llama-", "sp-", "vpp-", "fp16-", "overlap-", "moe-")
+
+
+def selected_scenarios(selected: set[str], slow: set[str]) -> dict[str, Scenario]:
+    """The scenarios the selected tests need (the references of one world size share a launch, so the others'
+    would run for nothing): ``test_transition``'s alone (``make test-compat``), the slow families' where a slow
+    test is selected (``make test-bench``), the rest where another is (``make test``)."""
+    if not selected - {"test_transition"}:
+        return {n: sc for n, sc in SCENARIOS.items()
+                if n in {f"{t}-{v.tag()}" for t in TRANSITIONS for v in (V_DIST, V_PLAIN)}}
+    return {n: sc for n, sc in SCENARIOS.items() if (selected & slow if n.startswith(SLOW_FAMILIES)
+                                                     else selected - slow)}
+
+
 @pytest.fixture(scope="session")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """The shared runs; when only ``test_transition`` is selected (``make test-compat``), only its scenarios (the
-    references of one world size share a launch, so the others' references would run for nothing)."""
-    selected = {getattr(item, "originalname", "") for item in request.session.items
-                if getattr(item, "module", None) is not None and item.module.__name__ == __name__}
-    scenarios = SCENARIOS if selected - {"test_transition"} else {
-        n: sc for n, sc in SCENARIOS.items() if n in {f"{t}-{v.tag()}" for t in TRANSITIONS for v in (V_DIST, V_PLAIN)}}
-    return Runs(str(tmp_path_factory.mktemp("reshard")), scenarios)
+    """The shared runs of the selected tests (``selected_scenarios``)."""
+    items = [item for item in request.session.items
+             if getattr(item, "module", None) is not None and item.module.__name__ == __name__]
+    selected = {getattr(item, "originalname", "") for item in items}
+    slow = {getattr(item, "originalname", "") for item in items if item.get_closest_marker("slow")}
+    return Runs(str(tmp_path_factory.mktemp("reshard")), selected_scenarios(selected, slow))
 
 
 def _ckpt(ref: str, it: int = SAVE_AT) -> str:
@@ -488,6 +504,7 @@ def test_round_trip_is_bit_exact(runs: Runs, a, b, distopt: bool) -> None:
         assert orig[k].dtype == again[k].dtype and torch.equal(orig[k], again[k]), k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LLAMA_TRANSITIONS))
 def test_llama_style_model(runs: Runs, name: str) -> None:
     """RoPE + RMSNorm + SwiGLU + no biases + untied output + grouped-query attention: bit-exact re-save, exact
@@ -546,6 +563,7 @@ def _expected_layout(layout: tuple[int, ...], v: Variant) -> ParallelLayout:
     return ParallelLayout(*layout, sp=v.sp and layout[0] > 1)  # type: ignore[misc]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(GPU_FLAG_TRANSITIONS))
 def test_sequence_parallel_and_interleaved_pipelines(runs: Runs, name: str) -> None:
     """SP and VPP on either side of a restart: the layout (with SP and VPP) recorded, the re-saved tensors equal the
@@ -563,6 +581,7 @@ def test_sequence_parallel_and_interleaved_pipelines(runs: Runs, name: str) -> N
     assert_layout_model_matches(_resaved(d), dst, v.distopt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(FP16_TRANSITIONS))
 def test_fp16_loss_scaler_continues(runs: Runs, name: str) -> None:
     """fp16 with a dynamic loss scaler, TP2 -> TP1 x DP2: the scaler's state (scale, growth and hysteresis trackers)
@@ -586,6 +605,7 @@ def test_fp16_loss_scaler_continues(runs: Runs, name: str) -> None:
     assert_losses_continue(ref, d, FP16_LOSS_RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OVERLAP_TRANSITIONS))
 def test_overlapped_ddp_in_buckets(runs: Runs, name: str) -> None:
     """bf16 with --overlap-grad-reduce --overlap-param-gather in 4,000-element buckets (the distributed optimizer's
@@ -604,6 +624,7 @@ def _moe_ref(name: str) -> tuple[tuple[int, ...], Variant]:
     return MOE_TRANSITIONS[src][0] if isinstance(src, str) else src
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MOE_TRANSITIONS))
 def test_mixture_of_experts(runs: Runs, name: str) -> None:
     """A mixture-of-experts GPT restarted at another EP, expert TP, TP or PP: the layout (EP, expert TP) recorded,
@@ -652,6 +673,7 @@ SEQUENTIAL_FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 GROUPED_FC1, GROUPED_FC2 = "decoder.layers.mlp.experts.weight1", "decoder.layers.mlp.experts.weight2"
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_rng(runs: Runs) -> None:
     """The expert-parallel RNG stream comes back exactly at the same layout (every rank's), and is re-seeded from
     (seed, iteration) at a new one, as the dense streams are."""
@@ -665,6 +687,7 @@ def test_mixture_of_experts_rng(runs: Runs) -> None:
     assert changed["1"]["tracker"]["expert-parallel-rng"] != saved["1"]["tracker"]["expert-parallel-rng"]
 
 
+@pytest.mark.slow
 def test_auto_chooses_and_applies_expert_tp(runs: Runs, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--tenplex-layout auto`` for a mixture of experts with TP 2 given (and --sequence-parallel), restarting from
     an expert TP 2 checkpoint: the job ran the model's choice, expert TP 1 x EP 2 (experts whole, spread over EP:
