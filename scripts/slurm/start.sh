@@ -137,7 +137,9 @@ if [ ! -f $CONF ] || [ "$(cat $CONF)" != "$conf" ]; then
   rm -rf "$BASE/ctld" "$BASE/spool" && mkdir -p "$BASE/ctld" "$BASE/spool"
   printf '%s\n' "$conf" >$CONF
 fi
-alive "$BASE/run/slurmctld.pid" || { say "starting slurmctld"; slurmctld -f $CONF; }
+# a fresh controller starts clean (-c): jobs of a run that ended without stop.sh (a killed test session) would
+# otherwise be recovered from its state and keep the nodes allocated
+alive "$BASE/run/slurmctld.pid" || { say "starting slurmctld"; slurmctld -c -f $CONF; }
 STARTED=()
 for i in $(seq 1 "$NODES"); do
   if ! alive "$BASE/run/slurmd-n$i.pid"; then
