@@ -68,6 +68,21 @@ def problems_at(args: Any, dp: int, consumed: int) -> list[str]:
     return schedule.divisibility_problems(consumed, int(mbs), dp, int(until) if until else None)
 
 
+def sizes_to_come(args: Any) -> tuple[int, ...]:
+    """The global batch sizes of a ramp or step schedule Megatron-LM follows, from the position this start resumes
+    at to the end of training (empty without one, or where the schedule itself is refused: its check names it)."""
+    if getattr(args, "rampup_batch_size", None) is None and getattr(args, "step_batch_size_schedule", None) is None:
+        return ()
+    try:
+        schedule = schedule_for_args(args)
+    except BatchScheduleError:
+        return ()
+    if schedule.ramp is None and not schedule.steps:
+        return ()
+    until = getattr(args, "train_samples", None)
+    return tuple(size for _, size in schedule.sizes_from(_resume_position(args), int(until) if until else None))
+
+
 def start_problems(args: Any) -> list[str]:
     """:func:`problems_at` for the DP size of this start, from the position of the checkpoint it will load."""
     dp = _dp_size(args)

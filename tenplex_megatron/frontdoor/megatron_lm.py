@@ -172,7 +172,8 @@ def layout_request(args: Any, argv: Sequence[str], world: int, local_world: int)
                          distributed_optimizer=bool(args.use_distributed_optimizer),
                          make_vocab_size_divisible_by=int(args.make_vocab_size_divisible_by),
                          expert_tp=fixed.get("expert_tp"),
-                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)), split=split_rule_of(args))
+                         sequence_parallel=bool(getattr(args, "sequence_parallel", False)), split=split_rule_of(args),
+                         batch_sizes=batch_flags.sizes_to_come(args))
 
 
 def choose_layout_for_args(args: Any, argv: Sequence[str] | None = None) -> Chosen | None:

@@ -49,6 +49,9 @@ class LayoutRequest:
     expert_tp: int | None = None  # a mixture of experts' expert TP, when given (else chosen, TP's or another)
     sequence_parallel: bool = True  # --sequence-parallel: without it a mixture of experts stays at TP 1
     split: SplitRule = SplitRule()  # an uneven pipeline's flags: only a PP x VPP they fit is chosen
+    #: the other global batch sizes still to come (a batch ramp or step schedule): only a micro-batch x DP dividing
+    #: each of them is chosen
+    batch_sizes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ def rank(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> Lay
     fixed = {k: v for k, v in (("tp", req.tp), ("pp", req.pp), ("ep", req.ep), ("vpp", req.vpp),
                                ("expert_tp", req.expert_tp)) if v is not None}
     mbs = (req.micro_batch_size,) if req.micro_batch_size is not None else DEFAULT_MICRO_BATCH_SIZES
-    return _keep_split(req, choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
+    return _keep_fitting(req, choose_layout(req.dims, req.world_size, req.gpus_per_node, req.global_batch_size,
                          memory_gb=req.memory_gb, micro_batch_sizes=mbs, fixed=fixed or None, measured=measured,
                          distributed_optimizer=req.distributed_optimizer,
                          make_vocab_size_divisible_by=req.make_vocab_size_divisible_by,
@@ -85,18 +88,29 @@ def split_problem(req: LayoutRequest, layout: ParallelLayout) -> str | None:
     return None
 
 
-def _keep_split(req: LayoutRequest, choice: LayoutChoice) -> LayoutChoice:
-    """The ranking with every candidate the uneven split does not fit refused, saying why (the throughput and
-    memory model itself splits the layers evenly); :class:`LayoutError` listing them all when none is left."""
-    if not req.split.given:
+def batch_problem(req: LayoutRequest, layout: ParallelLayout, micro_batch_size: int) -> str | None:
+    """Which batch size still to come (a ramp or step schedule) micro-batch x DP does not divide (None: all)."""
+    unit = micro_batch_size * layout.dp
+    bad = [b for b in req.batch_sizes if b % unit]
+    return f"the global batch of {bad[0]} still to come is not divisible by micro-batch x DP = " \
+           f"{micro_batch_size} x {layout.dp}" if bad else None
+
+
+def _keep_fitting(req: LayoutRequest, choice: LayoutChoice) -> LayoutChoice:
+    """The ranking with every candidate the uneven split or a batch size still to come does not fit refused, saying
+    why (the throughput and memory model splits the layers evenly and knows the final batch only);
+    :class:`LayoutError` listing them all when none is left."""
+    if not req.split.given and not req.batch_sizes:
         return choice
     ranking = []
     for c in choice.ranking:
-        why = split_problem(req, c.layout) if c.usable else None
+        why = (split_problem(req, c.layout) or batch_problem(req, c.layout, c.micro_batch_size)) if c.usable else None
         ranking.append(replace(c, legal=False, reasons=(*c.reasons, why)) if why else c)
     ranking.sort(key=lambda c: not c.usable)  # stable: the order among the usable and among the refused stays
     if not ranking[0].usable:
-        raise LayoutError(f"no usable layout for world size {req.world_size} that fits {req.split.flags()}; every "
+        fits = " and ".join(x for x in (req.split.flags() if req.split.given else "",
+                                        "the batch sizes still to come" if req.batch_sizes else "") if x)
+        raise LayoutError(f"no usable layout for world size {req.world_size} that fits {fits}; every "
                           "candidate is refused:\n" + "\n".join(describe_refused(ranking)))
     return LayoutChoice(choice.world_size, ranking[0], tuple(ranking))
 
@@ -122,7 +136,7 @@ def choose(req: LayoutRequest, measured: Mapping[str, float] | None = None) -> C
     if req.spec not in RANKED_SPECS:
         row = load_layout_table(req.spec, req.dims, gpus_per_node=req.gpus_per_node,
                                 global_batch_size=req.global_batch_size).row(req.world_size)
-        if why := split_problem(req, row.layout):
+        if why := split_problem(req, row.layout) or batch_problem(req, row.layout, row.micro_batch_size):
             raise LayoutError(f"{req.spec}: the row for world size {req.world_size} ({row.layout}): {why}")
         return Chosen(row.layout, row.micro_batch_size, f"from {req.spec}")
     choice = rank(req, measured)

@@ -106,7 +106,8 @@ HONOURED_GROUPS: tuple[Group, ...] = (
           "so does the sampler) and core_v0.18's step schedule: the global batch at consumed sample c is Megatron-LM's "
           "own for c, samples [c, c + g(c)) at any DP size; a restart inside the ramp resumes at the saved position, "
           "and batch sizes still to come that micro-batch x the new DP size does not divide are refused at start "
-          "(tests/unit/test_batch_schedule.py; tests/megatron_lm/test_megatron_lm_rampup.py: DP2 saved inside the ramp "
+          "(--tenplex-layout chooses only a micro-batch x DP dividing them) "
+          "(tests/unit/test_batch_schedule.py, test_layout_choice.py; tests/megatron_lm/test_megatron_lm_rampup.py: DP2 saved inside the ramp "
           "-> TP2, core_v0.16.1's ramp and core_v0.19.0's step schedule)",
           ("rampup_batch_size", "step_batch_size_schedule")),
     Group(HONOURED, "the padded vocabulary: the checkpoint's kept when the new TP divides it, else the real rows "

@@ -159,3 +159,23 @@ def test_auto_interleaves_the_pipeline_behind_either_door(monkeypatch) -> None:
                     "--tenplex-layout", "auto", "--num-virtual-stages-per-pipeline-rank", "2"])
     with pytest.raises(LayoutError, match="--num-virtual-stages-per-pipeline-rank is not modelled"):
         layout_request(_megatron_args(num_virtual_stages_per_pipeline_rank=2), [], 2, 2)
+
+
+def test_auto_keeps_to_the_batch_sizes_of_a_ramp_still_to_come(monkeypatch) -> None:
+    """--rampup-batch-size 2 2 64 to a global batch of 8 on 4 ranks: every global batch still to come (2, 4, 6, 8)
+    splits into micro-batch x DP at the chosen layout, though without the ramp auto chooses one that does not; with
+    the micro-batch size and TP fixed so that nothing fits, the refusal names the batch size."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    plain = choose_layout_for_args(_megatron_args(), [])
+    assert 2 % (plain.micro_batch_size * plain.layout.dp), plain  # the final batch's choice misfits the ramp
+    ramp = dict(rampup_batch_size=["2", "2", "64"], train_samples=200, seq_length=32)
+    chosen = choose_layout_for_args(_megatron_args(**ramp), [])
+    assert all(b % (chosen.micro_batch_size * chosen.layout.dp) == 0 for b in (2, 4, 6, 8)), chosen
+    args = _megatron_args(**ramp, micro_batch_size=2)
+    req = layout_request(args, ["--micro-batch-size", "2", "--tensor-model-parallel-size", "1",
+                                "--pipeline-model-parallel-size", "1"], 4, 4)
+    assert req.batch_sizes == (2, 4, 6, 8)
+    with pytest.raises(LayoutError, match="the global batch of 2 still to come is not divisible by micro-batch x DP "
+                                          "= 2 x 4"):
+        choose(req)
