@@ -52,7 +52,7 @@ import tenplex_megatron
 from tenplex_megatron.storage.directory import iter_dir_name
 from tests.harness import ROOT, TINY_GPT, layout_flags, metrics
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]  # builds and installs the wheel: make test-bench
 
 DEPS_MODE = os.environ.get("TENPLEX_WHEEL_TEST_DEPS", "linked")
 MODEL_PLAN = ["--model", "gpt3-175b", "--from", "tp=8,pp=16,dp=8", "--to", "tp=8,pp=8,dp=16", "--gpus-per-node", "8"]
