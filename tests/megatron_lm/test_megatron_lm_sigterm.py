@@ -93,6 +93,14 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
             proc.send_signal(sig)
 
 
+def _alive(proc: psutil.Process) -> bool:
+    """Still running (a zombie has exited: its parent has not reaped it yet)."""
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_for(log: pathlib.Path, pattern: str, procs: list[subprocess.Popen]) -> None:
     end = time.monotonic() + START_TIMEOUT
     while not re.search(pattern, log.read_text(errors="replace")):
@@ -119,8 +127,7 @@ def _signalled_job(script: str, ckpt: pathlib.Path, log: pathlib.Path) -> tuple[
         assert len(everyone) == 4, [p.cmdline() for p in everyone]  # 2 agents, 2 ranks
         t0 = time.monotonic()
         _signal_all(everyone, signal.SIGTERM)
-        while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in everyone) and \
-                time.monotonic() - t0 < BOUND:
+        while any(_alive(p) for p in everyone) and time.monotonic() - t0 < BOUND:
             time.sleep(0.1)
             for p in procs:
                 p.poll()
