@@ -6,8 +6,9 @@ that checkpoint re-sharded and trains to the end. Oracle: every iteration's loss
 run's of the same flags (no Slurm), step by step.
 
 Not Slurm's SIGTERM: with ``scancel --signal=TERM`` Megatron-LM's ``--exit-signal-handler`` saved the iteration on
-every rank through the hook, and the ranks then hung in their exit (core_v0.16.1, the local Slurm; not resolved:
-docs/slurm.md says so).
+every rank through the hook, and node 0's processes then did not end (core_v0.16.1, the local Slurm; cause not
+found: docs/slurm.md says so). The same job's SIGTERM without Slurm, to every process of both launchers, is
+test_megatron_lm_sigterm.py (it saves and exits).
 
 What the test changes in the script (the block ``# the job's paths and sizes`` only): ``PRETRAIN`` (a two-line
 wrapper that runs the patched copy of the checkout's scripts under test_megatron_lm.py's runner, the CPU shim),
