@@ -406,6 +406,8 @@ def run(args: argparse.Namespace, ckpt: Checkpointer | None = None) -> None:
     checkpoints.check_hf_start(args, spec, found)
     job = _build_job(args, spec, layout, padded)
     job.trust_pickles = bool(args.tenplex_trust_pickles)
+    if getattr(args, "tenplex_timeline", None) is not None:  # parallel state, model and optimizer built: the load next
+        args.tenplex_timeline["built"] = time.time()
     checkpoints.restore(args, job, ckpt)
     _train(args, job, ckpt, _train_dataset(args, spec))
     # over: training is, and its last state goes to --save
