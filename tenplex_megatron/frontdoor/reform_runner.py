@@ -38,8 +38,10 @@ class Boundary:
     """The trainer's hook at each iteration boundary, collective: True when the world changes after this iteration
     (the next generation kept in :attr:`next`, the time it was decided in :attr:`decided`). :attr:`first`: what a
     front door runs on every rank after the generation's first iteration (collective: the memory tier's helpers
-    started, kept off the path to that iteration); :attr:`since`: when the previous generation decided this one and
-    was torn down (``time.time()``; empty for a process's first), for the front door's timeline."""
+    started, kept off the path to that iteration); :attr:`after`: what it runs once the world's process group is
+    destroyed (its Checkpointer closed: a node that leaves waits on its helper there, not the ranks that stay in the
+    world's last barrier); :attr:`since`: when the previous generation decided this one and was torn down
+    (``time.time()``; empty for a process's first), for the front door's timeline."""
 
     def __init__(self, members: Membership, gen: Generation, legal: Callable[[int], bool],
                  since: Mapping[str, float] | None = None) -> None:
@@ -47,6 +49,7 @@ class Boundary:
         self.next: Generation | None = None
         self.decided: float | None = None
         self.first: Callable[[], None] | None = None
+        self.after: Callable[[], None] | None = None
         self.since: dict[str, float] = dict(since or {})
 
     def __call__(self) -> bool:
@@ -134,6 +137,8 @@ def call(members: Membership, gen: Generation, me: str, legal: Callable[[int], b
     enter(gen, me)
     boundary = Boundary(members, gen, legal, since)
     session(members.store, f"tenplex-reform/{gen.number}", lambda store: one(gen, store, boundary))
+    if boundary.after is not None:
+        boundary.after()
     if teardown is not None:
         teardown()
     if boundary.next is None:

@@ -82,8 +82,8 @@ def train_in_world(argv: list[str], parse: Callable[[list[str]], argparse.Namesp
     held = lease_flags.stop_when_fenced(PROG) if leases is not None else contextlib.nullcontext()
     with held:  # leases held across worlds: a job that took a directory over stops this one (exit 3)
         ckpt = Checkpointer(JobConfig.from_args(a, PROG), leases, helpers_at_open=boundary is None)
-        if boundary is not None:
-            boundary.first = ckpt.start_background
+        if boundary is not None:  # closed by the runner after the world's last barrier (run leaves it open)
+            boundary.first, boundary.after = ckpt.start_background, ckpt.close
         run(a, ckpt)
 
 

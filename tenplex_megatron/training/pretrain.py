@@ -412,7 +412,8 @@ def run(args: argparse.Namespace, ckpt: Checkpointer | None = None) -> None:
     _train(args, job, ckpt, _train_dataset(args, spec))
     # over: training is, and its last state goes to --save
     ckpt.finish(over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
-    ckpt.close()
+    if getattr(args, "tenplex_boundary", None) is None:  # re-formed on plan: the runner closes it after the world's
+        ckpt.close()  # last barrier (a node that leaves waits on its helper then, not the ranks that stay)
     _print0("> tenplex-megatron: done")
 
 

@@ -1,7 +1,7 @@
 """What keeps a planned re-form short (frontdoor/reform_runner.py, frontdoor/checkpointer.py): a newcomer does its
 imports (``warm``) before it registers, never after (the running ranks stop for it at the next boundary), and one
 refused for its flags does none; the boundary runs the front door's ``first`` once, after the world's first
-iteration, and records when it decided the next world; a Checkpointer made with ``helpers_at_open=False`` opens its
+iteration, records when it decided the next world and runs ``after`` once the world's process group is gone; a Checkpointer made with ``helpers_at_open=False`` opens its
 host-memory tier without the helpers and starts them when asked. Real torch stores, a one-rank gloo world, a real
 memory directory."""
 
@@ -85,3 +85,19 @@ def test_the_memory_tiers_helpers_start_at_open_or_when_asked(one_rank: None, tm
         assert tier.generation == 1
     finally:
         ckpt.close()
+
+
+def test_the_front_doors_after_runs_once_the_worlds_process_group_is_destroyed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the front door leaves for after the world (its Checkpointer's close) runs after the last barrier and the
+    process group's end, so that a node that leaves holds up no one there."""
+    m, gen = started(monkeypatch)
+    monkeypatch.setenv(REFORM_ENV, "run")
+    seen: list[bool] = []  # at the front door's after: whether the world's process group still existed
+
+    def one(g: Generation, store: object, b: reform_runner.Boundary) -> None:
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        b.after = lambda: seen.append(dist.is_initialized())
+
+    nxt, since = reform_runner.call(m, gen, "h:0", lambda n: True, one)
+    assert seen == [False] and nxt is None and since == {}
