@@ -1,9 +1,9 @@
 """What keeps a planned re-form short (frontdoor/reform_runner.py, frontdoor/checkpointer.py): a newcomer does its
 imports (``warm``) before it registers, never after (the running ranks stop for it at the next boundary), and one
 refused for its flags does none; the boundary runs the front door's ``first`` once, after the world's first
-iteration, records when it decided the next world and runs ``after`` once the world's process group is gone; a Checkpointer made with ``helpers_at_open=False`` opens its
-host-memory tier without the helpers and starts them when asked. Real torch stores, a one-rank gloo world, a real
-memory directory."""
+iteration, and records when it decided the next world; the runner runs the front door's ``after`` once the world's
+process group is gone; a Checkpointer made with ``helpers_at_open=False`` opens its host-memory tier without the
+helpers and starts them when asked. Real torch stores, a one-rank gloo world, a real memory directory."""
 
 from __future__ import annotations
 
