@@ -48,10 +48,14 @@ class Checkpointer:
     it claims the leases (before any process group: another live job's directory is refused with SystemExit
     naming it) into a :class:`~tenplex_megatron.storage.lease.LeaseSet` of its own, released by :meth:`close`;
     ``leases``: a set a launcher claimed for the process once instead (a job continuing in place keeps it through
-    every call: used for the fence, left held at close)."""
+    every call: used for the fence, left held at close); ``helpers_at_open``: the host-memory tier's helper
+    processes started when it opens (False: at :meth:`start_background` or the first snapshot that needs them, so
+    that their start, an interpreter and torch, does not compete with a re-formed world's build and load)."""
 
-    def __init__(self, config: JobConfig, leases: lease.LeaseSet | None = None) -> None:
+    def __init__(self, config: JobConfig, leases: lease.LeaseSet | None = None, *,
+                 helpers_at_open: bool = True) -> None:
         self.config = config
+        self._helpers_at_open = helpers_at_open
         self.prog = config.prog
         self._owns_leases = leases is None
         self._lease_set = lease.LeaseSet() if leases is None else leases
@@ -114,10 +118,16 @@ class Checkpointer:
         started; None without one. Later calls return the same tier."""
         self._check_open()
         if not self._opened:
-            self._tier = (memory_flags.open_settings(self.config.memory, self._lease_set) if self.wants_memory
-                          else None)
+            self._tier = (memory_flags.open_settings(self.config.memory, self._lease_set, self._helpers_at_open)
+                          if self.wants_memory else None)
             self._opened = True
         return self._tier
+
+    def start_background(self) -> None:
+        """Collective: the host-memory tier's helper processes started where they were left for later
+        (``helpers_at_open=False``); nothing where they run already, or without an open tier."""
+        if self._tier is not None and not self._closed and not self._tier.helpers_started:
+            state.start_helpers(self._tier)
 
     @property
     def tier(self) -> MemoryTier | None:

@@ -105,7 +105,10 @@ class Hook:
         process's), closed at exit."""
         if self.checkpointer is None:
             held = self.in_place.leases if self.in_place is not None else None
-            self.checkpointer = Checkpointer(JobConfig.from_args(args, PROG), held)
+            # re-forming on plan: the memory tier's helpers started after the world's first iteration (the boundary's
+            # first call), not while the world builds and loads
+            self.checkpointer = Checkpointer(JobConfig.from_args(args, PROG), held,
+                                             helpers_at_open=self.boundary is None)
             atexit.register(self.checkpointer.close)
         return self.checkpointer
 

@@ -131,6 +131,7 @@ def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Calla
 
         def one(gen: Generation, store: Any, boundary: reform_runner.Boundary) -> None:
             hook.boundary = boundary
+            boundary.first = lambda: hook.checkpointer.start_background() if hook.checkpointer is not None else None
             call_args = (a[0].make(), *a[1:]) if a and isinstance(a[0], PerCall) else a
             try:
                 pretrain(*call_args, **{**kw, "store": store})

@@ -80,12 +80,12 @@ def open_memory(args: argparse.Namespace | Any) -> MemoryTier | None:
     return open_settings(memory_settings(args))
 
 
-def open_settings(settings: MemorySettings, leases: LeaseSet | None = None) -> MemoryTier:
+def open_settings(settings: MemorySettings, leases: LeaseSet | None = None, helpers: bool = True) -> MemoryTier:
     """Collective: the host-memory tier of ``settings`` (the flags', or DeepSpeed's ``open_memory``'s), its helper
-    processes started, its destructive steps fenced by the job's ``leases``; the node's huge-pages hint said
-    first."""
+    processes started (``helpers=False``: later, ``state.start_helpers`` or the first snapshot that needs them), its
+    destructive steps fenced by the job's ``leases``; the node's huge-pages hint said first."""
     mounts.say_huge_pages_hint(settings.mem)
-    return open_tier(settings, start_helpers_now=True, leases=leases)
+    return open_tier(settings, start_helpers_now=helpers, leases=leases)
 
 
 def finish(tier: MemoryTier, *, over: bool, say: Callable[[str], None] | None = None) -> tuple[str, ...]:

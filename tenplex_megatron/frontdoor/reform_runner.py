@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,13 +36,26 @@ def say(msg: str) -> None:
 
 class Boundary:
     """The trainer's hook at each iteration boundary, collective: True when the world changes after this iteration
-    (the next generation kept in :attr:`next`)."""
+    (the next generation kept in :attr:`next`, the time it was decided in :attr:`decided`). :attr:`first`: what a
+    front door runs on every rank after the generation's first iteration (collective: the memory tier's helpers
+    started, kept off the path to that iteration); :attr:`after`: what it runs once the world's process group is
+    destroyed (its Checkpointer closed: a node that leaves waits on its helper there, not the ranks that stay in the
+    world's last barrier); :attr:`since`: when the previous generation decided this one and was torn down
+    (``time.time()``; empty for a process's first), for the front door's timeline."""
 
-    def __init__(self, members: Membership, gen: Generation, legal: Callable[[int], bool]) -> None:
+    def __init__(self, members: Membership, gen: Generation, legal: Callable[[int], bool],
+                 since: Mapping[str, float] | None = None) -> None:
         self.members, self.gen, self.legal = members, gen, legal
         self.next: Generation | None = None
+        self.decided: float | None = None
+        self.first: Callable[[], None] | None = None
+        self.after: Callable[[], None] | None = None
+        self.since: dict[str, float] = dict(since or {})
 
     def __call__(self) -> bool:
+        if self.first is not None:
+            first, self.first = self.first, None
+            first()
         decided = None
         if torch.distributed.get_rank() == 0 and self.members.pending(self.gen):
             g = self.members.propose(self.gen, self.legal)
@@ -58,7 +72,7 @@ class Boundary:
         if g.number == self.gen.number:  # refused (no legal layout) or nothing left to change: seen
             self.gen = g
             return False
-        self.next = g
+        self.next, self.decided = g, time.time()
         return True
 
 
@@ -75,17 +89,20 @@ def differences(job: Mapping[str, Any], mine: Mapping[str, Any]) -> list[str]:
 
 
 def first_generation(members: Membership, me: str, flags: Mapping[str, Any] | None = None,
-                     prog: str = "pretrain_gpt.py") -> Generation | None:
+                     prog: str = "pretrain_gpt.py", warm: Callable[[], None] | None = None) -> Generation | None:
     """This process's first world: generation 0 for the launchers' initial ranks, the first that admits it for a
     newcomer (None: the job ended before it was admitted). With ``flags`` (:func:`job_flags`) the initial rank 0
     publishes them and a newcomer whose flags differ is refused (``SystemExit`` naming each difference) before it
-    registers: the running job is not touched."""
+    registers: the running job is not touched. A newcomer runs ``warm`` (the front door's imports) before it
+    registers: the running ranks stop at the next boundary for it, and must not wait for its imports then."""
     if os.environ.get(REFORM_ENV) == "join":
         if flags is not None:
             diff = differences(members.job(), flags)
             if diff:
                 raise SystemExit(f"{prog}: error: --join: this launcher's flags differ from the running job's: "
                                  f"{'; '.join(diff)}; not registered (the job goes on unchanged)")
+        if warm is not None:
+            warm()
         members.register(me)
         say(f"re-form: {me} registered, waiting for the next re-form")
         return members.admitted(me)
@@ -112,19 +129,23 @@ def session(store: Any, prefix: str, body: Callable[[Any], Any]) -> Any:
 
 
 def call(members: Membership, gen: Generation, me: str, legal: Callable[[int], bool], one: OneCall,
-         teardown: Callable[[], None] | None = None) -> Generation | None:
-    """One generation's job (``one``), then its process group destroyed and ``teardown`` run: the next generation,
-    or None when training is over."""
+         teardown: Callable[[], None] | None = None,
+         since: Mapping[str, float] | None = None) -> tuple[Generation | None, dict[str, float]]:
+    """One generation's job (``one``; ``since``: :attr:`Boundary.since`), then its process group destroyed and
+    ``teardown`` run: the next generation (None when training is over) and when it was decided and this one torn
+    down (the next one's ``since``)."""
     enter(gen, me)
-    boundary = Boundary(members, gen, legal)
+    boundary = Boundary(members, gen, legal, since)
     session(members.store, f"tenplex-reform/{gen.number}", lambda store: one(gen, store, boundary))
+    if boundary.after is not None:
+        boundary.after()
     if teardown is not None:
         teardown()
     if boundary.next is None:
         if gen.rank(me) == 0:
             members.end()
-        return None
-    return boundary.next
+        return None, {}
+    return boundary.next, {"boundary": boundary.decided or time.time(), "torn_down": time.time()}
 
 
 @dataclass(frozen=True)
@@ -143,25 +164,27 @@ Recover = Callable[[Generation, BaseException], "Generation | None"]
 
 def run(prog: str, members: Membership, me: str, legal: Callable[[int], bool], one: OneCall,
         teardown: Callable[[], None] | None = None, first: Generation | None = None,
-        flags: Mapping[str, Any] | None = None, recover: Recover | None = None, ends: Ends = Ends()) -> int:
+        flags: Mapping[str, Any] | None = None, recover: Recover | None = None, ends: Ends = Ends(),
+        warm: Callable[[], None] | None = None) -> int:
     """The whole job in place: ``one`` called for each generation this process is a member of (from ``first``, by
-    default :func:`first_generation`, ``flags`` checked there; a failed generation handed to ``recover`` where one
-    is given); returns 0 when training is over or this process left the job."""
+    default :func:`first_generation`, ``flags`` checked and ``warm`` run there; a failed generation handed to
+    ``recover`` where one is given); returns 0 when training is over or this process left the job."""
     gen = first
     if gen is None:
         try:
-            gen = first_generation(members, me, flags, prog)
+            gen = first_generation(members, me, flags, prog, warm)
         except MembershipError as e:
             raise SystemExit(f"{prog}: error: {e}") from None
         if gen is None:
             say(f"re-form: {me}: the job ended before admitting it")
+    since: dict[str, float] = {}
     while gen is not None:
         try:
-            gen = call(members, gen, me, legal, one, teardown)
+            gen, since = call(members, gen, me, legal, one, teardown, since)
         except Exception as e:
             if recover is None:
                 raise
-            gen = recover(gen, e)
+            gen, since = recover(gen, e), {}
         if gen is not None and gen.rank(me) is None:
             say(f"re-form: {me} leaves at generation {gen.number} (pid {os.getpid()})")
             if ends.left is not None:

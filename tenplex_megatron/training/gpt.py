@@ -9,6 +9,7 @@ Used by ``scripts/pretrain_gpt.py``, the demo and the multi-process tests.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -166,6 +167,18 @@ def init_distributed(backend: str | None = None) -> None:
     else:
         cpu_shim.install()
     torch.distributed.init_process_group(backend=backend)
+
+
+#: the megatron-core modules :func:`build_job` imports where it is first called (the model's, its layer specs')
+BUILD_MODULES = ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs")
+
+
+def warm() -> None:
+    """The modules :func:`build_job` would import at its first call, imported now: a process that joins a running
+    job does it before it registers, so that the job's ranks, stopped for it at an iteration boundary, do not wait
+    on its imports (a third of a second and more on a busy machine)."""
+    for name in BUILD_MODULES:
+        importlib.import_module(name)
 
 
 def build_job(

@@ -70,16 +70,21 @@ def train_in_world(argv: list[str], parse: Callable[[list[str]], argparse.Namesp
                    boundary: Any = None) -> None:
     """The trainer's part of one world in place (after a fault or planned; the runners do the rest): the flags
     parsed for this world (``RANK``/``WORLD_SIZE`` set by the runner), a process group on ``store``, ``run`` with
-    the job's Checkpointer (``leases``: held across worlds) and, planned, the ``boundary`` hook."""
+    the job's Checkpointer (``leases``: held across worlds) and, planned, the ``boundary`` hook (the memory tier's
+    helpers then started after the world's first iteration, and the previous world's end in the timeline)."""
     a = parse(argv)  # the layout for this world
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
                                          world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=timeout))
-    a.tenplex_timeline = {"process_start": psutil.Process().create_time(), "process_group": time.time(), **timeline}
+    a.tenplex_timeline = {"process_start": psutil.Process().create_time(),
+                          **(boundary.since if boundary is not None else {}), "process_group": time.time(), **timeline}
     a.tenplex_boundary = boundary
     held = lease_flags.stop_when_fenced(PROG) if leases is not None else contextlib.nullcontext()
     with held:  # leases held across worlds: a job that took a directory over stops this one (exit 3)
-        run(a, Checkpointer(JobConfig.from_args(a, PROG), leases))
+        ckpt = Checkpointer(JobConfig.from_args(a, PROG), leases, helpers_at_open=boundary is None)
+        if boundary is not None:  # closed by the runner after the world's last barrier (run leaves it open)
+            boundary.first, boundary.after = ckpt.start_background, ckpt.close
+        run(a, ckpt)
 
 
 

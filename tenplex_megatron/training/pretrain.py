@@ -406,11 +406,14 @@ def run(args: argparse.Namespace, ckpt: Checkpointer | None = None) -> None:
     checkpoints.check_hf_start(args, spec, found)
     job = _build_job(args, spec, layout, padded)
     job.trust_pickles = bool(args.tenplex_trust_pickles)
+    if getattr(args, "tenplex_timeline", None) is not None:  # parallel state, model and optimizer built: the load next
+        args.tenplex_timeline["built"] = time.time()
     checkpoints.restore(args, job, ckpt)
     _train(args, job, ckpt, _train_dataset(args, spec))
     # over: training is, and its last state goes to --save
     ckpt.finish(over=bool(args.save) and job.iteration >= args.train_iters, say=print_tenplex)
-    ckpt.close()
+    if getattr(args, "tenplex_boundary", None) is None:  # re-formed on plan: the runner closes it after the world's
+        ckpt.close()  # last barrier (a node that leaves waits on its helper then, not the ranks that stay)
     _print0("> tenplex-megatron: done")
 
 

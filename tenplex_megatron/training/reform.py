@@ -27,7 +27,7 @@ from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, member_id
 from tenplex_megatron.frontdoor.reform_runner import Boundary, first_generation  # noqa: F401  (their home before)
 from tenplex_megatron.storage import faults
-from tenplex_megatron.training import cpu_shim, reform_fault
+from tenplex_megatron.training import cpu_shim, gpt, reform_fault
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.inprocess import PROG, train_in_world, why_not
 
@@ -95,4 +95,4 @@ def main(argv: list[str], args: argparse.Namespace, parser: argparse.ArgumentPar
     return reform_runner.run(PROG, members, me, legal, one_call(argv, parse, run, settings.timeout, leases),
                              flags=flags, recover=recover, ends=reform_runner.Ends(
                                  left=leases.stop_heartbeat_when_idle,  # nothing given back: the others hold them
-                                 over=lambda: inprocess_lease.release(leases)))
+                                 over=lambda: inprocess_lease.release(leases)), warm=gpt.warm)
