@@ -16,11 +16,9 @@ import torch.distributed as dist
 from tenplex_megatron.frontdoor import reform_runner
 from tenplex_megatron.frontdoor.checkpointer import Checkpointer
 from tenplex_megatron.frontdoor.job_config import JobConfig
-from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership
+from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation
 from tenplex_megatron.memory.settings import MemorySettings
-
-JOB = Namespace(hidden_size=64, global_batch_size=8)
-NAMES = ("hidden_size", "global_batch_size")
+from tests.unit.test_reform_runner import JOB, NAMES, started
 
 
 @pytest.fixture
@@ -34,22 +32,10 @@ def one_rank() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def started(monkeypatch: pytest.MonkeyPatch) -> tuple[Membership, Generation]:
-    """A job of one initial rank ("h:0") that published its flags; the environment then a newcomer's."""
-    m = Membership(dist.HashStore(), timeout=5)
-    monkeypatch.setenv(REFORM_ENV, "run")
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    gen = reform_runner.first_generation(m, "h:0", reform_runner.job_flags(JOB, NAMES))
-    assert gen is not None
-    monkeypatch.setenv(REFORM_ENV, "join")
-    return m, gen
-
-
 def test_a_newcomer_warms_before_it_registers_and_a_refused_one_never_does(monkeypatch: pytest.MonkeyPatch) -> None:
     m, gen = started(monkeypatch)
     seen: list[bool] = []  # at each warm: whether the running job already saw a registration
-    other = reform_runner.job_flags(Namespace(hidden_size=128, global_batch_size=8), NAMES)
+    other = reform_runner.job_flags(Namespace(**{**vars(JOB), "hidden_size": 128}), NAMES)
     with pytest.raises(SystemExit):
         reform_runner.first_generation(m, "h:8", other, warm=lambda: seen.append(m.pending(gen)))
     assert seen == []
