@@ -52,18 +52,25 @@ def _dp_size(args: Any) -> int | None:
     return world // model if world and world % model == 0 else None
 
 
+def _followed(args: Any) -> BatchSchedule | None:
+    """The batch ramp or step schedule Megatron-LM follows for ``args``: None for a constant batch or a ramp this
+    megatron-core ignores (core_v0.18+); :class:`BatchScheduleError` where its flags are wrong."""
+    if getattr(args, "rampup_batch_size", None) is None and getattr(args, "step_batch_size_schedule", None) is None:
+        return None
+    schedule = schedule_for_args(args)
+    return schedule if schedule.ramp is not None or schedule.steps else None
+
+
 def problems_at(args: Any, dp: int, consumed: int) -> list[str]:
     """With a batch ramp or step schedule Megatron-LM follows: one line per batch size from ``consumed`` on that
     micro-batch x ``dp`` does not divide, or the schedule's own error; none otherwise."""
-    if getattr(args, "rampup_batch_size", None) is None and getattr(args, "step_batch_size_schedule", None) is None:
-        return []
     try:
-        schedule = schedule_for_args(args)
+        schedule = _followed(args)
     except BatchScheduleError as e:
         return [str(e)]
     mbs = getattr(args, "micro_batch_size", None)
-    if schedule.ramp is None and not schedule.steps or not mbs:
-        return []  # Megatron-LM ignores the ramp (core_v0.18+), or its own check of the sizes comes first
+    if schedule is None or not mbs:
+        return []  # no schedule Megatron-LM follows, or its own check of the sizes comes first
     until = getattr(args, "train_samples", None)
     return schedule.divisibility_problems(consumed, int(mbs), dp, int(until) if until else None)
 
@@ -71,13 +78,11 @@ def problems_at(args: Any, dp: int, consumed: int) -> list[str]:
 def sizes_to_come(args: Any) -> tuple[int, ...]:
     """The global batch sizes of a ramp or step schedule Megatron-LM follows, from the position this start resumes
     at to the end of training (empty without one, or where the schedule itself is refused: its check names it)."""
-    if getattr(args, "rampup_batch_size", None) is None and getattr(args, "step_batch_size_schedule", None) is None:
-        return ()
     try:
-        schedule = schedule_for_args(args)
+        schedule = _followed(args)
     except BatchScheduleError:
         return ()
-    if schedule.ramp is None and not schedule.steps:
+    if schedule is None:
         return ()
     until = getattr(args, "train_samples", None)
     return tuple(size for _, size in schedule.sizes_from(_resume_position(args), int(until) if until else None))
