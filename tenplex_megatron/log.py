@@ -15,6 +15,7 @@ from typing import TextIO
 
 ROOT = "tenplex_megatron"
 PREFIX = "> tenplex: "
+EVERY_RANK = "tenplex_every_rank"  # a record's attribute: information that every rank says (its own pid, its rank)
 
 
 def rank() -> int:
@@ -28,10 +29,11 @@ def rank() -> int:
 
 
 class RankZeroFilter(logging.Filter):
-    """Records below WARNING from rank 0 only; warnings and errors from every rank."""
+    """Records below WARNING from rank 0 only (but those :func:`every_rank` marks); warnings and errors from every
+    rank."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or rank() == 0
+        return record.levelno >= logging.WARNING or rank() == 0 or getattr(record, EVERY_RANK, False)
 
 
 class PrefixFormatter(logging.Formatter):
@@ -100,6 +102,12 @@ def get(name: str) -> logging.Logger:
     """The logger of one part of the library, ``tenplex_megatron.<name>``, the package's handler set up once."""
     _configure()
     return logging.getLogger(f"{ROOT}.{name}")
+
+
+def every_rank(logger: logging.Logger, msg: str) -> None:
+    """Information each rank says of itself (a re-form's new rank and pid, which tests and operators match per
+    process), past the rank-0 filter."""
+    logger.info("%s", msg, extra={EVERY_RANK: True})
 
 
 def propagate(on: bool = True) -> None:

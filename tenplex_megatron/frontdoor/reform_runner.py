@@ -21,8 +21,11 @@ from typing import Any
 
 import torch
 
+from tenplex_megatron import log
 from tenplex_megatron.execute.collective import broadcast_json
 from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, MembershipError
+
+_log = log.get("reform")
 
 #: what a front door does for one generation: train until the world changes or training is over; given the
 #: generation, the store its process group is made on (a fresh prefix) and the boundary hook to ask each iteration
@@ -30,8 +33,8 @@ OneCall = Callable[[Generation, Any, "Boundary"], None]
 
 
 def say(msg: str) -> None:
-    """A line of every rank's (before a process group, and naming the pid the tests check)."""
-    print(f"> tenplex-megatron: {msg}", flush=True)
+    """A line of every rank's (before a process group, and naming the pid the tests check), through the logger."""
+    log.every_rank(_log, msg)
 
 
 class Boundary:

@@ -12,6 +12,7 @@ from tenplex_megatron import log
 x = log.get("test")
 x.info("loaded iteration %d", 4)
 x.warning("skipping %s", "a copy")
+log.every_rank(x, "re-form: generation 2: rank 1 of 2")
 """
 
 
@@ -20,10 +21,10 @@ def test_prefix_rank_filter_and_streams(rank: str) -> None:
     r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, check=True,
                        env={"RANK": rank, "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
     if rank == "0":
-        assert r.stdout == "> tenplex: loaded iteration 4\n"
+        assert r.stdout == "> tenplex: loaded iteration 4\n> tenplex: re-form: generation 2: rank 1 of 2\n"
         assert r.stderr == "> tenplex: warning: skipping a copy\n"
-    else:  # information from rank 0 only; a warning from any rank, naming it
-        assert r.stdout == ""
+    else:  # information from rank 0 only (but what every rank says of itself); a warning from any rank, naming it
+        assert r.stdout == "> tenplex: [rank 3] re-form: generation 2: rank 1 of 2\n"
         assert r.stderr == "> tenplex: [rank 3] warning: skipping a copy\n"
 
 
