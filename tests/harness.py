@@ -26,8 +26,12 @@ from tenplex_megatron.storage.safetensors_io import SafetensorsReader, crc32
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRETRAIN = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 # The PYTHONPATH of the processes the tests start: the checkout, and tests/site, whose sitecustomize defers
-# megatron-core's torch.compile decorations to their first call (~3 s CPU less per process importing megatron.core).
-CHILD_PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "site")])
+# megatron-core's torch.compile decorations to their first call (~3 s CPU less per process importing megatron.core);
+# then TENPLEX_TEST_NVRX_PATH, where given: another nvidia-resiliency-ext than the venv's, its wheel unpacked with
+# what it imports (docs/elastic.md: 0.7.0's pure-Python inprocess on Python 3.11), ahead of site-packages.
+NVRX_PATH_ENV = "TENPLEX_TEST_NVRX_PATH"
+CHILD_PYTHONPATH = os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "site"),
+                                    *filter(None, os.environ.get(NVRX_PATH_ENV, "").split(os.pathsep))])
 
 TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

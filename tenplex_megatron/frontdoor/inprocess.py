@@ -207,7 +207,7 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
             return state
 
     iv = timedelta(seconds=settings.interval)
-    return inprocess.Wrapper(
+    return _without_device_checks(inprocess.Wrapper(
         store_factory=_client_store_class(),
         store_kwargs={"port": port + NVRX_STORE_OFFSET, "timeout": timedelta(seconds=settings.barrier)},
         initialize=inprocess.initialize.RetryController(min_world_size=1),
@@ -226,7 +226,18 @@ def wrapper(settings: InprocessSettings, legal: Callable[[int], bool], *,
         completion_timeout=timedelta(seconds=settings.barrier),
         termination_grace_time=timedelta(seconds=1),
         monitor_process_logfile=logfile,
-    )
+    ), health_check)
+
+
+def _without_device_checks(wrapped: Any, health_check: Any) -> Any:
+    """NVRx's ``wrapped`` with only the caller's restart health check on a machine without CUDA: from 0.6 NVRx chains
+    its GPU, NVLink and NIC checks (NVML) onto it wherever ``LOCAL_RANK`` is set, and with no GPU they fail every
+    restart (``HealthCheckError``); 0.4.1 has no such chain (no ``restart_health_check``). On a GPU they stay."""
+    import torch
+
+    if hasattr(wrapped, "restart_health_check") and not torch.cuda.is_available():
+        wrapped.restart_health_check = health_check
+    return wrapped
 
 
 def monitor_logfile(prog: str, rank: int) -> str | None:
