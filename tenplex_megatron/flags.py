@@ -271,6 +271,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "the Megatron-LM runner's sitecustomize makes nvidia-resiliency-ext unimportable (the opt-in suite sets it "
            "for core_v0.19, whose megatron.core does not import beside nvidia-resiliency-ext older than 0.6)",
            "tests"),
+    EnvVar("TENPLEX_TEST_NVRX_PATH", "paths, `:`-separated", "unset",
+           "the multi-process tests put these on their processes' PYTHONPATH ahead of site-packages: another "
+           "nvidia-resiliency-ext than the venv's, e.g. 0.7.0's wheel unpacked with httpx, pydantic and defusedxml "
+           "(its in-process module is pure Python and runs on 3.11; the opt-in Megatron-LM tests keep the caller's "
+           "PYTHONPATH instead)", "tests"),
     EnvVar("TENPLEX_CROSS_PYTHON", "a Python interpreter's path", "`.venv/bin/python`",
            "the cross-version test (tests/multiproc/test_cross_version.py) writes and resumes checkpoints with this "
            "interpreter's megatron-core as the other version; `make test-compat` sets it to the pinned venv's",

@@ -304,8 +304,6 @@ def _maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> tuple[Cal
         return _original("maybe_wrap_for_inprocess_restart")(pretrain)
     from megatron.training.inprocess_restart import destroy_state
 
-    if hasattr(args_mod, "parse_and_validate_args"):
-        raise SystemExit(megatron_lm_inprocess.PARSED_OUTSIDE)
     args = args_mod.parse_args(add_tenplex_args, ignore_unknown_args=True)
     hook = installed()
 
@@ -318,8 +316,12 @@ def _maybe_wrap_for_inprocess_restart(pretrain: Callable[..., Any]) -> tuple[Cal
     return run, store
 
 
-#: core_v0.18+ (the patch): ``pretrain``'s config made at each call when the job re-forms in place
-per_call = megatron_lm_reform.per_call
+def per_call(make: Callable[[], Any]) -> Any:
+    """core_v0.18+ (the patch): ``pretrain``'s config, made at each call (a :class:`~.megatron_lm_reform.PerCall`)
+    when the job re-forms in place or restarts in place on NVRx, so each call parses its flags for its world."""
+    if megatron_lm_inprocess.wanted(sys.argv[1:]):
+        return megatron_lm_reform.PerCall(make)
+    return megatron_lm_reform.per_call(make)
 
 
 def _load_args_from_checkpoint(args: Any, load_arg: str = "load", *a: Any, **kw: Any) -> Any:

@@ -7,8 +7,8 @@ the job ends. With ``--tenplex`` the hook replaces the function ``pretrain_gpt.p
 (``maybe_wrap_for_inprocess_restart``) by :func:`wrap`: spares (``--inprocess-active-world-size`` below the world)
 are used first, then the world shrinks to the largest size with a legal layout; the stores are the in-process
 launcher's (``frontdoor/launch.py``), so any rank may die; the checkpoint leases are claimed once and kept. Each call
-of ``pretrain`` parses and validates its flags again for the world NVRx admitted (the hook's ``validate_args``
-chooses the layout), builds the micro-batch calculator for the new data-parallel size, and the hook's
+of ``pretrain`` parses and validates its flags again for the world NVRx admitted (core_v0.18+: the patch's flag
+reading, handed over as a ``PerCall``; the hook's ``validate_args`` chooses the layout), builds the micro-batch calculator for the new data-parallel size, and the hook's
 ``load_checkpoint`` restores the newest host-memory snapshot at the new layout.
 """
 
@@ -22,19 +22,12 @@ from typing import Any
 from tenplex_megatron import log as tlog
 from tenplex_megatron.frontdoor import batch_flags, inprocess, inprocess_lease, inprocess_runner
 from tenplex_megatron.frontdoor.job_config import JobConfig
+from tenplex_megatron.frontdoor.megatron_lm_reform import PerCall
 from tenplex_megatron.storage.lease import LeaseSet
 
 _log = tlog.get("megatron_lm")
 PROG = "pretrain_gpt.py"
 FLAG = "--inprocess-restart"
-#: core_v0.18+: pretrain_gpt.py parses and validates its flags once, before NVRx's wrapper, and hands ``pretrain`` a
-#: config built from them: a call after a fault cannot take another world size without moving that into the call
-PARSED_OUTSIDE = (f"{PROG}: error: {FLAG} with --tenplex needs pretrain to parse its flags at each call (Megatron-LM "
-                  "core_v0.15-0.17); from core_v0.18 pretrain_gpt.py parses and validates them once, outside the "
-                  "in-process wrapper, so the survivors of a fault could not take a new world size. Use a core_v0.17 "
-                  "or older checkout, or the reference trainer's --tenplex-inprocess")
-
-
 @dataclass(frozen=True)
 class InPlace:
     """A job running in place: its timeouts and the checkpoint directories whose leases it holds across calls."""
@@ -134,7 +127,8 @@ def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Calla
                                 abort_inner=inner, health_check=health)
 
     def call(it: int, call_store: Any, *a: Any, **kw: Any) -> Any:  # Megatron-LM makes its process group there
-        return pretrain(*a, **{**kw, "store": call_store})
+        call_args = (a[0].make(), *a[1:]) if a and isinstance(a[0], PerCall) else a  # core_v0.18+: this world's flags
+        return pretrain(*call_args, **{**kw, "store": call_store})
 
     def say(it: int, line: str) -> None:  # a call after a fault is a warning, so that every survivor says it
         (_log.warning if it else _log.info)("%s", line)
