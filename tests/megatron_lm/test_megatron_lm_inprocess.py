@@ -44,13 +44,14 @@ from tests.megatron_lm.test_megatron_lm import (
 def unavailable() -> str:
     """Why Megatron-LM's in-process restart cannot run on this checkout here ("": it can): from core_v0.18 the hook
     refuses ``--inprocess-restart`` with ``--tenplex`` (``PARSED_OUTSIDE``); from core_v0.17.1 ``megatron.core``
-    does not import beside the installed nvidia-resiliency-ext older than 0.6, which the launches hide; and NVRx at
-    all."""
+    does not import beside an installed nvidia-resiliency-ext older than 0.6 (the launches hide it); and without
+    nvidia-resiliency-ext at all."""
+    here = f"{MLM} (megatron/core {'.'.join(map(str, RELEASE))})"
     if RELEASE[:2] >= (0, 18):
-        return (f"core_v{'.'.join(map(str, RELEASE))}: the hook refuses --inprocess-restart with --tenplex from "
+        return (f"{here}: the hook refuses --inprocess-restart with --tenplex from "
                 "core_v0.18 (pretrain_gpt.py parses its flags once, outside NVRx's wrapper)")
     if NVRX_ENV:
-        return (f"core_v{'.'.join(map(str, RELEASE))}: megatron.core asserts nvidia-resiliency-ext >= 0.6 from "
+        return (f"{here}: megatron.core asserts nvidia-resiliency-ext >= 0.6 from "
                 "core_v0.17.1; the installed one is older (0.4.1 is the newest for Python 3.11)")
     from tenplex_megatron import mcore_versions
 
