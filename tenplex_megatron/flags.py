@@ -269,7 +269,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "training when Slurm's signal or a lost node comes)", "tests"),
     EnvVar("TENPLEX_TEST_HIDE_NVRX", "`1`", "unset",
            "the Megatron-LM runner's sitecustomize makes nvidia-resiliency-ext unimportable (the opt-in suite sets it "
-           "for core_v0.19, whose megatron.core does not import beside nvidia-resiliency-ext older than 0.6)",
+           "from core_v0.17.1, whose megatron.core does not import beside nvidia-resiliency-ext older than 0.6)",
            "tests"),
     EnvVar("TENPLEX_TEST_NVRX_PATH", "paths, `:`-separated", "unset",
            "the multi-process tests put these on their processes' PYTHONPATH ahead of site-packages: another "

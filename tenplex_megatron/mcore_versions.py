@@ -121,8 +121,11 @@ def check_supported(version: MegatronCoreVersion | None = None) -> MegatronCoreV
     return version
 
 
-#: the NVRx megatron-core 0.19+ asks for when one is installed (its import asserts it: dist_checkpointing's nvrx.py)
+#: the NVRx megatron-core 0.17.1+ asks for when one is installed (its import asserts it: dist_checkpointing's nvrx.py,
+#: from core_v0.17.1; 0.17.0 and older do not)
 NVRX_FOR_MCORE_019 = (0, 6)
+#: the first megatron-core release whose import asserts :data:`NVRX_FOR_MCORE_019`
+NVRX_ASSERTED_FROM = (0, 17, 1)
 
 
 class NVRxMismatchError(TenplexError, ImportError):
@@ -145,16 +148,16 @@ def nvrx_installed() -> str | None:
 
 def check_nvrx(version: MegatronCoreVersion | None = None, nvrx: str | None = None) -> None:
     """Refuse (:class:`NVRxMismatchError`, naming both versions and the fix) an nvidia-resiliency-ext older than
-    0.6 beside megatron-core 0.19+, which asserts it; ``version``/``nvrx``: the installed ones by default."""
+    0.6 beside megatron-core 0.17.1+, which asserts it; ``version``/``nvrx``: the installed ones by default."""
     version = installed() if version is None else version
     nvrx = nvrx_installed() if nvrx is None else nvrx
-    if version is None or nvrx is None or version.release[:2] < (0, 19):
+    if version is None or nvrx is None or version.release[:3] < NVRX_ASSERTED_FROM:
         return
     if parse(nvrx)[:2] < NVRX_FOR_MCORE_019:
         raise NVRxMismatchError(
             f"megatron-core {version.text} needs nvidia-resiliency-ext >= 0.6 when one is installed; "
             f"nvidia-resiliency-ext {nvrx} is: on Python 3.12 pip install 'nvidia-resiliency-ext>=0.6' "
-            "(tenplex-megatron[inprocess] does), on Python 3.11 use megatron-core <= 0.18 with 0.4.1")
+            "(tenplex-megatron[inprocess] does), on Python 3.11 use megatron-core <= 0.17.0 with 0.4.1")
 
 
 def state_layout(release: tuple[int, ...]) -> str:

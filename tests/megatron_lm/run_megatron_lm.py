@@ -22,7 +22,7 @@ import sys
 import torch
 
 # site/sitecustomize.py: Python 3.12's typing.override on 3.11 (core_v0.18+ import it) and, where the tests ask,
-# no nvidia-resiliency-ext (core_v0.19 asserts >= 0.6 when one is installed). Run here for this process, and first
+# no nvidia-resiliency-ext (core_v0.17.1+ assert >= 0.6 when one is installed). Run here for this process, and first
 # on PYTHONPATH for the processes Megatron-LM spawns (fresh interpreters: core_v0.19's torch_dist save starts one).
 SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "site")
 runpy.run_path(os.path.join(SITE, "sitecustomize.py"))

@@ -86,18 +86,20 @@ RUNNER = os.path.join(ROOT, "tests", "megatron_lm", "run_megatron_lm.py")
 
 
 def _nvrx_env() -> dict[str, str]:
-    """core_v0.19's ``megatron.core`` import asserts nvidia-resiliency-ext >= 0.6 when one is installed; the
+    """From core_v0.17.1 ``megatron.core``'s import asserts nvidia-resiliency-ext >= 0.6 when one is installed; the
     ``[inprocess]`` extra pins 0.4.1 (Python 3.11). There the runner's site hides it (``TENPLEX_TEST_HIDE_NVRX``,
-    ``site/sitecustomize.py``), as an environment without that extra: no test here uses it."""
+    ``site/sitecustomize.py``), as an environment without that extra: only the in-process tests use it."""
     from importlib import metadata
 
     from packaging.version import Version
+
+    from tenplex_megatron import mcore_versions
 
     try:
         installed = Version(metadata.version("nvidia-resiliency-ext"))
     except metadata.PackageNotFoundError:
         return {}
-    return {"TENPLEX_TEST_HIDE_NVRX": "1"} if RELEASE[:2] >= (0, 19) and installed < Version("0.6") else {}
+    return {"TENPLEX_TEST_HIDE_NVRX": "1"} if RELEASE >= mcore_versions.NVRX_ASSERTED_FROM and installed < Version("0.6") else {}
 
 
 NVRX_ENV = _nvrx_env() if MLM else {}

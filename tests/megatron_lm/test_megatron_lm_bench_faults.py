@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from tests.megatron_lm.test_megatron_lm import MLM, RELEASE
+from tests.megatron_lm.test_megatron_lm import MLM
+from tests.megatron_lm.test_megatron_lm_inprocess import unavailable
 
 pytestmark = [pytest.mark.megatron_lm,
               pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.17.x checkout")]
@@ -20,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_bench_faults_megatron_lm_rows(tmp_path) -> None:
-    if RELEASE[:2] >= (0, 18):
-        pytest.skip("core_v0.18+ refuse nvidia-resiliency-ext 0.4.1, the in-process restart's (a 3.11 venv's)")
+    if unavailable():
+        pytest.skip(unavailable())
     out = tmp_path / "r.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "benchmarks.faults", "--megatron-lm", MLM, "--faults",

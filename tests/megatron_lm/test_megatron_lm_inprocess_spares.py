@@ -26,10 +26,12 @@ from tests.megatron_lm.test_megatron_lm_inprocess import (
     _pairs,
     _port_pair,
     launcher_cmd,
+    unavailable,
 )
 
 pytestmark = [pytest.mark.megatron_lm,
-              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.17.x checkout")]
+              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.17.x checkout"),
+              pytest.mark.skipif(bool(MLM and unavailable()), reason=unavailable() if MLM else "")]
 
 
 def test_megatron_lm_inprocess_restart_uses_a_hot_spare_first(tmp_path) -> None:

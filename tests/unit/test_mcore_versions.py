@@ -5,6 +5,7 @@ where that release exposes it (0.19's optimizer/param_layout.py)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -117,13 +118,18 @@ def test_buffer_layout_equals_megatron_cores_own() -> None:
             assert mine == (start - starts[bucket], end - starts[bucket]), (numels, dp, i)
 
 
-def test_an_nvrx_older_than_megatron_core_0_19_asks_for_is_named_with_the_fix() -> None:
-    """megatron-core 0.19's import asserts nvidia-resiliency-ext >= 0.6 when one is installed: the plugin names the
-    mismatch (both versions, what to install) where it runs first; 0.18 with 0.4.1, or 0.19 with 0.6+, pass."""
+def test_an_nvrx_older_than_megatron_core_0_17_1_asks_for_is_named_with_the_fix() -> None:
+    """From 0.17.1 megatron-core's import asserts nvidia-resiliency-ext >= 0.6 when one is installed (core_v0.17.1,
+    0.18.x and 0.19.0's dist_checkpointing/strategies/nvrx.py): the plugin names the mismatch (both versions, what to
+    install) where it runs first; 0.17.0 with 0.4.1, or 0.18/0.19 with 0.6+, pass."""
     v019 = mv.MegatronCoreVersion("0.19.0", (0, 19, 0), "test")
     v018 = mv.MegatronCoreVersion("0.18.2", (0, 18, 2), "test")
-    with pytest.raises(mv.NVRxMismatchError, match=r"megatron-core 0\.19\.0 needs nvidia-resiliency-ext "
-                       r">= 0\.6 when one is installed; nvidia-resiliency-ext 0\.4\.1 is"):
-        mv.check_nvrx(v019, "0.4.1")
-    mv.check_nvrx(v018, "0.4.1")
+    v0171 = mv.MegatronCoreVersion("0.17.1", (0, 17, 1), "test")
+    v0170 = mv.MegatronCoreVersion("0.17.0", (0, 17, 0), "test")
+    for v in (v019, v018, v0171):
+        with pytest.raises(mv.NVRxMismatchError, match=rf"megatron-core {re.escape(v.text)} needs "
+                           r"nvidia-resiliency-ext >= 0\.6 when one is installed; nvidia-resiliency-ext 0\.4\.1 is"):
+            mv.check_nvrx(v, "0.4.1")
+    mv.check_nvrx(v0170, "0.4.1")
+    mv.check_nvrx(v018, "0.6.0")
     mv.check_nvrx(v019, "0.7.0")

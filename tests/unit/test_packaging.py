@@ -99,8 +99,8 @@ def test_require_names_the_extra(tmp_path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_the_inprocess_extra_fits_each_python() -> None:
-    """[inprocess] installs what works together: on Python 3.11 NVRx 0.4.1 with megatron-core up to 0.18 (0.19's
-    import asserts NVRx >= 0.6), on Python 3.12 NVRx 0.6 or newer, which megatron-core 0.19 asks for."""
+    """[inprocess] installs what works together: on Python 3.11 NVRx 0.4.1 with megatron-core up to 0.17.0
+    (from 0.17.1 its import asserts NVRx >= 0.6), on Python 3.12 NVRx 0.6 or newer, which megatron-core 0.19 asks for."""
     extra = [Requirement(r) for r in _pyproject()["project"]["optional-dependencies"]["inprocess"]]
 
     def applying(python: str) -> dict[str, list[Requirement]]:
@@ -112,8 +112,8 @@ def test_the_inprocess_extra_fits_each_python() -> None:
 
     py311, py312 = applying("3.11"), applying("3.12")
     assert all(r.specifier.contains("0.4.1") for r in py311["nvidia-resiliency-ext"])
-    assert not any(r.specifier.contains("0.19.0") for r in py311["megatron-core"])
-    assert all(r.specifier.contains("0.18.2") for r in py311["megatron-core"])
+    assert not any(r.specifier.contains(v) for r in py311["megatron-core"] for v in ("0.17.1", "0.18.2", "0.19.0"))
+    assert all(r.specifier.contains("0.17.0") and r.specifier.contains("0.16.1") for r in py311["megatron-core"])
     assert all(r.specifier.contains("0.7.0") and not r.specifier.contains("0.5.0")
                for r in py312["nvidia-resiliency-ext"])
     assert "megatron-core" not in py312

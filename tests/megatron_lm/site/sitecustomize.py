@@ -6,10 +6,10 @@ Megatron-LM starts with the spawn method (fresh interpreters that import the scr
 
 - ``typing.override`` (Python 3.12's marker, which only sets ``__override__``) on 3.11, from
   ``typing_extensions``: core_v0.18+ import it; Megatron-LM itself declares Python >= 3.12.
-- ``TENPLEX_TEST_HIDE_NVRX=1`` (set by the tests for core_v0.19 when the installed nvidia-resiliency-ext is older
-  than 0.6): that package is not importable, as in an environment without the ``[inprocess]`` extra. core_v0.19's
-  ``megatron.core`` import asserts nvidia-resiliency-ext >= 0.6 whenever one is installed, and the extra pins 0.4.1
-  (the newest with a Python 3.11 wheel); no test of this folder uses it.
+- ``TENPLEX_TEST_HIDE_NVRX=1`` (set by the tests from core_v0.17.1 when the installed nvidia-resiliency-ext is
+  older than 0.6): that package is not importable, as in an environment without the ``[inprocess]`` extra. From
+  core_v0.17.1 ``megatron.core``'s import asserts nvidia-resiliency-ext >= 0.6 whenever one is installed, and the
+  extra pins 0.4.1 (the newest with a Python 3.11 wheel); the in-process tests, which need it, skip there.
 """
 
 import os
