@@ -42,24 +42,20 @@ from tests.megatron_lm.test_megatron_lm import (
 
 
 def unavailable() -> str:
-    """Why Megatron-LM's in-process restart cannot run on this checkout here ("": it can): from core_v0.18 the hook
-    refuses ``--inprocess-restart`` with ``--tenplex`` (``PARSED_OUTSIDE``); from core_v0.17.1 ``megatron.core``
-    does not import beside an installed nvidia-resiliency-ext older than 0.6 (the launches hide it); and without
-    nvidia-resiliency-ext at all."""
+    """Why Megatron-LM's in-process restart cannot run on this checkout here ("": it can): from core_v0.17.1
+    ``megatron.core`` does not import beside an installed nvidia-resiliency-ext older than 0.6 (the launches hide
+    it: put 0.6+ first on ``PYTHONPATH``, docs/elastic.md); and without nvidia-resiliency-ext at all."""
     here = f"{MLM} (megatron/core {'.'.join(map(str, RELEASE))})"
-    if RELEASE[:2] >= (0, 18):
-        return (f"{here}: the hook refuses --inprocess-restart with --tenplex from "
-                "core_v0.18 (pretrain_gpt.py parses its flags once, outside NVRx's wrapper)")
     if NVRX_ENV:
         return (f"{here}: megatron.core asserts nvidia-resiliency-ext >= 0.6 from "
-                "core_v0.17.1; the installed one is older (0.4.1 is the newest for Python 3.11)")
+                "core_v0.17.1; the installed one is older (0.4.1 is the newest wheel for Python 3.11)")
     from tenplex_megatron import mcore_versions
 
     return "" if mcore_versions.nvrx_installed() else "nvidia-resiliency-ext is not installed (the [inprocess] extra)"
 
 
 pytestmark = [pytest.mark.megatron_lm,
-              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.17.x checkout"),
+              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout"),
               pytest.mark.skipif(bool(MLM and unavailable()), reason=unavailable() if MLM else "")]
 
 STARTED = re.compile(r"ranks started, pids ((?:\d+:\d+ ?)+)")

@@ -30,7 +30,7 @@ from tests.megatron_lm.test_megatron_lm_inprocess import (
 )
 
 pytestmark = [pytest.mark.megatron_lm,
-              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.17.x checkout"),
+              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout"),
               pytest.mark.skipif(bool(MLM and unavailable()), reason=unavailable() if MLM else "")]
 
 
