@@ -445,6 +445,7 @@ def load_checkpoint(ddp_model: list[Any], optimizer: Any, opt_param_scheduler: A
     from megatron.training import get_args
 
     args = get_args()
+    megatron_lm_reform.started(installed().boundary)
     job = _job(ddp_model, optimizer, opt_param_scheduler)
     ckpt = installed().checkpointer_for(args)
     try:  # host memory and the checkpoint flags' scope belong to the job's own --load

@@ -13,6 +13,8 @@ Megatron-LM's ``checkpoint_and_decide_exit``) asks the membership whether the wo
 iteration is snapshotted (unless it just was) and Megatron-LM's loop exits as on ``--exit-interval``; its
 ``sys.exit(0)`` ends the call, Megatron-LM's global state and the hook's Checkpointer are torn down and the next
 generation starts. A newcomer registers and waits for its first world before ``pretrain_gpt.py`` reads its flags.
+A member lost meanwhile ends the call with its peers' failed collective: the survivors tear the call down and agree
+on the next world (:mod:`~tenplex_megatron.frontdoor.reform_fault`), as the reference trainer's do.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tenplex_megatron import log as tlog
-from tenplex_megatron.frontdoor import inprocess, reform_runner
+from tenplex_megatron.frontdoor import inprocess, reform_fault, reform_runner
 from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, MembershipError, member_id
+from tenplex_megatron.storage import faults
 
 _log = tlog.get("megatron_lm")
 PROG = "pretrain_gpt.py"
@@ -42,6 +45,15 @@ def per_call(make: Callable[[], Any]) -> Any:
     """What ``pretrain_gpt.py`` (core_v0.18+, patched) hands ``pretrain`` as its config: made now, as the stock
     script does, unless the job re-forms in place (then :class:`PerCall`, made at each generation by :func:`wrap`)."""
     return PerCall(make) if os.environ.get(REFORM_ENV) else make()
+
+
+def started(boundary: reform_runner.Boundary | None) -> None:
+    """A re-formed generation's load (its process group made, the model built): where the tests lose a member
+    (``TENPLEX_FAULT``'s ``reform.start``, as the reference trainer's); nothing when not re-forming."""
+    if boundary is not None:
+        import torch
+
+        faults.maybe_fail("reform.start", torch.distributed.get_rank(), boundary.gen.number)
 
 
 def wanted() -> bool:
@@ -141,6 +153,12 @@ def wrap(pretrain: Callable[..., Any], args: Any, argv: list[str], reason: Calla
             finally:
                 hook.boundary = None
 
-        reform_runner.run(PROG, members, me, lambda n: not reason(n), one, lambda: teardown(hook.close), first)
+        def recover(gen: Generation, error: BaseException) -> Generation | None:  # a member lost
+            reform_fault.end_generation()  # the helpers and the broken group ended before Megatron-LM's teardown
+            teardown(hook.close)
+            return reform_fault.after_fault(members, gen, me, lambda n: not reason(n), settings.timeout, error)
+
+        reform_runner.run(PROG, members, me, lambda n: not reason(n), one, lambda: teardown(hook.close), first,
+                          recover=recover)
 
     return run, None

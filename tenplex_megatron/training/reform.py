@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from tenplex_megatron.frontdoor import inprocess, inprocess_lease, reform_runner
+from tenplex_megatron.frontdoor import inprocess, inprocess_lease, reform_fault, reform_runner
 from tenplex_megatron.frontdoor.job_config import JobConfig
 from tenplex_megatron.frontdoor.membership import REFORM_ENV, Generation, Membership, member_id
 from tenplex_megatron.frontdoor.reform_runner import Boundary, first_generation  # noqa: F401  (their home before)
 from tenplex_megatron.storage import faults
-from tenplex_megatron.training import cpu_shim, gpt, reform_fault
+from tenplex_megatron.training import cpu_shim, gpt
 from tenplex_megatron.training.gpt import GPTSpec
 from tenplex_megatron.training.inprocess import PROG, train_in_world, why_not
 

@@ -42,11 +42,13 @@ LOADED = re.compile(r"loaded iteration (\d+) from host memory .*: layout (\S+) -
 
 
 def launcher(d: object, script: str, node: int, join: bool, port: int, extra: list[str] = (),
-             nproc: int = 2) -> subprocess.Popen:
+             nproc: int = 2, fault: str = "") -> subprocess.Popen:
     """Node ``node``'s in-process launcher with ``--reform`` (``join``: ``--join``), ``nproc`` ranks, its own memory;
-    ``extra``: flags after the job's (the later one wins)."""
+    ``extra``: flags after the job's (the later one wins); ``fault``: its ranks' ``TENPLEX_FAULT``, each fired once."""
     env, cpu = _env()
     env.update(PYTHONUNBUFFERED="1")
+    if fault:
+        env.update(TENPLEX_FAULT=fault, TENPLEX_FAULT_ONCE=f"{d}/fired-{node}")
     cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--reform", *(["--join"] if join else []),
            "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port", str(port), "--timeout", "900",
            RUNNER, script, *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []),

@@ -1,0 +1,103 @@
+"""Opt-in: a rank of Megatron-LM's own pretrain_gpt.py (patched) lost while the job grows in place (issue #53's
+collisions through Megatron-LM; the reference trainer's are tests/multiproc/test_reform_collisions.py).
+
+Node 0's launcher (``--reform``, 2 ranks at DP2, ``--tenplex-memory``) holds its rank 0 at generation 0's load
+(``TENPLEX_FAULT`` ``reform.start@0#0:stop``) until node 1's 2 ranks (``--join``) registered, so the job grows to 4
+at its first boundary; node 0's rank 1 is then SIGKILLed at generation 1's load (``reform.start@1#1:kill``: the
+4-rank process group made, the model built). The survivors agree on 2 ranks (3 have no legal layout at global
+batch 8, micro-batch 2): node 0's rank 0 and node 1's first; node 1's second waits as a spare and exits 0 at the
+end. Oracle: every logged iteration's loss equals an uninterrupted torchrun run of 2 ranks (fp32, 1e-5), each
+iteration once with its data position; every restore from host memory (0 bytes from durable storage); node 0's
+rank 0 in one process throughout; every launcher exits 0 (a rank ended by a signal is the fault the job survived).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+
+from tests.megatron_lm.test_megatron_lm import MLM, _log_lines, _losses, _run, patched_script
+from tests.megatron_lm.test_megatron_lm_inprocess import STARTED, STATUSES, _pairs, _port_pair
+from tests.megatron_lm.test_megatron_lm_reform import GENERATION, ITERS, LOADED, _read, launcher, segments
+
+pytestmark = [pytest.mark.megatron_lm,
+              pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")]
+DEADLINE = 900.0
+REGISTERED = "registered, waiting for the next re-form"
+
+
+def _until(what: str, ok: object, d: object) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not ok():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {DEADLINE:.0f} s\n" + _read(f"{d}/node-0.log")[-3000:]
+                                 + _read(f"{d}/node-1.log")[-3000:])
+        time.sleep(0.05)
+
+
+def _held(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+    except psutil.NoSuchProcess:
+        return False
+
+
+def lose_a_rank_in_a_grow(d: object, script: str) -> dict[str, object]:
+    port = _port_pair()
+    procs = [launcher(d, script, 0, False, port, fault="reform.start@0#0:stop,reform.start@1#1:kill")]
+    try:
+        _until("node 0's ranks started", lambda: STARTED.search(_read(f"{d}/node-0.log")), d)
+        rank0 = _pairs(STARTED.search(_read(f"{d}/node-0.log")).group(1))[0]
+        _until("rank 0 held at generation 0's load", lambda: _held(rank0), d)
+        procs.append(launcher(d, script, 1, True, port))
+        _until("node 1's ranks registered", lambda: _read(f"{d}/node-1.log").count(REGISTERED) == 2, d)
+        os.kill(rank0, signal.SIGCONT)
+        for p in procs:
+            p.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return {"codes": [p.returncode for p in procs], "node0": _read(f"{d}/node-0.log"),
+            "node1": _read(f"{d}/node-1.log")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    d = tmp_path_factory.mktemp("mlm-reform-fault")
+    script = patched_script(d)
+    ref = _losses(_run(script, None, 95, ["--train-iters", str(ITERS)], nproc=2))
+    assert sorted(ref) == list(range(1, ITERS + 1)), ref
+    return {**lose_a_rank_in_a_grow(d, script), "ref": ref}
+
+
+def test_megatron_lm_loses_a_rank_while_growing_and_continues_with_the_uninterrupted_losses(runs: dict) -> None:
+    node0, node1 = runs["node0"], runs["node1"]
+    assert runs["codes"] == [0, 0], node0[-5000:] + node1[-5000:]
+    worlds = {(int(g), int(w)) for g, _, w, _ in GENERATION.findall(node0)}
+    assert worlds == {(0, 2), (1, 4), (2, 2)}, node0[-5000:]
+    assert _pairs(STATUSES.search(node0).group(1)) == {0: 0, 1: -signal.SIGKILL}, node0[-3000:]
+    assert _pairs(STATUSES.search(node1).group(1)) == {2: 0, 3: 0}, node1[-3000:]
+    assert "waits as a spare from generation 2" in node1, node1[-3000:]
+    started = _pairs(STARTED.search(node0).group(1))
+    assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
+    logged: dict[int, float] = {}
+    for log in (node0, node1):
+        for seg in segments(log).values():
+            losses = _losses(seg)
+            for it, consumed, _ in _log_lines(seg):
+                assert it not in logged and consumed == 8 * it, (it, consumed)
+                logged[it] = losses[it]
+    assert sorted(logged) == list(range(1, ITERS + 1)), sorted(logged)
+    for it, loss in logged.items():
+        assert loss == pytest.approx(runs["ref"][it], rel=1e-5, abs=5e-6), (it, loss, runs["ref"][it])
+    loads = {(a.rstrip(","), b.rstrip(","), int(n)) for _, a, b, n in LOADED.findall(node0 + node1)}
+    assert loads and all(n == 0 for _, _, n in loads), loads  # every restore from host memory
