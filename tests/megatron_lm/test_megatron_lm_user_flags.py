@@ -8,11 +8,14 @@
 - ``--exit-signal-handler --num-workers 1``: the training split's DataLoader is Megatron-LM's own (its
   ``worker_init_fn`` in the worker) with tenplex's sampler; a restart at TP1 x DP2 continues the losses.
 - Evaluation: the validation split is Megatron-LM's own loader (from core_v0.18 at ``--eval-global-batch-size``);
-  its position is restored, and the validation losses after the restart at TP1 x DP2 equal the uninterrupted run's;
-  the same with ``--full-validation`` (each evaluation the whole validation split, Megatron-LM's own sampler).
+  its position is restored, and the validation losses after the restart at TP1 x DP2 equal the uninterrupted run's.
   ``--eval-micro-batch-size`` other than ``--micro-batch-size`` is not run: at TP > 1 core_v0.19's own
   ``pretrain_gpt.py`` receives each batch at the training micro-batch size (a broadcast of the wrong size, with or
-  without --tenplex).
+  without --tenplex). ``--full-validation`` is not run either: without ``--multiple-validation-sets`` Megatron-LM's
+  own run stops at the first evaluation, with or without --tenplex (core_v0.16.1 and core_v0.19.0:
+  ``evaluate_and_print_results`` indexes the int it broadcast, "'int' object is not subscriptable"; at TP > 1 first
+  ``build_train_valid_test_data_iterators``' len() of a TP rank's None loader), and with it a whole validation split
+  of ``--mock-data`` is about a million samples (the mock dataset takes the split 1,1,1 whatever ``--split`` says).
 
 Each Megatron-LM launch takes minutes on a CPU-only machine: run one test with ``-k``.
 """
@@ -136,21 +139,12 @@ def _valid(log: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in VALID.finditer(log)}
 
 
-#: --full-validation: each evaluation runs the whole validation split, one sample a rank per micro-batch (Megatron-LM's
-#: MegatronFullValidationSampler), cycled over until the evaluation's steps are done. With --mock-data the split is
-#: one document of Megatron-LM's mock dataset: 12 samples of 64 tokens, an even count, so each DP2 rank reads 6 and
-#: every evaluation covers the split a whole number of times at DP1 and at DP2 alike.
-FULL_VALIDATION = ["--full-validation", "--split", "99999,1,0"]
-
-
-@pytest.mark.parametrize("full", [False, True], ids=["eval_iters", "full_validation"])
-def test_eval_batch_sizes_and_validation_position_across_a_restart(tmp_path, script: str, full: bool) -> None:
+def test_eval_batch_sizes_and_validation_position_across_a_restart(tmp_path, script: str) -> None:
     """Evaluation every 2 iterations (2 steps each); from core_v0.18 at its own global batch size (4).
     The validation losses at 6 and 8 after a restart at 4 at TP1 x DP2 equal the uninterrupted TP2 run's, as do
-    the training losses. ``full_validation``: the same with --full-validation (each evaluation the whole
-    validation split, whatever --eval-iters says)."""
+    the training losses."""
     ev = ["--eval-iters", "2", "--eval-interval", "2",
-          *(["--eval-global-batch-size", "4"] if RELEASE[:2] >= (0, 18) else []), *(FULL_VALIDATION if full else [])]
+          *(["--eval-global-batch-size", "4"] if RELEASE[:2] >= (0, 18) else [])]
     ref_log = _run(script, 2, 95, ev)
     ref, ref_valid = _losses(ref_log), _valid(ref_log)
     assert sorted(ref_valid) == [2, 4, 6, 8], ref_log[-3000:]
@@ -158,8 +152,7 @@ def test_eval_batch_sizes_and_validation_position_across_a_restart(tmp_path, scr
     log = _run(script, 2, 95, [*ev, "--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"])
     extra = json.loads((ckpt / "iter_0000004" / "metadata.json").read_text())["extra"]
     eval_gbs = 4 if RELEASE[:2] >= (0, 18) else 8
-    if not full:  # --full-validation's steps are the split's length, not --eval-iters
-        assert extra["consumed_valid_samples"] == 2 * 2 * eval_gbs, extra
+    assert extra["consumed_valid_samples"] == 2 * 2 * eval_gbs, extra
     log = _run(script, 1, 95, [*ev, "--load", str(ckpt)])
     resumed, valid = _losses(log), _valid(log)
     assert sorted(resumed) == [5, 6, 7, 8] and sorted(valid) == [6, 8], log[-3000:]
