@@ -121,7 +121,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(("async_save",), "--async-save", HONOURED,
             "the save returns once the state is captured in host memory (--tenplex-memory's tier, by default in "
             "/dev/shm); a helper process writes it to --save in the background, committed before the next save "
-            "and at exit"),
+            "and at exit (tests/megatron_lm/test_megatron_lm.py -k async_save: TP2 -> TP1 x DP2, losses equal to "
+            "stock Megatron-LM's own --async-save run; tests/multiproc/test_async_save.py -m slow -k kill: the "
+            "whole job SIGKILLed during a persist keeps the previous checkpoint committed)"),
     Setting(("use_persistent_ckpt_worker",), "--use-persistent-ckpt-worker", NO_EFFECT, _ASYNC),
     Setting(("async_strategy",), "--async-strategy", NO_EFFECT, _ASYNC),
     Setting(("async_ckpt_cpu_priority",), "--async-ckpt-cpu-priority", NO_EFFECT, _ASYNC),

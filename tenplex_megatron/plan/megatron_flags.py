@@ -99,8 +99,9 @@ HONOURED_GROUPS: tuple[Group, ...] = (
           "--full-validation's sampler: each evaluation covers the same samples at any DP size, and their position "
           "(consumed_valid_samples) is recorded in the tenplex checkpoint and restored as Megatron-LM's own load does "
           "(tests/megatron_lm/test_megatron_lm_user_flags.py -k eval: the validation losses after TP2 -> TP1 x DP2 "
-          "equal the uninterrupted run's; the evaluation batch sizes exist from core_v0.18; --full-validation is "
-          "Megatron-LM's own loader as without --tenplex, not run in a test here)",
+          "equal the uninterrupted run's; -k full_validation: with --multiple-validation-sets, TP1 x DP2 -> DP1, "
+          "the same; without that flag Megatron-LM's own --full-validation stops at its first evaluation, with or "
+          "without --tenplex, on core_v0.16.1 and core_v0.19.0; the evaluation batch sizes exist from core_v0.18)",
           ("eval_micro_batch_size", "eval_global_batch_size", "full_validation")),
     Group(HONOURED, "Megatron-LM's batch-size ramp (core_v0.15-0.17; from 0.18 Megatron-LM parses and ignores it, and "
           "so does the sampler) and core_v0.18's step schedule: the global batch at consumed sample c is Megatron-LM's "

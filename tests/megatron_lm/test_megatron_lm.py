@@ -670,10 +670,19 @@ def test_megatron_lm_async_save_is_written_in_the_background_and_resumes_at_anot
     """Megatron-LM's --async-save with the hook: each save is a snapshot into the node's memory (in /dev/shm, one
     directory per --save), written to --save by the helper in the background and committed before the next save
     and at exit; with the memory gone, the restart at TP1 x DP2 loads the durable checkpoint and continues the
-    uninterrupted run's losses."""
+    uninterrupted run's losses. The reference is stock Megatron-LM: the same script and flags without ``--tenplex``,
+    ``--async-save`` included (Megatron-LM's own async torch_dist save, its background writer; it runs on the CPU
+    too), every checkpoint of which it writes."""
     from tenplex_megatron.frontdoor.memory_flags import async_save_dir
 
-    ref = _reference(script, 95)
+    stock_dir = tmp_path / "stock"
+    stock = _run(script, 2, 95, ["--save", str(stock_dir), "--save-interval", "2", "--async-save"], tenplex=False)
+    assert "> tenplex" not in stock, stock[-3000:]
+    assert (stock_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "8", stock[-3000:]
+    for it in (2, 4, 6, 8):  # Megatron-LM's own format, finalized by its own async writer
+        assert list((stock_dir / f"iter_{it:07d}").glob("*.distcp")), (it, stock[-3000:])
+    ref = _losses(stock)
+    assert sorted(ref) == list(range(1, 9)), stock[-3000:]
     ckpt = tmp_path / "ckpt"
     mem = async_save_dir(str(ckpt))
     try:

@@ -12,6 +12,12 @@
   ``--eval-micro-batch-size`` other than ``--micro-batch-size`` is not run: at TP > 1 core_v0.19's own
   ``pretrain_gpt.py`` receives each batch at the training micro-batch size (a broadcast of the wrong size, with or
   without --tenplex).
+- ``--full-validation`` with ``--multiple-validation-sets`` (one set) on a small indexed dataset: the validation
+  and training losses after TP1 x DP2 -> DP1 equal the uninterrupted run's. Without ``--multiple-validation-sets``
+  Megatron-LM's own run stops at its first evaluation, with or without --tenplex (core_v0.16.1 and core_v0.19.0:
+  ``evaluate_and_print_results`` indexes the int it broadcast, "'int' object is not subscriptable"; at TP > 1
+  first ``build_train_valid_test_data_iterators``' len() of a TP rank's None loader); ``--mock-data`` takes the split
+  1,1,1 whatever ``--split`` says, about a million validation samples.
 
 Each Megatron-LM launch takes minutes on a CPU-only machine: run one test with ``-k``.
 """
@@ -128,7 +134,7 @@ def test_exit_signal_handler_with_a_worker_restart_continues_losses(tmp_path, sc
     _equal(resumed, ref, "restarted")
 
 
-VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+VALID = re.compile(r"validation(?:-\S+)? loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")  # -0: a set
 
 
 def _valid(log: str) -> dict[int, float]:
@@ -150,6 +156,54 @@ def test_eval_batch_sizes_and_validation_position_across_a_restart(tmp_path, scr
     eval_gbs = 4 if RELEASE[:2] >= (0, 18) else 8
     assert extra["consumed_valid_samples"] == 2 * 2 * eval_gbs, extra
     log = _run(script, 1, 95, [*ev, "--load", str(ckpt)])
+    resumed, valid = _losses(log), _valid(log)
+    assert sorted(resumed) == [5, 6, 7, 8] and sorted(valid) == [6, 8], log[-3000:]
+    _equal(resumed, ref, "restarted")
+    _equal(valid, ref_valid, "restarted (validation)")
+
+
+#: --full-validation's data: 100 documents of 191 bytes (192 byte-level tokens with the end of document), split
+#: 97/3/0: the validation split is 3 x 192 tokens, (576 - 1) // 64 = 8 samples of --seq-length 64, an even count,
+#: so each DP2 rank reads 4 and every evaluation covers the split a whole number of times at DP2 and at DP1 alike
+FULL_DOCS, FULL_DOC_BYTES, FULL_SPLIT = 100, 191, "97,3,0"
+
+
+def _full_validation_data(tmp_path) -> list[str]:
+    """FLAGS with --mock-data replaced by a small indexed dataset (``scripts/build_dataset.py``'s byte-level
+    tokenizer: ids below 257, in the vocabulary of --vocab-size 300) and the split above."""
+    import importlib.util
+    import os
+
+    from tests.harness import ROOT
+
+    spec = importlib.util.spec_from_file_location("build_dataset", os.path.join(ROOT, "scripts", "build_dataset.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    docs = [(f"document {i} " * 40)[:FULL_DOC_BYTES] for i in range(FULL_DOCS)]
+    prefix, tokens = mod.build(docs, str(tmp_path / "data" / "docs"))
+    assert tokens == FULL_DOCS * (FULL_DOC_BYTES + 1), tokens
+    return [f for f in FLAGS if f != "--mock-data"] + ["--data-path", prefix, "--split", FULL_SPLIT]
+
+
+def test_full_validation_across_a_restart(tmp_path, script: str) -> None:
+    """--full-validation (each evaluation the whole validation split, Megatron-LM's own sampler) with
+    --multiple-validation-sets (one set): TP1 x DP2 saving at 4, restarted at DP1 on one process; the validation
+    losses at 6 and 8 and the training losses equal the uninterrupted DP2 run's. Without --multiple-validation-sets
+    Megatron-LM's own run stops at its first evaluation, with or without --tenplex (core_v0.16.1, core_v0.19.0:
+    ``evaluate_and_print_results`` indexes the int it broadcast); at TP > 1 the sampler's one-sample micro-batches
+    are not the size pretrain_gpt.py broadcasts to the other TP ranks (--micro-batch-size)."""
+    base = _full_validation_data(tmp_path)
+    ev = ["--eval-iters", "2", "--eval-interval", "2", "--full-validation", "--multiple-validation-sets",
+          *(["--eval-global-batch-size", "4"] if RELEASE[:2] >= (0, 18) else [])]
+    ref_log = _run(script, 1, 300, ev, base=base)
+    ref, ref_valid = _losses(ref_log), _valid(ref_log)
+    assert sorted(ref) == list(range(1, 9)) and sorted(ref_valid) == [2, 4, 6, 8], ref_log[-3000:]
+    assert "validation-0 loss at iteration 2" in ref_log, ref_log[-3000:]  # the set's line: full validation's path
+    ckpt = tmp_path / "ckpt"
+    _run(script, 1, 300, [*ev, "--save", str(ckpt), "--save-interval", "4", "--exit-interval", "4"], base=base)
+    log = _run(script, 1, 300, [*ev, "--load", str(ckpt)], base=base, nproc=1)
+    assert re.search(r"> tenplex: loaded iteration 4 from \S+: layout tp=1,pp=1,dp=2 -> tp=1,pp=1,dp=1", log), \
+        log[-3000:]
     resumed, valid = _losses(log), _valid(log)
     assert sorted(resumed) == [5, 6, 7, 8] and sorted(valid) == [6, 8], log[-3000:]
     _equal(resumed, ref, "restarted")
