@@ -119,7 +119,7 @@ HONOURED_GROUPS: tuple[Group, ...] = (
     Group(HONOURED, "the RNG: restored at the same layout, re-seeded from (seed, iteration) at a new one "
           "(tests/multiproc/test_reshard_matrix.py)", ("seed",)),
     Group(HONOURED, "NVRx's in-process restart: the survivors go on at a smaller legal layout in the same processes "
-          "(tests/megatron_lm/test_megatron_lm_inprocess.py: core_v0.16.1 with NVRx 0.4.1 and 0.5.0, core_v0.18.2 and 0.19.0 with 0.7.0; "
+          "(tests/megatron_lm/test_megatron_lm_inprocess.py: core_v0.16.1 with NVRx 0.4.1 and 0.5.0, core_v0.17.1, 0.18.2 and 0.19.0 with 0.7.0; "
           "from core_v0.18 the patch's flag reading is made again at each call)",
           ("inprocess_restart", "inprocess_active_world_size")),
     Group(HONOURED, "uneven pipeline stages: the layout records each model chunk's layers (plan/pipeline_split.py, "

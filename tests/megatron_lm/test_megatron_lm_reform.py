@@ -42,15 +42,16 @@ LOADED = re.compile(r"loaded iteration (\d+) from host memory .*: layout (\S+) -
 
 
 def launcher(d: object, script: str, node: int, join: bool, port: int, extra: list[str] = (),
-             nproc: int = 2, fault: str = "") -> subprocess.Popen:
+             nproc: int = 2, fault: str = "", nnodes: int = 1) -> subprocess.Popen:
     """Node ``node``'s in-process launcher with ``--reform`` (``join``: ``--join``), ``nproc`` ranks, its own memory;
-    ``extra``: flags after the job's (the later one wins); ``fault``: its ranks' ``TENPLEX_FAULT``, each fired once."""
+    ``extra``: flags after the job's (the later one wins); ``fault``: its ranks' ``TENPLEX_FAULT``, each fired once;
+    ``nnodes``: the launchers the first generation waits for."""
     env, cpu = _env()
     env.update(PYTHONUNBUFFERED="1")
     if fault:
         env.update(TENPLEX_FAULT=fault, TENPLEX_FAULT_ONCE=f"{d}/fired-{node}")
     cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--reform", *(["--join"] if join else []),
-           "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port", str(port), "--timeout", "900",
+           "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port", str(port), "--timeout", "900",
            RUNNER, script, *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []),
            "--vocab-size", _vocab_flag(95), "--train-iters", str(ITERS), "--save", f"{d}/ckpt", "--load", f"{d}/ckpt",
            "--save-interval", "5", *extra, "--tenplex-memory", f"{d}/mem-{node}"]

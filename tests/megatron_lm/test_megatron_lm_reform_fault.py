@@ -9,6 +9,12 @@ batch 8, micro-batch 2): node 0's rank 0 and node 1's first; node 1's second wai
 end. Oracle: every logged iteration's loss equals an uninterrupted torchrun run of 2 ranks (fp32, 1e-5), each
 iteration once with its data position; every restore from host memory (0 bytes from durable storage); node 0's
 rank 0 in one process throughout; every launcher exits 0 (a rank ended by a signal is the fault the job survived).
+
+A leave notice and a fault at once: two launchers of 2 ranks from the start (DP4); once node 1's last rank logged
+iteration 6 (the snapshot of 5 taken), SIGTERM to node 1's launcher and SIGKILL to node 0's rank 1 at the same
+moment. Node 0's rank 0 continues alone (DP1, the same global batch), node 1's ranks exit 0. Oracle: every logged
+loss equals the uninterrupted run's (an iteration trained again after the fault, from the snapshot before it, to
+the same loss and data position), every iteration to the end logged, every restore from host memory.
 """
 
 from __future__ import annotations
@@ -70,13 +76,53 @@ def lose_a_rank_in_a_grow(d: object, script: str) -> dict[str, object]:
             "node1": _read(f"{d}/node-1.log")}
 
 
+def leave_and_fault_at_once(d: object, script: str) -> dict[str, object]:
+    port = _port_pair()
+    procs = [launcher(d, script, node, False, port, nnodes=2) for node in (0, 1)]
+    try:
+        _until("node 1's last rank logged iteration 6",
+               lambda: any(it >= 6 for it, _, _ in _log_lines(_read(f"{d}/node-1.log"))), d)
+        rank1 = _pairs(STARTED.search(_read(f"{d}/node-0.log")).group(1))[1]
+        procs[1].send_signal(signal.SIGTERM)
+        os.kill(rank1, signal.SIGKILL)
+        for p in procs:
+            p.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return {"codes": [p.returncode for p in procs], "node0": _read(f"{d}/node-0.log"),
+            "node1": _read(f"{d}/node-1.log")}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     d = tmp_path_factory.mktemp("mlm-reform-fault")
     script = patched_script(d)
     ref = _losses(_run(script, None, 95, ["--train-iters", str(ITERS)], nproc=2))
     assert sorted(ref) == list(range(1, ITERS + 1)), ref
-    return {**lose_a_rank_in_a_grow(d, script), "ref": ref}
+    (d / "leave").mkdir()
+    return {**lose_a_rank_in_a_grow(d, script), "ref": ref, "leave": leave_and_fault_at_once(d / "leave", script)}
+
+
+def _logged(runs: dict, logs: tuple[str, ...], again: bool = False) -> dict[int, float]:
+    """Every logged iteration's loss, checked against the uninterrupted run's with its data position; ``again``:
+    an iteration may be logged twice (trained again after a fault) if to the same loss."""
+    logged: dict[int, float] = {}
+    for log in logs:
+        for seg in segments(log).values():
+            losses = _losses(seg)
+            for it, consumed, _ in _log_lines(seg):
+                assert (again or it not in logged) and consumed == 8 * it, (it, consumed)
+                logged[it] = losses[it]
+                assert losses[it] == pytest.approx(runs["ref"][it], rel=1e-5, abs=5e-6), (it, losses[it])
+    assert sorted(logged) == list(range(1, ITERS + 1)), sorted(logged)
+    loads = {(a.rstrip(","), b.rstrip(","), int(n)) for _, a, b, n in LOADED.findall("".join(logs))}
+    assert loads and all(n == 0 for _, _, n in loads), loads  # every restore from host memory
+    return logged
 
 
 def test_megatron_lm_loses_a_rank_while_growing_and_continues_with_the_uninterrupted_losses(runs: dict) -> None:
@@ -89,15 +135,17 @@ def test_megatron_lm_loses_a_rank_while_growing_and_continues_with_the_uninterru
     assert "waits as a spare from generation 2" in node1, node1[-3000:]
     started = _pairs(STARTED.search(node0).group(1))
     assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
-    logged: dict[int, float] = {}
-    for log in (node0, node1):
-        for seg in segments(log).values():
-            losses = _losses(seg)
-            for it, consumed, _ in _log_lines(seg):
-                assert it not in logged and consumed == 8 * it, (it, consumed)
-                logged[it] = losses[it]
-    assert sorted(logged) == list(range(1, ITERS + 1)), sorted(logged)
-    for it, loss in logged.items():
-        assert loss == pytest.approx(runs["ref"][it], rel=1e-5, abs=5e-6), (it, loss, runs["ref"][it])
-    loads = {(a.rstrip(","), b.rstrip(","), int(n)) for _, a, b, n in LOADED.findall(node0 + node1)}
-    assert loads and all(n == 0 for _, _, n in loads), loads  # every restore from host memory
+    _logged(runs, (node0, node1))
+
+
+def test_megatron_lm_leave_notice_and_a_fault_at_once_continue_with_the_uninterrupted_losses(runs: dict) -> None:
+    node0, node1 = runs["leave"]["node0"], runs["leave"]["node1"]
+    assert runs["leave"]["codes"] == [0, 0], node0[-5000:] + node1[-5000:]
+    assert _pairs(STATUSES.search(node1).group(1)) == {2: 0, 3: 0}, node1[-3000:]
+    assert node1.count("leaves at generation") == 2, node1[-3000:]
+    assert _pairs(STATUSES.search(node0).group(1)) == {0: 0, 1: -signal.SIGKILL}, node0[-3000:]
+    worlds = [(int(g), int(w)) for g, r, w, _ in GENERATION.findall(node0) if r == "0"]
+    assert worlds[0] == (0, 4) and worlds[-1][1] == 1, worlds  # rank 0 alone at the end
+    started = _pairs(STARTED.search(node0).group(1))
+    assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
+    _logged(runs["leave"] | {"ref": runs["ref"]}, (node1, node0), again=True)
