@@ -1,5 +1,5 @@
-"""Opt-in: a rank of Megatron-LM's own pretrain_gpt.py (patched) lost while the job grows in place (issue #53's
-collisions through Megatron-LM; the reference trainer's are tests/multiproc/test_reform_collisions.py).
+"""Opt-in: Megatron-LM's own pretrain_gpt.py (patched) re-formed in place meeting faults, the reference trainer's
+collisions (tests/multiproc/test_reform_collisions.py) through Megatron-LM. First, a rank lost while the job grows.
 
 Node 0's launcher (``--reform``, 2 ranks at DP2, ``--tenplex-memory``) holds its rank 0 at generation 0's load
 (``TENPLEX_FAULT`` ``reform.start@0#0:stop``) until node 1's 2 ranks (``--join``) registered, so the job grows to 4
@@ -15,6 +15,12 @@ iteration 6 (the snapshot of 5 taken), SIGTERM to node 1's launcher and SIGKILL 
 moment. Node 0's rank 0 continues alone (DP1, the same global batch), node 1's ranks exit 0. Oracle: every logged
 loss equals the uninterrupted run's (an iteration trained again after the fault, from the snapshot before it, to
 the same loss and data position), every iteration to the end logged, every restore from host memory.
+
+A join while a re-form is under way, then a newcomer lost while joining: node 0 (1 rank) is held at generation 0's
+load until newcomer A (1 rank) registered, and at generation 1's (A joining) until newcomer B (2 ranks) registered;
+B's second rank is SIGKILLed at generation 2's load (4 ranks). B, registered during a re-form, is admitted at the
+next boundary; after the loss the survivors go on at 2 ranks (3 have no legal layout), B's first rank a spare that
+exits 0. Oracle as above.
 """
 
 from __future__ import annotations
@@ -98,6 +104,32 @@ def leave_and_fault_at_once(d: object, script: str) -> dict[str, object]:
             "node1": _read(f"{d}/node-1.log")}
 
 
+def hold_then_lose_a_newcomer(d: object, script: str) -> dict[str, object]:
+    port = _port_pair()
+    procs = [launcher(d, script, 0, False, port, nproc=1, fault="reform.start@0#0:stop,reform.start@0#1:stop"),
+             launcher(d, script, 1, True, port, nproc=1)]
+    try:
+        _until("node 0's rank started", lambda: STARTED.search(_read(f"{d}/node-0.log")), d)
+        rank0 = _pairs(STARTED.search(_read(f"{d}/node-0.log")).group(1))[0]
+        _until("rank 0 held at generation 0 and A registered",
+               lambda: _held(rank0) and REGISTERED in _read(f"{d}/node-1.log"), d)
+        os.kill(rank0, signal.SIGCONT)
+        _until("rank 0 held at generation 1 (A joining)", lambda: _held(rank0), d)
+        procs.append(launcher(d, script, 2, True, port, fault="reform.start@3#2:kill"))
+        _until("B registered during the re-form", lambda: _read(f"{d}/node-2.log").count(REGISTERED) == 2, d)
+        os.kill(rank0, signal.SIGCONT)
+        for p in procs:
+            p.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return {"codes": [p.returncode for p in procs], **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(3)}}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     d = tmp_path_factory.mktemp("mlm-reform-fault")
@@ -105,7 +137,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     ref = _losses(_run(script, None, 95, ["--train-iters", str(ITERS)], nproc=2))
     assert sorted(ref) == list(range(1, ITERS + 1)), ref
     (d / "leave").mkdir()
-    return {**lose_a_rank_in_a_grow(d, script), "ref": ref, "leave": leave_and_fault_at_once(d / "leave", script)}
+    (d / "hold").mkdir()
+    return {**lose_a_rank_in_a_grow(d, script), "ref": ref, "leave": leave_and_fault_at_once(d / "leave", script),
+            "hold": hold_then_lose_a_newcomer(d / "hold", script)}
 
 
 def _logged(runs: dict, logs: tuple[str, ...], again: bool = False) -> dict[int, float]:
@@ -149,3 +183,17 @@ def test_megatron_lm_leave_notice_and_a_fault_at_once_continue_with_the_uninterr
     started = _pairs(STARTED.search(node0).group(1))
     assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
     _logged(runs["leave"] | {"ref": runs["ref"]}, (node1, node0), again=True)
+
+
+def test_megatron_lm_join_during_a_reform_then_a_newcomer_lost_while_joining(runs: dict) -> None:
+    got = runs["hold"]
+    node0, a, b = got["node0"], got["node1"], got["node2"]
+    assert got["codes"] == [0, 0, 0], node0[-4000:] + a[-3000:] + b[-3000:]
+    worlds = {(int(g), int(w)) for g, _, w, _ in GENERATION.findall(node0)}
+    assert worlds == {(0, 1), (1, 2), (2, 4), (3, 2)}, node0[-5000:]
+    assert {(int(g), int(r)) for g, r, _, _ in GENERATION.findall(b)} >= {(2, 2), (2, 3)}, b[-3000:]
+    assert "generation 2 failed" in node0 and "waits as a spare from generation 3" in b, b[-3000:]
+    assert sorted(_pairs(STATUSES.search(b).group(1)).values()) == [-signal.SIGKILL, 0], b[-3000:]
+    started = _pairs(STARTED.search(node0).group(1))
+    assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
+    _logged(runs["hold"] | {"ref": runs["ref"]}, (node0, a, b), again=True)
