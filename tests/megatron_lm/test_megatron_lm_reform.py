@@ -51,7 +51,8 @@ def launcher(d: object, script: str, node: int, join: bool, port: int, extra: li
     if fault:
         env.update(TENPLEX_FAULT=fault, TENPLEX_FAULT_ONCE=f"{d}/fired-{node}")
     cmd = [sys.executable, "-m", "tenplex_megatron.frontdoor.launch", "--reform", *(["--join"] if join else []),
-           "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port", str(port), "--timeout", "900",
+           "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc), "--master-port", str(port),
+           "--timeout", "900",
            RUNNER, script, *FLAGS, "--tenplex", *(["--distributed-backend", "gloo"] if cpu else []),
            "--vocab-size", _vocab_flag(95), "--train-iters", str(ITERS), "--save", f"{d}/ckpt", "--load", f"{d}/ckpt",
            "--save-interval", "5", *extra, "--tenplex-memory", f"{d}/mem-{node}"]

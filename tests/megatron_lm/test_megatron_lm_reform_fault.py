@@ -59,6 +59,20 @@ def _held(pid: int) -> bool:
         return False
 
 
+def _finish(procs: list[subprocess.Popen]) -> None:
+    """Each launcher waited for (at most :data:`DEADLINE`), any still running then killed with its group."""
+    try:
+        for p in procs:
+            p.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
 def lose_a_rank_in_a_grow(d: object, script: str) -> dict[str, object]:
     port = _port_pair()
     procs = [launcher(d, script, 0, False, port, fault="reform.start@0#0:stop,reform.start@1#1:kill")]
@@ -69,17 +83,10 @@ def lose_a_rank_in_a_grow(d: object, script: str) -> dict[str, object]:
         procs.append(launcher(d, script, 1, True, port))
         _until("node 1's ranks registered", lambda: _read(f"{d}/node-1.log").count(REGISTERED) == 2, d)
         os.kill(rank0, signal.SIGCONT)
-        for p in procs:
-            p.wait(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return {"codes": [p.returncode for p in procs], "node0": _read(f"{d}/node-0.log"),
-            "node1": _read(f"{d}/node-1.log")}
+        _finish(procs)
+    return {"codes": [p.returncode for p in procs],
+            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
 
 
 def leave_and_fault_at_once(d: object, script: str) -> dict[str, object]:
@@ -91,17 +98,10 @@ def leave_and_fault_at_once(d: object, script: str) -> dict[str, object]:
         rank1 = _pairs(STARTED.search(_read(f"{d}/node-0.log")).group(1))[1]
         procs[1].send_signal(signal.SIGTERM)
         os.kill(rank1, signal.SIGKILL)
-        for p in procs:
-            p.wait(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return {"codes": [p.returncode for p in procs], "node0": _read(f"{d}/node-0.log"),
-            "node1": _read(f"{d}/node-1.log")}
+        _finish(procs)
+    return {"codes": [p.returncode for p in procs],
+            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
 
 
 def hold_then_lose_a_newcomer(d: object, script: str) -> dict[str, object]:
@@ -118,16 +118,10 @@ def hold_then_lose_a_newcomer(d: object, script: str) -> dict[str, object]:
         procs.append(launcher(d, script, 2, True, port, fault="reform.start@3#2:kill"))
         _until("B registered during the re-form", lambda: _read(f"{d}/node-2.log").count(REGISTERED) == 2, d)
         os.kill(rank0, signal.SIGCONT)
-        for p in procs:
-            p.wait(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return {"codes": [p.returncode for p in procs], **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(3)}}
+        _finish(procs)
+    return {"codes": [p.returncode for p in procs],
+            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +136,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
             "hold": hold_then_lose_a_newcomer(d / "hold", script)}
 
 
-def _logged(runs: dict, logs: tuple[str, ...], again: bool = False) -> dict[int, float]:
+def _logged(ref: dict[int, float], logs: tuple[str, ...], again: bool = False) -> dict[int, float]:
     """Every logged iteration's loss, checked against the uninterrupted run's with its data position; ``again``:
     an iteration may be logged twice (trained again after a fault) if to the same loss."""
     logged: dict[int, float] = {}
@@ -152,7 +146,7 @@ def _logged(runs: dict, logs: tuple[str, ...], again: bool = False) -> dict[int,
             for it, consumed, _ in _log_lines(seg):
                 assert (again or it not in logged) and consumed == 8 * it, (it, consumed)
                 logged[it] = losses[it]
-                assert losses[it] == pytest.approx(runs["ref"][it], rel=1e-5, abs=5e-6), (it, losses[it])
+                assert losses[it] == pytest.approx(ref[it], rel=1e-5, abs=5e-6), (it, losses[it])
     assert sorted(logged) == list(range(1, ITERS + 1)), sorted(logged)
     loads = {(a.rstrip(","), b.rstrip(","), int(n)) for _, a, b, n in LOADED.findall("".join(logs))}
     assert loads and all(n == 0 for _, _, n in loads), loads  # every restore from host memory
@@ -169,7 +163,7 @@ def test_megatron_lm_loses_a_rank_while_growing_and_continues_with_the_uninterru
     assert "waits as a spare from generation 2" in node1, node1[-3000:]
     started = _pairs(STARTED.search(node0).group(1))
     assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
-    _logged(runs, (node0, node1))
+    _logged(runs["ref"], (node0, node1))
 
 
 def test_megatron_lm_leave_notice_and_a_fault_at_once_continue_with_the_uninterrupted_losses(runs: dict) -> None:
@@ -182,7 +176,7 @@ def test_megatron_lm_leave_notice_and_a_fault_at_once_continue_with_the_uninterr
     assert worlds[0] == (0, 4) and worlds[-1][1] == 1, worlds  # rank 0 alone at the end
     started = _pairs(STARTED.search(node0).group(1))
     assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
-    _logged(runs["leave"] | {"ref": runs["ref"]}, (node1, node0), again=True)
+    _logged(runs["ref"], (node1, node0), again=True)
 
 
 def test_megatron_lm_join_during_a_reform_then_a_newcomer_lost_while_joining(runs: dict) -> None:
@@ -196,4 +190,4 @@ def test_megatron_lm_join_during_a_reform_then_a_newcomer_lost_while_joining(run
     assert sorted(_pairs(STATUSES.search(b).group(1)).values()) == [-signal.SIGKILL, 0], b[-3000:]
     started = _pairs(STARTED.search(node0).group(1))
     assert all(int(pid) == started[0] for _, r, _, pid in GENERATION.findall(node0) if r == "0")  # one process
-    _logged(runs["hold"] | {"ref": runs["ref"]}, (node0, a, b), again=True)
+    _logged(runs["ref"], (node0, a, b), again=True)
