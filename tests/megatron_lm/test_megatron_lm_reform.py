@@ -75,6 +75,21 @@ def segments(log: str) -> dict[int, str]:
     return {g: log[at:(cuts[i + 1][1] if i + 1 < len(cuts) else len(log))] for i, (g, at) in enumerate(cuts)}
 
 
+def finish(procs: list[subprocess.Popen], deadline: float) -> None:
+    """Each launcher waited for until ``deadline`` (``time.monotonic()``; at least 1 s each), any still running then
+    killed with its process group."""
+    try:
+        for p in procs:
+            p.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
 #: node 2's flags after the job's: another model and global batch (refused before it registers)
 OTHER = ["--hidden-size", "128", "--global-batch-size", "16"]
 
@@ -93,15 +108,8 @@ def grow_then_leave(d: object, script: str, timeout: float = 900) -> dict[str, o
                 procs[1].send_signal(signal.SIGTERM)
                 noticed = True
             time.sleep(0.05)
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-    except subprocess.TimeoutExpired:
-        pass
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        finish(procs, deadline)
     return {"codes": [p.returncode for p in procs], "node0": _read(f"{d}/node-0.log"),
             "node1": _read(f"{d}/node-1.log"), "node2": _read(f"{d}/node-2.log"), "noticed": noticed}
 

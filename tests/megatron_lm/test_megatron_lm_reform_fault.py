@@ -35,7 +35,7 @@ import pytest
 
 from tests.megatron_lm.test_megatron_lm import MLM, _log_lines, _losses, _run, patched_script
 from tests.megatron_lm.test_megatron_lm_inprocess import STARTED, STATUSES, _pairs, _port_pair
-from tests.megatron_lm.test_megatron_lm_reform import GENERATION, ITERS, LOADED, _read, launcher, segments
+from tests.megatron_lm.test_megatron_lm_reform import GENERATION, ITERS, LOADED, _read, finish, launcher, segments
 
 pytestmark = [pytest.mark.megatron_lm,
               pytest.mark.skipif(not MLM, reason="set MEGATRON_LM_PATH to a Megatron-LM core_v0.15.x-0.19.x checkout")]
@@ -59,18 +59,10 @@ def _held(pid: int) -> bool:
         return False
 
 
-def _finish(procs: list[subprocess.Popen]) -> None:
-    """Each launcher waited for (at most :data:`DEADLINE`), any still running then killed with its group."""
-    try:
-        for p in procs:
-            p.wait(timeout=DEADLINE)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+def _ended(d: object, procs: list[subprocess.Popen]) -> dict[str, object]:
+    """The launchers' exit codes and each node's log, once they ended."""
+    return {"codes": [p.returncode for p in procs],
+            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
 
 
 def lose_a_rank_in_a_grow(d: object, script: str) -> dict[str, object]:
@@ -84,9 +76,8 @@ def lose_a_rank_in_a_grow(d: object, script: str) -> dict[str, object]:
         _until("node 1's ranks registered", lambda: _read(f"{d}/node-1.log").count(REGISTERED) == 2, d)
         os.kill(rank0, signal.SIGCONT)
     finally:
-        _finish(procs)
-    return {"codes": [p.returncode for p in procs],
-            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
+        finish(procs, time.monotonic() + DEADLINE)
+    return _ended(d, procs)
 
 
 def leave_and_fault_at_once(d: object, script: str) -> dict[str, object]:
@@ -99,9 +90,8 @@ def leave_and_fault_at_once(d: object, script: str) -> dict[str, object]:
         procs[1].send_signal(signal.SIGTERM)
         os.kill(rank1, signal.SIGKILL)
     finally:
-        _finish(procs)
-    return {"codes": [p.returncode for p in procs],
-            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
+        finish(procs, time.monotonic() + DEADLINE)
+    return _ended(d, procs)
 
 
 def hold_then_lose_a_newcomer(d: object, script: str) -> dict[str, object]:
@@ -119,9 +109,8 @@ def hold_then_lose_a_newcomer(d: object, script: str) -> dict[str, object]:
         _until("B registered during the re-form", lambda: _read(f"{d}/node-2.log").count(REGISTERED) == 2, d)
         os.kill(rank0, signal.SIGCONT)
     finally:
-        _finish(procs)
-    return {"codes": [p.returncode for p in procs],
-            **{f"node{n}": _read(f"{d}/node-{n}.log") for n in range(len(procs))}}
+        finish(procs, time.monotonic() + DEADLINE)
+    return _ended(d, procs)
 
 
 @pytest.fixture(scope="module")
