@@ -1,6 +1,7 @@
 """The cost of checking and planning a checkpoint of many chunks: it must grow as N log N, not N².
 
     python -m benchmarks.planning [--chunks 1000 10000 100000] [--repeat 3] [--out report.json]
+    python -m benchmarks.planning --autolayout [--repeat 3]
 
 For each N, two PTCs of one tensor, read from their JSON as ``verify``, ``plan`` and a load read
 ``metadata.json``'s ``ptc``: the hostile-checkpoint probe's N staggered, overlapping chunks (each row ``[i, i+N)``
@@ -8,6 +9,10 @@ of a ``[2N, 1]`` tensor: refused as overlapping), and a valid brick-wall partiti
 at staggered rows, so the boxes form no grid and the overlap check sweeps them), then planned onto two ranks (the
 tensor's halves); and a valid comb of N chunks (N/2 one-row pieces beside N/2 full-height columns) read, checked
 and planned onto two ranks. Prints the median seconds of each step; ``--out`` writes them as JSON.
+
+``--autolayout`` instead ranks every TP, PP, VPP, EP and expert TP of 1,024 GPUs for ``deepseek-v3-like`` (256
+experts) with 4 micro-batch sizes, cold (the model's tensors built again each run), and prints the CPU seconds of
+each run and the number of candidates: the target is under a second.
 """
 
 from __future__ import annotations
@@ -79,12 +84,37 @@ def measure(n: int) -> dict[str, float]:
             "brick wall: plan onto 2 ranks": b_plan, "comb: read + check + plan": c_plan}
 
 
+def autolayout_seconds(repeat: int) -> tuple[list[float], int]:
+    """CPU seconds of each cold ranking of deepseek-v3-like's layouts at 1,024 GPUs, and the candidates ranked."""
+    from tenplex_megatron.plan import autolayout
+    from tenplex_megatron.plan.sim.gpt_catalogue import load_model
+    dims = load_model("deepseek-v3-like")
+    times, ranked = [], 0
+    for _ in range(repeat):
+        autolayout._parameter_rows.cache_clear()
+        autolayout._stage_parameters.cache_clear()
+        start = time.process_time()
+        ranked = len(autolayout.rank_layouts(dims, 1024, 8, 4096))
+        times.append(time.process_time() - start)
+    return times, ranked
+
+
+def _autolayout(repeat: int) -> int:
+    times, ranked = autolayout_seconds(repeat)
+    print(f"deepseek-v3-like, 1,024 GPUs: {ranked} candidates ranked in {min(times):.2f} s of CPU (best of "
+          f"{repeat}: {', '.join(f'{t:.2f}' for t in times)}); target 1 s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chunks", type=int, nargs="+", default=[1000, 10000, 100000])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--autolayout", action="store_true", help="time the layout search at 1,024 GPUs instead")
     a = ap.parse_args(argv)
+    if a.autolayout:
+        return _autolayout(a.repeat)
     rows = []
     print(f"{'chunks':>8}  {'step':<32} {'median s':>9}  (min-max, {a.repeat} runs)")
     for n in a.chunks:

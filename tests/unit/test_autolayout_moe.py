@@ -7,7 +7,6 @@ the routed tokens, and a given EP or expert TP is kept. Pure."""
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import replace
 
 import pytest
@@ -121,18 +120,11 @@ def test_auto_chooses_expert_tp_above_tp_when_ep_runs_out_of_experts() -> None:
             assert not c.fits and f"over the budget of {budget:g} GiB" in c.reasons[-1]
 
 
-def test_deepseek_v3_like_at_1024_gpus_plans_in_under_a_second() -> None:
+def test_deepseek_v3_like_at_1024_gpus_ranks_every_expert_layout() -> None:
     """Every TP, PP, VPP, EP and expert TP of 1,024 GPUs for a 256-expert model, with 4 micro-batch sizes: tens of
-    thousands of candidates, ranked in under a second of CPU (the best of three cold runs: CI's cores are shared)."""
-    dims = load_model("deepseek-v3-like")
-    times = []
-    for _ in range(3):
-        autolayout._parameter_rows.cache_clear()  # cold: the model's tensors are built again
-        autolayout._stage_parameters.cache_clear()
-        start = time.process_time()
-        ranking = rank_layouts(dims, 1024, 8, 4096)
-        times.append(time.process_time() - start)
-    assert min(times) < 1.0, times
+    thousands of candidates, expert TP among the usable, the first usable (its CPU time is measured by
+    ``python -m benchmarks.planning --autolayout``, not here)."""
+    ranking = rank_layouts(load_model("deepseek-v3-like"), 1024, 8, 4096)
     assert len(ranking) > 20000 and any(c.usable and c.layout.etp for c in ranking)
     assert ranking[0].usable
 
