@@ -19,9 +19,10 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 
 venv: $(VENV)/.installed
 
-# A real etcd server for the etcd-rendezvous test (tests/multiproc/test_cluster_safety.py, never skipped): Debian's
-# etcd-server (3.4, serves the v2 API torchrun's etcd-v2 backend speaks with --enable-v2). Installed once, quietly;
-# without root or apt this fails here, naming the package, rather than skipping the test.
+# A real etcd server for the etcd-rendezvous test (tests/multiproc/test_cluster_safety.py, marker slow, run by
+# make test-bench; never skipped): Debian's etcd-server (3.4, serves the v2 API torchrun's etcd-v2 backend speaks
+# with --enable-v2). Installed once, quietly; without root or apt this fails here, naming the package, rather than
+# skipping the test.
 etcd:
 	@command -v etcd >/dev/null 2>&1 || { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null 2>&1 \
 	  || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null; }; } \
@@ -41,7 +42,7 @@ demo: $(VENV)/.installed
 # and the unit test files last, filling in behind them (tests/conftest.py's scheduler). The checkout's modules are
 # byte-compiled first: with PYTHONDONTWRITEBYTECODE set, each of the suite's several hundred processes would
 # otherwise compile them again from source (~0.4 s CPU each).
-test: $(VENV)/.installed etcd
+test: $(VENV)/.installed
 	$(PY) -m ruff check tenplex_megatron benchmarks scripts tests examples
 	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests examples
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
@@ -51,7 +52,7 @@ test: $(VENV)/.installed etcd
 # real local Slurm (marker slurm: the tests start it with scripts/slurm/start.sh, installing its packages where
 # missing): every benchmark still runs end to end and its systems reproduce the losses, apart from make test's
 # 15-minute budget.
-test-bench: $(VENV)/.installed
+test-bench: $(VENV)/.installed etcd
 	$(PY) -m compileall -q tenplex_megatron benchmarks scripts tests
 	$(PY) -m pytest -q --durations=10 -n 2 --dist loadfile -m "bench or slow or slurm" tests/multiproc
 

@@ -163,6 +163,8 @@ def _split_agent(port: int, ckpt: str, name: str, tmp_path) -> subprocess.Popen:
         env=_env(), stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+# two agents' rendezvous split and joined again, about 30 s: make test-bench
+@pytest.mark.slow
 def test_split_rendezvous_leaves_the_newest_generation_writing(tmp_path) -> None:
     """Two rounds of one job (run id ``split``) formed apart, both world size 1, one --save: the later round takes
     a higher generation; the earlier one stops at its next commit with an error saying so, and stops its agent
@@ -216,6 +218,8 @@ def etcd_agent(port: int, ckpt: str, log: str, out: str, name: str, extra: list[
         stderr=subprocess.STDOUT, start_new_session=True)
 
 
+# a real etcd server (make etcd) and two agents, about 65 s: make test-bench
+@pytest.mark.slow
 def test_etcd_rendezvous_survives_losing_the_first_agent(tmp_path) -> None:
     """Two agents meet in etcd; the one started first (c10d would host the rendezvous store in it) is SIGKILLed
     alone: its worker exits with it, and the other agent re-forms the rendezvous through etcd and trains on alone

@@ -81,6 +81,8 @@ def _opened(tmp, node: str) -> list[str]:
     return [line.split("\t", 1)[1] for line in path.read_text().splitlines()] if path.exists() else []
 
 
+# two agents, a node lost and a restart at a new layout from peer memory, about 60 s: make test-bench
+@pytest.mark.slow
 def test_restart_at_new_layout_from_peer_memory_after_losing_a_node(tmp_path) -> None:
     ref_log = str(tmp_path / "ref.jsonl")
     r = torchrun(2, [*FLAGS, "--tenplex-metrics", ref_log])

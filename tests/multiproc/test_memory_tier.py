@@ -93,6 +93,8 @@ def _check_checkpointer_rebuilt(got: list[dict]) -> None:
         assert not more and not fewer, (me, dict(more), dict(fewer))  # open at one round's end, not the other's
 
 
+# a job SIGKILLed during its snapshot and restarted, about 50 s: make test-bench
+@pytest.mark.slow
 def test_sigkill_during_snapshot_keeps_previous_snapshot_and_durable(tmp_path) -> None:
     outs = []
     for point in ("memory.write", "memory.commit"):

@@ -109,6 +109,8 @@ def runs(setup: Setup) -> dict[tuple[str, str], Run]:
     return out
 
 
+# three launches, about 60 s: make test-bench (the refusal below stays in make test)
+@pytest.mark.slow
 @pytest.mark.parametrize("transition", list(TRANSITIONS))
 @pytest.mark.parametrize("kind", list(VOCAB))
 def test_restart_continues_losses_with_real_tokenizer(setup: Setup, runs: dict, kind: str, transition: str) -> None:
