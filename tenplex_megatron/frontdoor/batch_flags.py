@@ -4,13 +4,14 @@ arithmetic)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any
 
 from tenplex_megatron.plan import batch_schedule
 from tenplex_megatron.plan.batch_schedule import BatchSchedule, BatchScheduleError
-from tenplex_megatron.storage.directory import find_checkpoint, read_checkpoint_metadata
+from tenplex_megatron.storage.directory import METADATA_FILE, find_checkpoint, read_checkpoint_metadata
 from tenplex_megatron.storage.files import CheckpointFileError
 
 
@@ -39,9 +40,24 @@ def _resume_position(args: Any) -> int:
         return 0
     try:
         ckpt = find_checkpoint(load)
-        return read_checkpoint_metadata(ckpt).data_position if ckpt is not None else 0
+        if ckpt is None:
+            return 0
+        stat = os.stat(os.path.join(ckpt, METADATA_FILE))
+        return _position_of(ckpt, stat.st_mtime_ns, stat.st_size)
     except (CheckpointFileError, OSError, ValueError):
         return 0
+
+
+@functools.lru_cache(maxsize=8)
+def _position_of(ckpt: str, mtime_ns: int, size: int) -> int:
+    """``ckpt``'s data position, read once per version of its ``metadata.json`` (a start asks up to three times)."""
+    return read_checkpoint_metadata(ckpt).data_position
+
+
+def _schedule_given(args: Any) -> bool:
+    """Whether --rampup-batch-size or --step-batch-size-schedule is given (else no position is needed)."""
+    return getattr(args, "rampup_batch_size", None) is not None or \
+        getattr(args, "step_batch_size_schedule", None) is not None
 
 
 def _dp_size(args: Any) -> int | None:
@@ -55,7 +71,7 @@ def _dp_size(args: Any) -> int | None:
 def _followed(args: Any) -> BatchSchedule | None:
     """The batch ramp or step schedule Megatron-LM follows for ``args``: None for a constant batch or a ramp this
     megatron-core ignores (core_v0.18+); :class:`BatchScheduleError` where its flags are wrong."""
-    if getattr(args, "rampup_batch_size", None) is None and getattr(args, "step_batch_size_schedule", None) is None:
+    if not _schedule_given(args):
         return None
     schedule = schedule_for_args(args)
     return schedule if schedule.ramp is not None or schedule.steps else None
@@ -91,8 +107,8 @@ def sizes_to_come(args: Any) -> tuple[int, ...]:
 def start_problems(args: Any) -> list[str]:
     """:func:`problems_at` for the DP size of this start, from the position of the checkpoint it will load."""
     dp = _dp_size(args)
-    if dp is None:
-        return []
+    if dp is None or not _schedule_given(args):
+        return []  # no schedule: nothing to check, and the checkpoint's metadata is not read for it
     return problems_at(args, dp, _resume_position(args))
 
 

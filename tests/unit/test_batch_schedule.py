@@ -5,6 +5,7 @@ check's refusal of a ramp the new DP size does not divide; core_v0.18's step sch
 from __future__ import annotations
 
 import argparse
+import json
 
 import megatron.core.num_microbatches_calculator as calc_mod
 import pytest
@@ -13,6 +14,7 @@ from tenplex_megatron.frontdoor import batch_flags
 from tenplex_megatron.frontdoor.megatron_lm import TenplexBatchSampler
 from tenplex_megatron.plan import batch_schedule
 from tenplex_megatron.plan.batch_schedule import BatchScheduleError
+from tenplex_megatron.storage import directory
 
 Rampup = calc_mod.RampupBatchsizeNumMicroBatchesCalculator
 
@@ -167,3 +169,29 @@ def test_an_in_place_shrink_or_grow_admits_only_world_sizes_the_ramp_still_to_co
                           "divisible by --micro-batch-size x DP = 1 x 4")
     args.consumed_train_samples = 20  # past the ramp: only the final 8
     assert megatron_lm_inprocess.fixed_layout_reason(args, 8) == ""
+
+
+def _saved_at(root, consumed: int) -> None:
+    d = root / directory.iter_dir_name(4)
+    d.mkdir(exist_ok=True)
+    (d / directory.METADATA_FILE).write_text(json.dumps(
+        {"format": directory.FORMAT_NAME, "format_version": directory.FORMAT_VERSION, "iteration": 4,
+         "framework": "megatron-core", "consumed_samples": consumed}))
+
+
+def test_a_start_reads_the_checkpoints_position_only_for_a_schedule_and_once(tmp_path, monkeypatch) -> None:
+    """Without a ramp or step schedule the start check reads no metadata.json; with one, the three questions of a
+    start (the check, the batch sizes to come, the check after the layout choice) read it once, and again only
+    when the file changes."""
+    reads = []
+    real = batch_flags.read_checkpoint_metadata
+    monkeypatch.setattr(batch_flags, "read_checkpoint_metadata", lambda d: reads.append(d) or real(d))
+    _saved_at(tmp_path, 12)
+    plain = _args(load=str(tmp_path), rampup_batch_size=None)
+    assert batch_flags.start_problems(plain) == [] and batch_flags.sizes_to_come(plain) == () and reads == []
+    ramped = _args(load=str(tmp_path), world_size=2)
+    assert batch_flags.start_problems(ramped) == []
+    assert batch_flags.sizes_to_come(ramped)[0] == batch_schedule.ramp(2, 2, 16, 8).at(12) == 6
+    assert batch_flags.start_problems(ramped) == [] and len(reads) == 1
+    _saved_at(tmp_path, 9)  # another checkpoint's metadata (another size) in its place: read again
+    assert batch_flags.sizes_to_come(ramped)[0] == batch_schedule.ramp(2, 2, 16, 8).at(9) and len(reads) == 2
