@@ -100,6 +100,7 @@ def autolayout_seconds(repeat: int) -> tuple[list[float], int]:
 
 
 def _autolayout(repeat: int) -> int:
+    """Print the layout search's candidates and CPU seconds (the best run against the 1 s target)."""
     times, ranked = autolayout_seconds(repeat)
     print(f"deepseek-v3-like, 1,024 GPUs: {ranked} candidates ranked in {min(times):.2f} s of CPU (best of "
           f"{repeat}: {', '.join(f'{t:.2f}' for t in times)}); target 1 s")
